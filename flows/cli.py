@@ -1,0 +1,48 @@
+"""The `rlpipe` command line: one entry point, each subcommand implemented where it belongs.
+
+    rlpipe run CONFIG.toml [--set key=value ...]   run the flow the config names
+    rlpipe resume RUN_DIR                          continue a stopped run where it stopped
+    rlpipe sql RUN_DIR... "SELECT ..." | --query NAME | --list
+    rlpipe report RUN_DIR... [--out FILE]          self-contained HTML report
+    rlpipe serve CHECKPOINT [--port N]             torch engine behind an OpenAI-style HTTP API
+
+Subcommands are imported lazily so that `rlpipe sql` does not pay for torch or Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "run": ("flows.runner", "main_run", "run the flow a TOML config names"),
+    "resume": ("flows.runner", "main_resume", "continue a stopped run where it stopped"),
+    "sql": ("storage.sqlcli", "main", "query a run's tables with DuckDB"),
+    "report": ("dashboards.report", "main", "write the HTML run report"),
+    "serve": ("engines.server", "main", "serve a checkpoint over HTTP (torch engine)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: rlpipe COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`rlpipe COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"rlpipe: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, function_name, _ = SUBCOMMANDS[name]
+    function = getattr(importlib.import_module(module_name), function_name)
+    return int(function(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
