@@ -1,0 +1,210 @@
+"""Environments: where prompts come from and how completions are judged.
+
+One protocol serves single-turn verifiable tasks (arithmetic, countdown, a prompt dataset) and
+multi-turn episodes (tool use, games). The rollout loop owns the conversation; the environment
+only answers three questions:
+
+    messages = env.reset(example)                          # initial chat messages
+    loop:
+        completion_text = <policy samples the assistant turn>
+        messages += [{"role": "assistant", "content": completion_text}]
+        result = env.step(example, messages, completion_text)
+        messages += result.messages_to_append             # environment turn (tool/user reply)
+        if result.done: break
+    scored = env.reward(example, messages)                 # or the final completion text
+
+Contract:
+
+- `examples(split, seed)` returns the `Example`s of `"train"` or `"eval"` (a `Sequence`: indexable
+  and sized, possibly generated lazily). Eval examples are a fixed held-out set, disjoint from train.
+- `reset(example)` returns the initial chat messages (`[{"role": "user", "content": ...}]`).
+- `step(example, messages, completion_text)`: `messages` is the transcript so far, the new
+  assistant turn included. Tokens of environment turns (`messages_to_append`) carry loss weight 0:
+  only the policy's own tokens are trained on. Single-turn environments return `done=True` after
+  the first completion and append nothing.
+- `reward(example, transcript)`: `transcript` is the completion text (single-turn) or the full
+  message list. Returns a `RewardResult`; it never raises for a bad completion, and a reward
+  function that raises is caught and recorded in `RewardResult.error` (see `envs.rewards`).
+
+`build_env(name, **options)` builds a registered environment: `arithmetic`, `countdown`, `dataset`.
+Unknown options raise `ValueError` naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, overload, runtime_checkable
+
+Split = Literal["train", "eval"]
+Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One task instance.
+
+    env:        name of the environment that made it
+    example_id: stable id, unique within (env, split) and the same on every run with the same config
+    prompt:     the user prompt text, or chat messages (list of {"role", "content"} dicts)
+    answer:     what the verifier checks against (an int, a string, anything the reward understands)
+    meta:       free-form details (difficulty, split, ...) kept for analysis
+    """
+
+    env: str
+    example_id: str
+    prompt: str | list[dict[str, Any]]
+    answer: Any
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment says after an assistant turn.
+
+    messages_to_append: environment turns (tool/user replies) to add to the transcript; loss weight 0
+    done:               True when the episode is over (always True for single-turn tasks)
+    """
+
+    messages_to_append: list[dict[str, Any]]
+    done: bool
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """A scored completion.
+
+    reward:     the scalar reward (0.0 when the reward function raised)
+    components: named parts, e.g. {"format": 1.0, "correct": 0.0}
+    error:      None, or the formatted traceback of a reward function that raised
+    """
+
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """See the module docstring for the contract."""
+
+    name: str
+
+    def examples(self, split: Split, seed: int = 0) -> Sequence[Example]: ...
+
+    def reset(self, example: Example) -> Messages: ...
+
+    def step(self, example: Example, messages: Messages, completion_text: str) -> StepResult: ...
+
+    def reward(self, example: Example, transcript: str | Messages) -> RewardResult: ...
+
+
+def prompt_messages(example: Example) -> Messages:
+    """The example's prompt as chat messages (a plain string becomes one user message)."""
+    if isinstance(example.prompt, str):
+        return [{"role": "user", "content": example.prompt}]
+    return [dict(m) for m in example.prompt]
+
+
+def completion_text_of(transcript: str | Messages) -> str:
+    """The text a single-turn verifier judges: the string itself, or the last assistant turn."""
+    if isinstance(transcript, str):
+        return transcript
+    for message in reversed(transcript):
+        if message.get("role") == "assistant":
+            return str(message.get("content", ""))
+    raise ValueError("transcript has no assistant message to score")
+
+
+class SingleTurnEnv:
+    """Base for single-turn verifiable tasks: one user prompt, one completion, then done.
+
+    Subclasses set `name` and implement `examples` and `score(example, completion_text)`; `reward`
+    wraps `score` so that an exception becomes `RewardResult(0.0, error=traceback)`.
+    """
+
+    name: str = "single_turn"
+
+    def examples(self, split: Split, seed: int = 0) -> Sequence[Example]:
+        raise NotImplementedError
+
+    def reset(self, example: Example) -> Messages:
+        return prompt_messages(example)
+
+    def step(self, example: Example, messages: Messages, completion_text: str) -> StepResult:
+        return StepResult(messages_to_append=[], done=True)
+
+    def score(self, example: Example, completion_text: str) -> float | tuple[float, dict[str, float]]:
+        raise NotImplementedError
+
+    def reward(self, example: Example, transcript: str | Messages) -> RewardResult:
+        from envs.rewards import evaluate_reward  # envs.rewards imports this module
+
+        text = completion_text_of(transcript)
+        return evaluate_reward(lambda t, _a, ex: self.score(ex, t), text, example.answer, example)
+
+
+class LazyExamples(Sequence[Example]):
+    """A read-only sequence of examples generated on access by `make(index)`."""
+
+    def __init__(self, n: int, make: Callable[[int], Example]) -> None:
+        self._n, self._make = n, make
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> Example: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Example]: ...
+    def __getitem__(self, i: int | slice) -> Example | list[Example]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"example index {i} out of range [0, {self._n})")
+        return self._make(i)
+
+
+def check_split(split: str) -> Split:
+    """`split` validated ('train' or 'eval')."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return split  # type: ignore[return-value]
+
+
+def _env_factories() -> dict[str, Callable[..., Environment]]:
+    # Imported here: the env modules import this one.
+    from envs.arithmetic import ArithmeticEnv
+    from envs.countdown import CountdownEnv
+    from envs.dataset import DatasetEnv
+
+    return {
+        "arithmetic": ArithmeticEnv.from_options,
+        "countdown": CountdownEnv.from_options,
+        "dataset": DatasetEnv.from_options,
+    }
+
+
+ENV_NAMES = ("arithmetic", "countdown", "dataset")
+
+
+def build_env(name: str, **options: Any) -> Environment:
+    """Build the environment registered as `name` with its options (unknown ones raise)."""
+    factories = _env_factories()
+    if name not in factories:
+        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(factories))}")
+    return factories[name](**options)
+
+
+def options_to_config(cls: type, options: dict[str, Any], env_name: str) -> Any:
+    """`cls(**options)` with unknown option names reported by name (cls is a dataclass)."""
+    known = set(getattr(cls, "__dataclass_fields__", {}))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) for environment {env_name!r}: {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    return cls(**options)

@@ -1,0 +1,154 @@
+"""What every flow does around its stages: the run directory, its state file, tracking, logging.
+
+A run directory holds `config.json` (the resolved config), `run.json` (ids that must survive a
+resume: the MLflow run id, the phase status), `tables/`, `checkpoints/` and `catalog.duckdb`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flows.config import RunConfig, flatten
+
+
+def quiet_defaults() -> None:
+    """Environment defaults for an offline machine: no telemetry, patient embedded server."""
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@dataclass
+class RunState:
+    """The small, persisted identity of a run (run.json)."""
+
+    run_dir: Path
+    run_id: str
+    phase: str
+    mlflow_run_id: str | None = None
+    parent_mlflow_run_id: str | None = None
+    status: str = "running"
+    extra: dict = field(default_factory=dict)
+
+    def save(self) -> None:
+        write_json_atomic(
+            self.run_dir / "run.json",
+            {
+                "run_id": self.run_id,
+                "phase": self.phase,
+                "mlflow_run_id": self.mlflow_run_id,
+                "parent_mlflow_run_id": self.parent_mlflow_run_id,
+                "status": self.status,
+                "extra": self.extra,
+            },
+        )
+
+
+def phase_run_dir(config: RunConfig, phase: str) -> Path:
+    """`runs/<name>` for a single flow; `runs/<name>/<phase>` for each phase of the pipeline."""
+    if config.flow == "pipeline":
+        return config.run_dir / phase
+    return config.run_dir
+
+
+def open_run(config: RunConfig, phase: str) -> RunState:
+    """Create or reopen the run directory of a phase; write the resolved config."""
+    run_dir = phase_run_dir(config, phase)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / "run.json"
+    if state_path.exists():
+        saved = read_json(state_path)
+        state = RunState(
+            run_dir=run_dir,
+            run_id=saved["run_id"],
+            phase=saved["phase"],
+            mlflow_run_id=saved.get("mlflow_run_id"),
+            parent_mlflow_run_id=saved.get("parent_mlflow_run_id"),
+            status=saved.get("status", "running"),
+            extra=saved.get("extra", {}),
+        )
+    else:
+        run_id = config.run_name if config.flow != "pipeline" else f"{config.run_name}/{phase}"
+        state = RunState(run_dir=run_dir, run_id=run_id, phase=phase)
+    write_json_atomic(run_dir / "config.json", config.model_dump(mode="json"))
+    state.save()
+    return state
+
+
+def mlflow_params(config: RunConfig) -> dict[str, Any]:
+    return {key: json.dumps(value) if isinstance(value, list | dict) else value
+            for key, value in flatten(config.model_dump(mode="json")).items()}
+
+
+class Stopwatch:
+    """Seconds per phase of one step: `with watch("generate"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> _Lap:
+        return _Lap(self, name)
+
+
+class _Lap:
+    def __init__(self, watch: Stopwatch, name: str) -> None:
+        self.watch, self.name = watch, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        elapsed = time.perf_counter() - self.start
+        self.watch.seconds[self.name] = self.watch.seconds.get(self.name, 0.0) + elapsed
+
+
+def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
+    """The flow parameters (a TOML path and overrides, or a config dict) → a validated config."""
+    from flows.config import apply_overrides, load_config, validate_config
+
+    if config is not None:
+        return validate_config(apply_overrides(config, list(overrides or [])), "(parameters)")
+    if not config_path:
+        raise ValueError("a flow needs config_path or config")
+    return load_config(config_path, list(overrides or []))
+
+
+def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None = None):
+    """An MLflow tracker bound to the run (reopened on resume), or a no-op one."""
+    from storage.tracking import MlflowTracker, NullTracker, default_tracking_uri
+
+    if not config.tracking.enabled:
+        return NullTracker()
+    tracker = MlflowTracker(default_tracking_uri(Path(config.runs_root)))
+    run_id = tracker.start(
+        run_name=state.run_id, experiment=config.tracking.experiment, params=mlflow_params(config),
+        tags={"rlpipe.run_dir": str(state.run_dir.resolve()), "rlpipe.phase": state.phase},
+        parent_run_id=parent_run_id, resume_run_id=state.mlflow_run_id,
+    )
+    if state.mlflow_run_id != run_id:
+        state.mlflow_run_id = run_id
+        state.save()
+    return tracker
+
+
+def registered_model_name(config: RunConfig) -> str:
+    return config.tracking.registered_model or config.run_name

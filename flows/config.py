@@ -1,0 +1,281 @@
+"""Run configuration: one TOML file validated into typed models.
+
+Every field has a docstring (shown by `rlpipe run --help-config`); unknown keys are rejected with
+their dotted name; `--set a.b=c` overrides a value before validation. The resolved config is
+written to `<run_dir>/config.json` and logged to MLflow as params.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    preset: str = "tiny-dense"
+    """Named model preset (models/presets.py) used when `path` is empty."""
+    path: str = ""
+    """A local Hugging Face checkpoint directory to start from instead of a preset."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Config fields to change on the preset (hidden_size, num_hidden_layers, ...)."""
+    bf16_autocast: bool = True
+    """Train and sample under bf16 autocast where the CPU supports it (weights stay fp32)."""
+
+
+class TaskConfig(Section):
+    env: str = "arithmetic"
+    """Environment name: arithmetic | countdown | dataset."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Environment options (e.g. digits, operators, path, prompt_column); checked by the env."""
+    eval_examples: int = Field(200, ge=1)
+    """Held-out prompts used for greedy evaluation."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay (not applied to norms and biases)."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear warmup steps before the cosine decay."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Floor of the cosine decay as a fraction of lr."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold."""
+    token_budget: int = Field(4096, ge=16)
+    """Tokens per packed micro-batch (gradients are accumulated over micro-batches)."""
+    normaliser: Literal["token", "sequence", "constant"] = "token"
+    """Loss normaliser over the whole optimizer step."""
+
+
+class SupervisedConfig(Section):
+    steps: int = Field(100, ge=0)
+    """Optimizer steps."""
+    sequences_per_step: int = Field(64, ge=1)
+    """Sequences per optimizer step."""
+    examples: int = Field(20000, ge=1)
+    """Training examples drawn from the task (SFT) or documents (pretrain)."""
+    data_path: str = ""
+    """Pretrain: a text or JSONL file of documents; SFT: a JSONL of chat conversations.
+    Empty = build from the task's environment."""
+    seq_len: int = Field(256, ge=8)
+    """Pretrain: document chunk length in tokens."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer and batching."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every N steps (0 = only at the end)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0 = only the last)."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (the loss evaluates the same tempered policy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Completion length limit."""
+
+
+class RLConfig(Section):
+    steps: int = Field(50, ge=0)
+    """Optimizer steps of RL."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Groups (prompts) trained on per step."""
+    group_size: int = Field(8, ge=1)
+    """Completions per prompt."""
+    oversample_factor: float = Field(1.0, ge=1)
+    """Sample this many times the prompts needed; surplus valid groups carry to the next step."""
+    max_attempts: int = Field(4, ge=1)
+    """Sampling rounds per step before giving up on filling the batch."""
+    max_staleness: int = Field(1, ge=0)
+    """Carried-over groups older than this many policy versions are dropped."""
+    estimator: Literal["grpo", "rloo"] = "grpo"
+    """Advantage estimator."""
+    normalize_std: bool = False
+    """GRPO: divide by the group's reward std."""
+    positive_only: bool = False
+    """Clamp advantages at 0 (learn from successes only)."""
+    drop_zero_variance: bool = True
+    """Drop groups whose rewards all match (they carry no signal)."""
+    loss: Literal["reinforce", "ppo_clip"] = "reinforce"
+    """Policy loss: on-policy REINFORCE, or PPO clipped ratio against the engine's log-probs."""
+    epsilon_low: float = Field(0.2, ge=0)
+    """PPO clip below 1."""
+    epsilon_high: float = Field(0.28, ge=0)
+    """PPO clip above 1 (asymmetric)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Optimizer steps per rollout batch (PPO)."""
+    tis_cap: float = Field(0.0, ge=0)
+    """Truncated importance weight cap for engine/trainer mismatch (0 = off)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Rollout sampling."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=5))
+    """Optimizer and batching."""
+    eval_every: int = Field(10, ge=0)
+    """Greedy evaluation every N steps (and at step 0 and the end; 0 = only those)."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Checkpoint every N steps (and the last; 0 = only the last)."""
+    max_reward_error_fraction: float = Field(0.5, ge=0, le=1)
+    """Fail the step once this share of reward calls raised."""
+
+
+class EngineConfig(Section):
+    type: Literal["torch", "http", "vllm"] = "torch"
+    """Inference engine: in-process torch, OpenAI-compatible HTTP servers, or in-process vLLM."""
+    urls: list[str] = Field(default_factory=list)
+    """HTTP engine: server base URLs (requests are spread across them)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """HTTP engine: per-request timeout."""
+    retries: int = Field(3, ge=0)
+    """HTTP engine and sync: retries on connection errors (with backoff)."""
+    api_token: str = ""
+    """HTTP engine: bearer token, if the servers need one."""
+
+
+class TrackingConfig(Section):
+    enabled: bool = True
+    """Log to MLflow (a SQLite database under runs_root unless MLFLOW_TRACKING_URI is set)."""
+    experiment: str = "rlpipe"
+    """MLflow experiment name."""
+    registered_model: str = ""
+    """Register checkpoints as versions of this model ('' = the run name)."""
+    report: bool = True
+    """Write <run_dir>/report.html at the end of the run."""
+
+
+class RunConfig(Section):
+    flow: Literal["pretrain", "sft", "rl", "pipeline"] = "pipeline"
+    """Which flow `rlpipe run` starts."""
+    run_name: str = "run"
+    """Run directory name under runs_root."""
+    runs_root: str = "runs"
+    """Folder holding run directories and the default MLflow database."""
+    seed: int = 0
+    """Seed of every random choice (data order, sampling, init)."""
+    device: str = "cpu"
+    """Torch device."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model to train."""
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    """Environment / data."""
+    pretrain: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(steps=0))
+    """Pretraining phase (flow = pretrain)."""
+    sft: SupervisedConfig = Field(default_factory=SupervisedConfig)
+    """SFT phase (flow = sft or pipeline)."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """RL phase (flow = rl or pipeline)."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """Rollout engine."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """MLflow tracking and the report."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.engine.type == "http" and not self.engine.urls:
+            raise ValueError("engine.urls must list at least one server when engine.type = 'http'")
+        if "/" in self.run_name or not self.run_name.strip():
+            raise ValueError(f"run_name must be a plain folder name, got {self.run_name!r}")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_root) / self.run_name
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `a.b=c`; the value is read as a TOML literal, else kept as a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    keys = [part.strip() for part in key.split(".")]
+    if not all(keys):
+        raise ConfigError(f"--set has an empty key part in {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return keys, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = json.loads(json.dumps(data))
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for part in keys[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(root)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"  {key}: {message}")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict, source: str = "") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config {path} is not valid TOML: {error}") from None
+    return validate_config(apply_overrides(data, list(overrides)), str(path))
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys for MLflow params."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def describe_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, default, docstring."""
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.append(f"[{prefix}{name}]  {field.description or ''}")
+            lines += describe_fields(annotation, f"{prefix}{name}.")
+        else:
+            default = field.get_default(call_default_factory=True)
+            lines.append(f"  {prefix}{name} = {default!r}  # {field.description or ''}")
+    return lines

@@ -1,0 +1,18 @@
+"""Prefect flow `sft`: supervised fine-tuning with assistant-only loss weights.
+
+    rlpipe run configs/sft.toml            # or: python -m flows.sft configs/sft.toml
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.common import resolve_config
+from flows.supervised import run_supervised
+
+
+@flow(name="sft", log_prints=True, persist_result=False)
+def sft_flow(config_path: str | None = None, overrides: list[str] | None = None,
+             config: dict | None = None) -> dict:
+    """SFT a model on a task's demonstrations or a JSONL of chats; returns the last checkpoint."""
+    return run_supervised(resolve_config(config_path, overrides, config), "sft")

@@ -1,0 +1,136 @@
+"""The order of stages for pretraining and SFT (shared): data → (pack + train) per step →
+checkpoint → eval. `flows/pretrain.py` and `flows/sft.py` are the Prefect flows around it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flows.common import RunState, Stopwatch, make_tracker, open_run, registered_model_name
+from flows.config import RunConfig
+from flows.progress import progress
+from tasks.checkpoint import checkpoint_task
+from tasks.evaluate import eval_task
+from tasks.record import load_rows, persist, train_step_row
+from tasks.setup import (
+    make_env,
+    make_model_and_tokenizer,
+    make_optimizer,
+    max_context,
+    sft_data,
+    stop_token_ids,
+)
+from tasks.supervised import supervised_train_task
+from training.checkpoint import latest_checkpoint, load_checkpoint
+from training.losses import nll_loss
+
+
+def due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | None = None,
+                   start_checkpoint: str | None = None) -> dict:
+    """Train `config.<phase>` (pretrain | sft); returns the final checkpoint and eval metrics."""
+    from engines.torch_engine import TorchEngine
+
+    section = getattr(config, phase)
+    state: RunState = open_run(config, phase)
+    tracker = make_tracker(config, state, parent_mlflow_run_id)
+    try:
+        result = _train(config, phase, section, state, tracker, start_checkpoint, TorchEngine)
+        tracker.end("FINISHED")
+        state.status = "finished"
+        state.extra.update(result)
+        state.save()
+        return result
+    except BaseException:
+        tracker.end("FAILED")
+        state.status = "failed"
+        state.save()
+        raise
+
+
+def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls) -> dict:
+    run_dir, run_id = state.run_dir, state.run_id
+    env = make_env(config.task.env, config.task.options)
+    resume_from = latest_checkpoint(run_dir)
+    model, tokenizer = make_model_and_tokenizer(
+        config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
+    optimizer, scheduler = make_optimizer(model, section.optim, section.steps)
+    start_step = 0
+    if resume_from is not None:
+        loaded = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        start_step = int(loaded.metadata["step"])
+    if phase == "pretrain":
+        from tasks.setup import pretrain_data
+
+        sequences = pretrain_data(env, tokenizer, section, config.seed)
+    else:
+        sequences = sft_data(env, tokenizer, section.examples, config.seed,
+                             max_len=min(max_context(model), section.optim.token_budget),
+                             data_path=section.data_path)
+    engine = engine_cls(model)
+    eval_examples = list(env.examples("eval", seed=config.seed))[: config.task.eval_examples]
+    model_name = registered_model_name(config)
+    last_path, eval_metrics, cursor = None, {}, {}
+    bar = progress(total=section.steps, initial=start_step, desc=f"{phase}")
+    for step in range(start_step + 1, section.steps + 1):
+        watch = Stopwatch()
+        with watch("train"):
+            metrics, cursor = supervised_train_task(
+                model, optimizer, scheduler, sequences, nll_loss, step=step, seed=config.seed,
+                per_step=section.sequences_per_step, token_budget=section.optim.token_budget,
+                normaliser=section.optim.normaliser, max_grad_norm=section.optim.max_grad_norm,
+                autocast=config.model.bf16_autocast)
+        if due(step, section.checkpoint_every, section.steps):
+            with watch("checkpoint"):
+                row = checkpoint_task(
+                    run_dir=run_dir, run_id=run_id, step=step, policy_version=step, model=model,
+                    tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                    data_state={"cursor": cursor}, metrics=metrics, tracker=tracker,
+                    model_name=f"{model_name}-{phase}")
+                persist(run_dir, "checkpoints", step, [row], run_id)
+                last_path = row["path"]
+        if due(step, section.eval_every, section.steps) and load_rows(run_dir, "evals", step) is None:
+            with watch("eval"):
+                eval_metrics = _evaluate(engine, tokenizer, env, eval_examples, run_dir, run_id, step,
+                                         model, config)
+        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, phase, metrics, watch.seconds)], run_id)
+        tracker.log_metrics(_train_metrics(metrics, watch.seconds) | eval_metrics, step=step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"acc": f"{eval_metrics['eval/accuracy']:.2f}"} if eval_metrics else {}))
+    bar.close()
+    if last_path is None:  # nothing left to train: the run was already complete
+        last = latest_checkpoint(run_dir)
+        last_path = str(last) if last else None
+        eval_metrics = _eval_summary(run_dir, section.steps)
+    return {"checkpoint": last_path, "eval": eval_metrics, "steps": section.steps}
+
+
+def _evaluate(engine, tokenizer, env, examples, run_dir, run_id, step, model, config) -> dict:
+    rows, metrics = eval_task(
+        engine, tokenizer, env, examples, run_id=run_id, step=step,
+        max_new_tokens=config.rl.sampling.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
+        max_context=max_context(model))
+    persist(run_dir, "evals", step, rows, run_id)
+    model.train()
+    return metrics
+
+
+def _eval_summary(run_dir: Path, step: int) -> dict:
+    rows = load_rows(run_dir, "evals", step) or []
+    if not rows:
+        return {}
+    return {"eval/accuracy": sum(r["correct"] for r in rows) / len(rows),
+            "eval/reward_mean": sum(r["reward"] for r in rows) / len(rows)}
+
+
+def _train_metrics(metrics: dict, seconds: dict[str, float]) -> dict[str, float]:
+    out = {f"train/{k}": float(v) for k, v in metrics.items()
+           if isinstance(v, int | float) and k not in ("seconds", "tokens_per_second")}
+    out["perf/tokens_per_second"] = float(metrics.get("tokens_per_second", 0.0))
+    out |= {f"perf/seconds_{k}": v for k, v in seconds.items()}
+    return out
+
+

@@ -1,0 +1,286 @@
+"""Varlen attention for packed rows on CPU (and anywhere sdpa runs), registered with transformers.
+
+Why: transformers' sdpa path builds a full T x T mask for a packed row, so a 2048-token pack costs
+attention over 2048^2 pairs and trains slower than padding; torch's flex_attention has no CPU
+backward. Here the projections and MLPs run on the packed tokens (no padding at all) and only
+attention pads, per sequence: sequences are grouped into length buckets, each bucket is padded
+to its own max length and run through sdpa with `is_causal=True`, and the outputs are unpadded.
+Attention cost is then ~sum over buckets of n_b * L_b^2 instead of T^2.
+
+Right padding is exact under a causal mask: a real query at position i only sees keys 0..i, all
+real. Padded query rows compute garbage that is never gathered back.
+
+Usage: models built by `models.presets` / `models.loading` have
+`config._attn_implementation == VARLEN_ATTENTION`. For packed rows call
+
+    hidden, aux = model_hidden_states(model, batch)     # [T, H] after the final norm
+    logits = packed_logits(model, batch)                # [T, V] (tests, small vocabularies)
+
+or pass `**packed_forward_kwargs(batch)` to `model(...)` yourself. Calls without cu_seqlens (padded
+batches with an attention mask, generation with a KV cache) fall back to plain sdpa with the mask
+transformers builds, so the same model object serves the inference engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+VARLEN_ATTENTION = "rlpipe_varlen"
+
+# Relative cost of one extra sdpa call (fwd + bwd), in units of attention pairs (query x key).
+# Bucketing trades padding waste (n_b * L_b^2 pairs) against per-call overhead; measured roughly
+# on the 2-core CPU: a call costs about as much as ~32k pairs of a head_dim-64 attention.
+_CALL_COST_PAIRS = 32_768
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """How a packed row of T tokens is cut into padded buckets for attention.
+
+    gather:  per bucket, int64 [n_b, L_b] indices into the T packed tokens (padding slots repeat
+             the bucket's first token; their outputs are dropped).
+    scatter: int64 [T], for each packed token its row in the concatenated bucket outputs
+             (flattened [sum_b n_b * L_b]).
+    """
+
+    gather: tuple[torch.Tensor, ...]
+    scatter: torch.Tensor
+    n_tokens: int
+
+
+def plan_buckets(seq_lens: list[int], call_cost: int = _CALL_COST_PAIRS) -> list[list[int]]:
+    """Group sequence indices into buckets minimising sum_b (n_b * max_len_b^2 + call_cost).
+
+    Sequences are sorted by length (descending) and cut into contiguous runs by dynamic
+    programming (O(n^2), n = sequences in the micro-batch). Deterministic.
+    """
+    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sorted sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # bucket = sorted[i:j], its max is sorted[i]
+            longest = seq_lens[order[i]]
+            cost = best[i] + (j - i) * longest * longest + call_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets: list[list[int]] = []
+    j = n
+    while j > 0:
+        buckets.append(order[cut[j] : j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+def make_plan(cu_seqlens: torch.Tensor, call_cost: int = _CALL_COST_PAIRS) -> VarlenPlan:
+    """The bucket plan for a packed row with boundaries `cu_seqlens` (int [n+1])."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    device = cu_seqlens.device
+    gathers: list[torch.Tensor] = []
+    scatter = torch.empty(cu[-1], dtype=torch.int64)
+    offset = 0
+    for bucket in plan_buckets(lens, call_cost):
+        width = max(lens[i] for i in bucket)
+        steps = torch.arange(width, dtype=torch.int64)
+        starts = torch.tensor([cu[i] for i in bucket], dtype=torch.int64)
+        sizes = torch.tensor([lens[i] for i in bucket], dtype=torch.int64)
+        valid = steps[None, :] < sizes[:, None]  # [n_b, L_b]
+        idx = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])
+        gathers.append(idx.to(device))
+        rows = offset + torch.arange(len(bucket) * width, dtype=torch.int64).view(len(bucket), width)
+        scatter[idx[valid]] = rows[valid]
+        offset += len(bucket) * width
+    return VarlenPlan(gather=tuple(gathers), scatter=scatter.to(device), n_tokens=cu[-1])
+
+
+def _cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boundaries of the sequences in a packed [1, T] row whose positions restart at 0."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).reshape(-1)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    end = torch.tensor([pos.numel()], dtype=starts.dtype, device=starts.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: VarlenPlan,
+    scaling: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention per sequence of one packed row.
+
+    query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (GQA: Hq a multiple of Hkv).
+    Returns [1, T, Hq, D] (transformers' attention-output layout).
+    """
+    hq, hkv = query.shape[1], key.shape[1]
+    q_rows, k_rows, v_rows = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    outs = []
+    for idx in plan.gather:
+        nb, width = idx.shape
+        flat = idx.reshape(-1)
+        q = q_rows.index_select(0, flat).view(nb, width, hq, -1).transpose(1, 2)
+        k = k_rows.index_select(0, flat).view(nb, width, hkv, -1).transpose(1, 2)
+        v = v_rows.index_select(0, flat).view(nb, width, hkv, -1).transpose(1, 2)
+        if hq != hkv:
+            rep = hq // hkv
+            k = k[:, :, None].expand(nb, hkv, rep, width, k.shape[-1]).reshape(nb, hq, width, -1)
+            v = v[:, :, None].expand(nb, hkv, rep, width, v.shape[-1]).reshape(nb, hq, width, -1)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
+        outs.append(o.transpose(1, 2).reshape(nb * width, hq, -1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    return out.index_select(0, plan.scatter).unsqueeze(0)
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls per layer (registered as VARLEN_ATTENTION).
+
+    Packed path when a `varlen_plan` or `cu_seq_lens_q` is passed, or when there is no mask, no
+    cache offset (q_len == k_len, batch 1) and `position_ids` restart inside the row. Otherwise
+    plain sdpa with the mask transformers built (padded batches, KV-cache decoding).
+    """
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{VARLEN_ATTENTION} does not support sliding-window attention")
+    plan: VarlenPlan | None = kwargs.get("varlen_plan")
+    same_len = query.shape[0] == 1 and query.shape[2] == key.shape[2]
+    if plan is None and same_len and attention_mask is None:
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None and kwargs.get("position_ids") is not None:
+            cu = _cu_seqlens_from_position_ids(kwargs["position_ids"])
+        if cu is not None and cu.numel() > 2:
+            plan = make_plan(cu)
+    if plan is not None and same_len:
+        if plan.n_tokens != query.shape[2]:
+            raise ValueError(
+                f"varlen plan covers {plan.n_tokens} tokens but the row has {query.shape[2]}"
+            )
+        return varlen_attention(query, key, value, plan, scaling, dropout), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def varlen_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function for VARLEN_ATTENTION: never a T x T mask for a packed training row.
+
+    With no padding mask and no cache offset (a packed or single-sequence row), the attention
+    function handles causality itself, so return None. Otherwise (padded batches, decoding) build
+    the same mask sdpa would.
+    """
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+    q_offset = kwargs.get("q_offset", 0)
+    no_offset = isinstance(q_offset, int) and q_offset == 0
+    if kwargs.get("attention_mask") is None and no_offset and q_length == kv_length:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register VARLEN_ATTENTION with transformers (idempotent; done at import)."""
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
+
+
+register()
+
+
+def packed_forward_kwargs(batch: Any) -> dict[str, Any]:
+    """Keyword arguments that run a model on a PackedBatch (input_ids [1, T], ...).
+
+    Includes FlashAttention-style `cu_seq_lens_q/k`, `max_length_q/k`, and a precomputed
+    `varlen_plan` so the buckets are planned once per forward, not once per layer.
+    """
+    cu = batch.cu_seqlens.to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return {
+        "input_ids": batch.tokens.reshape(1, -1),
+        "position_ids": batch.position_ids.reshape(1, -1),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+        "varlen_plan": make_plan(cu),
+        "use_cache": False,
+    }
+
+
+def _decoder(model: PreTrainedModel) -> torch.nn.Module:
+    decoder = getattr(model, model.base_model_prefix, None)
+    if decoder is None:
+        raise ValueError(f"{type(model).__name__} has no base model {model.base_model_prefix!r}")
+    return decoder
+
+
+def _check_attention(model: PreTrainedModel) -> None:
+    impl = model.config._attn_implementation
+    if impl != VARLEN_ATTENTION:
+        raise ValueError(
+            f"model uses attention {impl!r}; packed rows need {VARLEN_ATTENTION!r} "
+            "(build it with models.presets or load it with models.loading)"
+        )
+
+
+def model_hidden_states(
+    model: PreTrainedModel, batch: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the decoder on a PackedBatch; final hidden states [T, H] (after the final norm).
+
+    Returns (hidden, aux_loss): aux_loss is the router load-balancing loss (a scalar, not yet
+    multiplied by config.router_aux_loss_coef) when the model is MoE with output_router_logits,
+    else None. The lm_head is not applied (the loss helper applies it in chunks).
+    """
+    _check_attention(model)
+    kwargs = packed_forward_kwargs(batch)
+    want_router = bool(getattr(model.config, "output_router_logits", False))
+    if want_router:
+        kwargs["output_router_logits"] = True
+    out = _decoder(model)(**kwargs)
+    hidden = out.last_hidden_state[0]
+    aux = None
+    if want_router:
+        aux = router_aux_loss(model, out.router_logits)
+    return hidden, aux
+
+
+def router_aux_loss(model: PreTrainedModel, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Switch-style load-balancing loss over all layers' router logits ([T, E] each).
+
+    Same formula as transformers' load_balancing_loss_func without a padding mask (packed rows have
+    no padding): E * sum_e (fraction of top-k assignments to e) * (mean router prob of e).
+    """
+    n_experts = model.config.num_experts
+    top_k = model.config.num_experts_per_tok
+    logits = torch.cat([r.float() for r in router_logits], 0)  # [layers * T, E]
+    probs = torch.softmax(logits, dim=-1)
+    top = torch.topk(probs, top_k, dim=-1).indices
+    counts = torch.zeros(n_experts, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(0, top.reshape(-1), torch.ones(top.numel(), device=logits.device))
+    tokens_per_expert = counts / logits.shape[0]
+    prob_per_expert = probs.mean(0)
+    return n_experts * torch.sum(tokens_per_expert * prob_per_expert)
+
+
+def packed_logits(model: PreTrainedModel, batch: Any) -> torch.Tensor:
+    """Logits [T, V] of a PackedBatch (float32 output head; for tests and small vocabularies)."""
+    hidden, _ = model_hidden_states(model, batch)
+    return model.get_output_embeddings()(hidden)

@@ -1,0 +1,147 @@
+"""Read a run's tables — one run or several — as DuckDB relations or polars LazyFrames.
+
+    con = connect(["runs/a", "runs/b"])      # in-memory DuckDB, one view per table (with run_id)
+    con.sql("select run_id, step, avg(reward) from scores group by all")
+    relation(["runs/a"], "groups")           # DuckDBPyRelation
+    lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
+
+`<run_dir>/catalog.duckdb` holds the same views for a single run, so
+`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Its views read
+`read_parquet('<abs run_dir>/tables/<t>/**/*.parquet', union_by_name=true, hive_partitioning=false)`:
+the glob picks up new partitions by itself, and the zero-row `_schema.parquet` of each table keeps
+the view valid before any data exists. `step` is read from the files (hive partitioning off: the
+schema file sits outside the `step=` folders). Paths are absolute: DuckDB resolves relative paths
+against the reader's working directory, not the database file; `ensure_catalog` re-points the
+views after a run folder is moved.
+
+Connections to catalog.duckdb are held only for the few milliseconds it takes to create views;
+readers here use in-memory connections, so a run that is writing never conflicts with them.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow.parquet as pq
+
+from storage.layout import CATALOG_NAME, atomic_write_parquet, partition_files, schema_file, tables_root
+from storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
+
+RunDirs = str | os.PathLike | Iterable[str | os.PathLike]
+
+
+def run_dirs_list(run_dirs: RunDirs) -> list[Path]:
+    """Absolute run folders; ValueError naming the first one that is not a run folder."""
+    if isinstance(run_dirs, (str, os.PathLike)):
+        run_dirs = [run_dirs]
+    paths = [Path(run_dir).resolve() for run_dir in run_dirs]
+    if not paths:
+        raise ValueError("no run directory given")
+    for path in paths:
+        if not path.is_dir():
+            raise ValueError(f"not a run directory: {path} does not exist")
+        if not (tables_root(path).is_dir() or (path / CATALOG_NAME).is_file()):
+            raise ValueError(f"not a run directory: {path} has no tables/ folder")
+    return paths
+
+
+def ensure_schema_file(run_dir: str | os.PathLike, table: str) -> Path:
+    """Write `tables/<table>/_schema.parquet` (zero rows) unless it has the current schema version."""
+    path = schema_file(run_dir, table)
+    if path.is_file():
+        metadata = pq.read_schema(path).metadata or {}
+        if metadata.get(META_VERSION) == str(SCHEMA_VERSION).encode():
+            return path
+    atomic_write_parquet(schema_for(table).empty_table(), path, durable=False)
+    return path
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _source(patterns: list[str]) -> str:
+    listing = ", ".join(_quote(pattern) for pattern in patterns)
+    return f"read_parquet([{listing}], union_by_name=true, hive_partitioning=false)"
+
+
+def _run_pattern(run_dir: Path, table: str) -> str | None:
+    """A glob for one run's files of `table` that matches at least one file, or None."""
+    if schema_file(run_dir, table).is_file():
+        return str(tables_root(run_dir) / table / "**" / "*.parquet")
+    if partition_files(run_dir, table):
+        return str(tables_root(run_dir) / table / "step=*" / "part-*.parquet")
+    return None
+
+
+def ensure_catalog(run_dir: str | os.PathLike, *, quiet_if_busy: bool = False) -> Path:
+    """Create or refresh `<run_dir>/catalog.duckdb`: schema files and one view per table.
+
+    quiet_if_busy: when another process holds the database (e.g. an open `duckdb` shell),
+    warn and return instead of raising — a run must not fail over its catalog.
+    """
+    run_dir = Path(run_dir).resolve()
+    for table in TABLES:
+        ensure_schema_file(run_dir, table)
+    path = run_dir / CATALOG_NAME
+    try:
+        con = duckdb.connect(str(path))
+    except duckdb.Error as error:
+        if not quiet_if_busy:
+            raise
+        warnings.warn(f"catalog {path} not refreshed: {error}", stacklevel=2)
+        return path
+    try:
+        for table in TABLES:
+            source = _source([str(tables_root(run_dir) / table / "**" / "*.parquet")])
+            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS SELECT * FROM {source}')
+    finally:
+        con.close()
+    return path
+
+
+def has_data(run_dirs: RunDirs, table: str) -> bool:
+    """Whether any of the runs has at least one partition of `table`."""
+    return any(partition_files(run_dir, table) for run_dir in run_dirs_list(run_dirs))
+
+
+def connect(run_dirs: RunDirs, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection (new, in-memory, unless given) with one view per table over all runs.
+
+    Each view is the union by column name of the runs' partitions; `run_id` tells rows apart.
+    A table with no data in any run is an empty view with the table's columns.
+    """
+    runs = run_dirs_list(run_dirs)
+    con = duckdb.connect() if con is None else con
+    for table in TABLES:
+        patterns = [pattern for run in runs if (pattern := _run_pattern(run, table))]
+        if patterns:
+            con.execute(f'CREATE OR REPLACE TEMP VIEW "{table}" AS SELECT * FROM {_source(patterns)}')
+        else:
+            con.register(f"_empty_{table}", schema_for(table).empty_table())
+            con.execute(f'CREATE OR REPLACE TEMP VIEW "{table}" AS SELECT * FROM "_empty_{table}"')
+    return con
+
+
+def relation(
+    run_dirs: RunDirs, table: str, con: duckdb.DuckDBPyConnection | None = None
+) -> duckdb.DuckDBPyRelation:
+    """`table` over all runs as a DuckDB relation (on `con`, or a new in-memory connection)."""
+    schema_for(table)
+    return connect(run_dirs, con).table(table)
+
+
+def lazy_frame(run_dirs: RunDirs, table: str) -> pl.LazyFrame:
+    """`table` over all runs as a polars LazyFrame with the table's columns (run_id included)."""
+    schema = pl.from_arrow(schema_for(table).empty_table()).schema
+    files = [str(path) for run in run_dirs_list(run_dirs) for _, path in partition_files(run, table)]
+    if not files:
+        return pl.LazyFrame(schema=schema)
+    return pl.scan_parquet(
+        files, schema=schema, hive_partitioning=False, missing_columns="insert", extra_columns="ignore"
+    )

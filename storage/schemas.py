@@ -1,0 +1,164 @@
+"""Arrow schemas of the run tables (DESIGN.md, "Stages and their tables").
+
+One schema per table; every table starts with `run_id` (string) and `step` (int64). `step` is
+stored inside every Parquet file *and* names the partition folder (`step=<k>`), so a single file
+is self-describing; readers take it from the file (DuckDB with `hive_partitioning=false`).
+
+Conventions:
+- ids (`sample_id`, `group_id`, `example_id`) are strings; `batch_id` is the int32 index of the
+  micro-batch inside its step; token ids are list<int32>, log-probs list<float32>.
+- `scores.components` is map<string, float32> (reward component name -> value). DuckDB reads it
+  as MAP(VARCHAR, FLOAT): `components['correct']` gives the value, `to_json(components)` a JSON
+  object; polars reads it as list<struct<key, value>>.
+- Non-nullable fields must be given; nullable ones may be left out and become null.
+
+SCHEMA_VERSION goes into each file's Parquet metadata (`rlpipe.schema_version`) together with the
+table name (`rlpipe.table`). Bump it when a column changes type or meaning; readers union files
+by column name, so adding a nullable column needs no bump.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+META_TABLE = b"rlpipe.table"
+META_VERSION = b"rlpipe.schema_version"
+
+_TOKENS = pa.list_(pa.int32())
+_LOGPROBS = pa.list_(pa.float32())
+
+
+def _f(name: str, type_: pa.DataType, nullable: bool = False) -> pa.Field:
+    return pa.field(name, type_, nullable=nullable)
+
+
+def _opt(name: str, type_: pa.DataType) -> pa.Field:
+    return pa.field(name, type_, nullable=True)
+
+
+_KEY = [_f("run_id", pa.string()), _f("step", pa.int64())]
+_SECONDS = [
+    _opt(f"seconds_{phase}", pa.float64())
+    for phase in ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval", "total")
+]
+
+_FIELDS: dict[str, list[pa.Field]] = {
+    # one row per completion (generate)
+    "rollouts": _KEY
+    + [
+        _f("policy_version", pa.int32()),
+        _f("env", pa.string()),
+        _f("example_id", pa.string()),
+        _f("group_id", pa.string()),
+        _f("sample_id", pa.string()),
+        _f("attempt", pa.int32()),
+        _opt("prompt_tokens", _TOKENS),
+        _opt("completion_tokens", _TOKENS),
+        _opt("completion_logprobs", _LOGPROBS),
+        _opt("finish_reason", pa.string()),  # "stop" | "length" | engine-specific
+        _opt("prompt_text", pa.string()),
+        _opt("completion_text", pa.string()),
+        _f("n_prompt_tokens", pa.int32()),
+        _f("n_completion_tokens", pa.int32()),
+    ],
+    # one row per completion (score)
+    "scores": _KEY
+    + [
+        _f("sample_id", pa.string()),
+        _f("group_id", pa.string()),
+        _f("reward", pa.float32()),
+        _opt("components", pa.map_(pa.string(), pa.float32())),
+        _opt("error", pa.string()),  # null, or why the reward function failed
+    ],
+    # one row per group of completions of one prompt (filter/advantages)
+    "groups": _KEY
+    + [
+        _f("group_id", pa.string()),
+        _f("env", pa.string()),
+        _f("example_id", pa.string()),
+        _f("policy_version", pa.int32()),
+        _f("n", pa.int32()),
+        _f("reward_mean", pa.float32()),
+        _f("reward_std", pa.float32()),
+        _f("zero_variance", pa.bool_()),
+        _f("kept", pa.bool_()),
+        _f("attempts", pa.int32()),
+    ],
+    # one row per kept completion (filter/advantages)
+    "advantages": _KEY
+    + [
+        _f("sample_id", pa.string()),
+        _f("group_id", pa.string()),
+        _f("advantage", pa.float32()),
+    ],
+    # one row per packed micro-batch (pack)
+    "batches": _KEY
+    + [
+        _f("batch_id", pa.int32()),
+        _f("sample_ids", pa.list_(pa.string())),
+        _f("n_sequences", pa.int32()),
+        _f("n_tokens", pa.int32()),
+        _f("n_pad", pa.int32()),
+        _f("cu_seqlens", pa.list_(pa.int32())),
+    ],
+    # one row per optimizer step (train)
+    "train_steps": _KEY
+    + [
+        _f("mode", pa.string()),  # pretrain | sft | rl
+        _opt("loss", pa.float64()),
+        _opt("grad_norm", pa.float64()),
+        _opt("lr", pa.float64()),
+        _opt("tokens", pa.int64()),
+        _opt("tokens_per_second", pa.float64()),
+        *_SECONDS,
+        _opt("clip_fraction", pa.float64()),
+        _opt("ratio_mean", pa.float64()),
+        _opt("logprob_gap", pa.float64()),
+    ],
+    # one row per saved checkpoint (checkpoint)
+    "checkpoints": _KEY
+    + [
+        _f("policy_version", pa.int32()),
+        _f("path", pa.string()),
+        _opt("sha256", pa.string()),
+        _opt("mlflow_model_name", pa.string()),
+        _opt("mlflow_model_version", pa.string()),
+        _opt("created_at", pa.timestamp("us", tz="UTC")),
+    ],
+    # one row per engine and weight sync (sync)
+    "syncs": _KEY
+    + [
+        _f("engine", pa.string()),
+        _f("checkpoint_path", pa.string()),
+        _f("policy_version", pa.int32()),
+        _opt("seconds", pa.float64()),
+        _f("ok", pa.bool_()),
+        _opt("error", pa.string()),
+    ],
+    # one row per eval sample (eval)
+    "evals": _KEY
+    + [
+        _f("env", pa.string()),
+        _f("example_id", pa.string()),
+        _f("reward", pa.float32()),
+        _opt("correct", pa.bool_()),
+        _opt("prompt_text", pa.string()),
+        _opt("completion_text", pa.string()),
+    ],
+}
+
+
+def _with_meta(table: str, fields: list[pa.Field]) -> pa.Schema:
+    return pa.schema(fields, metadata={META_TABLE: table.encode(), META_VERSION: str(SCHEMA_VERSION).encode()})
+
+
+SCHEMAS: dict[str, pa.Schema] = {name: _with_meta(name, fields) for name, fields in _FIELDS.items()}
+TABLES: tuple[str, ...] = tuple(SCHEMAS)
+
+
+def schema_for(table: str) -> pa.Schema:
+    """The schema of `table`; ValueError naming the known tables otherwise."""
+    if table not in SCHEMAS:
+        raise ValueError(f"unknown table {table!r}; known tables: {', '.join(TABLES)}")
+    return SCHEMAS[table]

@@ -1,0 +1,189 @@
+"""Atomic, idempotent Parquet writes of stage outputs, and plain reads back.
+
+    write_table(run_dir, "scores", step=3, data=rows)   # rows | pa.Table | dict of columns
+    is_complete(run_dir, "scores", 3)                   # True: a resumed flow skips the stage
+    read_table(run_dir, "scores")                       # every step, as one pa.Table
+
+A (table, step) partition is one zstd Parquet file, replaced atomically: writing the same
+(table, step) again replaces it, so a resumed stage never duplicates rows. Data is checked
+against the table's schema (storage.schemas) before anything touches the disk; a mismatch is a
+ValueError naming the table and the column. `run_id` and `step` are filled in when missing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage import catalog
+from storage.layout import (
+    CATALOG_NAME,
+    atomic_write_parquet,
+    check_step,
+    clean_leftovers,
+    partition_file,
+    partition_files,
+    table_dir,
+)
+from storage.schemas import schema_for
+
+TableData = pa.Table | Sequence[Mapping[str, Any]] | Mapping[str, Any]
+
+
+def default_run_id(run_dir: str | os.PathLike) -> str:
+    """The run id used when neither the data nor the caller gives one: the run folder's name."""
+    return Path(run_dir).resolve().name
+
+
+def conform(table: str, data: TableData, *, run_id: str, step: int) -> pa.Table:
+    """`data` as a pa.Table of exactly `table`'s schema, run_id and step filled in.
+
+    data: a pa.Table, a list of row dicts, or a dict of equal-length columns.
+    Raises ValueError naming the column for an unknown column, a missing required column, a
+    value of the wrong type, a null in a required column, or a run_id/step that disagrees.
+    """
+    schema = schema_for(table)
+    columns, n = _columns(table, data)
+    unknown = sorted(set(columns) - set(schema.names))
+    if unknown:
+        raise ValueError(f"table {table!r}: unknown column {unknown[0]!r} (columns: {', '.join(schema.names)})")
+    arrays = []
+    for field in schema:
+        if field.name not in columns:
+            arrays.append(_missing(table, field, n, run_id=run_id, step=step))
+            continue
+        array = _to_arrow(table, field, columns[field.name])
+        if len(array) != n:
+            raise ValueError(f"table {table!r}: column {field.name!r} has {len(array)} values, expected {n}")
+        if not field.nullable and array.null_count:
+            raise ValueError(f"table {table!r}: column {field.name!r} is required but has {array.null_count} null value(s)")
+        arrays.append(array)
+    result = pa.Table.from_arrays(arrays, schema=schema)
+    _check_constant(table, result, "step", step)
+    _check_constant(table, result, "run_id", run_id)
+    return result
+
+
+def _columns(table: str, data: TableData) -> tuple[dict[str, Any], int]:
+    """Column name -> values, and the row count."""
+    if isinstance(data, pa.Table):
+        return {name: data.column(name) for name in data.column_names}, data.num_rows
+    if isinstance(data, Mapping):
+        lengths = {name: len(values) for name, values in data.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"table {table!r}: columns differ in length: {lengths}")
+        return dict(data), next(iter(lengths.values()), 0)
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        rows = list(data)
+        for index, row in enumerate(rows):
+            if not isinstance(row, Mapping):
+                raise ValueError(f"table {table!r}: row {index} is a {type(row).__name__}, not a dict")
+        names: dict[str, None] = {}
+        for row in rows:
+            names.update(dict.fromkeys(row))
+        return {name: [row.get(name) for row in rows] for name in names}, len(rows)
+    raise ValueError(f"table {table!r}: data must be a pa.Table, a list of dicts or a dict of columns, got {type(data).__name__}")
+
+
+def _to_arrow(table: str, field: pa.Field, values: Any) -> pa.Array:
+    try:
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        if isinstance(values, pa.Array):
+            return values if values.type == field.type else values.cast(field.type)
+        return pa.array(values, type=field.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, OverflowError) as error:
+        raise ValueError(f"table {table!r}: column {field.name!r} does not fit {field.type}: {error}") from error
+
+
+def _missing(table: str, field: pa.Field, n: int, *, run_id: str, step: int) -> pa.Array:
+    if field.name == "run_id":
+        return pa.array([run_id] * n, type=field.type)
+    if field.name == "step":
+        return pa.array([step] * n, type=field.type)
+    if not field.nullable:
+        raise ValueError(f"table {table!r}: required column {field.name!r} is missing")
+    return pa.nulls(n, type=field.type)
+
+
+def _check_constant(table: str, data: pa.Table, name: str, expected: Any) -> None:
+    values = data.column(name).unique().to_pylist()
+    wrong = [value for value in values if value != expected]
+    if wrong:
+        raise ValueError(f"table {table!r}: column {name!r} holds {wrong[0]!r}, expected {expected!r} for this partition")
+
+
+def write_table(
+    run_dir: str | os.PathLike,
+    table: str,
+    step: int,
+    data: TableData,
+    *,
+    run_id: str | None = None,
+    durable: bool = True,
+) -> Path:
+    """Write (or atomically replace) the partition `<run_dir>/tables/<table>/step=<step>/`.
+
+    run_id: defaults to the run_id column of `data`, else the run folder's name.
+    durable: fsync before and after the rename (off only for benchmarks and throwaway runs).
+    Returns the partition's file. An empty `data` writes an empty, complete partition.
+    """
+    check_step(step)
+    if run_id is None:
+        run_id = _run_id_of(data) or default_run_id(run_dir)
+    arrow = conform(table, data, run_id=run_id, step=step)
+    clean_leftovers(table_dir(run_dir, table))
+    dest = partition_file(run_dir, table, step)
+    atomic_write_parquet(arrow, dest, durable=durable)
+    catalog.ensure_schema_file(run_dir, table)
+    if not (Path(run_dir) / CATALOG_NAME).exists():
+        catalog.ensure_catalog(run_dir, quiet_if_busy=True)
+    return dest
+
+
+def _run_id_of(data: TableData) -> str | None:
+    if isinstance(data, pa.Table) and "run_id" in data.column_names and data.num_rows:
+        return data.column("run_id")[0].as_py()
+    if isinstance(data, Mapping) and "run_id" in data and len(data["run_id"]):
+        first = data["run_id"][0]
+        return first.as_py() if isinstance(first, pa.Scalar) else first
+    if isinstance(data, Sequence) and data and isinstance(data[0], Mapping):
+        return data[0].get("run_id")
+    return None
+
+
+def is_complete(run_dir: str | os.PathLike, table: str, step: int) -> bool:
+    """Whether the (table, step) partition has been written (partitions appear whole or not at all)."""
+    return partition_file(run_dir, table, step).is_file()
+
+
+def read_table(run_dir: str | os.PathLike, table: str, step: int | None = None) -> pa.Table:
+    """One partition (FileNotFoundError if absent) or, with step=None, every partition in step order.
+
+    Files written under an older schema are aligned to the current one (new columns null).
+    """
+    schema = schema_for(table)
+    if step is not None:
+        path = partition_file(run_dir, table, step)
+        if not path.is_file():
+            raise FileNotFoundError(f"table {table!r} has no partition for step {step}: {path}")
+        return align(pq.ParquetFile(path).read(), schema)
+    parts = [align(pq.ParquetFile(path).read(), schema) for _, path in partition_files(run_dir, table)]
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def align(data: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`data` with `schema`'s columns in order: columns it lacks become null, others are cast."""
+    arrays = []
+    for field in schema:
+        if field.name in data.column_names:
+            column = data.column(field.name)
+            arrays.append(column if column.type == field.type else column.cast(field.type))
+        else:
+            arrays.append(pa.nulls(data.num_rows, type=field.type))
+    return pa.Table.from_arrays(arrays, schema=schema)

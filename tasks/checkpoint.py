@@ -1,0 +1,49 @@
+"""Stage `checkpoint`: save the weights in Hugging Face format, register them in MLflow, and
+record the `checkpoints` row that links a checkpoint to the tables of its run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from tasks._prefect import stage
+from training.checkpoint import save_checkpoint
+
+
+def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, model_name: str | None,
+                   version: int | None) -> dict:
+    metadata = json.loads((path / "metadata.json").read_text())
+    return {
+        "run_id": run_id,
+        "step": step,
+        "policy_version": policy_version,
+        "path": str(path.resolve()),
+        "sha256": metadata.get("sha256", ""),
+        "mlflow_model_name": model_name,
+        "mlflow_model_version": None if version is None else int(version),
+        "created_at": dt.datetime.now(dt.UTC),
+    }
+
+
+def save_and_register(
+    *, run_dir: Path, run_id: str, step: int, policy_version: int, model, tokenizer, optimizer,
+    scheduler, data_state: dict, metrics: dict, tracker, model_name: str | None,
+) -> dict:
+    path = save_checkpoint(run_dir, step, model, tokenizer, optimizer=optimizer,
+                           scheduler=scheduler, data_state=data_state, metrics=metrics,
+                           policy_version=policy_version)
+    version = None
+    if tracker is not None and model_name:
+        version = tracker.register_checkpoint(
+            path, model_name,
+            tags={"run_dir": str(Path(run_dir).resolve()), "run_id": run_id, "step": str(step),
+                  "policy_version": str(policy_version)},
+        )
+    return checkpoint_row(run_id, step, policy_version, Path(path), model_name, version)
+
+
+@stage("checkpoint")
+def checkpoint_task(**kwargs) -> dict:
+    return save_and_register(**kwargs)

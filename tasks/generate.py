@@ -1,0 +1,115 @@
+"""Stage `generate`: prompts → n completions each → the `rollouts` table.
+
+One row per completion. `group_id` and `sample_id` derive from (run, step, attempt, group,
+index) and never from a clock, so a resumed stage rewrites the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from engines.base import Engine, SamplingParams
+from envs.base import Environment, Example
+from tasks._prefect import stage
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit the model's context together with its completion."""
+
+
+def group_id_for(run_id: str, step: int, attempt: int, index: int) -> str:
+    return f"{run_id}:s{step:06d}:a{attempt}:g{index:04d}"
+
+
+def sample_id_for(group_id: str, index: int) -> str:
+    return f"{group_id}:{index:03d}"
+
+
+def sample_seed(seed: int, step: int, attempt: int) -> int:
+    """A seed for one sampling round, independent of wall clock and process."""
+    return (seed * 1_000_003 + step * 1_009 + attempt) % (2**31 - 1)
+
+
+def encode_messages(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Prompt token ids of a chat, ending with the assistant generation prompt."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(encoded, "keys") and "input_ids" in encoded:  # transformers 5 may return a dict
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+def encode_prompts(
+    tokenizer: Any, env: Environment, examples: list[Example], max_context: int, max_new_tokens: int
+) -> list[list[int]]:
+    """Token ids of each example's first turn; refuses prompts that leave no room to answer."""
+    prompts = []
+    for example in examples:
+        tokens = encode_messages(tokenizer, env.reset(example))
+        if len(tokens) + max_new_tokens > max_context:
+            raise PromptTooLongError(
+                f"prompt of example {example.env}/{example.example_id} has {len(tokens)} tokens; "
+                f"with max_new_tokens={max_new_tokens} it exceeds the model context of {max_context}"
+            )
+        prompts.append(tokens)
+    return prompts
+
+
+def generate_rollouts(
+    engine: Engine,
+    tokenizer: Any,
+    env: Environment,
+    examples: list[Example],
+    params: SamplingParams,
+    *,
+    run_id: str,
+    step: int,
+    attempt: int,
+    policy_version: int,
+    max_context: int,
+    first_group_index: int = 0,
+) -> list[dict]:
+    """Sample `params.n` completions per example; one row per completion."""
+    prompts = encode_prompts(tokenizer, env, examples, max_context, params.max_new_tokens)
+    completions = engine.generate(prompts, params)
+    rows = []
+    for index, (example, prompt, group) in enumerate(zip(examples, prompts, completions, strict=True)):
+        group_id = group_id_for(run_id, step, attempt, first_group_index + index)
+        prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
+        for j, completion in enumerate(group):
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "step": step,
+                    "policy_version": policy_version,
+                    "env": example.env,
+                    "example_id": example.example_id,
+                    "group_id": group_id,
+                    "sample_id": sample_id_for(group_id, j),
+                    "attempt": attempt,
+                    "prompt_tokens": prompt,
+                    "completion_tokens": list(completion.tokens),
+                    "completion_logprobs": [float(x) for x in completion.logprobs],
+                    "finish_reason": completion.finish_reason,
+                    "prompt_text": prompt_text,
+                    "completion_text": tokenizer.decode(completion.tokens, skip_special_tokens=True),
+                    "n_prompt_tokens": len(prompt),
+                    "n_completion_tokens": len(completion.tokens),
+                }
+            )
+    return rows
+
+
+def sampling_for_step(params: SamplingParams, seed: int, step: int, attempt: int) -> SamplingParams:
+    return replace(params, seed=sample_seed(seed, step, attempt))
+
+
+@stage("generate")
+def generate_task(engine, tokenizer, env, examples, params, **kwargs) -> list[dict]:
+    return generate_rollouts(engine, tokenizer, env, examples, params, **kwargs)
+
+
+@stage("generate-remote", retries=2)
+def generate_remote_task(engine, tokenizer, env, examples, params, **kwargs) -> list[dict]:
+    """Generation against HTTP servers: connection errors are retried."""
+    return generate_rollouts(engine, tokenizer, env, examples, params, **kwargs)

@@ -1,0 +1,57 @@
+"""Stage `pack`: the step's selected rollouts and advantages → PackedBatch micro-batches
+and the `batches` table.
+
+RL token weights: the sequence's advantage on completion tokens, 0 on prompt tokens; the
+generator's log-probs ride along for ratio-based losses.
+"""
+
+from __future__ import annotations
+
+from tasks._prefect import stage
+from training.batch import PackedBatch, Sequence, pack
+
+
+def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
+    prompt, completion = list(rollout["prompt_tokens"]), list(rollout["completion_tokens"])
+    return Sequence(
+        tokens=prompt + completion,
+        weights=[0.0] * len(prompt) + [float(advantage)] * len(completion),
+        logprobs=[0.0] * len(prompt) + [float(x) for x in rollout["completion_logprobs"]],
+        reward=rollout.get("reward"),
+        sample_id=rollout["sample_id"],
+    )
+
+
+def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]:
+    rows = []
+    for index, batch in enumerate(batches):
+        lengths = batch.seq_lens
+        rows.append(
+            {
+                "run_id": run_id,
+                "step": step,
+                "batch_id": f"{run_id}:s{step:06d}:b{index:03d}",
+                "sample_ids": list(batch.sample_ids),
+                "n_sequences": batch.n_sequences,
+                "n_tokens": batch.n_tokens,
+                # what padding these sequences to their longest would have cost
+                "n_pad": max(lengths) * len(lengths) - batch.n_tokens,
+                "cu_seqlens": [int(x) for x in batch.cu_seqlens.tolist()],
+            }
+        )
+    return rows
+
+
+def pack_rollouts(
+    rollouts: list[dict], advantages: dict[str, float], token_budget: int, run_id: str, step: int
+) -> tuple[list[PackedBatch], list[dict]]:
+    """Micro-batches of the rollouts that carry an advantage, and their `batches` rows."""
+    sequences = [rollout_sequence(r, advantages[r["sample_id"]]) for r in rollouts
+                 if r["sample_id"] in advantages]
+    batches = pack(sequences, token_budget)
+    return batches, batch_rows(batches, run_id, step)
+
+
+@stage("pack")
+def pack_task(rollouts, advantages, token_budget, run_id, step):
+    return pack_rollouts(rollouts, advantages, token_budget, run_id, step)

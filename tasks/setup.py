@@ -1,0 +1,125 @@
+"""Building the trainer's state: tokenizer, model, optimizer, scheduler, environment, data.
+
+Not stages (nothing is persisted): flows call these once and keep the results in local
+variables for the whole run.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from envs.base import Environment, Example, build_env
+from models.loading import load_model
+from models.presets import build_model
+from models.tokenizer import build_tokenizer, load_tokenizer
+from training.batch import Sequence
+from training.data import sft_sequences
+from training.step import build_optimizer, build_scheduler
+
+
+def make_env(env_name: str, options: dict[str, Any]) -> Environment:
+    return build_env(env_name, **options)
+
+
+def make_model_and_tokenizer(preset: str, path: str, overrides: dict[str, Any], seed: int):
+    """A user's checkpoint (its own tokenizer) or a fresh preset with rlpipe's tokenizer."""
+    if path:
+        return load_model(path), load_tokenizer(path)
+    tokenizer = build_tokenizer()
+    token_ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "bos_token_id": None,
+    }
+    model = build_model(preset, vocab_size=len(tokenizer), seed=seed, **{**token_ids, **overrides})
+    return model, tokenizer
+
+
+def make_optimizer(model, optim, total_steps: int):
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay)
+    scheduler = build_scheduler(optimizer, warmup_steps=optim.warmup_steps,
+                                total_steps=max(total_steps, 1), min_lr_ratio=optim.min_lr_ratio)
+    return optimizer, scheduler
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Tokens that end an assistant turn: ChatML's <|im_end|> and the tokenizer's eos."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    return tuple(sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id))
+
+
+def max_context(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 4096))
+
+
+def demonstration(env: Environment, example: Example, rng: random.Random) -> str:
+    """The assistant text SFT imitates for an example: the env's teacher, else the target."""
+    teacher = getattr(env, "demonstration", None)
+    if callable(teacher):
+        return teacher(example, rng)
+    if "target_text" in example.meta:
+        return str(example.meta["target_text"])
+    return str(example.answer)
+
+
+def env_conversations(env: Environment, n_examples: int, seed: int) -> list[list[dict]]:
+    """SFT chats from the env's train split: the prompt turn(s) and a demonstration."""
+    examples = env.examples("train", seed=seed)
+    if len(examples) == 0:
+        raise ValueError(f"environment {getattr(env, 'name', env)!r} has no train examples")
+    rng = random.Random(f"sft/{seed}")
+    chats = []
+    for index in range(n_examples):
+        example = examples[index % len(examples)]
+        chats.append(env.reset(example) + [{"role": "assistant",
+                                            "content": demonstration(env, example, rng)}])
+    return chats
+
+
+def sft_data(env: Environment, tokenizer, n_examples: int, seed: int, max_len: int,
+             data_path: str = "") -> list[Sequence]:
+    """Training sequences with assistant-only weights, from a JSONL of chats or the env."""
+    if data_path:
+        from training.data import read_chat_jsonl
+
+        chats = read_chat_jsonl(Path(data_path))
+    else:
+        chats = env_conversations(env, n_examples, seed)
+    return sft_sequences(chats, tokenizer, max_len=max_len)
+
+
+def read_documents(path: Path) -> list[str]:
+    """Documents of a text file (one per line) or a JSONL file with a `text` field."""
+    import json
+
+    if not path.is_file():
+        raise ValueError(f"pretrain data file not found: {path}")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        docs = []
+        for number, line in enumerate(lines, 1):
+            record = json.loads(line)
+            if "text" not in record:
+                raise ValueError(f"{path}:{number}: JSONL record has no 'text' field")
+            docs.append(str(record["text"]))
+        return docs
+    return lines
+
+
+def pretrain_data(env: Environment, tokenizer, section, seed: int) -> list[Sequence]:
+    """Pretraining sequences (weights 1): a corpus file, or the env's problems with answers."""
+    from training.data import pretrain_sequences
+
+    if section.data_path:
+        docs = read_documents(Path(section.data_path))
+    else:
+        examples = env.examples("train", seed=seed)
+        rng = random.Random(f"pretrain/{seed}")
+        docs = [f"{examples[i % len(examples)].prompt}{demonstration(env, examples[i % len(examples)], rng)}"
+                for i in range(section.examples)]
+    if not docs:
+        raise ValueError("pretrain data is empty")
+    token_docs = [tokenizer.encode(doc, add_special_tokens=False) + [tokenizer.eos_token_id] for doc in docs]
+    return pretrain_sequences(token_docs, section.seq_len)

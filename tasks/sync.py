@@ -1,0 +1,63 @@
+"""Stage `sync`: hand the newest weights to every inference engine → the `syncs` table.
+
+In-process engines share the trainer's tensors (a sync is free and needs no checkpoint);
+servers get the checkpoint path. Engines sync in parallel; a failed sync is retried with
+backoff, and a step whose sync failed on any engine fails loudly after its rows are written.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from engines.base import Engine
+from tasks._prefect import stage
+
+
+class SyncError(RuntimeError):
+    """An engine did not take the new weights."""
+
+
+def engine_name(engine: Engine, index: int) -> str:
+    return getattr(engine, "name", None) or f"{type(engine).__name__}[{index}]"
+
+
+def sync_one(engine: Engine, path: str | None, version: int, retries: int, backoff_s: float) -> tuple[float, str | None]:
+    start, error = time.perf_counter(), None
+    for attempt in range(retries + 1):
+        try:
+            engine.sync(path, version)
+            return time.perf_counter() - start, None
+        except Exception as exc:  # noqa: BLE001 - recorded, then raised for the step
+            error = f"{type(exc).__name__}: {exc}"
+            if attempt < retries:
+                time.sleep(backoff_s * 2**attempt)
+    return time.perf_counter() - start, error
+
+
+def sync_engines(
+    engines: list[Engine], checkpoint_path: str | None, policy_version: int, *, run_id: str,
+    step: int, retries: int = 2, backoff_s: float = 0.5,
+) -> list[dict]:
+    """Sync every engine in parallel; one `syncs` row each (never raises: see `raise_failed`)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+        results = list(pool.map(lambda e: sync_one(e, checkpoint_path, policy_version, retries, backoff_s), engines))
+    return [
+        {"run_id": run_id, "step": step, "engine": engine_name(engine, i),
+         "checkpoint_path": checkpoint_path or "", "policy_version": policy_version,
+         "seconds": seconds, "ok": error is None, "error": error}
+        for i, (engine, (seconds, error)) in enumerate(zip(engines, results, strict=True))
+    ]
+
+
+def raise_failed(rows: list[dict]) -> None:
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        details = "; ".join(f"{r['engine']}: {r['error']}" for r in failed)
+        raise SyncError(f"step {rows[0]['step']}, stage sync: {len(failed)} engine(s) did not take "
+                        f"{rows[0]['checkpoint_path'] or 'the new weights'}: {details}")
+
+
+@stage("sync", retries=1)
+def sync_task(engines, checkpoint_path, policy_version, **kwargs) -> list[dict]:
+    return sync_engines(engines, checkpoint_path, policy_version, **kwargs)

@@ -1,0 +1,60 @@
+"""Stage `train`: micro-batches of one optimizer step → forward/backward → optimizer step.
+
+The model and optimizer live in the flow's local variables for the whole run; this stage
+mutates them in place and returns metrics (Prefect never hashes or persists them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from tasks._prefect import stage
+from training.batch import PackedBatch
+from training.step import forward_backward, optim_step
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A NaN or infinite loss or gradient: the step is refused, weights untouched."""
+
+
+def train_on_batches(
+    model,
+    optimizer,
+    scheduler,
+    batches: list[PackedBatch],
+    loss_fn,
+    *,
+    normaliser: str,
+    max_grad_norm: float,
+    autocast: bool,
+    epochs: int = 1,
+    step: int,
+) -> dict[str, float]:
+    """`epochs` optimizer steps over the same micro-batches (1 = on-policy)."""
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    model.train()
+    for _ in range(epochs):
+        try:
+            metrics = dict(forward_backward(model, batches, loss_fn, normaliser=normaliser,
+                                            autocast=autocast))
+            metrics.update(optim_step(model, optimizer, scheduler, max_grad_norm))
+        except FloatingPointError as error:
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"step {step}, stage train: {error}") from error
+        if not math.isfinite(float(metrics.get("loss", 0.0))):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"step {step}, stage train: loss is {metrics['loss']}")
+    tokens = sum(b.n_tokens for b in batches)
+    metrics["tokens"] = tokens * epochs
+    metrics["seconds"] = time.perf_counter() - start
+    metrics["tokens_per_second"] = metrics["tokens"] / max(metrics["seconds"], 1e-9)
+    return metrics
+
+
+@stage("train")
+def train_task(model, optimizer, scheduler, batches, loss_fn, **kwargs) -> dict[str, float]:
+    return train_on_batches(model, optimizer, scheduler, batches, loss_fn, **kwargs)
+
+

@@ -1,0 +1,281 @@
+"""Checkpoints: Hugging Face folders plus everything needed to resume exactly.
+
+    <run_dir>/checkpoints/step_<NNNNNN>/
+        config.json, model.safetensors, generation_config.json   (model.save_pretrained)
+        tokenizer.json, tokenizer_config.json, ...                (tokenizer.save_pretrained)
+        optimizer.pt     optimizer + scheduler state dicts
+        data_state.json  the caller's data position (epoch, offset, seed, buffers, ...)
+        rng_state.pt     python, numpy and torch (CPU, CUDA) RNG states
+        metadata.json    step, time, metrics, policy_version, sha256 of the weight files
+
+The folder loads as is with `transformers.AutoModelForCausalLM.from_pretrained(path)` (and vLLM /
+SGLang): config.json never names rlpipe's own attention implementation. It is written into a
+hidden temporary folder beside the final one and renamed into place, so a reader never sees a
+half-written checkpoint; `latest_checkpoint` ignores hidden folders and folders without
+metadata.json (which is written last).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from models.loading import load_model
+from models.tokenizer import load_tokenizer
+
+CHECKPOINTS = "checkpoints"
+OPTIMIZER_FILE = "optimizer.pt"
+DATA_STATE_FILE = "data_state.json"
+RNG_FILE = "rng_state.pt"
+METADATA_FILE = "metadata.json"
+# Attention implementations plain transformers resolves by itself; anything else is ours.
+_STANDARD_ATTENTION = {None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"}
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the model (given or loaded), tokenizer, data state and metadata."""
+
+    path: Path
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    data_state: dict[str, Any]
+    metadata: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.metadata["step"])
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """`<run_dir>/checkpoints/step_<NNNNNN>`."""
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:06d}"
+
+
+def sha256_file(path: Path, block: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG state a training loop may draw from."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the states saved by `rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _portable_config(folder: Path) -> None:
+    """Drop a non-standard attention implementation from config.json (only rlpipe's models
+    package registers it; plain transformers falls back to its default)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    changed = False
+    for key in ("attn_implementation", "_attn_implementation"):
+        if key in config and config[key] not in _STANDARD_ATTENTION:
+            del config[key]
+            changed = True
+    if changed:
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    data_state: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
+    policy_version: int | None = None,
+) -> Path:
+    """Write `<run_dir>/checkpoints/step_<NNNNNN>/` atomically and return its path.
+
+    Rewriting an existing step replaces it. metadata.json holds step, time (UTC ISO),
+    metrics, policy_version (default: step) and the sha256 of each weight file.
+    """
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0; got {step}")
+    final = checkpoint_dir(run_dir, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp)
+        _portable_config(tmp)
+        tokenizer.save_pretrained(tmp)
+        if optimizer is not None or scheduler is not None:
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                },
+                tmp / OPTIMIZER_FILE,
+            )
+        _write_json(tmp / DATA_STATE_FILE, data_state or {})
+        torch.save(rng_state(), tmp / RNG_FILE)
+        weights = sorted(tmp.glob("*.safetensors"))
+        if not weights:
+            raise ValueError(f"save_pretrained wrote no *.safetensors into {str(tmp)!r}")
+        files = {p.name: sha256_file(p) for p in weights}
+        metadata = {
+            "step": step,
+            "policy_version": step if policy_version is None else policy_version,
+            "time": datetime.now(UTC).isoformat(),
+            "metrics": metrics or {},
+            # one hash for the checkpoints table: the single file's, or the index's when sharded
+            "sha256": files.get("model.safetensors")
+            or hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
+            "weight_files": files,
+        }
+        _write_json(tmp / METADATA_FILE, metadata)  # last: its presence marks a whole checkpoint
+        _fsync_dir(tmp)
+        if final.exists():
+            # A directory cannot be renamed over a non-empty one: move the old aside first.
+            old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _verify(path: Path) -> dict[str, Any]:
+    """Check a checkpoint folder's files; return its metadata. ValueError naming the problem."""
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
+    for name in ("config.json", METADATA_FILE):
+        if not (path / name).is_file():
+            raise ValueError(f"checkpoint {str(path)!r} has no {name}")
+    try:
+        metadata = json.loads((path / METADATA_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint metadata {str(path / METADATA_FILE)!r} is corrupt: {err}") from err
+    files = metadata.get("weight_files")
+    if not files:
+        raise ValueError(f"checkpoint metadata {str(path / METADATA_FILE)!r} lists no weight files")
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} is missing its weights file {name}")
+        actual = sha256_file(file)
+        if actual != expected:
+            raise ValueError(
+                f"weights file {str(file)!r} is corrupt: sha256 {actual[:12]}… does not match "
+                f"{expected[:12]}… recorded in metadata.json"
+            )
+    return metadata
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: PreTrainedModel | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    restore_rng: bool = True,
+    dtype: torch.dtype | None = None,
+) -> Checkpoint:
+    """Load a checkpoint written by `save_checkpoint`, verifying the weights' sha256.
+
+    model given: its weights are overwritten in place (same architecture); else a model is
+    loaded with varlen attention in `dtype` (default float32). optimizer / scheduler given:
+    their states are restored (ValueError if the checkpoint has none). restore_rng: python,
+    numpy and torch RNGs are set to their saved states.
+    Raises ValueError naming the path or file for a missing folder, missing config / weights /
+    metadata, a corrupt safetensors file or a sha256 mismatch.
+    """
+    path = Path(path)
+    metadata = _verify(path)
+    if model is None:
+        model = load_model(path, dtype=dtype or torch.float32)
+    else:
+        # Load through transformers (it maps on-disk names, e.g. per-expert MoE weights, back to
+        # the in-memory layout), then copy into the caller's model, keeping its dtype/device.
+        param = next(model.parameters())
+        loaded = load_model(path, dtype=dtype or param.dtype)
+        model.load_state_dict(loaded.state_dict())
+        del loaded
+    tokenizer = load_tokenizer(path)
+    data_state = json.loads((path / DATA_STATE_FILE).read_text()) if (path / DATA_STATE_FILE).is_file() else {}
+    if optimizer is not None or scheduler is not None:
+        opt_file = path / OPTIMIZER_FILE
+        if not opt_file.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} has no {OPTIMIZER_FILE} to restore from")
+        states = torch.load(opt_file, map_location="cpu", weights_only=False)
+        for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler")):
+            if obj is not None:
+                if states.get(key) is None:
+                    raise ValueError(f"{str(opt_file)!r} holds no {key} state")
+                obj.load_state_dict(states[key])
+    if restore_rng:
+        rng_file = path / RNG_FILE
+        if not rng_file.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} has no {RNG_FILE} (pass restore_rng=False)")
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    return Checkpoint(path=path, model=model, tokenizer=tokenizer, data_state=data_state, metadata=metadata)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `<run_dir>/checkpoints`, or None."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    found: list[tuple[int, Path]] = []
+    for child in root.iterdir():
+        name = child.name
+        if not name.startswith("step_") or not child.is_dir():
+            continue
+        if not (child / METADATA_FILE).is_file():
+            continue
+        try:
+            found.append((int(name[len("step_"):]), child))
+        except ValueError:
+            continue
+    return max(found)[1] if found else None

@@ -1,0 +1,205 @@
+"""The functional training step: forward/backward over micro-batches, then an optimizer step.
+
+    totals-normalised loss      forward_backward(model, batches, loss_fn, normaliser="token")
+    clip, step, schedule        optim_step(model, optimizer, scheduler, max_grad_norm)
+
+State (model, optimizer, scheduler) lives with the caller and is passed in; nothing here keeps
+any. `forward_backward` accumulates gradients over the micro-batches of ONE optimizer step with
+the normaliser computed over the whole step (losses.normaliser_totals), so the gradient does not
+depend on how the step was split into micro-batches. The step is algorithm-blind: pretraining,
+SFT and RL differ only in `loss_fn` and the token weights inside the batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from models.loading import autocast_context
+from training.batch import PackedBatch
+from training.logprobs import token_logprobs
+from training.losses import LossFn, Normaliser, batch_counts, normaliser_totals, reduce_loss
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -> FloatingPointError:
+    ids = [s for s in batch.sample_ids if s][:5]
+    where = f" (sample_ids {ids}{'...' if len(batch.sample_ids) > 5 else ''})" if ids else ""
+    return FloatingPointError(
+        f"non-finite {what} ({float(loss)}) in micro-batch {index} of {batch.n_tokens} tokens"
+        f"{where}; gradients were cleared and no optimizer step should be taken"
+    )
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    batches: Sequence[PackedBatch],
+    loss_fn: LossFn,
+    normaliser: Normaliser = "token",
+    constant: float | None = None,
+    autocast: bool = False,
+    temperature: float = 1.0,
+    aux_loss_coef: float | None = None,
+    chunk_size: int = 1024,
+) -> dict[str, float]:
+    """Accumulate the gradients of one optimizer step over `batches` (its micro-batches).
+
+    loss = Σ_batches reduce_loss(loss_fn(logprobs, batch)) (+ aux_loss_coef × router aux loss,
+    averaged over micro-batches by token share). aux_loss_coef None → the model config's
+    `router_aux_loss_coef` (0 if absent).
+    Returns metrics: loss (the step's objective, without aux), aux_loss (if any), tokens,
+    loss_tokens, sequences, seconds, and loss_fn's metrics averaged over micro-batches weighted
+    by their loss tokens. Raises FloatingPointError on a NaN/inf loss, after clearing the
+    gradients (the caller must not step).
+    """
+    if len(batches) == 0:
+        raise ValueError("forward_backward: no micro-batches")
+    start = time.perf_counter()
+    totals = normaliser_totals(batches, normaliser)
+    device = _model_device(model)
+    if aux_loss_coef is None:
+        aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+
+    loss_sum = 0.0
+    aux_sum = 0.0
+    has_aux = False
+    fn_sums: dict[str, float] = {}
+    fn_weights: dict[str, float] = {}
+    for i, batch in enumerate(batches):
+        batch = batch.to(device)
+        counts = batch_counts(batch)
+        with autocast_context(device, autocast):
+            logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+            per_token, fn_metrics = loss_fn(logprobs, batch)
+            loss = reduce_loss(per_token, batch, normaliser, totals, constant)
+        if not torch.isfinite(loss):
+            model.zero_grad(set_to_none=True)
+            raise _non_finite(loss, "loss", i, batch)
+        total = loss
+        if aux is not None:
+            if not torch.isfinite(aux):
+                model.zero_grad(set_to_none=True)
+                raise _non_finite(aux, "router aux loss", i, batch)
+            has_aux = True
+            share = counts["tokens"] / totals["tokens"]
+            aux_sum += float(aux.detach()) * share
+            if aux_loss_coef:
+                total = total + aux_loss_coef * share * aux
+        total.backward()
+        loss_sum += float(loss.detach())
+        # Weight micro-batch metrics by loss tokens (a micro-batch without any counts once).
+        w = float(counts["loss_tokens"]) or 1e-9
+        for key, value in fn_metrics.items():
+            fn_sums[key] = fn_sums.get(key, 0.0) + w * float(value)
+            fn_weights[key] = fn_weights.get(key, 0.0) + w
+
+    metrics: dict[str, float] = {k: fn_sums[k] / fn_weights[k] for k in fn_sums}
+    metrics.update(
+        loss=loss_sum,
+        tokens=float(totals["tokens"]),
+        loss_tokens=float(totals["loss_tokens"]),
+        sequences=float(totals["sequences"]),
+        micro_batches=float(len(batches)),
+        seconds=time.perf_counter() - start,
+    )
+    if has_aux:
+        metrics["aux_loss"] = aux_sum
+    return metrics
+
+
+def _no_decay(name: str, param: torch.nn.Parameter, embedding_ids: set[int]) -> bool:
+    """Norm weights, biases and embeddings are not weight-decayed (they set scales, not mixes)."""
+    return param.ndim < 2 or name.endswith(".bias") or id(param) in embedding_ids
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no decay on norms, biases and embeddings."""
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0; got {lr}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0; got {weight_decay}")
+    embedding_ids = {
+        id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+    }
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():  # tied parameters are listed once
+        if param.requires_grad:
+            (no_decay if _no_decay(name, param, embedding_ids) else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the base lr for the `step`-th optimizer step (0-based): linear warmup over
+    `warmup_steps` steps (the first step already gets 1/warmup), then cosine down to
+    `min_lr_ratio` at `total_steps`, flat after."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float = 0.1,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup then cosine decay to min_lr_ratio × lr (see `lr_factor`)."""
+    if warmup_steps < 0 or total_steps < 1:
+        raise ValueError(
+            f"need warmup_steps >= 0 and total_steps >= 1; got {warmup_steps}, {total_steps}"
+        )
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1]; got {min_lr_ratio}")
+
+    def factor(step: int) -> float:
+        return lr_factor(step, warmup_steps, total_steps, min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def optim_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    max_grad_norm: float | None = 1.0,
+) -> dict[str, float]:
+    """Clip gradients to max_grad_norm (None or <= 0: measure only), step the optimizer and the
+    scheduler, clear gradients. Returns {grad_norm (before clipping), lr (used by this step)}.
+
+    A non-finite gradient norm raises FloatingPointError after clearing the gradients, without
+    stepping.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        raise ValueError("optim_step: no parameter has a gradient; call forward_backward first")
+    clip = max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(
+            f"non-finite gradient norm ({grad_norm}); gradients cleared, optimizer not stepped"
+        )
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": lr}
