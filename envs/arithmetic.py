@@ -83,7 +83,9 @@ class ArithmeticConfig:
                 f"max_operands={self.max_operands}"
             )
         if self.train_size < 1 or self.eval_size < 1:
-            raise ValueError(f"train_size and eval_size must be >= 1, got {self.train_size}, {self.eval_size}")
+            raise ValueError(
+                f"train_size and eval_size must be >= 1, got {self.train_size}, {self.eval_size}"
+            )
         if self.eval_size * 4 > problem_space_size(self):
             raise ValueError(
                 f"eval_size={self.eval_size} is too large for {problem_space_size(self)} possible "
@@ -161,7 +163,9 @@ class ArithmeticEnv(SingleTurnEnv):
     def _correct(self, text: str, answer: Any, example: Example) -> float:
         return float(text.strip() == format_answer(int(answer), self.config.reverse_digits))
 
-    def _example(self, split: str, example_id: str, expr: str, value: int, digits: list[int]) -> Example:
+    def _example(
+        self, split: str, example_id: str, expr: str, value: int, digits: list[int]
+    ) -> Example:
         return Example(
             env=self.name,
             example_id=example_id,
@@ -202,7 +206,9 @@ class ArithmeticEnv(SingleTurnEnv):
             expr, value, digits = _draw_problem(rng, self.config)
             if self._acceptable(value) and expr + "=" not in self._eval_prompts:
                 return self._example("train", f"train/{seed}/{index}", expr, value, digits)
-        raise ValueError(f"could not draw a train problem outside the eval set (seed {seed}, index {index})")
+        raise ValueError(
+            f"could not draw a train problem outside the eval set (seed {seed}, index {index})"
+        )
 
 
 def config_at_level(config: ArithmeticConfig, level: int) -> ArithmeticConfig:

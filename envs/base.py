@@ -134,7 +134,9 @@ class SingleTurnEnv:
     def step(self, example: Example, messages: Messages, completion_text: str) -> StepResult:
         return StepResult(messages_to_append=[], done=True)
 
-    def score(self, example: Example, completion_text: str) -> float | tuple[float, dict[str, float]]:
+    def score(
+        self, example: Example, completion_text: str
+    ) -> float | tuple[float, dict[str, float]]:
         raise NotImplementedError
 
     def reward(self, example: Example, transcript: str | Messages) -> RewardResult:

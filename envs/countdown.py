@@ -56,19 +56,29 @@ class CountdownConfig:
                 f"need 2 <= min_numbers <= max_numbers, got {self.min_numbers}, {self.max_numbers}"
             )
         if self.max_number < 1 or self.max_target < 1:
-            raise ValueError(f"max_number and max_target must be >= 1, got {self.max_number}, {self.max_target}")
+            raise ValueError(
+                f"max_number and max_target must be >= 1, got {self.max_number}, {self.max_target}"
+            )
         if self.train_size < 1 or self.eval_size < 1:
-            raise ValueError(f"train_size and eval_size must be >= 1, got {self.train_size}, {self.eval_size}")
+            raise ValueError(
+                f"train_size and eval_size must be >= 1, got {self.train_size}, {self.eval_size}"
+            )
 
 
 def _draw_problem(rng: random.Random, cfg: CountdownConfig) -> tuple[list[int], int, str]:
     """(numbers, target, one solution) with 1 <= target <= max_target, integer intermediate values."""
     for _ in range(10_000):
-        numbers = [rng.randint(1, cfg.max_number) for _ in range(rng.randint(cfg.min_numbers, cfg.max_numbers))]
+        numbers = [
+            rng.randint(1, cfg.max_number)
+            for _ in range(rng.randint(cfg.min_numbers, cfg.max_numbers))
+        ]
         k = len(numbers) if cfg.use_all else rng.randint(2, len(numbers))
         items: list[tuple[Fraction, str]] = [(Fraction(x), str(x)) for x in rng.sample(numbers, k)]
         while len(items) > 1:
-            (a, ea), (b, eb) = items.pop(rng.randrange(len(items))), items.pop(rng.randrange(len(items)))
+            (a, ea), (b, eb) = (
+                items.pop(rng.randrange(len(items))),
+                items.pop(rng.randrange(len(items))),
+            )
             op = rng.choice("+-*/")
             if op == "-" and a < b:
                 (a, ea), (b, eb) = (b, eb), (a, ea)
@@ -121,8 +131,11 @@ class CountdownEnv(SingleTurnEnv):
 
     def _check(self, text: str, answer: dict[str, Any]) -> tuple[bool, bool]:
         return check_solution(
-            text, answer["numbers"], answer["target"],
-            use_all=self.config.use_all, max_chars=self.config.max_expression_chars,
+            text,
+            answer["numbers"],
+            answer["target"],
+            use_all=self.config.use_all,
+            max_chars=self.config.max_expression_chars,
         )
 
     def _format(self, text: str, answer: dict[str, Any], example: Example) -> bool:
@@ -131,13 +144,21 @@ class CountdownEnv(SingleTurnEnv):
     def _correct(self, text: str, answer: dict[str, Any], example: Example) -> float:
         return float(self._check(text, answer)[1])
 
-    def _example(self, split: str, example_id: str, numbers: list[int], target: int, solution: str) -> Example:
+    def _example(
+        self, split: str, example_id: str, numbers: list[int], target: int, solution: str
+    ) -> Example:
         return Example(
             env=self.name,
             example_id=example_id,
             prompt=f"{target} from {' '.join(map(str, numbers))}:",
             answer={"numbers": numbers, "target": target},
-            meta={"split": split, "n_numbers": len(numbers), "solution": solution},
+            # target_text: one correct completion (a demonstration for SFT)
+            meta={
+                "split": split,
+                "n_numbers": len(numbers),
+                "solution": solution,
+                "target_text": solution,
+            },
         )
 
     def _make_eval(self) -> list[Example]:
@@ -163,4 +184,6 @@ class CountdownEnv(SingleTurnEnv):
             ex = self._example("train", f"train/{seed}/{index}", numbers, target, solution)
             if ex.prompt not in self._eval_prompts:
                 return ex
-        raise ValueError(f"could not draw a train problem outside the eval set (seed {seed}, index {index})")
+        raise ValueError(
+            f"could not draw a train problem outside the eval set (seed {seed}, index {index})"
+        )

@@ -121,12 +121,16 @@ class DatasetEnv(SingleTurnEnv):
             self._train = [ex for ex, h in zip(train, held, strict=True) if not h]
             self._eval = [ex for ex, h in zip(train, held, strict=True) if h]
         if not self._train:
-            raise ValueError(f"dataset {config.path!r}: no train rows left after holding out eval rows")
+            raise ValueError(
+                f"dataset {config.path!r}: no train rows left after holding out eval rows"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> DatasetEnv:
         if "path" not in options:
-            raise ValueError("environment 'dataset' needs option 'path' (a .parquet or .jsonl file)")
+            raise ValueError(
+                "environment 'dataset' needs option 'path' (a .parquet or .jsonl file)"
+            )
         return cls(options_to_config(DatasetConfig, options, "dataset"))
 
     def examples(self, split: Split, seed: int = 0) -> Sequence[Example]:

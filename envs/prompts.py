@@ -20,7 +20,11 @@ class PromptSource:
     """Shuffled batches of `examples` (a Sequence; generated examples are fine)."""
 
     def __init__(
-        self, examples: Sequence[Example], batch_size: int | None = None, seed: int = 0, shuffle: bool = True
+        self,
+        examples: Sequence[Example],
+        batch_size: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
     ) -> None:
         if len(examples) == 0:
             raise ValueError("PromptSource: the example set is empty")

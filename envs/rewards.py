@@ -83,7 +83,11 @@ REWARDS = RewardRegistry()
 
 
 def register_reward(
-    name: str, fn: RewardFn | None = None, *, replace: bool = False, registry: RewardRegistry = REWARDS
+    name: str,
+    fn: RewardFn | None = None,
+    *,
+    replace: bool = False,
+    registry: RewardRegistry = REWARDS,
 ) -> Any:
     """Register `fn` under `name` (or use as `@register_reward(name)`); returns fn / a decorator."""
     return registry.register(name, fn, replace=replace)
@@ -106,7 +110,9 @@ def format_traceback(exc: BaseException) -> str:
 def _as_result(value: RewardValue) -> RewardResult:
     if isinstance(value, tuple):
         if len(value) != 2:
-            raise ValueError(f"a reward function returned a {len(value)}-tuple; want (reward, components)")
+            raise ValueError(
+                f"a reward function returned a {len(value)}-tuple; want (reward, components)"
+            )
         reward, components = value
         components = {str(k): float(v) for k, v in dict(components).items()}
     else:
@@ -117,7 +123,9 @@ def _as_result(value: RewardValue) -> RewardResult:
     return RewardResult(reward=reward, components=components, error=None)
 
 
-def evaluate_reward(fn: RewardFn, completion_text: str, answer: Any, example: Example) -> RewardResult:
+def evaluate_reward(
+    fn: RewardFn, completion_text: str, answer: Any, example: Example
+) -> RewardResult:
     """`fn(completion_text, answer, example)` as a RewardResult; an exception gives reward 0 + error."""
     try:
         return _as_result(fn(completion_text, answer, example))
@@ -161,7 +169,11 @@ def score_completions(
 def reward_metrics(results: Sequence[RewardResult]) -> dict[str, float]:
     """`rollout/*` metrics: reward mean, error count and share, mean of each component."""
     if not results:
-        return {"rollout/reward_mean": 0.0, "rollout/reward_errors": 0.0, "rollout/reward_error_fraction": 0.0}
+        return {
+            "rollout/reward_mean": 0.0,
+            "rollout/reward_errors": 0.0,
+            "rollout/reward_error_fraction": 0.0,
+        }
     n = len(results)
     errors = sum(r.error is not None for r in results)
     metrics = {
@@ -206,12 +218,30 @@ _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|-?\d+/\d+")
 _NUMBER_SEARCH = re.compile(r"-?\d+/\d+|-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
-def parse_number(text: str) -> Fraction:
-    """An exact number from '12', '-3.5', '1e3' or '7/2' (ValueError otherwise)."""
+def parse_number(text: str, max_exponent: int = 400, max_digits: int = 1000) -> Fraction:
+    """An exact number from '12', '-3.5', '1e3' or '7/2' (ValueError otherwise).
+
+    Bounded: more than `max_digits` characters or an exponent beyond ±`max_exponent` is refused
+    (a model can write "1e999999999"; building that integer would hang the scorer).
+    """
     text = text.strip().replace(",", "")
-    if not _NUMBER.fullmatch(text):
+    if len(text) > max_digits or not _NUMBER.fullmatch(text):
         raise ValueError(f"not a number: {text[:40]!r}")
-    return Fraction(text)
+    if "e" in text.lower():
+        exponent = int(text.lower().split("e")[1])
+        if abs(exponent) > max_exponent:
+            raise ValueError(f"exponent out of range: {text[:40]!r}")
+    try:
+        return Fraction(text)
+    except ZeroDivisionError:
+        raise ValueError(f"zero denominator: {text[:40]!r}") from None
+
+
+def _try_parse_number(text: str) -> Fraction | None:
+    try:
+        return parse_number(text)
+    except ValueError:
+        return None
 
 
 def format_integer(text: str, answer: Any = None, example: Example | None = None) -> float:
@@ -230,24 +260,37 @@ def exact_match(text: str, answer: Any, example: Example | None = None) -> float
 
 
 def _numbers_equal(a: Fraction, b: Fraction, rel_tol: float = 1e-6) -> bool:
-    return a == b or math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
+    if a == b:
+        return True
+    try:
+        return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
+    except OverflowError:  # beyond float range: only exact equality counts
+        return False
 
 
-def numeric_match(text: str, answer: Any, example: Example | None = None) -> tuple[float, dict[str, float]]:
+def numeric_match(
+    text: str, answer: Any, example: Example | None = None
+) -> tuple[float, dict[str, float]]:
     """Compare the last number in the completion with the answer (exact, or 1e-6 relative).
 
     components: format = a number was found, correct = it equals the answer.
     """
     found = _NUMBER_SEARCH.findall(text.replace(",", ""))
-    if not found:
+    value = _try_parse_number(found[-1]) if found else None
+    if value is None:  # the completion's problem, not the reward function's
         return 0.0, {"format": 0.0, "correct": 0.0}
-    correct = float(_numbers_equal(parse_number(found[-1]), parse_number(str(answer))))
+    correct = float(_numbers_equal(value, parse_number(str(answer))))
     return correct, {"format": 1.0, "correct": correct}
 
 
 def integer_equal(text: str, answer: Any, example: Example | None = None) -> float:
-    """1.0 when the completion, an integer, equals int(answer)."""
-    return float(int(text.strip()) == int(answer))
+    """1.0 when the completion, an integer, equals int(answer). Compared as canonical text, so
+    that a 10,000-digit completion is simply wrong rather than an int-conversion error."""
+    text = text.strip()
+    sign = "-" if text.startswith("-") else ""
+    digits = text.lstrip("-").lstrip("0") or "0"
+    canonical = digits if digits == "0" else sign + digits
+    return float(canonical == str(int(answer)))
 
 
 register_reward("exact_match", exact_match)

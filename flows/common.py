@@ -24,6 +24,11 @@ def quiet_defaults() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would drown the phase bars
+    hf_logging.set_verbosity_error()
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -134,10 +139,10 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
 
 def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None = None):
     """An MLflow tracker bound to the run (reopened on resume), or a no-op one."""
-    from storage.tracking import MlflowTracker, NullTracker, default_tracking_uri
-
     if not config.tracking.enabled:
-        return NullTracker()
+        return NoTracking()
+    from storage.tracking import MlflowTracker, default_tracking_uri
+
     tracker = MlflowTracker(default_tracking_uri(Path(config.runs_root)))
     run_id = tracker.start(
         run_name=state.run_id, experiment=config.tracking.experiment, params=mlflow_params(config),
@@ -152,3 +157,16 @@ def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None =
 
 def registered_model_name(config: RunConfig) -> str:
     return config.tracking.registered_model or config.run_name
+
+
+class NoTracking:
+    """The tracker of a run with tracking off: every call does nothing."""
+
+    def log_metrics(self, metrics: dict, step: int) -> None: ...
+
+    def register_checkpoint(self, path, model_name: str, tags: dict | None = None) -> None:
+        return None
+
+    def set_alias(self, model_name: str, alias: str, version) -> None: ...
+
+    def end(self, status: str = "FINISHED") -> None: ...

@@ -188,6 +188,9 @@ class RunConfig(Section):
     def _check(self) -> RunConfig:
         if self.engine.type == "http" and not self.engine.urls:
             raise ValueError("engine.urls must list at least one server when engine.type = 'http'")
+        if self.rl.loss == "ppo_clip" and self.rl.tis_cap > 0:
+            raise ValueError("rl.tis_cap with rl.loss = 'ppo_clip' is not supported: the PPO ratio "
+                             "against the engine's log-probs already absorbs the mismatch")
         if "/" in self.run_name or not self.run_name.strip():
             raise ValueError(f"run_name must be a plain folder name, got {self.run_name!r}")
         return self

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -89,13 +90,15 @@ def bf16_autocast_supported(device: torch.device) -> bool:
 def autocast_context(
     device: torch.device | str, enabled: bool
 ) -> contextlib.AbstractContextManager[None]:
-    """bf16 autocast on `device` when enabled, else a no-op context (fp32 mode).
+    """bf16 autocast on `device` when enabled and supported, else a no-op context (fp32 mode).
 
-    Raises ValueError when bf16 is asked for on a device that cannot run it.
+    Where bf16 is asked for but the device cannot run it fast, warn and run fp32: configs default
+    to bf16 and must still run on such machines.
     """
     device = torch.device(device)
     if not enabled:
         return contextlib.nullcontext()
     if not bf16_autocast_supported(device):
-        raise ValueError(f"bf16 autocast requested but not supported on device {device}")
+        warnings.warn(f"bf16 autocast not supported on {device}; running in fp32", stacklevel=2)
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

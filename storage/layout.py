@@ -72,8 +72,9 @@ def check_step(step: int) -> int:
 def atomic_write_parquet(table: pa.Table, dest: Path, *, durable: bool = True) -> None:
     """Write `table` to `dest` (zstd) through a hidden temporary file renamed over `dest`.
 
-    durable: fsync the file before the rename and the folder after, so a power cut cannot
-    leave a renamed but empty file.
+    durable: fsync the file before the rename, so a power cut cannot leave a renamed but
+    empty file (a SIGKILL cannot either way). The folder is not fsynced: after a power cut the
+    newest rename may be lost, leaving the previous file — still whole.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
@@ -85,12 +86,10 @@ def atomic_write_parquet(table: pa.Table, dest: Path, *, durable: bool = True) -
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if durable:
-        _fsync(dest.parent, directory=True)
 
 
-def _fsync(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -98,15 +97,16 @@ def _fsync(path: Path, directory: bool = False) -> None:
 
 
 def clean_leftovers(folder: Path) -> list[Path]:
-    """Delete temporary files under `folder` (two levels) left by writers that died.
+    """Delete temporary files in `folder` left by writers that died.
 
     A temporary file is removed only when the process named in it is gone, so a writer busy
-    in another process or thread keeps its file.
+    in another process or thread keeps its file. Writers call this on the folder they write to,
+    so a resumed write of a (table, step) cleans what the killed one left there.
     """
     removed = []
     if not folder.is_dir():
         return removed
-    for path in [*folder.glob(".*.tmp"), *folder.glob("*/.*.tmp")]:
+    for path in folder.glob(".*.tmp"):
         match = _TMP_RE.match(path.name)
         if match and not _alive(int(match.group(1))):
             path.unlink(missing_ok=True)

@@ -40,7 +40,17 @@ def _opt(name: str, type_: pa.DataType) -> pa.Field:
 _KEY = [_f("run_id", pa.string()), _f("step", pa.int64())]
 _SECONDS = [
     _opt(f"seconds_{phase}", pa.float64())
-    for phase in ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval", "total")
+    for phase in (
+        "generate",
+        "score",
+        "filter",
+        "pack",
+        "train",
+        "checkpoint",
+        "sync",
+        "eval",
+        "total",
+    )
 ]
 
 _FIELDS: dict[str, list[pa.Field]] = {
@@ -150,7 +160,9 @@ _FIELDS: dict[str, list[pa.Field]] = {
 
 
 def _with_meta(table: str, fields: list[pa.Field]) -> pa.Schema:
-    return pa.schema(fields, metadata={META_TABLE: table.encode(), META_VERSION: str(SCHEMA_VERSION).encode()})
+    return pa.schema(
+        fields, metadata={META_TABLE: table.encode(), META_VERSION: str(SCHEMA_VERSION).encode()}
+    )
 
 
 SCHEMAS: dict[str, pa.Schema] = {name: _with_meta(name, fields) for name, fields in _FIELDS.items()}

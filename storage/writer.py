@@ -51,7 +51,9 @@ def conform(table: str, data: TableData, *, run_id: str, step: int) -> pa.Table:
     columns, n = _columns(table, data)
     unknown = sorted(set(columns) - set(schema.names))
     if unknown:
-        raise ValueError(f"table {table!r}: unknown column {unknown[0]!r} (columns: {', '.join(schema.names)})")
+        raise ValueError(
+            f"table {table!r}: unknown column {unknown[0]!r} (columns: {', '.join(schema.names)})"
+        )
     arrays = []
     for field in schema:
         if field.name not in columns:
@@ -59,9 +61,13 @@ def conform(table: str, data: TableData, *, run_id: str, step: int) -> pa.Table:
             continue
         array = _to_arrow(table, field, columns[field.name])
         if len(array) != n:
-            raise ValueError(f"table {table!r}: column {field.name!r} has {len(array)} values, expected {n}")
+            raise ValueError(
+                f"table {table!r}: column {field.name!r} has {len(array)} values, expected {n}"
+            )
         if not field.nullable and array.null_count:
-            raise ValueError(f"table {table!r}: column {field.name!r} is required but has {array.null_count} null value(s)")
+            raise ValueError(
+                f"table {table!r}: column {field.name!r} is required but has {array.null_count} null value(s)"
+            )
         arrays.append(array)
     result = pa.Table.from_arrays(arrays, schema=schema)
     _check_constant(table, result, "step", step)
@@ -82,12 +88,16 @@ def _columns(table: str, data: TableData) -> tuple[dict[str, Any], int]:
         rows = list(data)
         for index, row in enumerate(rows):
             if not isinstance(row, Mapping):
-                raise ValueError(f"table {table!r}: row {index} is a {type(row).__name__}, not a dict")
+                raise ValueError(
+                    f"table {table!r}: row {index} is a {type(row).__name__}, not a dict"
+                )
         names: dict[str, None] = {}
         for row in rows:
             names.update(dict.fromkeys(row))
         return {name: [row.get(name) for row in rows] for name in names}, len(rows)
-    raise ValueError(f"table {table!r}: data must be a pa.Table, a list of dicts or a dict of columns, got {type(data).__name__}")
+    raise ValueError(
+        f"table {table!r}: data must be a pa.Table, a list of dicts or a dict of columns, got {type(data).__name__}"
+    )
 
 
 def _to_arrow(table: str, field: pa.Field, values: Any) -> pa.Array:
@@ -96,9 +106,26 @@ def _to_arrow(table: str, field: pa.Field, values: Any) -> pa.Array:
             values = values.combine_chunks()
         if isinstance(values, pa.Array):
             return values if values.type == field.type else values.cast(field.type)
+        if _has_integers(field.type):
+            # pa.array(values, type=int32) silently truncates Python floats: infer, then cast safely
+            return pa.array(values).cast(field.type)
         return pa.array(values, type=field.type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, OverflowError) as error:
-        raise ValueError(f"table {table!r}: column {field.name!r} does not fit {field.type}: {error}") from error
+    except (
+        pa.ArrowInvalid,
+        pa.ArrowTypeError,
+        pa.ArrowNotImplementedError,
+        TypeError,
+        OverflowError,
+    ) as error:
+        raise ValueError(
+            f"table {table!r}: column {field.name!r} does not fit {field.type}: {error}"
+        ) from error
+
+
+def _has_integers(type_: pa.DataType) -> bool:
+    if pa.types.is_list(type_):
+        return _has_integers(type_.value_type)
+    return pa.types.is_integer(type_)
 
 
 def _missing(table: str, field: pa.Field, n: int, *, run_id: str, step: int) -> pa.Array:
@@ -106,7 +133,7 @@ def _missing(table: str, field: pa.Field, n: int, *, run_id: str, step: int) -> 
         return pa.array([run_id] * n, type=field.type)
     if field.name == "step":
         return pa.array([step] * n, type=field.type)
-    if not field.nullable:
+    if not field.nullable and n:  # an empty write may omit every column
         raise ValueError(f"table {table!r}: required column {field.name!r} is missing")
     return pa.nulls(n, type=field.type)
 
@@ -115,7 +142,9 @@ def _check_constant(table: str, data: pa.Table, name: str, expected: Any) -> Non
     values = data.column(name).unique().to_pylist()
     wrong = [value for value in values if value != expected]
     if wrong:
-        raise ValueError(f"table {table!r}: column {name!r} holds {wrong[0]!r}, expected {expected!r} for this partition")
+        raise ValueError(
+            f"table {table!r}: column {name!r} holds {wrong[0]!r}, expected {expected!r} for this partition"
+        )
 
 
 def write_table(
@@ -130,15 +159,16 @@ def write_table(
     """Write (or atomically replace) the partition `<run_dir>/tables/<table>/step=<step>/`.
 
     run_id: defaults to the run_id column of `data`, else the run folder's name.
-    durable: fsync before and after the rename (off only for benchmarks and throwaway runs).
+    durable: fsync the file before the rename (see storage.layout.atomic_write_parquet).
     Returns the partition's file. An empty `data` writes an empty, complete partition.
     """
     check_step(step)
     if run_id is None:
         run_id = _run_id_of(data) or default_run_id(run_dir)
     arrow = conform(table, data, run_id=run_id, step=step)
-    clean_leftovers(table_dir(run_dir, table))
     dest = partition_file(run_dir, table, step)
+    clean_leftovers(dest.parent)
+    clean_leftovers(table_dir(run_dir, table))
     atomic_write_parquet(arrow, dest, durable=durable)
     catalog.ensure_schema_file(run_dir, table)
     if not (Path(run_dir) / CATALOG_NAME).exists():
@@ -173,7 +203,9 @@ def read_table(run_dir: str | os.PathLike, table: str, step: int | None = None) 
         if not path.is_file():
             raise FileNotFoundError(f"table {table!r} has no partition for step {step}: {path}")
         return align(pq.ParquetFile(path).read(), schema)
-    parts = [align(pq.ParquetFile(path).read(), schema) for _, path in partition_files(run_dir, table)]
+    parts = [
+        align(pq.ParquetFile(path).read(), schema) for _, path in partition_files(run_dir, table)
+    ]
     return pa.concat_tables(parts) if parts else schema.empty_table()
 
 

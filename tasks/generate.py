@@ -6,12 +6,15 @@ index) and never from a clock, so a resumed stage rewrites the same rows.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from engines.base import Engine, SamplingParams
 from envs.base import Environment, Example
 from tasks._prefect import stage
+from tasks.record import load_rows, persist
 
 
 class PromptTooLongError(ValueError):
@@ -71,7 +74,7 @@ def generate_rollouts(
 ) -> list[dict]:
     """Sample `params.n` completions per example; one row per completion."""
     prompts = encode_prompts(tokenizer, env, examples, max_context, params.max_new_tokens)
-    completions = engine.generate(prompts, params)
+    completions = generate_spread(engine if isinstance(engine, list) else [engine], prompts, params)
     rows = []
     for index, (example, prompt, group) in enumerate(zip(examples, prompts, completions, strict=True)):
         group_id = group_id_for(run_id, step, attempt, first_group_index + index)
@@ -104,12 +107,35 @@ def sampling_for_step(params: SamplingParams, seed: int, step: int, attempt: int
     return replace(params, seed=sample_seed(seed, step, attempt))
 
 
+def generate_spread(engines: list[Engine], prompts: list[list[int]], params: SamplingParams):
+    """Spread prompts over engines in contiguous shares, generated in parallel, order kept."""
+    if len(engines) == 1:
+        return engines[0].generate(prompts, params)
+    share = -(-len(prompts) // len(engines))
+    chunks = [prompts[i:i + share] for i in range(0, len(prompts), share)]
+    with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
+        parts = list(pool.map(lambda pair: pair[0].generate(pair[1], params) if pair[1] else [],
+                              zip(engines, chunks)))
+    return [group for part in parts for group in part]
+
+
 @stage("generate")
-def generate_task(engine, tokenizer, env, examples, params, **kwargs) -> list[dict]:
-    return generate_rollouts(engine, tokenizer, env, examples, params, **kwargs)
+def generate_stage(
+    engines: list[Engine], tokenizer: Any, env: Environment, examples: list[Example],
+    params: SamplingParams, *, previous: list[dict], run_dir: Path, run_id: str, seed: int,
+    step: int, attempt: int, policy_version: int, max_context: int, remote: bool = False,
+) -> list[dict]:
+    """Rollouts of one sampling round; the table holds every round of the step so far.
 
-
-@stage("generate-remote", retries=2)
-def generate_remote_task(engine, tokenizer, env, examples, params, **kwargs) -> list[dict]:
-    """Generation against HTTP servers: connection errors are retried."""
-    return generate_rollouts(engine, tokenizer, env, examples, params, **kwargs)
+    A round already in the table (a resumed step) is read back, not sampled again.
+    """
+    existing = load_rows(run_dir, "rollouts", step) or []
+    done = [row for row in existing if row["attempt"] == attempt]
+    if done:
+        return done
+    rows = generate_rollouts(
+        engines, tokenizer, env, examples, sampling_for_step(params, seed, step, attempt),
+        run_id=run_id, step=step, attempt=attempt, policy_version=policy_version,
+        max_context=max_context)
+    persist(run_dir, "rollouts", step, previous + rows, run_id)
+    return rows

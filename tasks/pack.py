@@ -30,7 +30,7 @@ def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]
             {
                 "run_id": run_id,
                 "step": step,
-                "batch_id": f"{run_id}:s{step:06d}:b{index:03d}",
+                "batch_id": index,
                 "sample_ids": list(batch.sample_ids),
                 "n_sequences": batch.n_sequences,
                 "n_tokens": batch.n_tokens,

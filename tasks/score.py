@@ -6,12 +6,12 @@ A reward function that raises is recorded in `scores.error` with reward 0; once 
 
 from __future__ import annotations
 
-from envs.base import Environment, Example
+from envs.base import Environment, Example, RewardResult
+from envs.rewards import RewardError, format_traceback
+from pathlib import Path
+
 from tasks._prefect import stage
-
-
-class RewardError(RuntimeError):
-    """Too many reward calls raised in one step."""
+from tasks.record import load_rows, persist
 
 
 def score_rollouts(
@@ -21,7 +21,10 @@ def score_rollouts(
     rows, errors = [], []
     for rollout in rollouts:
         example = examples[rollout["example_id"]]
-        result = env.reward(example, rollout["completion_text"])
+        try:
+            result = env.reward(example, rollout["completion_text"])
+        except Exception as exc:  # noqa: BLE001 - an env whose own reward() raises is recorded too
+            result = RewardResult(0.0, {}, format_traceback(exc))
         if result.error is not None:
             errors.append((rollout["sample_id"], result.error))
         rows.append(
@@ -45,5 +48,15 @@ def score_rollouts(
 
 
 @stage("score")
-def score_task(env, examples, rollouts, max_error_fraction) -> list[dict]:
-    return score_rollouts(env, examples, rollouts, max_error_fraction)
+def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[dict], *,
+                previous: list[dict], run_dir: Path, run_id: str, step: int,
+                max_error_fraction: float) -> list[dict]:
+    """Scores of one sampling round; read back when a resumed step already scored them."""
+    wanted = {row["sample_id"] for row in rollouts}
+    existing = [row for row in (load_rows(run_dir, "scores", step) or []) if row["sample_id"] in wanted]
+    if len(existing) == len(wanted):
+        order = {row["sample_id"]: row for row in existing}
+        return [order[row["sample_id"]] for row in rollouts]
+    rows = score_rollouts(env, examples, rollouts, max_error_fraction)
+    persist(run_dir, "scores", step, previous + rows, run_id)
+    return rows

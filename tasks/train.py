@@ -30,6 +30,7 @@ def train_on_batches(
     autocast: bool,
     epochs: int = 1,
     step: int,
+    temperature: float = 1.0,
 ) -> dict[str, float]:
     """`epochs` optimizer steps over the same micro-batches (1 = on-policy)."""
     start = time.perf_counter()
@@ -38,7 +39,7 @@ def train_on_batches(
     for _ in range(epochs):
         try:
             metrics = dict(forward_backward(model, batches, loss_fn, normaliser=normaliser,
-                                            autocast=autocast))
+                                            autocast=autocast, temperature=temperature))
             metrics.update(optim_step(model, optimizer, scheduler, max_grad_norm))
         except FloatingPointError as error:
             optimizer.zero_grad(set_to_none=True)

@@ -112,7 +112,8 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (a rename is durable only after this)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -171,7 +172,9 @@ def save_checkpoint(
             "weight_files": files,
         }
         _write_json(tmp / METADATA_FILE, metadata)  # last: its presence marks a whole checkpoint
-        _fsync_dir(tmp)
+        for file in tmp.iterdir():
+            _fsync(file)
+        _fsync(tmp)
         if final.exists():
             # A directory cannot be renamed over a non-empty one: move the old aside first.
             old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -180,7 +183,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,8 @@ tokens[i]; `pack` shifts it onto labels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence as SequenceABC
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
 from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
@@ -65,7 +66,7 @@ def _template_ids(
 
 def _check_prefix(prefix: list[int], ids: list[int], what: str, conv: int) -> None:
     if ids[: len(prefix)] != prefix:
-        at = next(i for i, (a, b) in enumerate(zip(prefix, ids, strict=False)) if a != b) if len(ids) >= len(prefix) else len(ids)
+        at = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), len(ids))  # noqa: B905
         raise ValueError(
             f"conversation {conv}: the chat template is not prefix-stable ({what} changes the "
             f"tokens before it, first at position {at}); cannot derive the assistant mask "

@@ -32,7 +32,7 @@ def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -
     ids = [s for s in batch.sample_ids if s][:5]
     where = f" (sample_ids {ids}{'...' if len(batch.sample_ids) > 5 else ''})" if ids else ""
     return FloatingPointError(
-        f"non-finite {what} ({float(loss)}) in micro-batch {index} of {batch.n_tokens} tokens"
+        f"non-finite {what} ({float(loss.detach())}) in micro-batch {index} of {batch.n_tokens} tokens"
         f"{where}; gradients were cleared and no optimizer step should be taken"
     )
 

@@ -1,0 +1,362 @@
+"""A lean forward pass for Qwen3 and Qwen3-MoE that reads the model's own parameters.
+
+Why: on CPU, decoding a small model through `model.forward` is bound by overhead (cache
+objects, mask building, many small ops), not arithmetic. This module runs the same maths with
+few ops per layer, against a preallocated KV cache indexed in place:
+
+    embed -> per layer: RMSNorm -> fused q/k/v -> per-head q_norm/k_norm -> RoPE -> GQA attention
+    over the cache -> o_proj -> residual -> RMSNorm -> SwiGLU MLP or top-k MoE -> residual
+    -> final norm -> lm_head
+
+`QwenWeights.from_model` collects the parameter tensors at the start of each `generate`, so the
+weights are the trainer's current ones (no sync step). Where it fuses (q/k/v, gate/up) or casts
+to another dtype it copies, once per call. Prompts are left-padded: row b has `pad[b]` padding
+columns first; positions restart at 0 at its first real token, and padding keys are masked.
+
+Attention never goes through `config._attn_implementation`, so a trainer-registered attention
+function does not affect generation. Logits match the Hugging Face forward to ~1e-6 in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+_STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+@dataclass
+class DenseMLP:
+    gate_up: torch.Tensor  # [2I, H]: gate rows then up rows
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class MoeMLP:
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows
+    down: torch.Tensor  # [E, H, I]
+    top_k: int
+    norm_topk_prob: bool
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm weight per q head, then k_norm per kv head
+    o: torch.Tensor  # [H, Hq D]
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor  # [H]
+    mlp: DenseMLP | MoeMLP
+
+
+@dataclass
+class QwenWeights:
+    """Parameter tensors and shapes of a Qwen3 / Qwen3-MoE causal LM, ready for `forward`."""
+
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    inv_freq: torch.Tensor  # [D / 2] float32
+    rope_scale: float
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> QwenWeights:
+        """Collect `model`'s current parameters (moved / cast to `device` / `dtype` if given;
+        otherwise views of the parameters, except fused q/k/v and gate/up, which are copies).
+        Raises ValueError if the model is not a supported Qwen3 layout (see
+        `unsupported_reason`)."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"model: {reason}")
+        cfg = model.config
+        dt = dtype or model.lm_head.weight.dtype
+        dev = torch.device(device) if device is not None else model.lm_head.weight.device
+
+        def w(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to(device=dev, dtype=dt)
+
+        layers = []
+        for layer in model.model.layers:
+            att = layer.self_attn
+            biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
+            layers.append(
+                LayerWeights(
+                    ln1=w(layer.input_layernorm.weight),
+                    qkv=w(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                    qkv_bias=None if biases[0] is None else w(torch.cat(biases)),
+                    qk_norm=w(
+                        torch.cat(
+                            [
+                                att.q_norm.weight.expand(cfg.num_attention_heads, -1),
+                                att.k_norm.weight.expand(cfg.num_key_value_heads, -1),
+                            ]
+                        )
+                    ),
+                    o=w(att.o_proj.weight),
+                    o_bias=w(att.o_proj.bias),
+                    ln2=w(layer.post_attention_layernorm.weight),
+                    mlp=_mlp_weights(layer.mlp, w),
+                )
+            )
+        rotary = model.model.rotary_emb
+        return cls(
+            embed=w(model.model.embed_tokens.weight),
+            layers=layers,
+            norm=w(model.model.norm.weight),
+            lm_head=w(model.lm_head.weight),
+            inv_freq=rotary.inv_freq.detach().to(device=dev, dtype=torch.float32).clone(),
+            rope_scale=float(rotary.attention_scaling),
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=model.model.layers[0].self_attn.head_dim,
+            eps=cfg.rms_norm_eps,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+
+def _mlp_weights(mlp: nn.Module, w) -> DenseMLP | MoeMLP:
+    if hasattr(mlp, "experts"):
+        return MoeMLP(
+            router=w(mlp.gate.weight),
+            gate_up=w(mlp.experts.gate_up_proj),
+            down=w(mlp.experts.down_proj),
+            top_k=mlp.gate.top_k,
+            norm_topk_prob=bool(mlp.gate.norm_topk_prob),
+        )
+    return DenseMLP(
+        gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), down=w(mlp.down_proj.weight)
+    )
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """None if `forward` can run `model`; otherwise why not (the engine then uses HF forward)."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return "sliding-window layers are not supported"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention is not supported"
+    rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} changes with sequence length"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    for i, layer in enumerate(getattr(getattr(model, "model", None), "layers", [])):
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            experts = mlp.experts
+            gate_up = getattr(experts, "gate_up_proj", None)
+            if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3:
+                return f"layer {i}: experts are not stored as fused 3-D tensors"
+            if getattr(experts, "gate_up_proj_bias", None) is not None:
+                return f"layer {i}: expert biases are not supported"
+            own = {n.split(".")[0] for n, _ in mlp.named_parameters()}
+            if own != {"experts", "gate"}:
+                return f"layer {i}: MoE block has extra parts {sorted(own - {'experts', 'gate'})}"
+        elif not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"layer {i}: unknown MLP {type(mlp).__name__}"
+    return None
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer: k[l], v[l]: [B, Hkv, S_max, D]. Columns < `length` are
+    filled; all rows share the column index (prompts are left-padded to a common length)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int
+    key_bias: torch.Tensor  # [B, S_max] float: -inf on padding columns, 0 elsewhere
+
+    @classmethod
+    def empty(cls, weights: QwenWeights, batch: int, max_len: int) -> KVCache:
+        shape = (batch, weights.n_kv_heads, max_len, weights.head_dim)
+        n = len(weights.layers)
+        dev, dt = weights.device, weights.dtype
+        return cls(
+            k=[torch.empty(shape, dtype=dt, device=dev) for _ in range(n)],
+            v=[torch.empty(shape, dtype=dt, device=dev) for _ in range(n)],
+            length=0,
+            key_bias=torch.zeros(batch, max_len, dtype=dt, device=dev),
+        )
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """A cache holding only `rows` (int64 [B']), in that order (copies the filled part)."""
+        n = self.length
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype, device=t.device)
+            out[:, :, :n] = t[rows, :, :n]
+            return out
+
+        return KVCache(
+            k=[pick(t) for t in self.k],
+            v=[pick(t) for t in self.v],
+            length=n,
+            key_bias=self.key_bias[rows],
+        )
+
+
+def rope_tables(weights: QwenWeights, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, D] for positions 0..max_len-1, as HF computes them (fp32, then cast).
+
+    sin carries the sign of rotate_half: x * cos + swap_halves(x) * sin equals HF's
+    x * cos + rotate_half(x) * sin.
+    """
+    pos = torch.arange(max_len, dtype=torch.float32, device=weights.device)
+    freqs = pos[:, None] * weights.inv_freq.to(weights.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos = (emb.cos() * weights.rope_scale).to(weights.dtype)
+    sin = (emb.sin() * weights.rope_scale).to(weights.dtype)
+    half = sin.shape[-1] // 2
+    sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    return cos, sin
+
+
+def prefill(
+    weights: QwenWeights,
+    tokens: torch.Tensor,
+    pad: torch.Tensor,
+    cache: KVCache,
+    rope: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """Run left-padded prompts through the model, filling cache columns [0, P).
+
+    tokens: int64 [B, P]; pad: int64 [B] padding columns per row. Returns last-position logits
+    float32 [B, V].
+    """
+    batch, length = tokens.shape
+    cols = torch.arange(length, device=tokens.device)
+    positions = (cols[None, :] - pad[:, None]).clamp_(min=0)  # [B, P]
+    is_pad = cols[None, :] < pad[:, None]  # [B, P]
+    cache.key_bias[:, :length].masked_fill_(is_pad, float("-inf"))
+    # causal and not padding; a padding query also sees itself so its (unused) row stays finite
+    allowed = (cols[None, :, None] >= cols[None, None, :]) & ~is_pad[:, None, :]
+    allowed |= torch.eye(length, dtype=torch.bool, device=tokens.device)[None]
+    mask = allowed[:, None]  # [B, 1, P, P]
+    cos, sin = rope[0][positions][:, :, None], rope[1][positions][:, :, None]  # [B, P, 1, D]
+    x = F.embedding(tokens, weights.embed)
+    for i, layer in enumerate(weights.layers):
+        x = _layer(weights, layer, x, cos, sin, cache, i, 0, mask)
+    cache.length = length
+    return _logits(weights, x[:, -1])
+
+
+def decode(
+    weights: QwenWeights,
+    tokens: torch.Tensor,
+    cache: KVCache,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Append one token per row at cache column `cache.length`.
+
+    tokens: int64 [B]; positions: int64 [B] (its RoPE position). Returns logits float32 [B, V].
+    """
+    col = cache.length
+    cos, sin = rope[0][positions][:, None, None], rope[1][positions][:, None, None]  # [B,1,1,D]
+    x = F.embedding(tokens[:, None], weights.embed)  # [B, 1, H]
+    for i, layer in enumerate(weights.layers):
+        x = _layer(weights, layer, x, cos, sin, cache, i, col, None)
+    cache.length = col + 1
+    return _logits(weights, x[:, 0])
+
+
+def _logits(weights: QwenWeights, x: torch.Tensor) -> torch.Tensor:
+    """x: [B, H] -> float32 [B, V]."""
+    x = F.rms_norm(x, (x.shape[-1],), weights.norm, weights.eps)
+    return F.linear(x, weights.lm_head).float()
+
+
+def _layer(
+    w: QwenWeights,
+    layer: LayerWeights,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    index: int,
+    start: int,
+    prefill_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One decoder layer. x: [B, T, H]; writes cache columns [start, start + T)."""
+    batch, steps, hidden = x.shape
+    hq, hkv, d = w.n_heads, w.n_kv_heads, w.head_dim
+    h = F.rms_norm(x, (hidden,), layer.ln1, w.eps)
+    qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, steps, hq + 2 * hkv, d)
+    qk = F.rms_norm(qkv[:, :, : hq + hkv], (d,), None, w.eps) * layer.qk_norm
+    qk = qk * cos + qk.view(batch, steps, hq + hkv, 2, d // 2).flip(3).view_as(qk) * sin
+    k_cache, v_cache = cache.k[index], cache.v[index]
+    end = start + steps
+    k_cache[:, :, start:end] = qk[:, :, hq:].transpose(1, 2)
+    v_cache[:, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
+    keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+    if prefill_mask is None:
+        # one new token: its hq query heads, grouped by kv head, attend like a length-G query
+        q = qk[:, 0, :hq].view(batch, hkv, hq // hkv, d)
+        bias = cache.key_bias[:, None, None, :end]
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
+    else:
+        q = qk[:, :, :hq].transpose(1, 2)
+        rep = hq // hkv
+        att = F.scaled_dot_product_attention(
+            q,
+            keys.repeat_interleave(rep, dim=1),
+            values.repeat_interleave(rep, dim=1),
+            attn_mask=prefill_mask,
+        )
+    att = att.reshape(batch, hq, steps, d).transpose(1, 2).reshape(batch, steps, hq * d)
+    x = x + F.linear(att, layer.o, layer.o_bias)
+    h = F.rms_norm(x, (hidden,), layer.ln2, w.eps)
+    if isinstance(layer.mlp, MoeMLP):
+        return x + _moe(w, layer.mlp, h.view(batch * steps, hidden)).view(batch, steps, hidden)
+    gate, up = F.linear(h, layer.mlp.gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, layer.mlp.down)
+
+
+def _moe(w: QwenWeights, mlp: MoeMLP, x: torch.Tensor) -> torch.Tensor:
+    """Top-k routed experts. x: [N, H] -> [N, H]. Token-expert pairs are sorted by expert so
+    each expert runs one matmul over a contiguous slice."""
+    probs = torch.softmax(F.linear(x, mlp.router), dim=-1, dtype=torch.float32)
+    top_w, top_e = torch.topk(probs, mlp.top_k, dim=-1)  # [N, k]
+    if mlp.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    flat_e = top_e.flatten()
+    order = torch.argsort(flat_e, stable=True)
+    counts = torch.bincount(flat_e, minlength=mlp.router.shape[0]).tolist()
+    token = order // mlp.top_k
+    xs = x[token]
+    outs, offset = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            gate, up = F.linear(xs[offset : offset + count], mlp.gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, mlp.down[e]))
+            offset += count
+    ys = torch.cat(outs) * top_w.flatten()[order].to(x.dtype)[:, None]
+    return torch.zeros_like(x).index_add_(0, token, ys)

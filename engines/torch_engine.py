@@ -1,0 +1,305 @@
+"""The embedded `torch` engine: batched sampling in-process, on the trainer's own weights.
+
+    engine = TorchEngine(model)                     # the nn.Module the optimizer updates
+    out = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=128, seed=0))
+    out[i][j].tokens, out[i][j].logprobs, out[i][j].finish_reason
+
+How it is fast on CPU:
+- Qwen3 / Qwen3-MoE models decode through `engines.qwen3_fast` (a lean forward over a
+  preallocated KV cache); other architectures fall back to the Hugging Face forward with its
+  DynamicCache (same sampling, slower).
+- Each prompt is prefilled once and its cache copied to its n samples.
+- Prompts are sorted by length before being cut into batches of `max_batch_size` sequences, so
+  little padding is computed; finished sequences leave the batch (the cache is compacted once
+  an eighth of the rows are done), so long tails do not cost the whole batch.
+
+Weights are read at the start of every `generate`, so after an optimizer step the next call
+samples from the new weights with no sync (`sync(None, v)` only records the policy version).
+Sampling draws one uniform per sequence and step from a `torch.Generator` seeded by
+`params.seed`: same seed, prompts and weights -> same completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engines import qwen3_fast
+from engines.base import Completion, SamplingParams
+from engines.sampling import sample_next
+
+# Compact the batch once this fraction of its rows has finished: a compaction copies the
+# filled cache once, about what one decode step reads, while a dead row costs every step.
+_COMPACT_FRACTION = 1 / 8
+
+
+class TorchEngine:
+    """In-process engine over a causal LM `model` (shared, not copied).
+
+    device / dtype: where and in which dtype to run; default the model's own. A different
+    dtype or device casts a copy of the weights at each `generate` call (still no sync needed).
+    max_batch_size: sequences (prompts x n) decoded together at most.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 128,
+        policy_version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        param = next(model.parameters())
+        self.model = model
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype or param.dtype
+        self.max_batch_size = max_batch_size
+        self.fast_path_reason = qwen3_fast.unsupported_reason(model)
+        """None when the lean Qwen3 forward is used; otherwise why the HF forward is."""
+        self._policy_version = policy_version
+        self._closed = False
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def sync(self, checkpoint_path: str | None, policy_version: int) -> None:
+        """In-process weights are shared, so with no path this only records the version.
+        With a path (a Hugging Face checkpoint folder), its weights are copied into the model."""
+        self._check_open()
+        if checkpoint_path is not None:
+            load_weights_into(self.model, checkpoint_path)
+        self._policy_version = policy_version
+
+    def close(self) -> None:
+        self._closed = True
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """For each prompt (in order), `params.n` completions (in order)."""
+        self._check_open()
+        vocab = self.model.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab})")
+        seed = params.seed if params.seed is not None else torch.Generator().seed()
+        generator = torch.Generator().manual_seed(seed)
+        # (prompt index, sample index), longest prompts first so batches pad little
+        rows = [(i, j) for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+                for j in range(params.n)]
+        results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                backend = self._backend()
+                for start in range(0, len(rows), self.max_batch_size):
+                    chunk = rows[start : start + self.max_batch_size]
+                    done = _generate_batch(
+                        backend, [prompts[i] for i, _ in chunk], params, generator, self.device
+                    )
+                    for (i, j), completion in zip(chunk, done, strict=True):
+                        results[i][j] = completion
+        finally:
+            self.model.train(was_training)
+        return results  # type: ignore[return-value]
+
+    def _backend(self) -> Backend:
+        if self.fast_path_reason is None:
+            weights = qwen3_fast.QwenWeights.from_model(self.model, self.dtype, self.device)
+            return FastBackend(weights)
+        return HFBackend(self.model, self.device)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TorchEngine is closed")
+
+
+def load_weights_into(model: nn.Module, checkpoint_path: str) -> None:
+    """Copy the weights of the Hugging Face checkpoint at `checkpoint_path` into `model` in
+    place (same parameter tensors afterwards). Raises ValueError if they do not match."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(checkpoint_path) / "config.json").is_file():
+        raise ValueError(f"checkpoint_path {checkpoint_path!r} has no config.json")
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint_path, dtype=torch.float32)
+    source = dict(loaded.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in source or source[name].shape != param.shape:
+                raise ValueError(f"checkpoint_path {checkpoint_path!r}: no matching {name!r}")
+            param.copy_(source[name])
+
+
+class Backend:
+    """What `_generate_batch` needs from a model runner (one batch at a time)."""
+
+    def start(self, tokens: torch.Tensor, pad: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Prefill left-padded prompts tokens [U, P] (pad [U] columns each), room for max_len
+        columns in all. Returns last-position logits float32 [U, V]."""
+        raise NotImplementedError
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (int64, may repeat: used to copy a prompt to n samples)."""
+        raise NotImplementedError
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (int64 [B]) at RoPE positions [B]; logits float32 [B, V]."""
+        raise NotImplementedError
+
+
+class FastBackend(Backend):
+    """The lean Qwen3 forward over a preallocated KV cache."""
+
+    def __init__(self, weights: qwen3_fast.QwenWeights) -> None:
+        self.weights = weights
+        self.cache: qwen3_fast.KVCache | None = None
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def start(self, tokens: torch.Tensor, pad: torch.Tensor, max_len: int) -> torch.Tensor:
+        self.rope = qwen3_fast.rope_tables(self.weights, max_len)
+        self.cache = qwen3_fast.KVCache.empty(self.weights, tokens.shape[0], max_len)
+        return qwen3_fast.prefill(self.weights, tokens, pad, self.cache, self.rope)
+
+    def select(self, rows: torch.Tensor) -> None:
+        assert self.cache is not None
+        self.cache = self.cache.select(rows)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.cache is not None and self.rope is not None
+        return qwen3_fast.decode(self.weights, tokens, self.cache, self.rope, positions)
+
+
+class HFBackend(Backend):
+    """Any Hugging Face causal LM, through its forward and DynamicCache (the slow path)."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache = None
+        self.mask: torch.Tensor | None = None
+
+    def start(self, tokens: torch.Tensor, pad: torch.Tensor, max_len: int) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        cols = torch.arange(tokens.shape[1], device=tokens.device)
+        self.mask = (cols[None, :] >= pad[:, None]).long()
+        self.cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=self.mask,
+            position_ids=(cols[None, :] - pad[:, None]).clamp(min=0),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    def select(self, rows: torch.Tensor) -> None:
+        assert self.mask is not None and self.cache is not None
+        self.cache.reorder_cache(rows)
+        self.mask = self.mask[rows]
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1].float()
+
+
+@dataclass
+class _Batch:
+    """Bookkeeping of one decoding batch; index b is a sequence of the batch as generated."""
+
+    tokens: torch.Tensor  # int64 [B, max_new]
+    logprobs: torch.Tensor  # float32 [B, max_new]
+    lengths: list[int]
+    reasons: list[str]
+
+
+def _generate_batch(
+    backend: Backend,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    generator: torch.Generator,
+    device: torch.device,
+) -> list[Completion]:
+    """Sample one completion per entry of `prompts` (equal prompts share one prefill)."""
+    unique: dict[tuple[int, ...], int] = {}
+    source = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+    tokens, pad = _left_pad(list(unique), device)
+    max_new = params.max_new_tokens
+    logits = backend.start(tokens, pad, tokens.shape[1] + max_new)
+    source_t = torch.tensor(source, device=device)
+    if len(unique) != len(prompts) or source != list(range(len(prompts))):
+        backend.select(source_t)
+        logits = logits[source_t]
+    n_rows = len(prompts)
+    uniforms = None if params.greedy else torch.rand(max_new, n_rows, generator=generator).to(device)
+    stop = torch.tensor(params.stop_token_ids, device=device) if params.stop_token_ids else None
+    out = _Batch(
+        tokens=torch.zeros(n_rows, max_new, dtype=torch.long, device=device),
+        logprobs=torch.zeros(n_rows, max_new, dtype=torch.float32, device=device),
+        lengths=[max_new] * n_rows,
+        reasons=["length"] * n_rows,
+    )
+    rows = torch.arange(n_rows, device=device)  # batch position -> sequence index
+    live = torch.ones(n_rows, dtype=torch.bool, device=device)
+    positions = torch.tensor([len(p) for p in prompts], device=device)
+    n_live = n_rows
+    for t in range(max_new):
+        draws = None if uniforms is None else uniforms[t][rows]
+        token, logprob = sample_next(logits, params, draws)
+        out.tokens[rows, t] = token
+        out.logprobs[rows, t] = logprob
+        if t == max_new - 1:
+            break
+        if stop is not None:
+            hit = torch.isin(token, stop) & live
+            finished = rows[hit].tolist()
+            if finished:
+                for b in finished:
+                    out.lengths[b], out.reasons[b] = t + 1, "stop"
+                live &= ~hit
+                n_live -= len(finished)
+                if n_live == 0:
+                    break
+                if (len(rows) - n_live) >= _COMPACT_FRACTION * len(rows):
+                    keep = live.nonzero().squeeze(1)
+                    backend.select(keep)
+                    rows, positions, token = rows[keep], positions[keep], token[keep]
+                    live = live[keep]
+        logits = backend.step(token, positions)
+        positions = positions + 1
+    tokens_cpu, logprobs_cpu = out.tokens.cpu(), out.logprobs.cpu()
+    return [
+        Completion(
+            tokens=tokens_cpu[b, :n].tolist(),
+            logprobs=logprobs_cpu[b, :n].tolist(),
+            finish_reason=out.reasons[b],  # type: ignore[arg-type]
+        )
+        for b, n in enumerate(out.lengths)
+    ]
+
+
+def _left_pad(prompts: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad with token 0 (masked). Returns tokens int64 [U, P] and pad int64 [U]."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
+    return tokens.to(device), pad.to(device)
+

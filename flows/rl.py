@@ -1,0 +1,215 @@
+"""Prefect flow `rl`: the GRPO-family loop, one Prefect task per stage per step.
+
+    generate → score → filter/advantages → pack → train → checkpoint → sync   (+ eval)
+
+Over-sampling: a step samples `oversample_factor` × the groups it still needs; zero-variance
+groups are dropped and counted, surplus valid groups carry to the next step, and after
+`max_attempts` rounds the step fails with a clear error. Every stage writes its table; on resume,
+generate and score read their rows back instead of recomputing, and the rest replays
+deterministically, so a killed-and-resumed run ends with the same weights as an uninterrupted one.
+
+    rlpipe run configs/rl.toml
+"""
+
+from __future__ import annotations
+
+import math
+
+from prefect import flow
+
+from flows.common import RunState, Stopwatch, make_tracker, open_run, registered_model_name, resolve_config
+from flows.config import RunConfig
+from flows.progress import progress
+from flows.supervised import due
+from tasks.advantages import advantage_config, filter_task, new_buffer, scored_groups
+from tasks.checkpoint import checkpoint_task
+from tasks.evaluate import eval_task
+from tasks.generate import generate_stage
+from tasks.pack import pack_task
+from tasks.record import load_rows, persist, train_step_row
+from tasks.score import score_stage
+from tasks.setup import make_env, make_model_and_tokenizer, make_optimizer, max_context, stop_token_ids
+from tasks.sync import raise_failed, sync_task
+from tasks.train import train_task
+from training.checkpoint import latest_checkpoint, load_checkpoint
+
+
+@flow(name="rl", log_prints=True, persist_result=False)
+def rl_flow(config_path: str | None = None, overrides: list[str] | None = None,
+            config: dict | None = None) -> dict:
+    """RL from `model.path` (e.g. an SFT checkpoint) or a preset; returns the last checkpoint."""
+    return run_rl(resolve_config(config_path, overrides, config))
+
+
+def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
+           start_checkpoint: str | None = None) -> dict:
+    state: RunState = open_run(config, "rl")
+    tracker = make_tracker(config, state, parent_mlflow_run_id)
+    engines: list = []
+    try:
+        result = _loop(config, state, tracker, start_checkpoint, engines)
+        tracker.end("FINISHED")
+        state.status, state.extra = "finished", {**state.extra, **result}
+        state.save()
+        return result
+    except BaseException:
+        tracker.end("FAILED")
+        state.status = "failed"
+        state.save()
+        raise
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def make_engines(config: RunConfig, model) -> list:
+    if config.engine.type == "torch":
+        from engines.torch_engine import TorchEngine
+
+        return [TorchEngine(model)]
+    if config.engine.type == "http":
+        from engines.http import engines_from_config
+
+        return engines_from_config(config.engine)
+    from engines.vllm_engine import VllmEngine  # optional extra, needs a GPU
+
+    return [VllmEngine(model)]
+
+
+def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines: list) -> dict:
+    from engines.base import SamplingParams
+    from envs.prompts import PromptSource
+    from training.rl_loss import build_rl_loss
+
+    rl, run_dir, run_id = config.rl, state.run_dir, state.run_id
+    env = make_env(config.task.env, config.task.options)
+    model, tokenizer = make_model_and_tokenizer(
+        config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
+    optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
+    prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
+    buffer = new_buffer(rl)
+    start_step = 0
+    resume_from = latest_checkpoint(run_dir)
+    if resume_from is not None:
+        loaded = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        start_step = int(loaded.metadata["step"])
+        prompts.load_state_dict(loaded.data_state["prompts"])
+        buffer.load_state_dict(loaded.data_state["buffer"])
+    engines += make_engines(config, model)
+    stops = stop_token_ids(tokenizer)
+    sampling = SamplingParams(n=rl.group_size, temperature=rl.sampling.temperature, top_p=rl.sampling.top_p,
+                              top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
+                              stop_token_ids=stops)
+    loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high,
+                            tis_cap=rl.tis_cap)
+    context = max_context(model)
+    eval_examples = list(env.examples("eval", seed=config.seed))[: config.task.eval_examples]
+    examples_by_id: dict = {}
+    rows_by_sample: dict[str, dict] = {}
+    adv_config = advantage_config(rl)
+    model_name = registered_model_name(config)
+    common = dict(run_dir=run_dir, run_id=run_id)
+
+    def evaluate(step: int) -> dict:
+        rows = load_rows(run_dir, "evals", step)
+        if rows is None:
+            rows, _ = eval_task(engines[0], tokenizer, env, eval_examples, run_id=run_id, step=step,
+                                max_new_tokens=rl.sampling.max_new_tokens, stop_token_ids=stops,
+                                max_context=context)
+            persist(run_dir, "evals", step, rows, run_id)
+            model.train()
+        n = max(len(rows), 1)
+        return {"eval/accuracy": sum(r["correct"] for r in rows) / n,
+                "eval/reward_mean": sum(r["reward"] for r in rows) / n}
+
+    best = -math.inf
+    eval_metrics = {}
+    if start_step == 0:
+        eval_metrics = evaluate(0)
+        tracker.log_metrics(eval_metrics, step=0)
+        best = eval_metrics["eval/accuracy"]
+    last_path = None
+    bar = progress(total=rl.steps, initial=start_step, desc="rl")
+    for step in range(start_step + 1, rl.steps + 1):
+        watch = Stopwatch()
+        version = (step - 1) * rl.ppo_epochs
+        sampled, scored, decisions = [], [], []
+        buffer.start_batch(version)
+        while buffer.need() > 0:
+            attempt = buffer.begin_attempt()  # BatchFillError once max_attempts are spent
+            examples = prompts.next_batch(buffer.prompts_to_sample())
+            examples_by_id.update({e.example_id: e for e in examples})
+            with watch("generate"):
+                new = generate_stage(engines, tokenizer, env, examples, sampling, previous=sampled,
+                                     seed=config.seed, step=step, attempt=attempt, policy_version=version,
+                                     max_context=context, **common)
+            with watch("score"):
+                new_scores = score_stage(env, examples_by_id, new, previous=scored, step=step,
+                                         max_error_fraction=rl.max_reward_error_fraction, **common)
+            sampled, scored = sampled + new, scored + new_scores
+            rows_by_sample.update({row["sample_id"]: row for row in new})
+            decisions += buffer.add(scored_groups(new, new_scores, attempt))
+        with watch("filter"):
+            selected, advantages, filter_metrics = filter_task(buffer, decisions, adv_config, rows_by_sample,
+                                                               step=step, **common)
+            keep = {sid for group in buffer.pending for sid in group.sample_ids}
+            for sample_id in [sid for sid in rows_by_sample if sid not in keep]:
+                del rows_by_sample[sample_id]
+        with watch("pack"):
+            batches, batch_rows = pack_task(selected, advantages, rl.optim.token_budget, run_id, step)
+            persist(run_dir, "batches", step, batch_rows, run_id)
+        with watch("train"):
+            metrics = train_task(model, optimizer, scheduler, batches, loss_fn, normaliser=rl.optim.normaliser,
+                                 max_grad_norm=rl.optim.max_grad_norm, autocast=config.model.bf16_autocast,
+                                 epochs=rl.ppo_epochs, step=step, temperature=rl.sampling.temperature)
+        version = step * rl.ppo_epochs
+        checkpoint_path = None
+        if due(step, rl.checkpoint_every, rl.steps):
+            with watch("checkpoint"):
+                row = checkpoint_task(
+                    run_dir=run_dir, run_id=run_id, step=step, policy_version=version, model=model,
+                    tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                    data_state={"prompts": prompts.state_dict(), "buffer": buffer.state_dict()},
+                    metrics=metrics, tracker=tracker, model_name=model_name)
+                persist(run_dir, "checkpoints", step, [row], run_id)
+                checkpoint_path = last_path = row["path"]
+        if config.engine.type != "torch" or checkpoint_path:
+            with watch("sync"):
+                sync_rows = sync_task(engines, checkpoint_path, version, run_id=run_id, step=step,
+                                      retries=config.engine.retries)
+                persist(run_dir, "syncs", step, sync_rows, run_id)
+                raise_failed(sync_rows)
+        step_eval = {}
+        if due(step, rl.eval_every, rl.steps):
+            with watch("eval"):
+                step_eval = eval_metrics = evaluate(step)
+            if step_eval["eval/accuracy"] > best and checkpoint_path:
+                best = step_eval["eval/accuracy"]
+                tracker.set_alias(model_name, "best", row["mlflow_model_version"])
+        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)], run_id)
+        tracker.log_metrics(_step_metrics(metrics, filter_metrics, sampled, scored, watch.seconds) | step_eval,
+                            step=step)
+        bar.update(1)
+        bar.set_postfix(reward=f"{filter_metrics.get('rollout/reward_mean', 0):.2f}",
+                        **({"acc": f"{step_eval['eval/accuracy']:.2f}"} if step_eval else {}))
+    bar.close()
+    if last_path is None:
+        last = latest_checkpoint(run_dir)
+        last_path = str(last) if last else None
+    return {"checkpoint": last_path, "eval": eval_metrics, "steps": rl.steps}
+
+
+def _step_metrics(train: dict, filt: dict, rollouts: list[dict], scores: list[dict],
+                  seconds: dict[str, float]) -> dict[str, float]:
+    out = {f"train/{k}": float(v) for k, v in train.items() if isinstance(v, int | float)
+           and k not in ("seconds", "tokens_per_second")}
+    out |= {k: float(v) for k, v in filt.items()}
+    if rollouts:
+        lengths = [r["n_completion_tokens"] for r in rollouts]
+        out["rollout/completion_length_mean"] = sum(lengths) / len(lengths)
+        out["rollout/reward_mean_all"] = sum(s["reward"] for s in scores) / len(scores)
+        out["rollout/reward_errors"] = float(sum(s["error"] is not None for s in scores))
+    out["perf/tokens_per_second"] = float(train.get("tokens_per_second", 0.0))
+    out |= {f"perf/seconds_{k}": v for k, v in seconds.items()}
+    out["perf/seconds_total"] = sum(seconds.values())
+    return out

@@ -1,0 +1,209 @@
+"""`rlpipe sql`: query one or several runs' tables with DuckDB.
+
+    rlpipe sql runs/demo "select step, avg(reward) from scores group by 1 order by 1"
+    rlpipe sql runs/a runs/b --query reward_by_step --format csv
+    rlpipe sql runs/a --query samples_by_step --format parquet --out samples.parquet
+    rlpipe sql --list
+
+Each table name is the union over the given runs, with a `run_id` column. Output is a table on
+the terminal, or csv / json (an array of objects) / parquet on stdout or in --out. Nested values
+(token lists, reward components) become JSON text in csv. Exit status 2, with a one-line message
+on stderr, for a bad run folder, an unknown query name, and any SQL error (DuckDB's message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from storage.catalog import connect, has_data, run_dirs_list
+from storage.queries import canned_queries, canned_sql
+from storage.schemas import TABLES
+
+PROG = "rlpipe sql"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Query runs' tables (" + ", ".join(TABLES) + ") with DuckDB SQL.",
+        epilog='example: rlpipe sql runs/demo "select step, avg(reward) from scores group by 1"',
+    )
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="RUN_DIR... [SQL]",
+        help="run folders, then the SQL (unless --query or --list)",
+    )
+    parser.add_argument(
+        "--query", "-q", metavar="NAME", help="run the canned query NAME (see --list)"
+    )
+    parser.add_argument("--list", action="store_true", help="list the canned queries and exit")
+    parser.add_argument(
+        "--format", "-f", choices=("table", "csv", "json", "parquet"), default="table"
+    )
+    parser.add_argument(
+        "--out", "-o", metavar="FILE", help="write the result here instead of stdout"
+    )
+    parser.add_argument(
+        "--max-rows", type=int, default=100, help="rows shown by --format table (default 100)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit_:  # argparse already printed its message
+        return int(exit_.code or 0)
+    if args.list:
+        for name, query in canned_queries().items():
+            print(f"{name:<24} {query.description}")
+        return 0
+    try:
+        run_dirs, sql = _split_args(args)
+        runs = run_dirs_list(run_dirs)
+        if args.format == "parquet" and not args.out:
+            raise ValueError("--format parquet needs --out FILE")
+    except ValueError as error:
+        return _fail(str(error))
+    con = connect(runs)
+    try:
+        result = con.sql(sql)
+        table = pa.table({}) if result is None else result.to_arrow_table()
+    except duckdb.Error as error:
+        return _fail(_one_line(str(error)))
+    _note_empty_tables(sql, runs)
+    _emit(table, args)
+    return 0
+
+
+def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
+    """(run folders, SQL text) from the positional arguments and --query."""
+    positional = list(args.args)
+    if args.query is not None:
+        return positional, canned_sql(args.query)
+    if len(positional) < 2:
+        raise ValueError('give RUN_DIR... "SQL", or RUN_DIR... --query NAME (see --list)')
+    return positional[:-1], positional[-1]
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return 2
+
+
+def _one_line(message: str) -> str:
+    """DuckDB's message without the echoed query and caret lines, on one line."""
+    lines = []
+    for line in message.splitlines():
+        if line.startswith("LINE "):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    text = " ".join(lines)
+    if "Catalog Error" in text and "Table" in text:
+        text += f" (tables: {', '.join(TABLES)})"
+    return text
+
+
+def _note_empty_tables(sql: str, runs: list[Path]) -> None:
+    try:
+        # a bare connection: DuckDB 2.0 fails get_table_names on one whose views read Parquet
+        referenced = duckdb.connect().get_table_names(sql)
+    except duckdb.Error:
+        return
+    for table in TABLES:
+        if table in referenced and not has_data(runs, table):
+            where = ", ".join(str(run) for run in runs)
+            print(f"{PROG}: note: table {table!r} has no data yet in {where}", file=sys.stderr)
+
+
+def _emit(table: pa.Table, args: argparse.Namespace) -> None:
+    if args.format == "parquet":
+        pq.write_table(table, args.out, compression="zstd")
+        return
+    if args.format == "table":
+        _render(table, args.max_rows, args.out)
+    elif args.format == "csv":
+        sink = pa.BufferOutputStream()
+        pacsv.write_csv(_nested_as_json(table), sink)
+        _write_text(sink.getvalue().to_pybytes().decode(), args.out)
+    else:
+        rows = [{key: _jsonable(value) for key, value in row.items()} for row in table.to_pylist()]
+        _write_text(json.dumps(rows, default=str) + "\n", args.out)
+
+
+def _write_text(text: str, out: str | None) -> None:
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        Path(out).write_text(text)
+
+
+def _jsonable(value: Any) -> Any:
+    """Python value of an Arrow cell, as JSON can hold it (NaN -> null, maps -> objects)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        if value and all(isinstance(item, tuple) and len(item) == 2 for item in value):
+            return {str(key): _jsonable(item) for key, item in value}  # a map
+        return [_jsonable(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    return value
+
+
+def _nested_as_json(table: pa.Table) -> pa.Table:
+    """Nested columns (lists, maps, structs) as JSON text, which csv can hold."""
+    columns = []
+    for column in table.columns:
+        if pa.types.is_nested(column.type):
+            texts = [
+                None if value is None else json.dumps(_jsonable(value), default=str)
+                for value in column.to_pylist()
+            ]
+            column = pa.array(texts, type=pa.string())
+        columns.append(column)
+    return pa.Table.from_arrays(columns, names=table.column_names)
+
+
+def _render(table: pa.Table, max_rows: int, out: str | None) -> None:
+    from rich.console import Console  # rich only for this format
+    from rich.table import Table
+
+    view = Table(show_header=True, header_style="bold")
+    for name in table.column_names:
+        view.add_column(name)
+    for row in table.slice(0, max_rows).to_pylist():
+        view.add_row(*(_cell(value) for value in row.values()))
+    console = Console(file=io.StringIO(), width=200) if out else Console()
+    console.print(view)
+    shown = min(max_rows, table.num_rows)
+    console.print(
+        f"{table.num_rows} row(s)" + (f", first {shown} shown" if shown < table.num_rows else "")
+    )
+    if out:
+        Path(out).write_text(console.file.getvalue())
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, dict)):
+        text = json.dumps(_jsonable(value), default=str)
+        return text if len(text) <= 80 else text[:77] + "..."
+    return str(value)

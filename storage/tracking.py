@@ -1,0 +1,294 @@
+"""Thin MLflow helpers: runs, metrics, checkpoints as registered model versions, aliases.
+
+    tracker = MlflowTracker.for_runs_root("runs")         # sqlite:///runs/mlflow.db, runs/mlartifacts/
+    with tracker.start("demo", experiment="rlpipe", params=config_dict):
+        tracker.log_metrics({"train/loss": 1.2}, step=1)
+        version = tracker.register_checkpoint("runs/demo/checkpoints/step_000010", "demo-model")
+        tracker.set_alias("demo-model", "best", version)
+    mlflow.artifacts.download_artifacts("models:/demo-model@best")   # the checkpoint's files
+
+One tracker object is one MLflow run; nested runs (a pipeline parent with SFT and RL children)
+are separate trackers started with `parent=<parent tracker>.run_id`. `NullTracker` does nothing,
+for tests and `tracking = false`. Everything goes through an explicit `MlflowClient`, so the
+process-wide `mlflow.set_tracking_uri` state is never touched.
+
+Why not `mlflow.register_model("runs:/<id>/dir")`: in MLflow 3 it fails for a plain artifact
+folder (and leaves an empty registered model). A checkpoint is logged as run artifacts and its
+folder becomes a model version with `create_model_version(source=<run artifact uri>/<dir>)`.
+The alias `latest` is reserved by MLflow: `models:/NAME@latest` already means the newest version.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+RESERVED_ALIASES = frozenset({"latest"})
+_MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+_BATCH = 100  # MLflow's limit on params per log_batch call
+
+
+def default_tracking_uri(runs_root: str | os.PathLike) -> str:
+    """$MLFLOW_TRACKING_URI if set, else `sqlite:///<runs_root>/mlflow.db` (absolute)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    root = Path(runs_root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def default_artifact_root(runs_root: str | os.PathLike) -> str | None:
+    """`<runs_root>/mlartifacts` as a file URI, or None when $MLFLOW_TRACKING_URI picks the store."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    return (Path(runs_root).resolve() / "mlartifacts").as_uri()
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}} -> {"a.b": "1"}; values as text, cut to MLflow's length limit."""
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_params(value, prefix=f"{name}."))
+        else:
+            flat[name] = str(value)[:_MAX_PARAM_LENGTH]
+    return flat
+
+
+class Tracker(Protocol):
+    """What flows need from experiment tracking. One object tracks one run at a time."""
+
+    run_id: str | None
+
+    def start(
+        self,
+        run_name: str,
+        experiment: str,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None,
+        parent: str | None = None,
+    ) -> Tracker: ...
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None: ...
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+
+    def register_checkpoint(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        model_name: str,
+        tags: Mapping[str, str] | None = None,
+    ) -> str: ...
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None: ...
+
+    def end(self, status: str = "FINISHED") -> None: ...
+
+    def __enter__(self) -> Tracker: ...
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None: ...
+
+
+class _EndOnExit:
+    """`with tracker.start(...):` ends the run FINISHED, or FAILED when the block raises."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        self.end("FAILED" if kind is not None else "FINISHED")
+
+
+class NullTracker(_EndOnExit):
+    """Tracks nothing; keeps what it was given in memory so tests can look."""
+
+    def __init__(self) -> None:
+        self.run_id: str | None = None
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+        self.params: dict[str, str] = {}
+        self.status: str | None = None
+        self._versions: dict[str, int] = {}
+
+    def start(self, run_name, experiment, params=None, tags=None, parent=None) -> NullTracker:
+        self.run_id = f"null-{run_name}"
+        self.params = flatten_params(params or {})
+        self.status = "RUNNING"
+        return self
+
+    def log_metrics(self, metrics, step) -> None:
+        self.metrics.append(
+            (step, {key: float(value) for key, value in metrics.items() if value is not None})
+        )
+
+    def log_dict(self, data, artifact_file) -> None:
+        pass
+
+    def log_artifact(self, path, artifact_path=None) -> None:
+        pass
+
+    def register_checkpoint(self, checkpoint_dir, model_name, tags=None) -> str:
+        self._versions[model_name] = self._versions.get(model_name, 0) + 1
+        return str(self._versions[model_name])
+
+    def set_alias(self, model_name, alias, version) -> None:
+        _check_alias(alias)
+
+    def end(self, status="FINISHED") -> None:
+        self.status = status
+
+
+class MlflowTracker(_EndOnExit):
+    """One MLflow run through an explicit MlflowClient (no global MLflow state)."""
+
+    def __init__(self, tracking_uri: str, artifact_root: str | None = None) -> None:
+        """artifact_root: where new experiments keep artifacts (a folder URI); None = MLflow's default."""
+        from mlflow import MlflowClient  # imported here: mlflow costs ~1 s to import
+
+        self.tracking_uri = tracking_uri
+        self.artifact_root = artifact_root
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.run_id: str | None = None
+        self._pending: list[Any] = []  # async log operations to wait for
+
+    @classmethod
+    def for_runs_root(cls, runs_root: str | os.PathLike) -> MlflowTracker:
+        """A tracker on the embedded store under `runs_root` (or $MLFLOW_TRACKING_URI)."""
+        return cls(default_tracking_uri(runs_root), default_artifact_root(runs_root))
+
+    def _experiment_id(self, name: str) -> str:
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        location = (
+            None if self.artifact_root is None else f"{self.artifact_root.rstrip('/')}/{name}"
+        )
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def start(self, run_name, experiment, params=None, tags=None, parent=None) -> MlflowTracker:
+        """Start a run (a child of run id `parent` when given); returns self for `with`."""
+        from mlflow.entities import Param
+
+        if self.run_id is not None:
+            raise ValueError(
+                f"tracker already tracks run {self.run_id}; end it or use another tracker"
+            )
+        all_tags = dict(tags or {})
+        if parent is not None:
+            all_tags["mlflow.parentRunId"] = parent
+        run = self.client.create_run(
+            self._experiment_id(experiment), run_name=run_name, tags=all_tags
+        )
+        self.run_id = run.info.run_id
+        flat = [Param(key, value) for key, value in flatten_params(params or {}).items()]
+        for start in range(0, len(flat), _BATCH):
+            self.client.log_batch(self.run_id, params=flat[start : start + _BATCH])
+        return self
+
+    def log_metrics(self, metrics, step) -> None:
+        """Queue metrics (None values skipped) without waiting for the store."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(key, float(value), now, step)
+            for key, value in metrics.items()
+            if value is not None
+        ]
+        if batch:
+            self._pending.append(
+                self.client.log_batch(self._active(), metrics=batch, synchronous=False)
+            )
+
+    def log_dict(self, data, artifact_file) -> None:
+        self.client.log_dict(self._active(), dict(data), artifact_file)
+
+    def log_artifact(self, path, artifact_path=None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self._active(), str(path), artifact_path)
+        else:
+            self.client.log_artifact(self._active(), str(path), artifact_path)
+
+    def register_checkpoint(self, checkpoint_dir, model_name, tags=None) -> str:
+        """Log the folder as artifacts `checkpoints/<folder name>` and make it a new version of
+        `model_name` (created if needed). Returns the version number as text."""
+        folder = Path(checkpoint_dir)
+        if not folder.is_dir():
+            raise ValueError(f"checkpoint_dir is not a folder: {folder}")
+        run_id = self._active()
+        artifact_path = f"checkpoints/{folder.name}"
+        self.client.log_artifacts(run_id, str(folder), artifact_path)
+        if not self.client.search_registered_models(filter_string=f"name = '{model_name}'"):
+            self.client.create_registered_model(model_name)
+        source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+        version = self.client.create_model_version(
+            model_name, source=source, run_id=run_id, tags=dict(tags or {})
+        )
+        return str(version.version)
+
+    def set_alias(self, model_name, alias, version) -> None:
+        _check_alias(alias)
+        self.client.set_registered_model_alias(model_name, alias, str(version))
+
+    def end(self, status="FINISHED") -> None:
+        """Wait for queued metrics, then close the run with `status` (FINISHED | FAILED | KILLED)."""
+        if self.run_id is None:
+            return
+        for operation in self._pending:
+            operation.wait()
+        self._pending.clear()
+        self.client.set_terminated(self.run_id, status=status)
+        self.run_id = None
+
+    def _active(self) -> str:
+        if self.run_id is None:
+            raise ValueError("no active run: call start() first")
+        return self.run_id
+
+
+def _check_alias(alias: str) -> None:
+    if alias in RESERVED_ALIASES:
+        raise ValueError(
+            f"alias {alias!r} is reserved by MLflow (models:/NAME@latest already resolves to the newest version)"
+        )
+
+
+def download_model(
+    tracking_uri: str, model_uri: str, dst_path: str | os.PathLike | None = None
+) -> Path:
+    """Files of `models:/NAME@alias` (`@latest` = newest) or `models:/NAME/VERSION` in a local folder.
+
+    Resolves the version with an explicit client: `mlflow.artifacts.download_artifacts` with a
+    `registry_uri` argument still reads the process-wide registry (MLflow 3.17).
+    """
+    import mlflow.artifacts
+    from mlflow import MlflowClient
+
+    if not model_uri.startswith("models:/"):
+        raise ValueError(
+            f"model_uri must look like models:/NAME@alias or models:/NAME/VERSION, got {model_uri!r}"
+        )
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    name, sep, alias = model_uri.removeprefix("models:/").partition("@")
+    if sep and alias == "latest":
+        versions = client.search_model_versions(f"name = '{name}'")
+        if not versions:
+            raise ValueError(f"registered model {name!r} has no versions")
+        version = max(versions, key=lambda v: int(v.version))
+    elif sep:
+        version = client.get_model_version_by_alias(name, alias)
+    else:
+        name, _, number = name.partition("/")
+        version = client.get_model_version(name, number)
+    path = mlflow.artifacts.download_artifacts(
+        artifact_uri=version.source,
+        dst_path=None if dst_path is None else str(dst_path),
+        tracking_uri=tracking_uri,
+    )
+    return Path(path)

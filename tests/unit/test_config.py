@@ -1,0 +1,63 @@
+"""Config validation: typed sections, dotted names in errors, overrides, shipped configs valid."""
+
+from pathlib import Path
+
+import pytest
+
+from flows.config import ConfigError, RunConfig, apply_overrides, describe_fields, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_is_named_with_its_dotted_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"rl\.sampling\.temprature: unknown key"):
+        load_config(write(tmp_path, "[rl.sampling]\ntemprature = 0.7\n"))
+
+
+def test_bad_value_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"rl\.group_size"):
+        load_config(write(tmp_path, "[rl]\ngroup_size = 0\n"))
+    with pytest.raises(ConfigError, match=r"flow"):
+        load_config(write(tmp_path, 'flow = "dpo"\n'))
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[rl\n"))
+
+
+def test_set_overrides_parse_toml_literals(tmp_path):
+    config = load_config(write(tmp_path, "[rl]\nsteps = 5\n"),
+                         ["rl.steps=7", "rl.sampling.temperature=0.5", "run_name=x", "task.options={digits=2}"])
+    assert config.rl.steps == 7
+    assert config.rl.sampling.temperature == 0.5
+    assert config.run_name == "x"
+    assert config.task.options == {"digits": 2}
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["rl.steps"])
+
+
+def test_http_engine_needs_urls():
+    with pytest.raises(Exception, match="engine.urls"):
+        RunConfig.model_validate({"engine": {"type": "http"}})
+
+
+def test_every_field_has_a_docstring():
+    lines = describe_fields()
+    assert len(lines) > 40
+    assert all(not line.rstrip().endswith("#") for line in lines if " = " in line), \
+        [line for line in lines if line.rstrip().endswith("#")]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))
+def test_shipped_configs_validate(name):
+    config = load_config(ROOT / "configs" / name)
+    assert config.run_name

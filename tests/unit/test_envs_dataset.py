@@ -1,0 +1,97 @@
+"""The dataset environment: JSONL and Parquet loading, columns, ids, eval split, rewards."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from envs.base import build_env
+from envs.dataset import DatasetConfig, DatasetEnv
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+ROWS = [
+    {"question": "2+2?", "solution": "4", "qid": "a", "level": 1},
+    {"question": [{"role": "user", "content": "3+3?"}], "solution": "6", "qid": "b", "level": 2},
+    {"question": "5*5?", "solution": "25", "qid": "c", "level": 3},
+]
+
+
+def test_jsonl_loader_columns_ids_and_reward(tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", ROWS)
+    env = build_env(
+        "dataset",
+        path=str(path),
+        prompt_column="question",
+        answer_column="solution",
+        id_column="qid",
+        reward="numeric_match",
+    )
+    train = env.examples("train")
+    assert [ex.example_id for ex in train] == ["a", "b", "c"]
+    assert train[0].prompt == "2+2?" and train[0].answer == "4" and train[0].meta == {"level": 1}
+    assert env.reset(train[1]) == [{"role": "user", "content": "3+3?"}]
+    assert env.reset(train[0]) == [{"role": "user", "content": "2+2?"}]
+    assert env.reward(train[0], "The answer is 4").reward == 1.0
+    assert env.reward(train[2], "24").components == {"format": 1.0, "correct": 0.0}
+    assert list(env.examples("eval")) == []
+
+
+def test_parquet_loader_and_eval_path(tmp_path):
+    table = pa.table({"prompt": ["1+1=", "2+3=", "9+9="], "answer": [2, 5, 18]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    pq.write_table(table.slice(0, 1), tmp_path / "eval.parquet")
+    env = DatasetEnv(
+        DatasetConfig(
+            path=str(tmp_path / "train.parquet"), eval_path=str(tmp_path / "eval.parquet")
+        )
+    )
+    train, evals = env.examples("train"), env.examples("eval")
+    assert [ex.answer for ex in train] == [2, 5, 18]
+    assert [ex.example_id for ex in train] == ["train/0", "train/1", "train/2"]
+    assert [ex.example_id for ex in evals] == ["eval/0"]
+    assert env.reward(train[1], " 5 ").reward == 1.0  # exact_match strips
+    assert env.reward(train[1], "6").reward == 0.0
+
+
+def test_missing_file_and_column_errors_name_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        build_env("dataset", path=str(tmp_path / "nowhere.jsonl"))
+    path = _write_jsonl(tmp_path / "t.jsonl", ROWS)
+    with pytest.raises(ValueError, match=r"column 'prompt' \(prompt_column\) missing.*question"):
+        build_env("dataset", path=str(path))
+    with pytest.raises(ValueError, match=r"column 'answer' \(answer_column\)"):
+        build_env("dataset", path=str(path), prompt_column="question")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2"):
+        build_env("dataset", path=str(tmp_path / "bad.jsonl"))
+    (tmp_path / "x.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="unsupported"):
+        build_env("dataset", path=str(tmp_path / "x.csv"))
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        build_env(
+            "dataset",
+            path=str(path),
+            prompt_column="question",
+            answer_column="solution",
+            reward="nope",
+        )
+
+
+def test_eval_fraction_holds_out_stable_rows(tmp_path):
+    rows = [{"prompt": f"p{i}", "answer": i} for i in range(200)]
+    path = _write_jsonl(tmp_path / "t.jsonl", rows)
+    a = build_env("dataset", path=str(path), eval_fraction=0.25)
+    b = build_env("dataset", path=str(path), eval_fraction=0.25)
+    eval_ids = [ex.example_id for ex in a.examples("eval")]
+    assert eval_ids == [ex.example_id for ex in b.examples("eval")]
+    assert 25 <= len(eval_ids) <= 75
+    assert not set(eval_ids) & {ex.example_id for ex in a.examples("train")}
+    assert len(eval_ids) + len(a.examples("train")) == 200

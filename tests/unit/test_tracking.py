@@ -1,0 +1,117 @@
+"""MLflow helpers on a throwaway SQLite store: nested runs, checkpoint versions, aliases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow.artifacts
+import pytest
+
+from storage.tracking import (
+    MlflowTracker,
+    NullTracker,
+    default_artifact_root,
+    default_tracking_uri,
+    download_model,
+    flatten_params,
+)
+
+
+def _checkpoint(folder: Path, marker: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "qwen3"}')
+    (folder / "weights.txt").write_text(marker)
+    return folder
+
+
+def test_defaults_point_under_runs_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert default_tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert default_artifact_root(tmp_path) == (tmp_path.resolve() / "mlartifacts").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
+    assert default_tracking_uri(tmp_path) == "http://tracking:5000"
+    assert default_artifact_root(tmp_path) is None
+
+
+def test_flatten_params():
+    assert flatten_params({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2]}) == {
+        "a.b": "1",
+        "a.c.d": "x",
+        "e": "[1, 2]",
+    }
+
+
+def test_null_tracker_records_and_rejects_latest():
+    tracker = NullTracker()
+    with tracker.start("r", "e", params={"lr": 1e-3}):
+        tracker.log_metrics({"train/loss": 1.0, "skip": None}, step=1)
+        assert tracker.register_checkpoint("unused", "m") == "1"
+        with pytest.raises(ValueError, match="reserved"):
+            tracker.set_alias("m", "latest", "1")
+    assert tracker.metrics == [(1, {"train/loss": 1.0})] and tracker.status == "FINISHED"
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    """One SQLite store for the module: creating one costs seconds of migrations."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def test_mlflow_nested_runs_versions_and_aliases(runs_root, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    parent = MlflowTracker.for_runs_root(runs_root)
+    parent.start("pipeline", "rlpipe-test", params={"rl": {"lr": 1e-4}}, tags={"kind": "pipeline"})
+    child = MlflowTracker(parent.tracking_uri, parent.artifact_root)
+    with child.start("rl", "rlpipe-test", parent=parent.run_id):
+        child_id = child.run_id
+        for step in (1, 2, 3):
+            child.log_metrics({"train/loss": 1.0 / step}, step=step)
+        child.log_dict({"steps": 3}, "config.json")
+        first = child.register_checkpoint(_checkpoint(tmp_path / "step_000001", "one"), "tiny")
+        second = child.register_checkpoint(
+            _checkpoint(tmp_path / "step_000002", "two"), "tiny", tags={"step": "2"}
+        )
+        child.set_alias("tiny", "best", first)
+        best = download_model(parent.tracking_uri, "models:/tiny@best", tmp_path / "best")
+        assert (best / "weights.txt").read_text() == "one"
+        child.set_alias("tiny", "best", second)  # move the alias
+        with pytest.raises(ValueError, match="reserved"):
+            child.set_alias("tiny", "latest", second)
+    parent.end()
+    assert (first, second) == ("1", "2")
+
+    client = parent.client
+    run = client.get_run(child_id)
+    assert (
+        run.data.tags["mlflow.parentRunId"]
+        == client.search_runs([run.info.experiment_id], "tags.kind = 'pipeline'")[0].info.run_id
+    )
+    assert run.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(child_id, "train/loss")] == pytest.approx(
+        [1.0, 0.5, 1 / 3]
+    )
+    assert client.get_run(
+        client.search_runs([run.info.experiment_id], "tags.kind = 'pipeline'")[0].info.run_id
+    ).data.params == {"rl.lr": "0.0001"}
+    # artifacts live under the runs root, not in the working directory
+    assert run.info.artifact_uri.startswith((runs_root.resolve() / "mlartifacts").as_uri())
+    # the documented plain-MLflow route, with the URI in the environment
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", parent.tracking_uri)
+    moved = Path(
+        mlflow.artifacts.download_artifacts("models:/tiny@best", dst_path=str(tmp_path / "b2"))
+    )
+    assert (moved / "weights.txt").read_text() == "two" and (moved / "config.json").is_file()
+    newest = Path(
+        mlflow.artifacts.download_artifacts("models:/tiny@latest", dst_path=str(tmp_path / "l"))
+    )
+    assert (newest / "weights.txt").read_text() == "two"
+
+
+def test_failed_block_marks_run_failed(runs_root, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = MlflowTracker.for_runs_root(runs_root)
+    with pytest.raises(RuntimeError):
+        with tracker.start("boom", "rlpipe-test"):
+            run_id = tracker.run_id
+            raise RuntimeError("stage failed")
+    assert tracker.client.get_run(run_id).info.status == "FAILED"
