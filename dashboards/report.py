@@ -24,7 +24,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -158,7 +158,7 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
     results: query name -> rows (QUERIES). Plots are dicts with `series` (one per run and line
     style: x, y, optional bands), or with a `note` instead when there is nothing to draw.
     """
-    order = [run.run_id for run in dict((run.run_id, run) for run in runs).values()]
+    order = list(dict.fromkeys(run.run_id for run in runs))  # run ids, first seen first
     notes = [f"run_id {run_id!r} is in several run folders: their rows are merged."
              for run_id in order if sum(run.run_id == run_id for run in runs) > 1]
     r = results
@@ -176,7 +176,7 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
     hardest["rows"] = [_trim(row) for row in r["hardest_prompts"] if row["rank"] <= HARDEST_PER_RUN]
     return {
         "title": "rlpipe report: " + ", ".join(order),
-        "generated_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "generated_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "runs": [asdict(run) for run in runs],
         "notes": notes,
         "overview": _overview(r, runs),
@@ -189,15 +189,18 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
 def _section(key: str, title: str, needs: tuple[str, ...], runs: list[RunInfo],
              build: Callable[[], list[dict]]) -> dict[str, Any]:
     """A section of plots; left out with a note when no run has the tables it needs."""
-    lacking = {table: [run.run_id for run in runs if table not in run.tables] for table in needs}
-    nowhere = [table for table, ids in lacking.items() if len(ids) == len(runs)]
+    nowhere = [table for table in needs if not any(table in run.tables for run in runs)]
     if nowhere:
         which = " and ".join(f"'{table}'" for table in nowhere)
         note = (f"Left out: no rows in table {which} in {'this run' if len(runs) == 1 else 'any of these runs'}"
                 " (SFT and pretrain runs write none).")
         return {"id": key, "title": title, "notes": [note], "plots": []}
-    notes = [f"No rows in '{table}' in {', '.join(ids)}: no curve for {'it' if len(ids) == 1 else 'them'} here."
-             for table, ids in lacking.items() if ids]
+    notes: list[str] = []
+    for run in runs:
+        absent = " or ".join(f"'{table}'" for table in needs if table not in run.tables)
+        note = f"{run.run_id} has no rows in {absent}, so it is absent here."
+        if absent and note not in notes:
+            notes.append(note)
     return {"id": key, "title": title, "notes": notes, "plots": build()}
 
 
@@ -216,19 +219,20 @@ def _values(rows: Rows, column: str | Callable[[dict], Any]) -> list[Any]:
 
 def series(rows: Rows, order: list[str], y: str | Callable, *, style: str = "solid",
            bands: Iterable[tuple[str | Callable, str | Callable]] = ()) -> list[dict]:
-    """One line per run: x = step, y = the column (or function of the row), bands (lo, hi) around it."""
+    """One line per run with a value: x = step, y = the column (or function of the row), bands (lo, hi)."""
     bands = list(bands)
-    return [{"run_id": run_id, "style": style, "x": [row["step"] for row in run_rows],
-             "y": _values(run_rows, y),
-             "bands": [{"lo": _values(run_rows, lo), "hi": _values(run_rows, hi)} for lo, hi in bands]}
-            for run_id, run_rows in _by_run(rows, order)]
+    lines = [{"run_id": run_id, "style": style, "x": [row["step"] for row in run_rows],
+              "y": _values(run_rows, y),
+              "bands": [{"lo": _values(run_rows, lo), "hi": _values(run_rows, hi)} for lo, hi in bands]}
+             for run_id, run_rows in _by_run(rows, order)]
+    return [line for line in lines if any(value is not None for value in line["y"])]
 
 
 def plot(key: str, title: str, query: str, lines: list[dict], *, y_label: str, subtitle: str = "",
          y_range: tuple[float, float] | None = None, percent: bool = False, optional: bool = False,
          small: bool = False) -> dict | None:
     """A plot's dict; a note instead when no line has a value (None when `optional`: left out)."""
-    if not any(value is not None for line in lines if line["style"] == "solid" for value in line["y"]):
+    if not any(line["style"] == "solid" for line in lines):
         if optional:
             return None
         return {"id": key, "title": title, "query": query, "note": "No values in these runs."}
@@ -276,8 +280,8 @@ def _completion_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
              + series(rows, order, "tokens_max", style="dotted"),
              y_label="tokens", subtitle="mean; bands p10–p90 and p25–p75; dotted: max"),
         plot("truncated", "Truncated completions", "completion_length_by_step",
-             series(rows, order, "truncated_fraction"), y_label="share (finish_reason = length)",
-             y_range=(0, 1), percent=True),
+             series(rows, order, "truncated_fraction"), y_label="share of completions",
+             y_range=(0, 1), percent=True, subtitle="finish_reason = 'length': cut at the token limit"),
         plot("length_reward_corr", "Length–reward correlation", "length_vs_reward",
              series(r["length_vs_reward"], order, "length_reward_corr"), y_label="Pearson r", y_range=(-1, 1),
              subtitle="per step, over all scored completions"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.config import RunConfig, flatten
+from flows.config import RunConfig
 
 
 def quiet_defaults() -> None:
@@ -99,11 +99,6 @@ def open_run(config: RunConfig, phase: str) -> RunState:
     return state
 
 
-def mlflow_params(config: RunConfig) -> dict[str, Any]:
-    return {key: json.dumps(value) if isinstance(value, list | dict) else value
-            for key, value in flatten(config.model_dump(mode="json")).items()}
-
-
 class Stopwatch:
     """Seconds per phase of one step: `with watch("generate"): ...`."""
 
@@ -141,17 +136,21 @@ def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None =
     """An MLflow tracker bound to the run (reopened on resume), or a no-op one."""
     if not config.tracking.enabled:
         return NoTracking()
-    from storage.tracking import MlflowTracker, default_tracking_uri
+    from storage.tracking import MlflowTracker
 
-    tracker = MlflowTracker(default_tracking_uri(Path(config.runs_root)))
-    run_id = tracker.start(
-        run_name=state.run_id, experiment=config.tracking.experiment, params=mlflow_params(config),
+    tracker = MlflowTracker.for_runs_root(config.runs_root)
+    if state.mlflow_run_id:  # a resumed run keeps logging into its MLflow run
+        tracker.run_id = state.mlflow_run_id
+        tracker.client.update_run(state.mlflow_run_id, status="RUNNING")
+        return tracker
+    tracker.start(
+        run_name=state.run_id, experiment=config.tracking.experiment, params=config.model_dump(mode="json"),
         tags={"rlpipe.run_dir": str(state.run_dir.resolve()), "rlpipe.phase": state.phase},
-        parent_run_id=parent_run_id, resume_run_id=state.mlflow_run_id,
+        parent=parent_run_id,
     )
-    if state.mlflow_run_id != run_id:
-        state.mlflow_run_id = run_id
-        state.save()
+    state.mlflow_run_id = tracker.run_id
+    state.save()
+    tracker.log_artifact(state.run_dir / "config.json")
     return tracker
 
 

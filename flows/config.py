@@ -258,18 +258,6 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     return validate_config(apply_overrides(data, list(overrides)), str(path))
 
 
-def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys for MLflow params."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def describe_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
     """One line per field: dotted key, default, docstring."""
     lines = []

@@ -1,1 +1,9 @@
-"""rlpipe: storage."""
+"""rlpipe: storage — the run's tables on disk and experiment tracking.
+
+schemas   Arrow schema of every table (SCHEMAS, SCHEMA_VERSION)
+writer    write_table / is_complete / read_table: atomic zstd Parquet, one file per (table, step)
+catalog   DuckDB connections and polars LazyFrames over one or several runs; catalog.duckdb
+queries   run SQL or the canned dashboards/*.sql over runs
+sqlcli    the `rlpipe sql` command
+tracking  MLflow runs, metrics, checkpoints as model versions, aliases (NullTracker for tests)
+"""

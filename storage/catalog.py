@@ -27,6 +27,7 @@ readers here use in-memory connections, so a run that is writing never conflicts
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,6 +46,9 @@ from storage.layout import (
 from storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
 
 RunDirs = str | os.PathLike | Iterable[str | os.PathLike]
+# Serialises catalog refreshes of this process: concurrent CREATE VIEWs on one DuckDB file from
+# threads fail with a write-write conflict. (Across processes DuckDB's file lock decides.)
+_CATALOG_LOCK = threading.Lock()
 
 
 def run_dirs_list(run_dirs: RunDirs) -> list[Path]:
@@ -104,12 +108,17 @@ def ensure_catalog(
         ensure_schema_file(run_dir, table)
     path = run_dir / CATALOG_NAME
     try:
-        con = duckdb.connect(str(path))
-    except duckdb.Error as error:
+        with _CATALOG_LOCK:
+            _create_views(path, run_dir, union_by_name)
+    except duckdb.Error as error:  # held by another process
         if not quiet_if_busy:
             raise
         warnings.warn(f"catalog {path} not refreshed: {error}", stacklevel=2)
-        return path
+    return path
+
+
+def _create_views(path: Path, run_dir: Path, union_by_name: bool) -> None:
+    con = duckdb.connect(str(path))
     try:
         for table in TABLES:
             source = _source(
@@ -118,7 +127,6 @@ def ensure_catalog(
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS SELECT * FROM {source}')
     finally:
         con.close()
-    return path
 
 
 def has_data(run_dirs: RunDirs, table: str) -> bool:

@@ -169,8 +169,8 @@ def write_table(
     dest = partition_file(run_dir, table, step)
     clean_leftovers(dest.parent)
     clean_leftovers(table_dir(run_dir, table))
+    catalog.ensure_schema_file(run_dir, table)  # before the data: views read columns from it
     atomic_write_parquet(arrow, dest, durable=durable)
-    catalog.ensure_schema_file(run_dir, table)
     if not (Path(run_dir) / CATALOG_NAME).exists():
         catalog.ensure_catalog(run_dir, quiet_if_busy=True)
     return dest

@@ -22,7 +22,7 @@ def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, mode
         "path": str(path.resolve()),
         "sha256": metadata.get("sha256", ""),
         "mlflow_model_name": model_name,
-        "mlflow_model_version": None if version is None else int(version),
+        "mlflow_model_version": None if version is None else str(version),
         "created_at": dt.datetime.now(dt.UTC),
     }
 

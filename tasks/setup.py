@@ -78,12 +78,33 @@ def env_conversations(env: Environment, n_examples: int, seed: int) -> list[list
     return chats
 
 
+def read_chat_jsonl(path: Path) -> list[list[dict]]:
+    """Chats from a JSONL file: one `{"messages": [{role, content}, ...]}` (or a bare list) per line."""
+    import json
+
+    if not path.is_file():
+        raise ValueError(f"SFT data file not found: {path}")
+    chats = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
+        messages = record.get("messages") if isinstance(record, dict) else record
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError(f"{path}:{number}: expected {{'messages': [{{'role', 'content'}}, ...]}}")
+        chats.append(messages)
+    if not chats:
+        raise ValueError(f"SFT data file {path} holds no conversations")
+    return chats
+
+
 def sft_data(env: Environment, tokenizer, n_examples: int, seed: int, max_len: int,
              data_path: str = "") -> list[Sequence]:
     """Training sequences with assistant-only weights, from a JSONL of chats or the env."""
     if data_path:
-        from training.data import read_chat_jsonl
-
         chats = read_chat_jsonl(Path(data_path))
     else:
         chats = env_conversations(env, n_examples, seed)

@@ -289,3 +289,20 @@ def test_leftover_temporary_files_are_invisible_and_cleaned(tmp_path):
     write_table(tmp_path, "advantages", 1, [dict(sample_id="s", group_id="g", advantage=2.0)])
     assert not leftover.exists() and mine.exists()
     assert schema_file(tmp_path, "advantages").is_file()
+
+
+def test_parallel_first_writes_of_a_fresh_run(tmp_path):
+    """Stages in threads may write a run's first partitions at once (catalog creation races)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = [dict(sample_id="s", group_id="g", advantage=1.0)]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda step: write_table(tmp_path, "advantages", step, rows), range(8)))
+    assert [
+        step
+        for (step,) in catalog.connect(tmp_path)
+        .sql("select step from advantages order by 1")
+        .fetchall()
+    ] == list(range(8))
+    con = duckdb.connect(str(tmp_path / "catalog.duckdb"), read_only=True)
+    assert con.sql("select count(*) from advantages").fetchall() == [(8,)]

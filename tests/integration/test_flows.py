@@ -1,0 +1,132 @@
+"""Each flow for a few steps under Prefect's test harness: tables, task runs, MLflow, registry."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+def tiny_config(tmp_path: Path, **changes) -> dict:
+    config = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
+    config["runs_root"] = str(tmp_path / "runs")
+    for dotted, value in changes.items():
+        node = config
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
+def table_steps(run_dir: Path, table: str) -> list[int]:
+    folder = run_dir / "tables" / table
+    return sorted(int(p.name.split("=")[1]) for p in folder.glob("step=*") if any(p.glob("*.parquet")))
+
+
+def test_pipeline_runs_sft_then_rl_and_records_everything(prefect_api, tmp_path, monkeypatch):
+    import mlflow
+    from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM
+
+    from flows.pipeline import pipeline_flow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    config = tiny_config(tmp_path, tracking__registered_model="tiny-test")
+    result = pipeline_flow(config=config)
+
+    rl_dir = Path(result["run_dir"]) / "rl"
+    sft_dir = Path(result["run_dir"]) / "sft"
+    steps = config["rl"]["steps"]
+    for table in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps"):
+        assert table_steps(rl_dir, table) == list(range(1, steps + 1)), table
+    assert table_steps(rl_dir, "evals") == [0, 2, 4]
+    assert table_steps(rl_dir, "checkpoints") == [2, 4]
+    assert table_steps(sft_dir, "train_steps") == list(range(1, config["sft"]["steps"] + 1))
+
+    # the RL run starts from the SFT checkpoint: step-0 eval equals SFT's final eval
+    from storage.writer import read_table
+
+    sft_final = read_table(sft_dir, "evals", config["sft"]["steps"]).to_pylist()
+    rl_start = read_table(rl_dir, "evals", 0).to_pylist()
+    assert [r["completion_text"] for r in sft_final] == [r["completion_text"] for r in rl_start]
+
+    # checkpoints load with plain transformers
+    model = AutoModelForCausalLM.from_pretrained(result["rl"]["checkpoint"])
+    assert model.config.vocab_size > 10
+
+    # MLflow: nested runs with metrics; checkpoints registered as versions
+    client = MlflowClient()
+    versions = client.search_model_versions("name='tiny-test'")
+    assert len(versions) == 2  # RL steps 2 and 4
+    assert {v.tags["step"] for v in versions} == {"2", "4"}
+    downloaded = mlflow.artifacts.download_artifacts("models:/tiny-test@latest")
+    assert (Path(downloaded) / "config.json").is_file()
+    runs = mlflow.search_runs(experiment_names=[config["tracking"]["experiment"]], output_format="list")
+    by_phase = {r.data.tags.get("rlpipe.phase"): r for r in runs}
+    assert {"pipeline", "sft", "rl"} <= set(by_phase)
+    rl_metrics = by_phase["rl"].data.metrics
+    for name in ("train/loss", "rollout/reward_mean", "rollout/zero_var_fraction", "perf/seconds_generate",
+                 "eval/accuracy"):
+        assert name in rl_metrics, name
+    assert by_phase["rl"].data.tags.get("mlflow.parentRunId") == by_phase["pipeline"].info.run_id
+
+
+def test_rl_stages_are_named_task_runs(prefect_api, tmp_path):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.sft import sft_flow
+
+    config = tiny_config(tmp_path, flow="sft", tracking__enabled=False, sft__steps=3)
+    state = sft_flow(config=config, return_state=True)
+    assert state.is_completed()
+
+    async def task_names():
+        async with get_client() as client:
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+            return sorted({r.name.rsplit("-", 1)[0] for r in runs})
+
+    names = asyncio.run(task_names())
+    assert "train" in names and "checkpoint" in names and "eval" in names
+
+
+def test_pretrain_flow_lowers_loss(prefect_api, tmp_path):
+    from flows.pretrain import pretrain_flow
+    from storage.writer import read_table
+
+    config = tiny_config(tmp_path, flow="pretrain", tracking__enabled=False,
+                         pretrain__steps=12, pretrain__seq_len=64, pretrain__sequences_per_step=16,
+                         pretrain__examples=500, pretrain__optim={"lr": 5e-3, "warmup_steps": 1})
+    result = pretrain_flow(config=config)
+    losses = [r["loss"] for r in read_table(Path(config["runs_root"]) / "tiny", "train_steps").to_pylist()]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    assert Path(result["checkpoint"]).is_dir()
+
+
+def test_bad_inputs_fail_with_the_culprit_named(prefect_api, tmp_path):
+    from flows.rl import rl_flow
+    from flows.sft import sft_flow
+
+    missing = tiny_config(tmp_path, flow="sft", tracking__enabled=False, sft__data_path=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(Exception, match="nope.jsonl"):
+        sft_flow(config=missing)
+    long_prompt = tiny_config(tmp_path, flow="rl", run_name="long", tracking__enabled=False,
+                              model__overrides={"max_position_embeddings": 8})
+    with pytest.raises(Exception, match="exceeds the model context"):
+        rl_flow(config=long_prompt)

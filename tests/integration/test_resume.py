@@ -1,0 +1,89 @@
+"""SIGKILL a pipeline run at a random stage, resume it, and get the uninterrupted run's weights.
+
+Both runs are subprocesses of the real CLI (`rlpipe run`, `rlpipe resume`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+# (table, step) partitions whose appearance triggers the kill: spread over the RL stages
+KILL_POINTS = [("rollouts", 2), ("scores", 2), ("groups", 3), ("batches", 3), ("train_steps", 1),
+               ("checkpoints", 2), ("evals", 2)]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", *args]
+
+
+def env_for(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+               RLPIPE_PROGRESS="0", DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
+    return env
+
+
+def run_args(runs_root: Path, name: str) -> list[str]:
+    return ["run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs_root}",
+            "--set", f"run_name={name}", "--set", "rl.checkpoint_every=1"]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    last = sorted((run_dir / "rl" / "checkpoints").glob("step_*"))[-1]
+    return load_file(last / "model.safetensors")
+
+
+def rows(run_dir: Path, table: str) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in (run_dir / "rl" / "tables" / table).glob("step=*/*.parquet"))
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    runs = tmp_path / "runs"
+    env = env_for(tmp_path)
+    subprocess.run(cli(*run_args(runs, "straight")), env=env, check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+
+    table, step = random.Random().choice(KILL_POINTS)
+    trigger = runs / "killed" / "rl" / "tables" / table / f"step={step}"
+    process = subprocess.Popen(cli(*run_args(runs, "killed")), env=env, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, f"run ended before the kill point {table}/step={step}"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+    resumed = subprocess.run(cli("resume", str(runs / "killed")), env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    straight, killed = final_weights(runs / "straight"), final_weights(runs / "killed")
+    assert straight.keys() == killed.keys()
+    for name in straight:
+        torch.testing.assert_close(killed[name], straight[name], rtol=0, atol=1e-6, msg=name)
+    for table_name in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals"):
+        assert rows(runs / "killed", table_name) == rows(runs / "straight", table_name), table_name
+    # no temporary or partial files left visible
+    leftovers = [p for p in (runs / "killed").rglob("*") if p.name.startswith(".") and p.is_file()]
+    assert not [p for p in leftovers if "tables" in p.parts and p.suffix == ".parquet"]
