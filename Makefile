@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/rlpipe run configs/demo.toml
+	$(VENV)/bin/rlpipe run configs/demo.toml --overwrite
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests

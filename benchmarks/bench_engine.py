@@ -15,7 +15,7 @@ the table shows medians. ms per decode step = (time for 128 tokens - time for 1 
 Timings on a shared 2-core CPU are noisy: the load average is recorded with the results.
 
     python -m benchmarks.bench_engine [--repeats 3] [--batch 64] [--new-tokens 128]
-        [--bf16] [--out runs/bench/engine.json]
+        [--bf16] [--threads N] [--out runs/bench/engine.json]
 """
 
 from __future__ import annotations
@@ -65,8 +65,14 @@ def hf_run(model, prompts, n: int, new_tokens: int, stop, seed: int) -> int:
         mask[i, width - len(p) :] = 1
     torch.manual_seed(seed)
     kwargs = dict(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-        num_return_sequences=n, pad_token_id=0, use_cache=True,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        num_return_sequences=n,
+        pad_token_id=0,
+        use_cache=True,
     )
     if stop:
         kwargs.update(eos_token_id=list(stop))
@@ -81,9 +87,9 @@ def hf_run(model, prompts, n: int, new_tokens: int, stop, seed: int) -> int:
     return int(first.sum())
 
 
-def timed(fn: Callable[[], int]) -> tuple[float, int]:
+def timed(fn: Callable[..., int], *args) -> tuple[float, int]:
     start = time.perf_counter()
-    tokens = fn()
+    tokens = fn(*args)
     return time.perf_counter() - start, tokens
 
 
@@ -109,15 +115,15 @@ def run(args: argparse.Namespace) -> dict:
         "stop": (prompts, 1, STOP_TOKENS),
         "groups": (groups, 8, ()),
     }
-    for name, fn in engines.items():  # warm-up (allocator, first-call paths)
+    for fn in engines.values():  # warm-up (allocator, first-call paths)
         fn(prompts[:8], 1, 8, (), 0)
     results = []
     for scenario, (ps, n, stop) in scenarios.items():
         runs: dict[str, list[dict]] = {name: [] for name in engines}
         for rep in range(args.repeats):
             for name, fn in engines.items():
-                seconds, tokens = timed(lambda: fn(ps, n, args.new_tokens, stop, rep))
-                first = timed(lambda: fn(ps, n, 1, (), rep))[0] if not stop else None
+                seconds, tokens = timed(fn, ps, n, args.new_tokens, stop, rep)
+                first = timed(fn, ps, n, 1, (), rep)[0] if not stop else None
                 runs[name].append({"seconds": seconds, "tokens": tokens, "seconds_1_token": first})
         for name, rs in runs.items():
             tok_s = statistics.median(r["tokens"] / r["seconds"] for r in rs)
@@ -143,7 +149,11 @@ def run(args: argparse.Namespace) -> dict:
         speedups[scenario] = by["torch_engine"] / by["hf_generate"]
     return {
         "benchmark": "engine",
-        "model": {"preset": "small-dense", "vocab": VOCAB, "parameters": count_parameters(engine_model)},
+        "model": {
+            "preset": "small-dense",
+            "vocab": VOCAB,
+            "parameters": count_parameters(engine_model),
+        },
         "settings": {
             "batch": args.batch,
             "new_tokens": args.new_tokens,
@@ -171,7 +181,9 @@ def print_table(report: dict) -> None:
             f"{r['scenario']:<9} {r['engine']:<18} {r['sequences']:>5} {r['tokens_median']:>7.0f} "
             f"{r['tokens_per_s']:>8.0f} {step:>8}"
         )
-    print("speedup vs generate:", {k: round(v, 2) for k, v in report["speedup_vs_generate"].items()})
+    print(
+        "speedup vs generate:", {k: round(v, 2) for k, v in report["speedup_vs_generate"].items()}
+    )
     print("load average at end:", report["machine"]["load_average_end"])
 
 
@@ -181,8 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--bf16", action="store_true", help="also time the engine in bfloat16")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="runs/bench/engine.json")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

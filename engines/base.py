@@ -87,7 +87,9 @@ class Completion:
                 f"logprobs has {len(self.logprobs)} entries for {len(self.tokens)} tokens"
             )
         if self.finish_reason not in ("stop", "length"):
-            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+            raise ValueError(
+                f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}"
+            )
 
 
 @runtime_checkable
@@ -99,9 +101,7 @@ class Engine(Protocol):
         """Optimizer steps applied to the weights the engine samples from."""
         ...
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """For each prompt (in order), `params.n` completions (in order)."""
         ...
 

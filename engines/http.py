@@ -97,7 +97,8 @@ class HttpEngine:
     flavor: 'rlpipe' | 'vllm' | 'sglang' (default: from the url, else 'rlpipe'). timeout_s: per-request timeout. retries: extra attempts on
     connection errors. api_token: bearer token, if the server needs one. name: shown in errors
     and the `syncs` table (default: the URL). model: model id for vLLM (default: the first of
-    GET /v1/models). client: an httpx.Client to use instead of a new one (tests).
+    GET /v1/models). client: an httpx.Client to use instead of a new one (tests); its own
+    timeout applies then.
     """
 
     def __init__(
@@ -161,25 +162,36 @@ class HttpEngine:
         """Make the server load `checkpoint_path` (a checkpoint folder visible to the server)."""
         self._check_open()
         if checkpoint_path is None:
-            raise ValueError(f"{self.name}: an HTTP engine cannot share in-process weights; "
-                             "sync needs a checkpoint path")
+            raise ValueError(
+                f"{self.name}: an HTTP engine cannot share in-process weights; "
+                "sync needs a checkpoint path"
+            )
         path = str(checkpoint_path)
         if self.flavor == "vllm":
-            self._request("POST", "/collective_rpc",
-                          {"method": "update_config", "args": [{"model_config": {"model": path}}]})
+            self._request(
+                "POST",
+                "/collective_rpc",
+                {"method": "update_config", "args": [{"model_config": {"model": path}}]},
+            )
             self._request("POST", "/collective_rpc", {"method": "reload_weights"})
             self._request("POST", "/reset_prefix_cache", None)
         else:
-            answer = self._request("POST", "/update_weights_from_disk",
-                                   {"model_path": path, "weight_version": str(policy_version)})
+            answer = self._request(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": path, "weight_version": str(policy_version)},
+            )
             if answer.get("success") is not True:
-                raise EngineResponseError(f"{self._where('/update_weights_from_disk')} did not load "
-                                          f"{path!r}: {answer.get('message', answer)}")
+                raise EngineResponseError(
+                    f"{self._where('/update_weights_from_disk')} did not load "
+                    f"{path!r}: {answer.get('message', answer)}"
+                )
             loaded = answer.get("policy_version")
             if self.flavor == "rlpipe" and loaded != policy_version:
                 raise EngineResponseError(
                     f"{self._where('/update_weights_from_disk')} loaded {path!r} as policy_version "
-                    f"{loaded}, expected {policy_version}")
+                    f"{loaded}, expected {policy_version}"
+                )
         self._policy_version = policy_version
 
     def close(self) -> None:
@@ -222,16 +234,15 @@ class HttpEngine:
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
             try:
-                response = self._client.request(
-                    method, url, json=body, headers=self._headers, timeout=self.timeout_s
-                )
+                response = self._client.request(method, url, json=body, headers=self._headers)
             except httpx.ConnectTimeout as exc:
                 last = f"connect timeout: {exc}"
                 continue
             except httpx.TimeoutException as exc:
                 raise EngineTimeoutError(
                     f"{self._where(path)} gave no answer within timeout_s={self.timeout_s:g}: "
-                    f"{type(exc).__name__}") from exc
+                    f"{type(exc).__name__}"
+                ) from exc
             except httpx.TransportError as exc:  # refused, reset, DNS, protocol errors
                 last = f"{type(exc).__name__}: {exc}"
                 continue
@@ -241,20 +252,25 @@ class HttpEngine:
             if response.status_code >= 400:
                 raise EngineResponseError(
                     f"{self._where(path)} answered HTTP {response.status_code}: "
-                    f"{_error_message(response)}")
+                    f"{_error_message(response)}"
+                )
             if not response.content:
                 return {}
             try:
                 answer = response.json()
             except ValueError as exc:
-                raise EngineResponseError(f"{self._where(path)} answered non-JSON: "
-                                          f"{response.text[:200]!r}") from exc
+                raise EngineResponseError(
+                    f"{self._where(path)} answered non-JSON: {response.text[:200]!r}"
+                ) from exc
             return answer if isinstance(answer, dict) else {"items": answer}
         raise EngineUnavailableError(
             f"{self._where(path)} unreachable after {attempts} attempt(s) "
-            f"({self.retries} retries): {last}")
+            f"({self.retries} retries): {last}"
+        )
 
-    def _generate_sglang(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def _generate_sglang(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
         body = sglang_generate_request(prompts, params)
         answer = self._request("POST", "/generate", body)
         items = answer.get("items", [answer] if "meta_info" in answer else [])
@@ -321,10 +337,15 @@ def sglang_generate_request(prompts: list[list[int]], params: SamplingParams) ->
 
 def _completion(tokens: Any, logprobs: Any, reason: Any, where: str) -> Completion:
     if reason not in ("stop", "length"):
-        raise EngineResponseError(f"{where}: finish_reason {reason!r} (expected 'stop' or 'length')")
+        raise EngineResponseError(
+            f"{where}: finish_reason {reason!r} (expected 'stop' or 'length')"
+        )
     try:
-        return Completion(tokens=[int(t) for t in tokens], logprobs=[float(x) for x in logprobs],
-                          finish_reason=reason)
+        return Completion(
+            tokens=[int(t) for t in tokens],
+            logprobs=[float(x) for x in logprobs],
+            finish_reason=reason,
+        )
     except (TypeError, ValueError) as exc:
         raise EngineResponseError(f"{where}: malformed completion: {exc}") from exc
 
@@ -334,12 +355,16 @@ def _token_ids(choice: dict[str, Any], where: str) -> list[int]:
         return list(choice["token_ids"])
     tokens = (choice.get("logprobs") or {}).get("tokens")
     if tokens is None or not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
-        raise EngineResponseError(f"{where}: choice {choice.get('index')} has neither token_ids nor "
-                                  "'token_id:<id>' tokens (is return_tokens_as_token_ids honoured?)")
+        raise EngineResponseError(
+            f"{where}: choice {choice.get('index')} has neither token_ids nor "
+            "'token_id:<id>' tokens (is return_tokens_as_token_ids honoured?)"
+        )
     return [int(t.split(":", 1)[1]) for t in tokens]
 
 
-def parse_completions(answer: dict[str, Any], n_prompts: int, n: int, where: str) -> list[list[Completion]]:
+def parse_completions(
+    answer: dict[str, Any], n_prompts: int, n: int, where: str
+) -> list[list[Completion]]:
     """OpenAI completions answer -> completions per prompt (choice index = prompt × n + sample)."""
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != n_prompts * n:
@@ -349,8 +374,12 @@ def parse_completions(answer: dict[str, Any], n_prompts: int, n: int, where: str
     for choice in sorted(choices, key=lambda c: c.get("index", 0)):
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if logprobs is None:
-            raise EngineResponseError(f"{where}: choice {choice.get('index')} has no token_logprobs")
-        completion = _completion(_token_ids(choice, where), logprobs, choice.get("finish_reason"), where)
+            raise EngineResponseError(
+                f"{where}: choice {choice.get('index')} has no token_logprobs"
+            )
+        completion = _completion(
+            _token_ids(choice, where), logprobs, choice.get("finish_reason"), where
+        )
         out[choice["index"] // n].append(completion)
     return out
 
@@ -381,10 +410,16 @@ def engines_from_config(engine_config: Any) -> list[HttpEngine]:
     engines = []
     for url in urls:
         flavor, base = parse_engine_url(url)
-        engines.append(HttpEngine(base, timeout_s=engine_config.timeout_s,
-                                  retries=engine_config.retries,
-                                  api_token=engine_config.api_token or None, name=base,
-                                  flavor=flavor))
+        engines.append(
+            HttpEngine(
+                base,
+                timeout_s=engine_config.timeout_s,
+                retries=engine_config.retries,
+                api_token=engine_config.api_token or None,
+                name=base,
+                flavor=flavor,
+            )
+        )
     return engines
 
 

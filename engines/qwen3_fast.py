@@ -148,7 +148,8 @@ def _mlp_weights(mlp: nn.Module, w) -> DenseMLP | MoeMLP:
             norm_topk_prob=bool(mlp.gate.norm_topk_prob),
         )
     return DenseMLP(
-        gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), down=w(mlp.down_proj.weight)
+        gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+        down=w(mlp.down_proj.weight),
     )
 
 
@@ -186,22 +187,25 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer: k[l], v[l]: [B, Hkv, S_max, D]. Columns < `length` are
-    filled; all rows share the column index (prompts are left-padded to a common length)."""
+    """Keys and values of every layer, float32 whatever the weights' dtype (attention is a
+    small share of the work and bf16 batched matmuls were slower here):
+    k[l]: [B, Hkv, D, S_max] (transposed: q @ k is then a plain strided matmul),
+    v[l]: [B, Hkv, S_max, D]. Columns < `length` are filled; all rows share the column index
+    (prompts are left-padded to a common length)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     length: int
-    key_bias: torch.Tensor  # [B, S_max] float: -inf on padding columns, 0 elsewhere
+    key_bias: torch.Tensor  # [B, S_max] float32: -inf on padding columns, 0 elsewhere
 
     @classmethod
     def empty(cls, weights: QwenWeights, batch: int, max_len: int) -> KVCache:
-        shape = (batch, weights.n_kv_heads, max_len, weights.head_dim)
-        n = len(weights.layers)
-        dev, dt = weights.device, weights.dtype
+        """A zeroed cache (masked columns must hold finite values: 0 x NaN is NaN)."""
+        hkv, d, n = weights.n_kv_heads, weights.head_dim, len(weights.layers)
+        dev, dt = weights.device, torch.float32
         return cls(
-            k=[torch.empty(shape, dtype=dt, device=dev) for _ in range(n)],
-            v=[torch.empty(shape, dtype=dt, device=dev) for _ in range(n)],
+            k=[torch.zeros((batch, hkv, d, max_len), dtype=dt, device=dev) for _ in range(n)],
+            v=[torch.zeros((batch, hkv, max_len, d), dtype=dt, device=dev) for _ in range(n)],
             length=0,
             key_bias=torch.zeros(batch, max_len, dtype=dt, device=dev),
         )
@@ -210,14 +214,14 @@ class KVCache:
         """A cache holding only `rows` (int64 [B']), in that order (copies the filled part)."""
         n = self.length
 
-        def pick(t: torch.Tensor) -> torch.Tensor:
+        def pick(t: torch.Tensor, dim: int) -> torch.Tensor:
             out = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype, device=t.device)
-            out[:, :, :n] = t[rows, :, :n]
+            out.narrow(dim, 0, n).copy_(t.narrow(dim, 0, n)[rows])
             return out
 
         return KVCache(
-            k=[pick(t) for t in self.k],
-            v=[pick(t) for t in self.v],
+            k=[pick(t, 3) for t in self.k],
+            v=[pick(t, 2) for t in self.v],
             length=n,
             key_bias=self.key_bias[rows],
         )
@@ -249,22 +253,73 @@ def prefill(
     """Run left-padded prompts through the model, filling cache columns [0, P).
 
     tokens: int64 [B, P]; pad: int64 [B] padding columns per row. Returns last-position logits
-    float32 [B, V].
+    float32 [B, V]. Runs of rows of similar length (in the given order: sort rows by length
+    for the best effect) are prefilled together over only their own width, so short prompts
+    do not pay for the padding of long ones.
     """
+    width = tokens.shape[1]
+    lengths = (width - pad).tolist()
+    logits = []
+    for lo, hi in length_buckets(lengths):
+        rows = slice(lo, hi)
+        span = max(lengths[lo:hi])
+        view = KVCache(
+            k=[t[rows] for t in cache.k],
+            v=[t[rows] for t in cache.v],
+            length=0,
+            key_bias=cache.key_bias[rows],
+        )
+        view.key_bias[:, : width - span] = float("-inf")
+        logits.append(
+            _prefill_span(
+                weights,
+                tokens[rows, width - span :],
+                pad[rows] - (width - span),
+                view,
+                rope,
+                width - span,
+            )
+        )
+    cache.length = width
+    return torch.cat(logits)
+
+
+def length_buckets(lengths: list[int], slack: float = 7 / 8) -> list[tuple[int, int]]:
+    """Split rows into consecutive runs [lo, hi) whose shortest is > slack x their longest."""
+    buckets, lo, longest = [], 0, lengths[0] if lengths else 0
+    for i, n in enumerate(lengths):
+        if i > lo and (n > longest or n <= slack * longest):
+            buckets.append((lo, i))
+            lo, longest = i, n
+        longest = max(longest, n)
+    if lengths:
+        buckets.append((lo, len(lengths)))
+    return buckets
+
+
+def _prefill_span(
+    weights: QwenWeights,
+    tokens: torch.Tensor,
+    pad: torch.Tensor,
+    cache: KVCache,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    start: int,
+) -> torch.Tensor:
+    """Prefill tokens [B, W] (left-padded by pad [B]) into cache columns [start, start + W)."""
     batch, length = tokens.shape
     cols = torch.arange(length, device=tokens.device)
-    positions = (cols[None, :] - pad[:, None]).clamp_(min=0)  # [B, P]
-    is_pad = cols[None, :] < pad[:, None]  # [B, P]
-    cache.key_bias[:, :length].masked_fill_(is_pad, float("-inf"))
+    positions = (cols[None, :] - pad[:, None]).clamp_(min=0)  # [B, W]
+    is_pad = cols[None, :] < pad[:, None]  # [B, W]
+    cache.key_bias[:, start : start + length].masked_fill_(is_pad, float("-inf"))
     # causal and not padding; a padding query also sees itself so its (unused) row stays finite
     allowed = (cols[None, :, None] >= cols[None, None, :]) & ~is_pad[:, None, :]
     allowed |= torch.eye(length, dtype=torch.bool, device=tokens.device)[None]
-    mask = allowed[:, None]  # [B, 1, P, P]
-    cos, sin = rope[0][positions][:, :, None], rope[1][positions][:, :, None]  # [B, P, 1, D]
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=tokens.device)
+    bias.masked_fill_(~allowed, float("-inf"))  # [B, W, W]
+    cos, sin = rope[0][positions][:, :, None], rope[1][positions][:, :, None]  # [B, W, 1, D]
     x = F.embedding(tokens, weights.embed)
     for i, layer in enumerate(weights.layers):
-        x = _layer(weights, layer, x, cos, sin, cache, i, 0, mask)
-    cache.length = length
+        x = _layer(weights, layer, x, cos, sin, cache, i, start, bias, attend_from=start)
     return _logits(weights, x[:, -1])
 
 
@@ -282,8 +337,9 @@ def decode(
     col = cache.length
     cos, sin = rope[0][positions][:, None, None], rope[1][positions][:, None, None]  # [B,1,1,D]
     x = F.embedding(tokens[:, None], weights.embed)  # [B, 1, H]
+    bias = cache.key_bias[:, None, : col + 1]  # [B, 1, S]
     for i, layer in enumerate(weights.layers):
-        x = _layer(weights, layer, x, cos, sin, cache, i, col, None)
+        x = _layer(weights, layer, x, cos, sin, cache, i, col, bias)
     cache.length = col + 1
     return _logits(weights, x[:, 0])
 
@@ -303,9 +359,11 @@ def _layer(
     cache: KVCache,
     index: int,
     start: int,
-    prefill_mask: torch.Tensor | None,
+    bias: torch.Tensor,
+    attend_from: int = 0,
 ) -> torch.Tensor:
-    """One decoder layer. x: [B, T, H]; writes cache columns [start, start + T)."""
+    """One decoder layer. x: [B, T, H]; writes cache columns [start, start + T) and attends
+    to columns [attend_from, start + T) with additive bias [B, T, start + T - attend_from]."""
     batch, steps, hidden = x.shape
     hq, hkv, d = w.n_heads, w.n_kv_heads, w.head_dim
     h = F.rms_norm(x, (hidden,), layer.ln1, w.eps)
@@ -314,30 +372,38 @@ def _layer(
     qk = qk * cos + qk.view(batch, steps, hq + hkv, 2, d // 2).flip(3).view_as(qk) * sin
     k_cache, v_cache = cache.k[index], cache.v[index]
     end = start + steps
-    k_cache[:, :, start:end] = qk[:, :, hq:].transpose(1, 2)
+    k_cache[:, :, :, start:end] = qk[:, :, hq:].permute(0, 2, 3, 1)
     v_cache[:, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
-    keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
-    if prefill_mask is None:
-        # one new token: its hq query heads, grouped by kv head, attend like a length-G query
-        q = qk[:, 0, :hq].view(batch, hkv, hq // hkv, d)
-        bias = cache.key_bias[:, None, None, :end]
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
-    else:
-        q = qk[:, :, :hq].transpose(1, 2)
-        rep = hq // hkv
-        att = F.scaled_dot_product_attention(
-            q,
-            keys.repeat_interleave(rep, dim=1),
-            values.repeat_interleave(rep, dim=1),
-            attn_mask=prefill_mask,
-        )
-    att = att.reshape(batch, hq, steps, d).transpose(1, 2).reshape(batch, steps, hq * d)
-    x = x + F.linear(att, layer.o, layer.o_bias)
+    keys, values = k_cache[..., attend_from:end], v_cache[:, :, attend_from:end]
+    att = _attention(qk[:, :, :hq], keys, values, bias, hkv)
+    x = x + F.linear(att.to(x.dtype), layer.o, layer.o_bias)
     h = F.rms_norm(x, (hidden,), layer.ln2, w.eps)
     if isinstance(layer.mlp, MoeMLP):
         return x + _moe(w, layer.mlp, h.view(batch * steps, hidden)).view(batch, steps, hidden)
     gate, up = F.linear(h, layer.mlp.gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, layer.mlp.down)
+
+
+def _attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, hkv: int
+) -> torch.Tensor:
+    """Grouped-query attention in float32. q: [B, T, Hq, D]; keys: [B, Hkv, D, S] (transposed);
+    values: [B, Hkv, S, D]; bias: [B, T, S] (0 or -inf). Returns float32 [B, T, Hq * D].
+
+    Plain matmuls rather than sdpa: the query heads of a kv head are stacked as extra query
+    rows, so no key/value is repeated; and on a busy 2-core CPU torch's sdpa kernel stalled
+    (10-50x slower) where batched matmuls did not.
+    """
+    batch, steps, hq, d = q.shape
+    group = hq // hkv
+    q = q.reshape(batch, steps, hkv, group, d).permute(0, 2, 3, 1, 4)
+    q = q.reshape(batch, hkv, group * steps, d).float()
+    scores = torch.matmul(q, keys).view(batch, hkv, group, steps, -1)
+    scores = scores.mul_(d**-0.5).add_(bias[:, None, None])
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.view(batch, hkv, group * steps, -1), values)
+    out = out.view(batch, hkv, group, steps, d).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, steps, hq * d)
 
 
 def _moe(w: QwenWeights, mlp: MoeMLP, x: torch.Tensor) -> torch.Tensor:

@@ -228,7 +228,9 @@ class Batcher:
         self.stats.engine_calls += 1
         self.stats.prompts += len(prompts)
         try:
-            completions, served = await asyncio.to_thread(self.slot.generate, prompts, live[0].params)
+            completions, served = await asyncio.to_thread(
+                self.slot.generate, prompts, live[0].params
+            )
         except Exception as exc:  # noqa: BLE001 - handed to every waiting request
             for job in live:
                 if not job.future.done():
@@ -437,7 +439,9 @@ def build_app(
     allow_root: folder that /update_weights_from_disk may load from (default: the folder
     holding `checkpoint`, i.e. `<run_dir>/checkpoints`).
     """
-    served = checkpoint if isinstance(checkpoint, ServedModel) else load_served_model(checkpoint, device)
+    served = (
+        checkpoint if isinstance(checkpoint, ServedModel) else load_served_model(checkpoint, device)
+    )
     root = Path(allow_root) if allow_root is not None else served.path.resolve().parent
     if not root.is_dir():
         raise ValueError(f"allow_root {str(root)!r} is not a directory")
@@ -474,18 +478,28 @@ def build_app(
     @app.get("/health")
     async def health() -> dict[str, Any]:
         current = state.slot.current
-        return {"status": "ok", "policy_version": current.policy_version, "checkpoint": str(current.path)}
+        return {
+            "status": "ok",
+            "policy_version": current.policy_version,
+            "checkpoint": str(current.path),
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         current = state.slot.current
         return {
             "object": "list",
-            "data": [{
-                "id": state.model_name, "object": "model", "created": 0, "owned_by": "rlpipe",
-                "root": str(current.path), "max_model_len": _max_len(current),
-                "policy_version": current.policy_version,
-            }],
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "rlpipe",
+                    "root": str(current.path),
+                    "max_model_len": _max_len(current),
+                    "policy_version": current.policy_version,
+                }
+            ],
         }
 
     @app.post("/v1/completions")
@@ -501,7 +515,9 @@ def build_app(
         except ValueError as err:
             raise RequestError(str(err)) from err
         if req.model is not None and req.model != state.model_name:
-            raise RequestError(f"the model {req.model!r} does not exist; serving {state.model_name!r}", 404)
+            raise RequestError(
+                f"the model {req.model!r} does not exist; serving {state.model_name!r}", 404
+            )
         current = state.slot.current
         prompts = prompt_token_ids(req.prompt, current.tokenizer, current.vocab_size)
         try:
@@ -509,8 +525,11 @@ def build_app(
         except ValueError as err:  # the engine refused the prompts (e.g. a reload changed vocab)
             raise RequestError(str(err)) from err
         choices = [
-            completion_choice(i * params.n + j, c, served.tokenizer, req.logprobs, req.return_tokens_as_token_ids)
-            for i, group in enumerate(groups) for j, c in enumerate(group)
+            completion_choice(
+                i * params.n + j, c, served.tokenizer, req.logprobs, req.return_tokens_as_token_ids
+            )
+            for i, group in enumerate(groups)
+            for j, c in enumerate(group)
         ]
         n_prompt = sum(len(p) for p in prompts)
         n_completion = sum(len(c["token_ids"]) for c in choices)
@@ -520,8 +539,11 @@ def build_app(
             "created": int(time.time()),
             "model": state.model_name,
             "choices": choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-                      "total_tokens": n_prompt + n_completion},
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_completion,
+                "total_tokens": n_prompt + n_completion,
+            },
             "policy_version": served.policy_version,
         }
 
@@ -536,12 +558,14 @@ def build_app(
             try:
                 new = await asyncio.to_thread(state.load, path, state.device)
             except ValueError as err:
-                raise RequestError(f"model_path {body['model_path']!r} is not a valid checkpoint: {err}") from err
+                raise RequestError(
+                    f"model_path {body['model_path']!r} is not a valid checkpoint: {err}"
+                ) from err
             await asyncio.to_thread(state.slot.swap, new)
         return {
             "success": True,
             "message": f"loaded {str(path)!r} (policy_version {new.policy_version}) in "
-                       f"{time.perf_counter() - start:.2f}s",
+            f"{time.perf_counter() - start:.2f}s",
             "policy_version": new.policy_version,
             "num_paused_requests": 0,
         }
@@ -564,17 +588,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("checkpoint", help="checkpoint folder (<run_dir>/checkpoints/step_N)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help=f"port (default {DEFAULT_PORT}; 0 = a free port, printed at start)")
-    parser.add_argument("--token", default=None,
-                        help=f"bearer token every request must carry (default: ${TOKEN_ENV} if set)")
-    parser.add_argument("--allow-root", default=None,
-                        help="folder /update_weights_from_disk may load from "
-                             "(default: the folder holding CHECKPOINT)")
-    parser.add_argument("--batch-window-ms", type=float, default=5.0,
-                        help="how long the batcher waits for more requests to merge (default 5)")
-    parser.add_argument("--max-batch-prompts", type=int, default=256,
-                        help="sequences (prompts x n) merged into one engine call at most")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT}; 0 = a free port, printed at start)",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help=f"bearer token every request must carry (default: ${TOKEN_ENV} if set)",
+    )
+    parser.add_argument(
+        "--allow-root",
+        default=None,
+        help="folder /update_weights_from_disk may load from "
+        "(default: the folder holding CHECKPOINT)",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="how long the batcher waits for more requests to merge (default 5)",
+    )
+    parser.add_argument(
+        "--max-batch-prompts",
+        type=int,
+        default=256,
+        help="sequences (prompts x n) merged into one engine call at most",
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     return parser.parse_args(argv)
@@ -589,12 +631,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.host not in _LOOPBACK and not token:
-        print(f"rlpipe serve: warning: listening on {args.host} without a token; anyone who can "
-              "reach it can sample and load checkpoints", file=sys.stderr)
+        print(
+            f"rlpipe serve: warning: listening on {args.host} without a token; anyone who can "
+            "reach it can sample and load checkpoints",
+            file=sys.stderr,
+        )
     try:
         app = build_app(
-            args.checkpoint, token=token, allow_root=args.allow_root,
-            batch_window_ms=args.batch_window_ms, max_batch_prompts=args.max_batch_prompts,
+            args.checkpoint,
+            token=token,
+            allow_root=args.allow_root,
+            batch_window_ms=args.batch_window_ms,
+            max_batch_prompts=args.max_batch_prompts,
             device=args.device,
         )
     except ValueError as err:
@@ -613,8 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     served = app.state.rlpipe.slot.current
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     # The first stdout line names the address (tests and scripts read it when --port 0).
-    print(f"rlpipe serve: listening on http://{host}:{port} (policy_version "
-          f"{served.policy_version}, {served.path})", flush=True)
+    print(
+        f"rlpipe serve: listening on http://{host}:{port} (policy_version "
+        f"{served.policy_version}, {served.path})",
+        flush=True,
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     try:
         uvicorn.Server(config).run(sockets=[sock])

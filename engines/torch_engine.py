@@ -91,8 +91,11 @@ class TorchEngine:
         seed = params.seed if params.seed is not None else torch.Generator().seed()
         generator = torch.Generator().manual_seed(seed)
         # (prompt index, sample index), longest prompts first so batches pad little
-        rows = [(i, j) for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-                for j in range(params.n)]
+        rows = [
+            (i, j)
+            for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+            for j in range(params.n)
+        ]
         results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
         was_training = self.model.training
         self.model.eval()
@@ -247,7 +250,9 @@ def _generate_batch(
         backend.select(source_t)
         logits = logits[source_t]
     n_rows = len(prompts)
-    uniforms = None if params.greedy else torch.rand(max_new, n_rows, generator=generator).to(device)
+    uniforms = (
+        None if params.greedy else torch.rand(max_new, n_rows, generator=generator).to(device)
+    )
     stop = torch.tensor(params.stop_token_ids, device=device) if params.stop_token_ids else None
     out = _Batch(
         tokens=torch.zeros(n_rows, max_new, dtype=torch.long, device=device),
@@ -294,7 +299,9 @@ def _generate_batch(
     ]
 
 
-def _left_pad(prompts: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(
+    prompts: list[tuple[int, ...]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad with token 0 (masked). Returns tokens int64 [U, P] and pad int64 [U]."""
     width = max(len(p) for p in prompts)
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -302,4 +309,3 @@ def _left_pad(prompts: list[tuple[int, ...]], device: torch.device) -> tuple[tor
         tokens[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
     pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
     return tokens.to(device), pad.to(device)
-

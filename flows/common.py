@@ -169,3 +169,16 @@ class NoTracking:
     def set_alias(self, model_name: str, alias: str, version) -> None: ...
 
     def end(self, status: str = "FINISHED") -> None: ...
+
+
+def write_run_report(config: RunConfig, run_dirs: list[Path]) -> Path | None:
+    """The HTML report at the end of a run; a report failure never fails a finished run."""
+    if not config.tracking.report:
+        return None
+    try:
+        from dashboards.report import write_report
+
+        return write_report(run_dirs)
+    except Exception as error:  # noqa: BLE001 - the run's tables are the product, the report a view
+        print(f"rlpipe: could not write the report for {run_dirs[0]}: {error}")
+        return None

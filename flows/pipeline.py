@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import RunState, make_tracker, read_json, resolve_config, write_json_atomic
+from flows.common import (
+    RunState,
+    make_tracker,
+    read_json,
+    resolve_config,
+    write_json_atomic,
+    write_run_report,
+)
 from flows.rl import run_rl
 from flows.supervised import run_supervised
 
@@ -33,6 +40,7 @@ def pipeline_flow(config_path: str | None = None, overrides: list[str] | None = 
         raise
     state.status = "finished"
     state.save()
+    write_run_report(cfg, [cfg.run_dir / "rl", cfg.run_dir / "sft"])
     return {"sft": sft, "rl": rl, "run_dir": str(cfg.run_dir)}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import resolve_config
+from flows.common import phase_run_dir, resolve_config, write_run_report
 from flows.supervised import run_supervised
 
 
@@ -15,4 +15,7 @@ from flows.supervised import run_supervised
 def pretrain_flow(config_path: str | None = None, overrides: list[str] | None = None,
                   config: dict | None = None) -> dict:
     """Pretrain a model from a preset on a text corpus (or the task's texts); returns the last checkpoint."""
-    return run_supervised(resolve_config(config_path, overrides, config), "pretrain")
+    cfg = resolve_config(config_path, overrides, config)
+    result = run_supervised(cfg, "pretrain")
+    write_run_report(cfg, [phase_run_dir(cfg, "pretrain")])
+    return result

@@ -17,7 +17,16 @@ import math
 
 from prefect import flow
 
-from flows.common import RunState, Stopwatch, make_tracker, open_run, registered_model_name, resolve_config
+from flows.common import (
+    RunState,
+    Stopwatch,
+    make_tracker,
+    open_run,
+    phase_run_dir,
+    registered_model_name,
+    resolve_config,
+    write_run_report,
+)
 from flows.config import RunConfig
 from flows.progress import progress
 from flows.supervised import due
@@ -38,7 +47,10 @@ from training.checkpoint import latest_checkpoint, load_checkpoint
 def rl_flow(config_path: str | None = None, overrides: list[str] | None = None,
             config: dict | None = None) -> dict:
     """RL from `model.path` (e.g. an SFT checkpoint) or a preset; returns the last checkpoint."""
-    return run_rl(resolve_config(config_path, overrides, config))
+    cfg = resolve_config(config_path, overrides, config)
+    result = run_rl(cfg)
+    write_run_report(cfg, [phase_run_dir(cfg, "rl")])
+    return result
 
 
 def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,

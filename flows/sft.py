@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import resolve_config
+from flows.common import phase_run_dir, resolve_config, write_run_report
 from flows.supervised import run_supervised
 
 
@@ -15,4 +15,7 @@ from flows.supervised import run_supervised
 def sft_flow(config_path: str | None = None, overrides: list[str] | None = None,
              config: dict | None = None) -> dict:
     """SFT a model on a task's demonstrations or a JSONL of chats; returns the last checkpoint."""
-    return run_supervised(resolve_config(config_path, overrides, config), "sft")
+    cfg = resolve_config(config_path, overrides, config)
+    result = run_supervised(cfg, "sft")
+    write_run_report(cfg, [phase_run_dir(cfg, "sft")])
+    return result

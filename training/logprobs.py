@@ -41,6 +41,22 @@ def _chunk_logits(
     return logits
 
 
+def _log_softmax_gather_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[labels] for logits [C, V] → [C]; overwrites logits (in-place ops keep
+    the peak at one [C, V] tensor, where log_softmax + gather would hold two)."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    picked = logits.gather(1, labels[:, None]) - row_max
+    lse = logits.sub_(row_max).exp_().sum(dim=-1, keepdim=True).log_()
+    return (picked - lse).squeeze(1)
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim, in place (returns logits)."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    logits.sub_(row_max).exp_()
+    return logits.div_(logits.sum(dim=-1, keepdim=True))
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """Chunked log-softmax + gather with a recomputing backward (see module docstring)."""
 
@@ -56,9 +72,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_size):
                 sl = slice(start, start + chunk_size)
                 logits = _chunk_logits(hidden[sl].to(cdtype), w, bias, temperature)
-                logp = torch.log_softmax(logits, dim=-1)
-                out[sl] = logp.gather(1, safe_labels[sl, None]).squeeze(1)
-                del logits, logp
+                out[sl] = _log_softmax_gather_(logits, safe_labels[sl])
+                del logits
         out = out * valid
         ctx.save_for_backward(hidden, weight, bias, safe_labels, valid)
         ctx.chunk_size, ctx.temperature, ctx.cdtype = chunk_size, temperature, cdtype
@@ -81,7 +96,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                 sl = slice(start, start + ctx.chunk_size)
                 h = hidden[sl].to(cdtype)
                 # d logp[label] / d logits = onehot(label) − softmax; scaled by the incoming grad.
-                grad_logits = torch.softmax(_chunk_logits(h, w, bias, temperature), dim=-1)
+                grad_logits = _softmax_(_chunk_logits(h, w, bias, temperature))
                 grad_logits.mul_(-g[sl, None])
                 grad_logits.scatter_add_(1, labels[sl, None], g[sl, None])
                 if need_b:

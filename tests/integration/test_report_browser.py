@@ -43,8 +43,8 @@ def _write_run(run_dir, run_id: str, rl: bool) -> None:
             for name, table in tables.items():
                 write_table(run_dir, name, step, table, run_id=run_id, durable=False)
         write_table(run_dir, "train_steps", step, [dict(
-            mode="rl" if rl else "sft", loss=2.0 / (step + 1), grad_norm=1.0 + step % 2, lr=1e-4,
-            tokens=500, tokens_per_second=900.0 + step, seconds_generate=0.8 if rl else None, seconds_train=1.1,
+            mode="rl" if rl else "sft", loss=2.0 / (step + 1) + (0 if rl else 0.3), grad_norm=1.0 + step % 2 + rl,
+            lr=1e-4 * (1 + step if rl else 2), tokens=500, tokens_per_second=900.0 + (1 + rl) * step, seconds_generate=0.8 if rl else None, seconds_train=1.1,
             seconds_total=2.0)], run_id=run_id, durable=False)
         write_table(run_dir, "evals", step, [dict(env="arithmetic", example_id=str(i), reward=float(i % 2),
                                                    correct=(i + step) % 3 == 0) for i in range(6)],

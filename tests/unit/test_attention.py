@@ -43,7 +43,7 @@ def test_packed_logits_equal_per_sequence(preset, train):
     with torch.no_grad():
         packed = packed_logits(model, batch)
         cu = batch.cu_seqlens.tolist()
-        for a, b in zip(cu[:-1], cu[1:]):
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
             alone = model(input_ids=batch.tokens[a:b][None]).logits[0]
             assert (packed[a:b] - alone).abs().max().item() <= TOL
 
@@ -58,7 +58,7 @@ def test_padded_fallback_matches_packed(preset):
     with torch.no_grad():
         packed = packed_logits(model, batch)
         logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits
-    by_id = dict(zip(batch.sample_ids, zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())))
+    by_id = dict(zip(batch.sample_ids, zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True), strict=True))
     for i, s in enumerate(seqs):
         a, b = by_id[s.sample_id]
         assert (logits[i, : len(s.tokens)] - packed[a:b]).abs().max().item() <= TOL
@@ -86,7 +86,7 @@ def test_packed_gradients_equal_per_sequence_gradients():
         ids = torch.tensor(s.tokens)[None]
         logits = model(input_ids=ids).logits[0, :-1]
         F.cross_entropy(logits, ids[0, 1:], reduction="sum").backward()
-    for g, p in zip(packed_grads, model.parameters()):
+    for g, p in zip(packed_grads, model.parameters(), strict=True):
         assert torch.allclose(g, p.grad, atol=1e-4, rtol=1e-3)
 
 
@@ -159,3 +159,16 @@ def test_model_without_varlen_attention_is_rejected():
     (batch,) = pack(_sequences([4, 5]), token_budget=64)
     with pytest.raises(ValueError, match="rlpipe_varlen"):
         model_hidden_states(model, batch)
+
+
+def test_several_packed_rows_without_cu_seqlens_fall_back_to_a_correct_mask():
+    """Batch > 1 of packed rows (position_ids only): transformers' packed mask, still exact."""
+    model = _model("tiny-dense").eval()
+    (a,) = pack(_sequences([5, 11]), token_budget=16)
+    (b,) = pack(_sequences([9, 7], seed=1), token_budget=16)
+    ids = torch.stack([a.tokens, b.tokens])
+    pos = torch.stack([a.position_ids, b.position_ids])
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos).logits
+        assert (got[0] - packed_logits(model, a)).abs().max().item() <= TOL
+        assert (got[1] - packed_logits(model, b)).abs().max().item() <= TOL

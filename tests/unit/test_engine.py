@@ -30,9 +30,16 @@ def _sharpen(model: torch.nn.Module, scale: float) -> torch.nn.Module:
 def dense_model(scale: float = 8.0) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
     )
     return _sharpen(Qwen3ForCausalLM(cfg), scale)
 
@@ -40,9 +47,18 @@ def dense_model(scale: float = 8.0) -> Qwen3ForCausalLM:
 def moe_model(scale: float = 8.0) -> Qwen3MoeForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
     return _sharpen(Qwen3MoeForCausalLM(cfg), scale)
@@ -51,8 +67,13 @@ def moe_model(scale: float = 8.0) -> Qwen3MoeForCausalLM:
 def llama_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
     return _sharpen(LlamaForCausalLM(cfg), 8.0)
@@ -96,7 +117,9 @@ def test_fast_forward_logits_match_hf_forward(kind):
         for i, p in enumerate(prompts):
             tokens[i, width - len(p) :] = torch.tensor(p)
         cache = qwen3_fast.KVCache.empty(w, 3, 16)
-        steps = [qwen3_fast.prefill(w, tokens, torch.tensor([width - n for n in lengths]), cache, rope)]
+        steps = [
+            qwen3_fast.prefill(w, tokens, torch.tensor([width - n for n in lengths]), cache, rope)
+        ]
         for t in range(4):
             positions = torch.tensor(lengths) + t
             steps.append(qwen3_fast.decode(w, extra[:, t], cache, rope, positions))
@@ -138,7 +161,9 @@ def test_hf_fallback_for_other_architectures_matches_recomputation():
     assert greedy[0][0].tokens == _hf_greedy(model, prompts[0], 8)
 
 
-def _kept_sets(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> list[set[int]]:
+def _kept_sets(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> list[set[int]]:
     """Reference truncation, position by position: k most likely, then the shortest
     most-likely-first prefix of the renormalised rest whose mass reaches top_p."""
     kept = []
@@ -186,8 +211,13 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-            min_new_tokens=max_new, pad_token_id=0, eos_token_id=None,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            pad_token_id=0,
+            eos_token_id=None,
         )
     return out[0, len(prompt) :].tolist()
 
@@ -247,7 +277,9 @@ def test_batched_prompts_of_different_lengths_equal_one_at_a_time(kind):
         alone = engine.generate([prompt], params)[0][0]
         assert group[0].tokens == alone.tokens
         assert group[0].finish_reason == alone.finish_reason
-        assert torch.allclose(torch.tensor(group[0].logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(group[0].logprobs), torch.tensor(alone.logprobs), atol=1e-5
+        )
 
 
 def test_engine_reads_the_live_parameters_without_sync():
@@ -295,3 +327,29 @@ def test_bad_prompts_raise_value_error():
         engine.generate([[1], []], SamplingParams())
     with pytest.raises(ValueError, match=r"prompts\[0\]"):
         engine.generate([[VOCAB]], SamplingParams())
+
+
+def test_bf16_engine_runs_on_fp32_weights_with_close_logprobs():
+    model = dense_model(scale=2.0)
+    engine = TorchEngine(model, dtype=torch.bfloat16)
+    prompts = prompts_of([5, 8])
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=0))
+    assert next(model.parameters()).dtype == torch.float32  # the trainer's weights are untouched
+    for prompt, group in zip(prompts, out, strict=True):
+        for c in group:
+            ref = recompute_logprobs(model, prompt, c, 1.0)
+            assert (ref - torch.tensor(c.logprobs)).abs().mean().item() < 0.05
+
+
+def test_preset_models_with_packed_attention_config():
+    presets = pytest.importorskip("models.presets")
+    for name in ("tiny-dense", "tiny-moe"):
+        model = presets.build_model(name, vocab_size=VOCAB)  # train mode, varlen attention
+        engine = TorchEngine(model)
+        assert engine.fast_path_reason is None
+        prompt = prompts_of([6])[0]
+        c = engine.generate([prompt], SamplingParams(max_new_tokens=6, seed=1))[0][0]
+        assert model.training  # generate restores the mode
+        model.eval()
+        ref = recompute_logprobs(model, prompt, c, 1.0)
+        assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-4

@@ -35,11 +35,12 @@ def test_build_model_is_deterministic_and_tied():
     a = build_model("tiny-dense", VOCAB, seed=3)
     b = build_model("tiny-dense", VOCAB, seed=3)
     c = build_model("tiny-dense", VOCAB, seed=4)
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     assert a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()
     assert a.training
+    assert a.config.use_cache is False and a.generation_config.use_cache is True
 
 
 def test_build_model_leaves_global_rng_alone():

@@ -35,7 +35,7 @@ def _seq(n: int, start: int = 0, sample_id: str | None = None, rl: bool = False)
 
 def _unpack(batch: PackedBatch) -> list[list[int]]:
     cu = batch.cu_seqlens.tolist()
-    return [batch.tokens[a:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
+    return [batch.tokens[a:b].tolist() for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
 
 def test_shift_labels_weights_logprobs_per_sequence():
@@ -107,7 +107,7 @@ def test_pack_properties(lens, budget):
         lens_b = (cu[1:] - cu[:-1]).tolist()
         expected_pos = torch.cat([torch.arange(n) for n in lens_b])
         assert torch.equal(b.position_ids, expected_pos)
-        for sid, toks, (a, e) in zip(b.sample_ids, _unpack(b), zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for sid, toks, (a, e) in zip(b.sample_ids, _unpack(b), zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True), strict=True):
             seen[sid] = toks
             assert b.labels[a : e - 1].tolist() == toks[1:]
             assert int(b.labels[e - 1]) == IGNORE_INDEX and float(b.token_weights[e - 1]) == 0.0

@@ -67,7 +67,7 @@ def test_chat_template_assistant_mask():
     tok = build_tokenizer()
     out = tok.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = out["input_ids"], out["assistant_masks"]
-    trained = [i for i, m in zip(ids, mask) if m]
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
     assert tok.decode(trained) == "3" + IM_END
 
 

@@ -1,0 +1,255 @@
+"""The `vllm` engine: vLLM in-process on the training GPU, fed the trainer's weights.
+
+    engine = VllmEngine(model)            # the nn.Module the optimizer updates (on a CUDA GPU)
+    out = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=256, seed=0))
+    ... optimizer step ...
+    engine.sync(None, policy_version)     # weights come from `model`, no checkpoint needed
+
+Needs the optional extra (`pip install 'rlpipe[vllm]'`) and a CUDA GPU; `vllm` is imported only
+when an engine is built, and the constructor raises RuntimeError saying which is missing.
+
+How it shares the GPU with training (colocated):
+- vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while the engine is built), so
+  its model runner can read the trainer's tensors directly: no checkpoint, no copy through disk.
+- It is built from the trainer's config with dummy weights (`load_format="dummy"`, no tokenizer:
+  prompts are token ids) and immediately receives the trainer's weights via the model's own
+  `load_weights` (called on the worker through `LLM.collective_rpc`).
+- With `sleep_between_calls` (default), every `generate` ends with `LLM.sleep(level=2)`: weights
+  and KV cache are released so the optimizer step has the memory. The next `generate` wakes the
+  weights, loads the trainer's *current* weights into them, then wakes the KV cache
+  (`wake_up(tags=...)`), so a sync after an optimizer step is free.
+- Log-probs follow engines/base.py's convention through `logprobs_mode="processed_logprobs"`
+  (after temperature; equal to the untruncated tempered log-prob when top-k/top-p are off;
+  with top-k/top-p vLLM reports the truncated-renormalised value).
+
+API used (vLLM ≥ 0.10; checked against vLLM's source, not run here — no GPU on the build
+machine): `vllm.LLM(..., enable_sleep_mode=True, skip_tokenizer_init=True, logprobs_mode=...)`,
+`LLM.generate(TokensPrompt(prompt_token_ids=...), SamplingParams(..., logprobs=0,
+detokenize=False))`, `LLM.sleep(level)`, `LLM.wake_up(tags)`, `LLM.reset_prefix_cache()`,
+`LLM.collective_rpc(method, args)` with Worker.update_config / Worker.reload_weights for
+`sync(path, version)` (vllm/v1/worker/gpu_worker.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.base import Completion, SamplingParams
+
+_NON_PORTABLE_KEYS = (
+    "attn_implementation",
+    "_attn_implementation",
+    "_attn_implementation_internal",
+)
+
+
+def vllm_unavailable_reason() -> str | None:
+    """None if a VllmEngine can be built here; otherwise why not (for errors and test skips)."""
+    if not torch.cuda.is_available():
+        return (
+            "VllmEngine needs a CUDA GPU and none is visible (torch.cuda.is_available() is False)"
+        )
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        return f"VllmEngine needs the optional vllm extra (pip install 'rlpipe[vllm]'): {err}"
+    return None
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """Set an environment variable for the duration of the block (vLLM reads it at build)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def write_vllm_config(model: nn.Module, folder: Path) -> Path:
+    """config.json of `model` for vLLM (architectures set, rlpipe's attention name dropped)."""
+    config = model.config.to_dict()
+    for key in _NON_PORTABLE_KEYS:
+        config.pop(key, None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    config["use_cache"] = True
+    path = folder / "config.json"
+    path.write_text(json.dumps(config, indent=2, default=str))
+    return path
+
+
+def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside vLLM's worker (same process): copy trainer tensors into vLLM's model."""
+    worker.model_runner.model.load_weights(weights=iter(weights))
+
+
+class VllmEngine:
+    """In-process vLLM on one GPU, sampling from `model`'s current weights (see module doc).
+
+    gpu_memory_utilization: share of GPU memory vLLM may take while awake (weights + KV cache).
+    max_model_len: longest prompt + completion (default: the model's max_position_embeddings).
+    dtype: vLLM's compute dtype ('auto' = the config's torch_dtype). sleep_between_calls:
+    release vLLM's GPU memory after each generate (for colocated training).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+        enforce_eager: bool = True,
+        sleep_between_calls: bool = True,
+        policy_version: int = 0,
+        seed: int = 0,
+    ) -> None:
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(reason + "; use engine.type = 'torch' or 'http' instead")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        import vllm
+
+        self.model = model
+        self.sleep_between_calls = sleep_between_calls
+        self._policy_version = policy_version
+        self._asleep = False
+        self._closed = False
+        self._config_dir = tempfile.TemporaryDirectory(prefix="rlpipe-vllm-")
+        write_vllm_config(model, Path(self._config_dir.name))
+        with _env("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+            self._llm = vllm.LLM(
+                model=self._config_dir.name,
+                skip_tokenizer_init=True,
+                load_format="dummy",
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len
+                or getattr(model.config, "max_position_embeddings", None),
+                enforce_eager=enforce_eager,
+                enable_sleep_mode=True,
+                logprobs_mode="processed_logprobs",
+                seed=seed,
+            )
+        self._push_weights()
+        if sleep_between_calls:
+            self.sleep()
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """For each prompt (in order), `params.n` completions (in order)."""
+        self._check_open()
+        if not prompts:
+            return []
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        try:
+            outputs = self._llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                VllmSamplingParams(
+                    n=params.n,
+                    temperature=0.0 if params.greedy else params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k if params.top_k > 0 else -1,
+                    max_tokens=params.max_new_tokens,
+                    stop_token_ids=list(params.stop_token_ids),
+                    ignore_eos=True,  # our engines stop only on stop_token_ids
+                    seed=params.seed,
+                    logprobs=0,
+                    detokenize=False,
+                ),
+                use_tqdm=False,
+            )
+        finally:
+            if self.sleep_between_calls:
+                self.sleep()
+        return [[_completion(c) for c in out.outputs] for out in outputs]
+
+    def sync(self, checkpoint_path: str | None, policy_version: int) -> None:
+        """None: take `model`'s weights (now if awake, else at the next wake-up). A path: load
+        that Hugging Face checkpoint from disk into vLLM (and it stays in service until the
+        next wake-up pushes `model`'s weights again, so prefer None when colocated)."""
+        self._check_open()
+        if checkpoint_path is None:
+            if not self._asleep:
+                self._push_weights()
+        else:
+            self.wake_up(push=False)
+            self._llm.collective_rpc(
+                "update_config",
+                args=(
+                    {
+                        "model_config": {"model": str(checkpoint_path)},
+                        "load_config": {"load_format": "auto"},
+                    },
+                ),
+            )
+            self._llm.collective_rpc("reload_weights")
+            self._llm.reset_prefix_cache()
+        self._policy_version = policy_version
+
+    def sleep(self) -> None:
+        """Release weights and KV cache (level 2: weights are reloaded from `model` on wake)."""
+        if not self._asleep:
+            self._llm.sleep(level=2)
+            self._asleep = True
+
+    def wake_up(self, push: bool = True) -> None:
+        """Re-allocate weights, load `model`'s current weights (if push), then the KV cache."""
+        if self._asleep:
+            self._llm.wake_up(tags=["weights"])
+            if push:
+                self._push_weights()
+            self._llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        del self._llm
+        self._config_dir.cleanup()
+        torch.cuda.empty_cache()
+
+    def _push_weights(self) -> None:
+        weights = [(name, t.detach()) for name, t in self.model.state_dict().items()]
+        self._llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("VllmEngine is closed")
+
+
+def _completion(output: Any) -> Completion:
+    """vLLM CompletionOutput -> Completion (log-prob of each sampled token)."""
+    tokens = list(output.token_ids)
+    if output.logprobs is None or len(output.logprobs) != len(tokens):
+        raise RuntimeError("vLLM returned no per-token logprobs (logprobs=0 was requested)")
+    logprobs = [
+        float(step[token].logprob) for step, token in zip(output.logprobs, tokens, strict=True)
+    ]
+    reason = "stop" if output.finish_reason == "stop" else "length"
+    if output.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a completion with reason {output.finish_reason!r}")
+    return Completion(tokens=tokens, logprobs=logprobs, finish_reason=reason)
