@@ -18,6 +18,10 @@ and the best run too (on a loaded machine the least disturbed run is the better 
 Timings on a shared 2-core CPU are noisy (other engineers' jobs run beside it): the load
 average is recorded with the results. Servers bind 127.0.0.1 and are always killed at the end.
 
+Threads default to 1: on this 2-core machine under load (load average ~9), two torch threads
+in the main thread ran the same decode 10-80x slower (3-35 s instead of 0.4 s; measured
+2026-11), an OpenMP oversubscription effect that would swamp what this benchmark measures.
+
     python -m benchmarks.bench_serve [--preset tiny-dense] [--prompts 64] [--new-tokens 64]
         [--repeats 3] [--syncs 5] [--threads N] [--out runs/bench/serve.json]
 """
@@ -214,9 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads in-process and for the 1-server run (0 = default); "
-                             "each of the 2 servers gets half")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in-process and for the 1-server run (0 = torch's "
+                             "default); each of the 2 servers gets half, at least 1")
     parser.add_argument("--out", default="runs/bench/serve.json")
     args = parser.parse_args(argv)
     report = run(args)

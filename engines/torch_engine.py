@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -40,7 +41,8 @@ class TorchEngine:
     """In-process engine over a causal LM `model` (shared, not copied).
 
     device / dtype: where and in which dtype to run; default the model's own. A different
-    dtype or device casts a copy of the weights at each `generate` call (still no sync needed).
+    dtype or device casts a copy of the weights at each `generate` call (still no sync needed);
+    models without the fast path run through their HF forward where they are, in their dtype.
     max_batch_size: sequences (prompts x n) decoded together at most.
     """
 
@@ -61,6 +63,11 @@ class TorchEngine:
         self.max_batch_size = max_batch_size
         self.fast_path_reason = qwen3_fast.unsupported_reason(model)
         """None when the lean Qwen3 forward is used; otherwise why the HF forward is."""
+        if self.fast_path_reason is not None and self.device != param.device:
+            raise ValueError(
+                f"device {self.device} differs from the model's ({param.device}); only Qwen3 "
+                f"models can run elsewhere ({self.fast_path_reason})"
+            )
         self._policy_version = policy_version
         self._closed = False
 
@@ -98,7 +105,8 @@ class TorchEngine:
         ]
         results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
         was_training = self.model.training
-        self.model.eval()
+        if self.fast_path_reason is not None:
+            self.model.eval()  # the HF forward applies dropout in train mode
         try:
             with torch.inference_mode():
                 backend = self._backend()
@@ -140,24 +148,24 @@ def load_weights_into(model: nn.Module, checkpoint_path: str) -> None:
             param.copy_(source[name])
 
 
-class Backend:
+class Backend(Protocol):
     """What `_generate_batch` needs from a model runner (one batch at a time)."""
 
     def start(self, tokens: torch.Tensor, pad: torch.Tensor, max_len: int) -> torch.Tensor:
         """Prefill left-padded prompts tokens [U, P] (pad [U] columns each), room for max_len
         columns in all. Returns last-position logits float32 [U, V]."""
-        raise NotImplementedError
+        ...
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (int64, may repeat: used to copy a prompt to n samples)."""
-        raise NotImplementedError
+        ...
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (int64 [B]) at RoPE positions [B]; logits float32 [B, V]."""
-        raise NotImplementedError
+        ...
 
 
-class FastBackend(Backend):
+class FastBackend:
     """The lean Qwen3 forward over a preallocated KV cache."""
 
     def __init__(self, weights: qwen3_fast.QwenWeights) -> None:
@@ -179,7 +187,7 @@ class FastBackend(Backend):
         return qwen3_fast.decode(self.weights, tokens, self.cache, self.rope, positions)
 
 
-class HFBackend(Backend):
+class HFBackend:
     """Any Hugging Face causal LM, through its forward and DynamicCache (the slow path)."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
@@ -246,7 +254,7 @@ def _generate_batch(
     max_new = params.max_new_tokens
     logits = backend.start(tokens, pad, tokens.shape[1] + max_new)
     source_t = torch.tensor(source, device=device)
-    if len(unique) != len(prompts) or source != list(range(len(prompts))):
+    if len(unique) != len(prompts):  # n > 1: copy each prompt's cache to its samples
         backend.select(source_t)
         logits = logits[source_t]
     n_rows = len(prompts)
@@ -269,23 +277,20 @@ def _generate_batch(
         token, logprob = sample_next(logits, params, draws)
         out.tokens[rows, t] = token
         out.logprobs[rows, t] = logprob
-        if t == max_new - 1:
-            break
         if stop is not None:
             hit = torch.isin(token, stop) & live
             finished = rows[hit].tolist()
+            for b in finished:
+                out.lengths[b], out.reasons[b] = t + 1, "stop"
             if finished:
-                for b in finished:
-                    out.lengths[b], out.reasons[b] = t + 1, "stop"
                 live &= ~hit
                 n_live -= len(finished)
-                if n_live == 0:
-                    break
-                if (len(rows) - n_live) >= _COMPACT_FRACTION * len(rows):
-                    keep = live.nonzero().squeeze(1)
-                    backend.select(keep)
-                    rows, positions, token = rows[keep], positions[keep], token[keep]
-                    live = live[keep]
+        if t == max_new - 1 or n_live == 0:
+            break
+        if len(rows) - n_live >= _COMPACT_FRACTION * len(rows):
+            keep = live.nonzero().squeeze(1)
+            backend.select(keep)
+            rows, positions, token, live = rows[keep], positions[keep], token[keep], live[keep]
         logits = backend.step(token, positions)
         positions = positions + 1
     tokens_cpu, logprobs_cpu = out.tokens.cpu(), out.logprobs.cpu()

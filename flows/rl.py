@@ -176,7 +176,8 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                                  epochs=rl.ppo_epochs, step=step, temperature=rl.sampling.temperature)
         version = step * rl.ppo_epochs
         checkpoint_path = None
-        if due(step, rl.checkpoint_every, rl.steps):
+        # servers only take weights from disk: an HTTP run checkpoints every step
+        if due(step, rl.checkpoint_every, rl.steps) or config.engine.type == "http":
             with watch("checkpoint"):
                 row = checkpoint_task(
                     run_dir=run_dir, run_id=run_id, step=step, policy_version=version, model=model,
@@ -185,9 +186,10 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                     metrics=metrics, tracker=tracker, model_name=model_name)
                 persist(run_dir, "checkpoints", step, [row], run_id)
                 checkpoint_path = last_path = row["path"]
-        if config.engine.type != "torch" or checkpoint_path:
+        if config.engine.type == "vllm" or checkpoint_path:
             with watch("sync"):
-                sync_rows = sync_task(engines, checkpoint_path, version, run_id=run_id, step=step,
+                shared = config.engine.type != "http"  # in-process engines read the trainer's tensors
+                sync_rows = sync_task(engines, None if shared else checkpoint_path, version, run_id=run_id, step=step,
                                       retries=config.engine.retries)
                 persist(run_dir, "syncs", step, sync_rows, run_id)
                 raise_failed(sync_rows)

@@ -7,6 +7,9 @@ attention pads, per sequence: sequences are grouped into length buckets, each bu
 to its own max length and run through sdpa with `is_causal=True`, and the outputs are unpadded.
 Attention cost is then ~sum over buckets of n_b * L_b^2 instead of T^2.
 
+In bf16 on CPU the per-bucket attention is two batched matmuls and a float32 softmax
+(`causal_attention_bmm`): torch's bf16 flash kernel is slower than that at these lengths.
+
 Right padding is exact under a causal mask: a real query at position i only sees keys 0..i, all
 real. Padded query rows compute garbage that is never gathered back.
 
@@ -34,9 +37,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 VARLEN_ATTENTION = "rlpipe_varlen"
 
-# Relative cost of one extra sdpa call (fwd + bwd), in units of attention pairs (query x key).
-# Bucketing trades padding waste (n_b * L_b^2 pairs) against per-call overhead; measured roughly
-# on the 2-core CPU: a call costs about as much as ~32k pairs of a head_dim-64 attention.
+# Relative cost of one extra attention call (fwd + bwd), in units of attention pairs (query x key).
+# Bucketing trades padding waste (n_b * L_b^2 pairs) against per-call overhead. On the 2-core CPU
+# (small-dense, 16 sequences of 32-256 tokens) step time was flat for costs 0-131k and 12-15%
+# worse with a single bucket padded to the longest sequence; 32k sits in the flat region.
 _CALL_COST_PAIRS = 32_768
 # bf16 on CPU: attention as matmuls + a float32 softmax, chunked to ~4 MB of scores at a time
 # (measured: 1.1-3.8x faster fwd+bwd than torch's bf16 flash kernel for L <= 256, which runs

@@ -56,8 +56,9 @@ def rows(run_dir: Path, table: str) -> int:
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     runs = tmp_path / "runs"
     env = env_for(tmp_path)
-    subprocess.run(cli(*run_args(runs, "straight")), env=env, check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    straight_run = subprocess.run(cli(*run_args(runs, "straight")), env=env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=600)
+    assert straight_run.returncode == 0, straight_run.stderr[-3000:]
 
     table, step = random.Random().choice(KILL_POINTS)
     trigger = runs / "killed" / "rl" / "tables" / table / f"step={step}"

@@ -172,3 +172,19 @@ def test_several_packed_rows_without_cu_seqlens_fall_back_to_a_correct_mask():
         got = model(input_ids=ids, position_ids=pos).logits
         assert (got[0] - packed_logits(model, a)).abs().max().item() <= TOL
         assert (got[1] - packed_logits(model, b)).abs().max().item() <= TOL
+
+
+def test_bf16_autocast_packed_matches_per_sequence(monkeypatch):
+    """Under CPU bf16 autocast the matmul attention path runs and stays close to unpacked."""
+    model = _model("tiny-dense").eval()
+    (batch,) = pack(_sequences(), token_budget=1024)
+    calls = []
+    real = attention.causal_attention_bmm
+    monkeypatch.setattr(attention, "causal_attention_bmm", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        packed = packed_logits(model, batch).float()
+        cu = batch.cu_seqlens.tolist()
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            alone = model(input_ids=batch.tokens[a:b][None]).logits[0].float()
+            assert (packed[a:b] - alone).abs().max().item() <= 0.05
+    assert calls

@@ -167,15 +167,15 @@ def _kept_sets(
     """Reference truncation, position by position: k most likely, then the shortest
     most-likely-first prefix of the renormalised rest whose mass reaches top_p."""
     kept = []
-    for row in torch.softmax(logits / temperature, dim=-1):
-        order = row.argsort(descending=True).tolist()
+    for row in torch.softmax(logits / temperature, dim=-1).tolist():
+        order = sorted(range(len(row)), key=lambda i: -row[i])
         if top_k:
             order = order[:top_k]
-        total = sum(row[i].item() for i in order)
+        total = sum(row[i] for i in order)
         chosen, mass = [], 0.0
         for i in order:
             chosen.append(i)
-            mass += row[i].item() / total
+            mass += row[i] / total
             if mass >= top_p:
                 break
         kept.append(set(chosen))
@@ -353,3 +353,19 @@ def test_preset_models_with_packed_attention_config():
         model.eval()
         ref = recompute_logprobs(model, prompt, c, 1.0)
         assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-4
+
+
+def test_stop_token_sampled_at_the_last_step_is_a_stop():
+    engine = TorchEngine(dense_model())
+    prompts = prompts_of([4, 6, 3])
+    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=6))
+    last = next(g[0].tokens[-1] for g in greedy if g[0].tokens[-1] not in g[0].tokens[:-1])
+    out = engine.generate(
+        prompts, SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=(last,))
+    )
+    for before, after in zip(greedy, out, strict=True):
+        if last in before[0].tokens:
+            cut = before[0].tokens.index(last) + 1
+            assert after[0].tokens == before[0].tokens[:cut] and after[0].finish_reason == "stop"
+        else:
+            assert after[0].tokens == before[0].tokens and after[0].finish_reason == "length"
