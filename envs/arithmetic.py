@@ -12,7 +12,13 @@ from [min_operands, max_operands], and operators from `operators` (any of "+-*",
 `reverse_digits`: the answer is written least-significant digit first ("12+345=" → "753", and
 -123 → "-321"). A left-to-right model must otherwise emit the most significant digit before it
 has "seen" the carries that decide it; reversed, each digit depends only on digits already
-written, which makes multi-digit addition learnable by tiny transformers.
+written, which makes multi-digit addition learnable by tiny transformers. `reverse_operands`
+(with `pad_operands`) writes the operands the same way ("007+543=" shown as "700+345="), so
+answer digit i sits at a fixed distance from the operand digits it depends on.
+
+`teacher_carry_error` makes the SFT demonstrations imperfect: that share of them comes from a
+teacher who forgets every carry. SFT then imitates a mixture; RL with the exact verifier learns
+which of its own answers are right. This is the demo's setting (configs/demo.toml).
 
 Examples come from (seed, index) through a string-seeded RNG, so `examples("train", seed)[i]` is
 the same problem on every machine and run. The eval split is fixed by `eval_seed` (not by the
@@ -54,6 +60,13 @@ class ArithmeticConfig:
     """Allow negative answers (with '-'); False redraws problems whose answer is below 0."""
     reverse_digits: bool = False
     """Write the answer least-significant digit first (see module docstring)."""
+    pad_operands: bool = False
+    """Zero-pad every operand in the prompt to max_digits ("7+45=" → "07+45=")."""
+    reverse_operands: bool = False
+    """Write the prompt's operands least-significant digit first too (see module docstring)."""
+    teacher_carry_error: float = 0.0
+    """SFT demonstrations only: the share of demonstrations from a teacher that forgets every
+    carry (2-operand addition). RL's verifier always checks the true answer."""
     train_size: int = 100_000
     """Number of train examples (generated lazily)."""
     eval_size: int = 500
@@ -82,6 +95,8 @@ class ArithmeticConfig:
                 f"need 2 <= min_operands <= max_operands, got min_operands={self.min_operands}, "
                 f"max_operands={self.max_operands}"
             )
+        if not 0.0 <= self.teacher_carry_error <= 1.0:
+            raise ValueError(f"teacher_carry_error must be in [0, 1], got {self.teacher_carry_error}")
         if self.train_size < 1 or self.eval_size < 1:
             raise ValueError(
                 f"train_size and eval_size must be >= 1, got {self.train_size}, {self.eval_size}"
@@ -124,15 +139,31 @@ def _draw_operand(rng: random.Random, cfg: ArithmeticConfig) -> int:
     return rng.randint(low, 10**d - 1)
 
 
+def _show_operand(value: int, cfg: ArithmeticConfig) -> str:
+    text = f"{value:0{cfg.max_digits}d}" if cfg.pad_operands else str(value)
+    return text[::-1] if cfg.reverse_operands else text
+
+
 def _draw_problem(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, int, list[int]]:
-    """(prompt expression without '=', value, digit counts of the operands)."""
+    """(prompt expression without '=', value, the operands)."""
     k = rng.randint(cfg.min_operands, cfg.max_operands)
     operands = [_draw_operand(rng, cfg) for _ in range(k)]
     ops = [rng.choice(cfg.operators) for _ in range(k - 1)]
     expr = str(operands[0]) + "".join(o + str(x) for o, x in zip(ops, operands[1:], strict=True))
     value = evaluate(expr, operators="+-*")
     assert value.value.denominator == 1
-    return expr, int(value.value), [len(str(x)) for x in operands]
+    shown = _show_operand(operands[0], cfg) + "".join(
+        o + _show_operand(x, cfg) for o, x in zip(ops, operands[1:], strict=True))
+    return shown, int(value.value), operands
+
+
+def carry_blind_sum(a: int, b: int) -> int:
+    """a + b computed digit by digit with every carry forgotten (a classic pupil's mistake)."""
+    total, place = 0, 1
+    while a or b:
+        total += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return total
 
 
 class ArithmeticEnv(SingleTurnEnv):
@@ -160,11 +191,20 @@ class ArithmeticEnv(SingleTurnEnv):
     def score(self, example: Example, completion_text: str) -> tuple[float, dict[str, float]]:
         return self._reward(completion_text, example.answer, example)
 
+    def demonstration(self, example: Example, rng: random.Random) -> str:
+        """SFT's assistant text: the target, or — with probability teacher_carry_error — the
+        answer of a teacher who forgets every carry (an imperfect demonstrator for RL to fix)."""
+        operands = example.meta.get("operands", [])
+        if (self.config.teacher_carry_error > 0 and len(operands) == 2 and "+" in example.prompt
+                and rng.random() < self.config.teacher_carry_error):
+            return format_answer(carry_blind_sum(*operands), self.config.reverse_digits)
+        return str(example.meta["target_text"])
+
     def _correct(self, text: str, answer: Any, example: Example) -> float:
         return float(text.strip() == format_answer(int(answer), self.config.reverse_digits))
 
     def _example(
-        self, split: str, example_id: str, expr: str, value: int, digits: list[int]
+        self, split: str, example_id: str, expr: str, value: int, operands: list[int]
     ) -> Example:
         return Example(
             env=self.name,
@@ -173,8 +213,9 @@ class ArithmeticEnv(SingleTurnEnv):
             answer=value,
             meta={
                 "split": split,
-                "digits": digits,
-                "n_operands": len(digits),
+                "digits": [len(str(x)) for x in operands],
+                "operands": operands,
+                "n_operands": len(operands),
                 "target_text": format_answer(value, self.config.reverse_digits),
             },
         )
@@ -188,11 +229,11 @@ class ArithmeticEnv(SingleTurnEnv):
         seen: set[str] = set()
         out: list[Example] = []
         for _ in range(cfg.eval_size * 100):
-            expr, value, digits = _draw_problem(rng, cfg)
+            expr, value, operands = _draw_problem(rng, cfg)
             if expr in seen or not self._acceptable(value):
                 continue
             seen.add(expr)
-            out.append(self._example("eval", f"eval/{len(out)}", expr, value, digits))
+            out.append(self._example("eval", f"eval/{len(out)}", expr, value, operands))
             if len(out) == cfg.eval_size:
                 return out
         raise ValueError(
@@ -203,9 +244,9 @@ class ArithmeticEnv(SingleTurnEnv):
     def _make_train(self, seed: int, index: int) -> Example:
         rng = random.Random(f"arithmetic/train/{seed}/{index}")
         for _ in range(1000):
-            expr, value, digits = _draw_problem(rng, self.config)
+            expr, value, operands = _draw_problem(rng, self.config)
             if self._acceptable(value) and expr + "=" not in self._eval_prompts:
-                return self._example("train", f"train/{seed}/{index}", expr, value, digits)
+                return self._example("train", f"train/{seed}/{index}", expr, value, operands)
         raise ValueError(
             f"could not draw a train problem outside the eval set (seed {seed}, index {index})"
         )

@@ -161,3 +161,25 @@ def test_countdown_verifier_cases():
     assert env.reward(ex, "3*8").components == {"format": 1.0, "correct": 1.0}
     assert env.reward(ex, "__import__('os')").components == {"format": 0.0, "correct": 0.0}
     assert env.reward(ex, "4*6").components == {"format": 1.0, "correct": 0.0}
+
+
+def test_reversed_padded_operands_and_carry_forgetting_teacher():
+    import random
+
+    from envs.arithmetic import ArithmeticEnv, carry_blind_sum
+
+    assert carry_blind_sum(347, 586) == 823  # 7+6=13→3, 4+8=12→2, 3+5=8
+    assert carry_blind_sum(12, 34) == 46
+    env = ArithmeticEnv.from_options(min_digits=1, max_digits=3, operators="+", pad_operands=True,
+                                     reverse_operands=True, reverse_digits=True, teacher_carry_error=1.0)
+    example = env.examples("train", seed=0)[0]
+    a, b = example.meta["operands"]
+    assert example.prompt == f"{a:03d}"[::-1] + "+" + f"{b:03d}"[::-1] + "="
+    assert example.meta["target_text"] == str(a + b)[::-1]
+    rng = random.Random(0)
+    assert env.demonstration(example, rng) == str(carry_blind_sum(a, b))[::-1]
+    honest = ArithmeticEnv.from_options(max_digits=3, teacher_carry_error=0.0)
+    sample = honest.examples("train", seed=0)[0]
+    assert honest.demonstration(sample, rng) == sample.meta["target_text"]
+    # the verifier always wants the true sum, whatever the teacher wrote
+    assert env.reward(example, str(a + b)[::-1]).reward == 1.0
