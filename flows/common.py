@@ -122,14 +122,21 @@ class _Lap:
 
 
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
-    """The flow parameters (a TOML path and overrides, or a config dict) → a validated config."""
+    """The flow parameters (a TOML path and overrides, or a config dict) → a validated config;
+    applies its process-wide settings (torch threads)."""
     from flows.config import apply_overrides, load_config, validate_config
 
     if config is not None:
-        return validate_config(apply_overrides(config, list(overrides or [])), "(parameters)")
-    if not config_path:
+        resolved = validate_config(apply_overrides(config, list(overrides or [])), "(parameters)")
+    elif config_path:
+        resolved = load_config(config_path, list(overrides or []))
+    else:
         raise ValueError("a flow needs config_path or config")
-    return load_config(config_path, list(overrides or []))
+    if resolved.threads:
+        import torch
+
+        torch.set_num_threads(resolved.threads)
+    return resolved
 
 
 def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None = None):

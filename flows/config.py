@@ -169,6 +169,9 @@ class RunConfig(Section):
     """Seed of every random choice (data order, sampling, init)."""
     device: str = "cpu"
     """Torch device."""
+    threads: int = Field(0, ge=0)
+    """Torch intra-op threads (0 = torch's default). Tiny models are overhead-bound: 1 is often
+    as fast, and much steadier when other processes share the cores."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Model to train."""
     task: TaskConfig = Field(default_factory=TaskConfig)
