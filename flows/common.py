@@ -25,6 +25,8 @@ def quiet_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # one INFO line per task run would drown the phase progress bars; the Prefect UI keeps them
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would drown the phase bars

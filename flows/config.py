@@ -102,6 +102,9 @@ class RLConfig(Section):
     """Sample this many times the prompts needed; surplus valid groups carry to the next step."""
     max_attempts: int = Field(4, ge=1)
     """Sampling rounds per step before giving up on filling the batch."""
+    partial_batches: bool = False
+    """When max_attempts rounds cannot fill the batch (a policy that solves nearly every prompt),
+    train on the valid groups found instead of failing the step."""
     max_staleness: int = Field(1, ge=0)
     """Carried-over groups older than this many policy versions are dropped."""
     estimator: Literal["grpo", "rloo"] = "grpo"

@@ -30,7 +30,7 @@ from flows.common import (
 from flows.config import RunConfig
 from flows.progress import progress
 from flows.supervised import due
-from tasks.advantages import advantage_config, filter_task, new_buffer, scored_groups
+from tasks.advantages import advantage_config, filter_task, new_buffer, prompts_to_sample, scored_groups
 from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_task
 from tasks.generate import generate_stage
@@ -148,8 +148,10 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
         sampled, scored, decisions = [], [], []
         buffer.start_batch(version)
         while buffer.need() > 0:
+            if rl.partial_batches and buffer.attempts >= rl.max_attempts:
+                break  # train on what the rounds found
             attempt = buffer.begin_attempt()  # BatchFillError once max_attempts are spent
-            examples = prompts.next_batch(buffer.prompts_to_sample())
+            examples = prompts.next_batch(prompts_to_sample(buffer))
             examples_by_id.update({e.example_id: e for e in examples})
             with watch("generate"):
                 new = generate_stage(engines, tokenizer, env, examples, sampling, previous=sampled,
@@ -167,9 +169,11 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
             keep = {sid for group in buffer.pending for sid in group.sample_ids}
             for sample_id in [sid for sid in rows_by_sample if sid not in keep]:
                 del rows_by_sample[sample_id]
-        with watch("pack"):
-            batches, batch_rows = pack_task(selected, advantages, rl.optim.token_budget, run_id, step)
-            persist(run_dir, "batches", step, batch_rows, run_id)
+        batches, batch_rows = [], []
+        if selected:
+            with watch("pack"):
+                batches, batch_rows = pack_task(selected, advantages, rl.optim.token_budget, run_id, step)
+        persist(run_dir, "batches", step, batch_rows, run_id)
         with watch("train"):
             metrics = train_task(model, optimizer, scheduler, batches, loss_fn, normaliser=rl.optim.normaliser,
                                  max_grad_norm=rl.optim.max_grad_norm, autocast=config.model.bf16_autocast,

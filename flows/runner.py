@@ -47,6 +47,10 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
             accuracy = phase["eval"].get("eval/accuracy")
             if accuracy is not None:
                 lines.append(f"  held-out greedy accuracy after {name.upper():<8} {accuracy:6.1%}")
+    teacher_error = config.task.options.get("teacher_carry_error", 0)
+    if teacher_error and config.flow == "pipeline":
+        lines.append(f"  (SFT imitated a teacher that forgets every carry in {teacher_error:.0%} of its "
+                     "demonstrations; RL learned from the exact verifier)")
     table_dir = run_dir / "rl" if config.flow == "pipeline" else run_dir
     tracking = Path(config.runs_root).resolve() / "mlflow.db"
     lines += [

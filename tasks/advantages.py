@@ -7,6 +7,7 @@ rows stay in memory, and after a resume they are read back from the step that sa
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tasks._prefect import stage
@@ -32,6 +33,19 @@ def new_buffer(rl) -> GroupBuffer:
 def advantage_config(rl) -> AdvantageConfig:
     return AdvantageConfig(estimator=rl.estimator, normalize_std=rl.normalize_std,
                            positive_only=rl.positive_only)
+
+
+def prompts_to_sample(buffer: GroupBuffer, max_boost: float = 8.0) -> int:
+    """Prompts for the next sampling round: the buffer's `need × oversample_factor`, scaled up by
+    the share of sampled groups that turned out valid (this batch's, else the run's so far), so
+    that a policy which solves most prompts (many zero-variance groups) still fills its batch in
+    a round or two instead of shrinking rounds."""
+    base = buffer.prompts_to_sample()
+    counts = buffer.batch_counts if buffer.batch_counts["sampled_groups"] else buffer.total_counts
+    if not counts["sampled_groups"]:
+        return base
+    valid_share = max(counts["valid_groups"] / counts["sampled_groups"], 1.0 / max_boost)
+    return math.ceil(base / valid_share)
 
 
 def scored_groups(rollouts: list[dict], scores: list[dict], attempt: int):

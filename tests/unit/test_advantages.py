@@ -217,3 +217,18 @@ def test_config_validation_and_overlong_penalty():
     assert overlong_penalty(18, 20, 5) == pytest.approx(-0.6)
     assert overlong_penalty(20, 20, 5) == pytest.approx(-1.0)
     assert overlong_penalty(21, 20, 5) == -1.0
+
+
+def test_prompts_to_sample_scales_with_the_valid_share():
+    from tasks.advantages import prompts_to_sample
+    from training.advantages import BufferConfig, Group, GroupBuffer
+
+    buffer = GroupBuffer(BufferConfig(groups_per_batch=10, oversample_factor=1.0, max_attempts=5))
+    buffer.start_batch(0)
+    assert prompts_to_sample(buffer) == 10  # nothing sampled yet: the plain need
+    buffer.begin_attempt()
+    groups = [Group(f"g{i}", "e", str(i), 0, ["a", "b"], [1.0, 0.0] if i < 2 else [1.0, 1.0]) for i in range(10)]
+    buffer.add(groups)  # 2 valid of 10
+    assert buffer.need() == 8
+    assert prompts_to_sample(buffer) == 40  # 8 needed at a 20% valid share
+    assert prompts_to_sample(buffer, max_boost=2.0) == 16
