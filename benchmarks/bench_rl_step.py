@@ -2,10 +2,12 @@
 
 The run: the demo's shapes (configs/demo.toml: tiny-dense with 4 layers, 16 prompts x 8
 completions, 6 new tokens, token budget 8192, greedy eval of 400 prompts every 10 steps —
-the demo's 1,000 every 25 — and a checkpoint every 10 steps), warm-started by a short SFT so that
-rewards vary and every step trains (`rl.drop_zero_variance = false`, so no step can fail to fill
-its batch). Both phases are the real Prefect flows (`sft_flow`, `rl_flow`) on the embedded
-Prefect API (a fresh PREFECT_HOME), with Parquet tables and MLflow on a temporary folder.
+the demo's 1,000 every 25 — and a checkpoint every 10 steps), warm-started by a short SFT (200
+steps at lr 3e-3, ~35% greedy accuracy) so that rewards vary and every step trains
+(`rl.drop_zero_variance = false`, so no step can fail to fill its batch). Both phases are the
+real Prefect flows (`sft_flow`, `rl_flow`) on the embedded Prefect API (a fresh PREFECT_HOME),
+with Parquet tables and MLflow on a temporary folder; torch runs 1 thread by default (2 threads
+on 2 shared cores ran SFT steps 10-30x slower and far less steadily here).
 
 What is timed, in the same process and the same steps:
 - `seconds_<stage>` of the `train_steps` table: the flow's Stopwatch around each stage, i.e. the
@@ -21,7 +23,7 @@ into Parquet, MLflow, and the rest (Prefect task runs and the flow's own bookkee
 metrics are queued (`synchronous=False`): their background writes compete for the CPU and show up
 as slightly slower stages, not as outside time. The issue's target: outside share <= 5%.
 
-    python -m benchmarks.bench_rl_step [--steps 20] [--sft-steps 150] [--threads 0]
+    python -m benchmarks.bench_rl_step [--steps 20] [--sft-steps 200] [--threads 1]
         [--out runs/bench/rl_step.json]
 """
 
@@ -31,6 +33,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import itertools
 import json
 import os
 import platform
@@ -124,7 +127,7 @@ def split_steps(events: list[Event]) -> list[dict]:
     """
     marks = sorted((e.end, e.step) for e in events if e.name == "log_metrics" and e.step is not None)
     steps = []
-    for (begin, _), (end, step) in zip(marks, marks[1:]):
+    for (begin, _), (end, step) in itertools.pairwise(marks):
         inside = [e for e in events if begin <= e.start < end]
         row = {"step": step, "wall": end - begin}
         for bucket in ("function", "parquet", "mlflow"):
@@ -207,6 +210,7 @@ def bench_configs(args: argparse.Namespace, root: Path) -> tuple[dict, dict]:
     sft = json.loads(json.dumps(base))
     sft.update(flow="sft", run_name="bench-sft")
     sft["sft"].update(steps=args.sft_steps, eval_every=0, checkpoint_every=0)
+    sft["sft"]["optim"]["lr"] = args.sft_lr  # a quick warm start, not the demo's full SFT
     rl = json.loads(json.dumps(base))
     rl.update(flow="rl", run_name="bench-rl")
     rl["rl"].update(steps=args.steps, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
@@ -257,7 +261,7 @@ def run(args: argparse.Namespace) -> dict:
         "settings": {
             "config": "configs/demo.toml shapes", "preset": rl_config["model"]["preset"],
             "overrides": rl_config["model"].get("overrides", {}), "parameters": parameters,
-            "sft_steps": args.sft_steps, "rl_steps": args.steps,
+            "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "rl_steps": args.steps,
             "prompts_per_step": rl_config["rl"]["prompts_per_step"], "group_size": rl_config["rl"]["group_size"],
             "max_new_tokens": rl_config["rl"]["sampling"]["max_new_tokens"],
             "eval_every": args.eval_every, "eval_examples": args.eval_examples,
@@ -290,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="RL steps")
     parser.add_argument("--sft-steps", type=int, default=200, help="SFT warm-start steps")
+    parser.add_argument("--sft-lr", type=float, default=3e-3, help="SFT warm-start learning rate")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-examples", type=int, default=400)
     parser.add_argument("--checkpoint-every", type=int, default=10)

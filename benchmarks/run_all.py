@@ -5,7 +5,11 @@ raw results as JSON; this script adds the machine's matrix-multiply ceiling, col
 into `runs/bench/all.json` and renders one Markdown table per benchmark. The document is
 generated: edit the benchmarks, not the document.
 
-    python -m benchmarks.run_all [--only engine,packing] [--quick]
+Above the raw key/values, each benchmark gets a headline table with the ratio to its anchor
+(packed/padded, chunked/full memory, engine/generate, rlpipe/TRL step time, ...), and a summary
+table opens the document.
+
+    python -m benchmarks.run_all [--only engine,packing] [--quick] [--render]
 """
 
 from __future__ import annotations
@@ -29,6 +33,18 @@ BENCHMARKS = {
     "engine": "Engine: TorchEngine generated tokens/s vs transformers generate",
     "serve": "HTTP engines: rollout tokens/s with 1 and 2 `rlpipe serve` servers vs in-process; sync latency",
     "storage": "Storage: 1M rollout rows over 500 steps; write time, size, canned query time",
+    "rl_step": "RL step by stage: the share outside the stage functions (Prefect, Parquet, MLflow)",
+    "trl": "rlpipe vs TRL GRPOTrainer: seconds per optimizer step and reward, same model and task",
+}
+# `--quick`: smaller versions of the slow ones (the document says the run was quick)
+QUICK_ARGS = {
+    "packing": ["--repeats", "3"],
+    "logprobs": ["--repeats", "1"],
+    "engine": ["--repeats", "1"],
+    "serve": ["--repeats", "1"],
+    "storage": ["--rows", "100000"],
+    "rl_step": ["--steps", "10"],
+    "trl": ["--steps", "10", "--precisions", "bf16"],
 }
 
 
@@ -53,8 +69,8 @@ def machine() -> dict:
 
 def run_benchmark(name: str, out: Path, quick: bool) -> dict:
     cmd = [sys.executable, "-m", f"benchmarks.bench_{name}", "--out", str(out)]
-    if quick and name == "storage":
-        cmd += ["--rows", "100000"]
+    if quick:
+        cmd += QUICK_ARGS.get(name, [])
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -79,48 +95,284 @@ def fmt(value: object) -> str:
     return str(value).replace("|", "\\|")
 
 
+def table(header: list[str], rows: list[list[object]]) -> list[str]:
+    """A Markdown table; floats get 3-4 significant digits, None shows as a dash."""
+    cell = lambda v: "–" if v is None else fmt(v)  # noqa: E731
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def ratio(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}×"
+
+
+def share(value: float | None) -> str | None:
+    return None if value is None else f"{value:.1%}"
+
+
+# Each headline function: (results, ceiling GFLOP/s by dtype) -> (one-line summary, table lines).
+# They read the benchmark's own JSON; a key they do not find leaves only the raw table.
+
+
+def inactive_expert_parameters(preset: str) -> int:
+    """Expert weights a token does not use: experts x (1 - top_k / n_experts); 0 for dense."""
+    from models.presets import build_model
+
+    model = build_model(preset, vocab_size=128, seed=0)
+    n_experts = getattr(model.config, "num_experts", 0) or 0
+    if not n_experts:
+        return 0
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return round(experts * (1 - model.config.num_experts_per_tok / n_experts))
+
+
+def headline_packing(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    rows, speedups, inactive = [], [], {}
+    for r in results["results"]:
+        rate = ceiling["bfloat16" if r["precision"].startswith("bf16") else "float32"] * 1e9
+        if r["preset"] not in inactive:
+            inactive[r["preset"]] = inactive_expert_parameters(r["preset"])
+        active = r["params"] - inactive[r["preset"]]
+        flops = 6 * active * r["real_tokens"]
+        speedups.append(r["speedup"])
+        rows.append([r["preset"], r["precision"], f"{active / 1e6:.2f}M" + (
+                     f" of {r['params'] / 1e6:.2f}M" if active != r["params"] else ""), r["real_tokens"],
+                     round(r["packed_tok_s"]), round(r["padded_tok_s"]), ratio(r["speedup"]),
+                     share(flops / r["packed_s"] / rate), share(flops / r["padded_s"] / rate)])
+    limit = 1 / (1 - results["padding_fraction"]) if results.get("padding_fraction") is not None else None
+    summary = (f"packed/padded real tokens/s {min(speedups):.2f}–{max(speedups):.2f}×"
+               + (f" (padding-free limit {limit:.2f}×)" if limit else ""))
+    lines = table(["preset", "precision", "params (active)", "real tokens", "packed tok/s", "padded tok/s",
+                   "packed/padded", "MFU packed", "MFU padded"], rows)
+    note = ("MFU = 6 · parameters · real tokens / step time / the matmul rate of the row's precision "
+            "(MoE: the parameters a token uses, experts × top-k / experts).")
+    if limit:
+        note += (f" The padded batch is {results['padding_fraction']:.0%} padding, so removing it can "
+                 f"give at most {limit:.2f}×.")
+    return summary, lines + ["", note]
+
+
+def headline_logprobs(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    rows_by = {(r["mode"], r["tokens"], r["method"]): r for r in results["results"] if "error" not in r}
+    rows, headline = [], None
+    for mode, tokens in sorted({(m, t) for m, t, _ in rows_by}, key=lambda k: (k[0], -k[1])):
+        full, chunked = rows_by.get((mode, tokens, "full")), rows_by.get((mode, tokens, "chunked"))
+        mem = chunked["peak_extra_mib"] / full["peak_extra_mib"] if full and chunked else None
+        if mem is not None and headline is None:
+            headline = f"chunked/full peak memory ({mode}, T={tokens:,}) {mem:.3f}×"
+        rows.append([mode, f"{tokens:,}", full and full["peak_extra_mib"], chunked and chunked["peak_extra_mib"],
+                     ratio(mem) if mem is not None and mem >= 0.01 else (mem and f"{mem:.3f}×"),
+                     full and full["seconds_median"], chunked and chunked["seconds_median"]])
+    lines = table(["mode", "T", "full: extra MiB", "chunked: extra MiB", "chunked/full memory",
+                   "full s", "chunked s"], rows)
+    return headline or "see table", lines
+
+
+def headline_engine(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    by = {(r["scenario"], r["engine"]): r for r in results["results"]}
+    rows = []
+    for scenario, speedup in results["speedup_vs_generate"].items():
+        engine, generate = by[(scenario, "torch_engine")], by[(scenario, "hf_generate")]
+        rows.append([scenario, engine["sequences"], round(engine["tokens_per_s"]), round(generate["tokens_per_s"]),
+                     ratio(speedup), engine["ms_per_decode_step"], generate["ms_per_decode_step"]])
+    summary = "engine/generate tokens/s " + ", ".join(
+        f"{k} {v:.2f}×" for k, v in results["speedup_vs_generate"].items())
+    return summary, table(["scenario", "sequences", "engine tok/s", "generate tok/s", "engine/generate",
+                           "engine ms/decode step", "generate ms/decode step"], rows)
+
+
+def headline_serve(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    rows = [[name.replace("_", " "), round(r["tokens_per_s"]), round(r["tokens_per_s_best"]), ratio(r["vs_in_process"])]
+            for name, r in results["results"].items()]
+    sync_ms = results["sync_latency_s"]["median"] * 1000
+    best = max((r["vs_in_process"], n) for n, r in results["results"].items() if n != "in_process")
+    summary = f"best HTTP setup ({best[1].replace('_', ' ')}) {best[0]:.2f}× in-process tokens/s; sync {sync_ms:.0f} ms"
+    lines = table(["setup", "tok/s (median)", "tok/s (best run)", "vs in-process"], rows)
+    return summary, lines + ["", f"Weight sync (POST /update_weights_from_disk) median: {sync_ms:.0f} ms."]
+
+
+def headline_storage(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    rows = [["rollout rows written", f"{results['rows']:,} over {results['steps']} steps", None],
+            ["write time, all tables", f"{results['write_seconds_total']:.1f} s "
+             f"({results['rows'] / results['write_seconds_total']:,.0f} rows/s)", None],
+            ["on disk (zstd Parquet)", f"{results['disk_mb_total']:.1f} MB", None]]
+    slowest = 0.0
+    for name, q in results["queries"].items():
+        slowest = max(slowest, q["seconds_first"])
+        rows.append([f"query `{name}` (first / best; catalog.duckdb first)",
+                     f"{q['seconds_first']:.3f} / {q['seconds_best']:.3f} s; {q['catalog_seconds_first']:.3f} s",
+                     "< 1 s: " + ("yes" if q["seconds_first"] < 1 else "no")])
+    summary = (f"{results['rows']:,} rows written in {results['write_seconds_total']:.0f} s "
+               f"({results['disk_mb_total']:.0f} MB); slowest canned query {slowest:.2f} s (target < 1 s)")
+    return summary, table(["measure", "value", "target"], rows)
+
+
+def headline_rl_step(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    out, step, settings = results["outside"], results["step"], results["settings"]
+    ms = lambda seconds: f"{seconds * 1000:.1f}"  # noqa: E731
+    rows = [[stage, r["steps"], ms(r["stopwatch_median_s"]), ms(r["function_median_s"]), ms(r["outside_median_s"]),
+             share(r["outside_median_s"] / r["stopwatch_median_s"]) if r["stopwatch_median_s"] else None]
+            for stage, r in results["stages"].items()]
+    summary = (f"{share(out['share'])} of an RL step outside the stage functions "
+               f"({share(out['share_plain_steps'])} on steps without eval/checkpoint); target ≤ {out['target_share']:.0%}")
+    lines = [f"{settings['rl_steps']} RL steps of {settings['prompts_per_step']} prompts × {settings['group_size']} "
+             f"completions ({settings['parameters'] / 1e6:.2f}M parameters, {settings['max_new_tokens']} new tokens), "
+             f"torch threads {settings['torch_threads']}. Step wall time: median {step['wall_median_s']:.3f} s, "
+             f"of which {step['function_median_s']:.3f} s inside the stage functions.", ""]
+    lines += table(["stage", "steps", "flow's stopwatch ms (median)", "stage function ms (median)",
+                    "outside ms (median)", "outside share"], rows)
+    lines += ["", "The flow's stopwatch wraps the Prefect task call and the stage's table writes; the stage "
+              "function is the pure computation inside it. Per stage, outside = stopwatch − function."]
+    lines += ["", *table(["outside the stage functions", "share of step wall time"], [
+        ["all of it, all steps", share(out["share"])],
+        [f"all of it, the {out['plain_steps']} steps without eval/checkpoint/sync", share(out["share_plain_steps"])],
+        ["Parquet writes and reads", share(out["parquet_share"])],
+        ["MLflow (metrics, checkpoint registration)", share(out["mlflow_share"])],
+        ["Prefect task runs + flow bookkeeping", share(out["prefect_and_flow_share"])],
+        ["target (the issue)", f"≤ {out['target_share']:.0%}"]])]
+    return summary, lines
+
+
+def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    settings, anchor = results["settings"], results["anchor"]
+    rows, parts = [], []
+    for precision, run in results["runs"].items():
+        for side in ("trl", "rlpipe"):
+            r = run[side]
+            name = f"{'TRL ' + r.get('version', '') if side == 'trl' else 'rlpipe'} ({precision})"
+            if "error" in r:
+                rows.append([name, f"failed: {r['error'][:120]}", None, None, None, None])
+                continue
+            rows.append([name, r["seconds_per_step"], r.get("seconds_per_step_functions_only"), r["reward_last"],
+                         r["eval_accuracy"], r["completion_tokens_mean"]])
+        c = run["comparison"]
+        if c:
+            rows.append([f"**rlpipe/TRL ({precision})**", ratio(c["step_time_ratio"]), None,
+                         f"{c['reward_last_delta']:+.3f}", f"{c['eval_accuracy_delta']:+.3f}", None])
+            parts.append(f"{precision} {c['step_time_ratio']:.2f}×")
+        elif "error" in run["trl"]:
+            parts.append(f"{precision}: TRL failed")
+    summary = "rlpipe/TRL seconds per step " + ", ".join(parts) + " (target ≤ 0.5×, reward no worse)"
+    lines = [f"{settings['preset']} ({settings['parameters'] / 1e6:.2f}M parameters), "
+             f"{settings['prompts_per_step']} prompts × {settings['group_size']} completions, ≤ "
+             f"{settings['max_new_tokens']} new tokens, {settings['steps']} steps from the same SFT checkpoint "
+             f"(greedy accuracy {fmt(results['start']['eval_accuracy'])}), torch threads {settings['torch_threads']}, CPU. "
+             f"Anchor (ECOSYSTEM.md): TRL {anchor['trl_version']}, {anchor['model']}, {anchor['completions']} "
+             f"completions × {anchor['completion_tokens']} tokens: {anchor['seconds_per_step'][0]}–"
+             f"{anchor['seconds_per_step'][1]} s per step.", ""]
+    lines += table(["", "s / step (median)", "stage functions only", f"reward, last {settings['reward_last_steps']} steps",
+                    "greedy accuracy after", "completion tokens"], rows)
+    return summary, lines
+
+
+HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
+             "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
+             "trl": headline_trl}
+
+
+def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:
+    """The benchmark's summary line and headline table; a failure to read its JSON says so."""
+    if "error" in entry:
+        return "failed (see below)", []
+    try:
+        return HEADLINES[name](entry["results"], ceiling)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, IndexError) as error:
+        return "see the raw results", [f"(no headline table: {type(error).__name__} {error})"]
+
+
 def render(report: dict) -> str:
+    ceiling = report["ceiling_gflops"]
+    heads = {name: headline(name, entry, ceiling) for name, entry in report["benchmarks"].items()}
     lines = ["# rlpipe benchmarks", "",
              "Generated by `make bench` (benchmarks/run_all.py) — do not edit by hand. Raw results: "
              "`runs/bench/all.json`.", "",
-             f"Machine: {report['machine']}", "",
-             "## The ceiling: matrix-multiply rate", "",
-             "| dtype | GFLOP/s |", "|---|---|"]
-    lines += [f"| {dtype} | {rate:,.0f} |" for dtype, rate in report["ceiling_gflops"].items()]
+             f"Machine: {report['machine']['platform']}, Python {report['machine']['python']}, torch "
+             f"{report['machine']['torch']}, {report['machine']['cpus']} CPUs, {report['machine']['torch_threads']} "
+             f"torch threads by default. Load average before / after: {fmt_load(report.get('loadavg_start'))} / "
+             f"{fmt_load(report.get('loadavg_end'))}. Total {report.get('seconds', 0) / 60:.1f} min.", "",
+             "Timings come from a shared 2-core machine: other processes ran beside them, so read them as "
+             "ranges, not digits." + (" This was a `--quick` run (fewer repeats and steps)." if report.get("quick")
+                                      else ""), "",
+             "## Summary", ""]
+    lines += table(["benchmark", "headline"],
+                   [[f"[{name}](#{anchor_of(BENCHMARKS[name])})", heads[name][0]] for name in report["benchmarks"]])
+    lines += ["", "## The ceiling: matrix-multiply rate", "",
+              "| dtype | GFLOP/s |", "|---|---|"]
+    lines += [f"| {dtype} | {rate:,.0f} |" for dtype, rate in ceiling.items()]
     lines += ["", "Training MFU = 6 · parameters · real tokens / time / this rate.", ""]
     for name, entry in report["benchmarks"].items():
-        lines += [f"## {BENCHMARKS[name]}", "", f"`python -m benchmarks.bench_{name}` ({entry['seconds']:.0f} s)", ""]
+        lines += [f"## {BENCHMARKS[name]}", "",
+                  f"`python -m benchmarks.bench_{name}` ({entry['seconds']:.0f} s). {heads[name][0]}.", ""]
         if "error" in entry:
             lines += ["Failed:", "", "```", entry["error"].strip(), "```", ""]
             continue
+        lines += [*heads[name][1], "", "<details><summary>Raw results</summary>", ""]
         lines += ["| measure | value |", "|---|---|"]
         lines += [f"| {key} | {fmt(value)} |" for key, value in flatten(entry["results"])]
-        lines.append("")
+        lines += ["", "</details>", ""]
     return "\n".join(lines)
+
+
+def fmt_load(load) -> str:
+    return "–" if not load else " ".join(f"{x:.1f}" for x in load)
+
+
+def anchor_of(title: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    kept = "".join(ch for ch in title.lower() if ch.isalnum() or ch in " -_")
+    return kept.replace(" ", "-")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="comma-separated subset of " + ",".join(BENCHMARKS))
-    parser.add_argument("--quick", action="store_true", help="smaller storage benchmark")
+    parser.add_argument("--only", default="",
+                        help="comma-separated subset of " + ",".join(BENCHMARKS) + " (the others keep their "
+                        "results from the last runs/bench/all.json)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller runs: " + "; ".join(f"{k} {' '.join(v)}" for k, v in QUICK_ARGS.items()))
+    parser.add_argument("--render", action="store_true", help="only re-render the document from runs/bench/all.json")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
     out_dir = ROOT / "runs" / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine(),
-              "ceiling_gflops": {"float32": matmul_gflops(torch.float32), "bfloat16": matmul_gflops(torch.bfloat16)},
-              "benchmarks": {}}
-    for name in names:
-        print(f"bench: {name} ...", flush=True)
-        report["benchmarks"][name] = run_benchmark(name, out_dir / f"{name}.json", args.quick)
-    (out_dir / "all.json").write_text(json.dumps(report, indent=2, default=str))
+    previous = json.loads((out_dir / "all.json").read_text()) if (out_dir / "all.json").is_file() else None
+    if args.render:
+        if previous is None:
+            raise ValueError(f"nothing to render: {out_dir / 'all.json'} does not exist")
+        report = previous
+    else:
+        report = run_all(names, out_dir, args.quick, previous if args.only else None)
+        (out_dir / "all.json").write_text(json.dumps(report, indent=2, default=str))
     doc = Path(args.doc)
     tmp = doc.with_name(f".{doc.name}.tmp")
     tmp.write_text(render(report))
     os.replace(tmp, doc)
     print(f"bench: wrote {doc}")
     return 0
+
+
+def run_all(names: list[str], out_dir: Path, quick: bool, previous: dict | None) -> dict:
+    """Run `names` one after another; with `previous`, keep its results for the others."""
+    start, load_start = time.perf_counter(), os.getloadavg()
+    report = {"machine": machine(), "loadavg_start": load_start,
+              "ceiling_gflops": {"float32": matmul_gflops(torch.float32), "bfloat16": matmul_gflops(torch.bfloat16)},
+              "quick": quick, "benchmarks": {}}
+    kept = (previous or {}).get("benchmarks", {})
+    for name in BENCHMARKS:
+        if name in names:
+            print(f"bench: {name} ...", flush=True)
+            report["benchmarks"][name] = run_benchmark(name, out_dir / f"{name}.json", quick)
+            print(f"bench: {name} done in {report['benchmarks'][name]['seconds']:.0f} s"
+                  + (" (FAILED)" if "error" in report["benchmarks"][name] else ""), flush=True)
+        elif name in kept:
+            report["benchmarks"][name] = kept[name]
+    report["loadavg_end"] = os.getloadavg()
+    report["seconds"] = time.perf_counter() - start
+    return report
 
 
 if __name__ == "__main__":
