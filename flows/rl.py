@@ -108,6 +108,11 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
         prompts.load_state_dict(loaded.data_state["prompts"])
         buffer.load_state_dict(loaded.data_state["buffer"])
     engines += make_engines(config, model)
+    # evals read the trainer's weights in-process: servers may lag a step behind
+    eval_engine = engines[0] if config.engine.type != "http" else _local_engine(model)
+    if resume_from is not None and config.engine.type == "http":
+        raise_failed(sync_task(engines, str(resume_from), start_step * rl.ppo_epochs, run_id=run_id,
+                               step=start_step, retries=config.engine.retries))
     stops = stop_token_ids(tokenizer)
     sampling = SamplingParams(n=rl.group_size, temperature=rl.sampling.temperature, top_p=rl.sampling.top_p,
                               top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
@@ -125,7 +130,7 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
     def evaluate(step: int) -> dict:
         rows = load_rows(run_dir, "evals", step)
         if rows is None:
-            rows, _ = eval_task(engines[0], tokenizer, env, eval_examples, run_id=run_id, step=step,
+            rows, _ = eval_task(eval_engine, tokenizer, env, eval_examples, run_id=run_id, step=step,
                                 max_new_tokens=rl.sampling.max_new_tokens, stop_token_ids=stops,
                                 max_context=context)
             persist(run_dir, "evals", step, rows, run_id)
@@ -163,6 +168,9 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
             sampled, scored = sampled + new, scored + new_scores
             rows_by_sample.update({row["sample_id"]: row for row in new})
             decisions += buffer.add(scored_groups(new, new_scores, attempt))
+        if not sampled:  # carried-over groups alone fed this step: its sampling tables are empty
+            persist(run_dir, "rollouts", step, [], run_id)
+            persist(run_dir, "scores", step, [], run_id)
         with watch("filter"):
             selected, advantages, filter_metrics = filter_task(buffer, decisions, adv_config, rows_by_sample,
                                                                step=step, **common)
@@ -179,6 +187,12 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                                  max_grad_norm=rl.optim.max_grad_norm, autocast=config.model.bf16_autocast,
                                  epochs=rl.ppo_epochs, step=step, temperature=rl.sampling.temperature)
         version = step * rl.ppo_epochs
+        # eval and the step's row come before the checkpoint: a checkpoint marks the step done
+        step_eval = {}
+        if due(step, rl.eval_every, rl.steps):
+            with watch("eval"):
+                step_eval = eval_metrics = evaluate(step)
+        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)], run_id)
         checkpoint_path = None
         # servers only take weights from disk: an HTTP run checkpoints every step
         if due(step, rl.checkpoint_every, rl.steps) or config.engine.type == "http":
@@ -190,21 +204,19 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                     metrics=metrics, tracker=tracker, model_name=model_name)
                 persist(run_dir, "checkpoints", step, [row], run_id)
                 checkpoint_path = last_path = row["path"]
+            if step_eval and step_eval["eval/accuracy"] > best and row["mlflow_model_version"]:
+                best = step_eval["eval/accuracy"]
+                tracker.set_alias(model_name, "best", row["mlflow_model_version"])
         if config.engine.type == "vllm" or checkpoint_path:
             with watch("sync"):
                 shared = config.engine.type != "http"  # in-process engines read the trainer's tensors
-                sync_rows = sync_task(engines, None if shared else checkpoint_path, version, run_id=run_id, step=step,
-                                      retries=config.engine.retries)
+                sync_rows = sync_task(engines, None if shared else checkpoint_path, version, run_id=run_id,
+                                      step=step, retries=config.engine.retries)
                 persist(run_dir, "syncs", step, sync_rows, run_id)
                 raise_failed(sync_rows)
-        step_eval = {}
-        if due(step, rl.eval_every, rl.steps):
-            with watch("eval"):
-                step_eval = eval_metrics = evaluate(step)
-            if step_eval["eval/accuracy"] > best and checkpoint_path:
-                best = step_eval["eval/accuracy"]
-                tracker.set_alias(model_name, "best", row["mlflow_model_version"])
-        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)], run_id)
+            # the row again, now with checkpoint and sync seconds
+            persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)],
+                    run_id)
         tracker.log_metrics(_step_metrics(metrics, filter_metrics, sampled, scored, watch.seconds) | step_eval,
                             step=step)
         bar.update(1)
@@ -215,6 +227,12 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
         last = latest_checkpoint(run_dir)
         last_path = str(last) if last else None
     return {"checkpoint": last_path, "eval": eval_metrics, "steps": rl.steps}
+
+
+def _local_engine(model):
+    from engines.torch_engine import TorchEngine
+
+    return TorchEngine(model)
 
 
 def _step_metrics(train: dict, filt: dict, rollouts: list[dict], scores: list[dict],

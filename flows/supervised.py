@@ -83,6 +83,12 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
                 per_step=section.sequences_per_step, token_budget=section.optim.token_budget,
                 normaliser=section.optim.normaliser, max_grad_norm=section.optim.max_grad_norm,
                 autocast=config.model.bf16_autocast)
+        # eval and the step's row come before the checkpoint: a checkpoint marks the step done
+        if due(step, section.eval_every, section.steps) and load_rows(run_dir, "evals", step) is None:
+            with watch("eval"):
+                eval_metrics = _evaluate(engine, tokenizer, env, eval_examples, run_dir, run_id, step,
+                                         model, config)
+        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, phase, metrics, watch.seconds)], run_id)
         if due(step, section.checkpoint_every, section.steps):
             with watch("checkpoint"):
                 row = checkpoint_task(
@@ -92,11 +98,6 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
                     model_name=f"{model_name}-{phase}")
                 persist(run_dir, "checkpoints", step, [row], run_id)
                 last_path = row["path"]
-        if due(step, section.eval_every, section.steps) and load_rows(run_dir, "evals", step) is None:
-            with watch("eval"):
-                eval_metrics = _evaluate(engine, tokenizer, env, eval_examples, run_dir, run_id, step,
-                                         model, config)
-        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, phase, metrics, watch.seconds)], run_id)
         tracker.log_metrics(_train_metrics(metrics, watch.seconds) | eval_metrics, step=step)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"acc": f"{eval_metrics['eval/accuracy']:.2f}"} if eval_metrics else {}))
