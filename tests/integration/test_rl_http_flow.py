@@ -1,0 +1,75 @@
+"""The RL flow with two `rlpipe serve` subprocesses as its engines: every sync recorded and
+applied; with one server killed, the next run stops with an error naming it and nothing
+persisted is lost."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_serve_http import start_server, wait_for_url  # same folder: pytest puts it on sys.path
+
+from engines.http import HttpEngine
+from models.presets import build_model
+from models.tokenizer import build_tokenizer
+from storage.writer import read_table
+from training.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+def http_config(tmp_path: Path, start: Path, urls: list[str], steps: int) -> dict:
+    config = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
+    config.update(flow="rl", run_name="http", runs_root=str(tmp_path / "runs"))
+    config["model"]["path"] = str(start)
+    config["engine"] = {"type": "http", "urls": urls, "api_token": "tok", "retries": 1, "timeout_s": 60}
+    config["rl"].update(steps=steps, eval_every=0, drop_zero_variance=False)
+    config["tracking"] = {"enabled": False, "report": False}
+    return config
+
+
+def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, tmp_path):
+    from flows.rl import rl_flow
+
+    tok = build_tokenizer()
+    start = save_checkpoint(tmp_path / "init", 0, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [start_server(start, tmp_path, "tok") for _ in range(2)]
+        urls = [wait_for_url(p) for p in procs]
+        rl_flow(config=http_config(tmp_path, start, urls, steps=2))
+
+        run_dir = tmp_path / "runs" / "http"
+        syncs = read_table(run_dir, "syncs").to_pylist()
+        assert [(r["step"], r["ok"]) for r in syncs] == [(1, True), (1, True), (2, True), (2, True)]
+        assert {r["engine"] for r in syncs} == set(urls)
+        for url in urls:  # applied: each server now serves policy version 2
+            engine = HttpEngine(url, api_token="tok")
+            assert engine.health()["policy_version"] == 2
+            engine.close()
+
+        rollouts_before = read_table(run_dir, "rollouts").num_rows
+        procs[1].kill()
+        procs[1].wait(timeout=30)
+        with pytest.raises(Exception, match=urls[1].replace(".", r"\.")):
+            rl_flow(config=http_config(tmp_path, start, urls, steps=3))
+        assert read_table(run_dir, "rollouts", 1).num_rows + read_table(run_dir, "rollouts", 2).num_rows \
+            == rollouts_before
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".")) \
+            == ["step_000001", "step_000002"]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
