@@ -142,6 +142,8 @@ def run_rlpipe(args: argparse.Namespace, root: Path) -> dict:
         "start_eval_accuracy": start_accuracy,
         "seconds_per_step": median_window([s["wall"] for s in steps]),
         "seconds_per_step_functions_only": median_window([s["function"] for s in steps]),
+        "stage_function_seconds": {stage: median_window([s[f"function_{stage}"] for s in steps])
+                                   for stage in ("generate", "score", "filter", "pack", "train")},
         "seconds_per_step_all": [round(s["wall"], 4) for s in steps],
         "flow_seconds": seconds,
         "reward_by_step": reward_by_step,

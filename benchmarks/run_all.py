@@ -262,6 +262,13 @@ def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
              f"{anchor['seconds_per_step'][1]} s per step.", ""]
     lines += table(["", "s / step (median)", "stage functions only", f"reward, last {settings['reward_last_steps']} steps",
                     "greedy accuracy after", "completion tokens"], rows)
+    stages = [[precision, *(run["rlpipe"]["stage_function_seconds"].get(k) for k in ("generate", "train"))]
+              for precision, run in results["runs"].items() if "stage_function_seconds" in run["rlpipe"]]
+    if stages:
+        lines += ["", "Where rlpipe's step goes (stage function seconds, median):", "",
+                  *table(["precision", "generate", "train"], stages)]
+    lines += ["", "Rewards are one run per side with different prompt draws: the training reward of 5 steps "
+              "(320 completions) carries a standard error of about ±0.03."]
     return summary, lines
 
 
@@ -289,7 +296,8 @@ def render(report: dict) -> str:
              f"Machine: {report['machine']['platform']}, Python {report['machine']['python']}, torch "
              f"{report['machine']['torch']}, {report['machine']['cpus']} CPUs, {report['machine']['torch_threads']} "
              f"torch threads by default. Load average before / after: {fmt_load(report.get('loadavg_start'))} / "
-             f"{fmt_load(report.get('loadavg_end'))}. Total {report.get('seconds', 0) / 60:.1f} min.", "",
+             f"{fmt_load(report.get('loadavg_end'))} (the last `run_all`). The benchmarks took "
+             f"{sum(e.get('seconds', 0) for e in report['benchmarks'].values()) / 60:.1f} min in all.", "",
              "Timings come from a shared 2-core machine: other processes ran beside them, so read them as "
              "ranges, not digits." + (" This was a `--quick` run (fewer repeats and steps)." if report.get("quick")
                                       else ""), "",
