@@ -12,8 +12,12 @@ from storage.writer import is_complete, read_table, write_table
 PHASES = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
 
 
-def persist(run_dir: Path, table: str, step: int, rows: list[dict], run_id: str) -> None:
-    write_table(run_dir, table, step, rows, run_id=run_id)
+def persist(run_dir: Path, table: str, step: int, rows: list[dict], run_id: str, durable: bool = False) -> None:
+    """Write a stage's table atomically (temporary file + rename: a crashed or killed process
+    never leaves a partial partition). Per-step tables skip fsync by default: it guards only
+    against power or OS failure (where the newest partitions may then be missing) and costs
+    ~7 ms a write, 9% of a demo-sized RL step. Checkpoints are always fsynced."""
+    write_table(run_dir, table, step, rows, run_id=run_id, durable=durable)
 
 
 def load_rows(run_dir: Path, table: str, step: int) -> list[dict] | None:
