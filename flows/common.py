@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,9 @@ class RunState:
 
 
 def phase_run_dir(config: RunConfig, phase: str) -> Path:
-    """`runs/<name>` for a single flow; `runs/<name>/<phase>` for each phase of the pipeline."""
-    if config.flow == "pipeline":
+    """`runs/<name>` for a single flow and the pipeline itself; `runs/<name>/<phase>` for each
+    phase of the pipeline."""
+    if config.flow == "pipeline" and phase != "pipeline":
         return config.run_dir / phase
     return config.run_dir
 
@@ -94,11 +96,27 @@ def open_run(config: RunConfig, phase: str) -> RunState:
             extra=saved.get("extra", {}),
         )
     else:
-        run_id = config.run_name if config.flow != "pipeline" else f"{config.run_name}/{phase}"
+        nested = config.flow == "pipeline" and phase != "pipeline"
+        run_id = f"{config.run_name}/{phase}" if nested else config.run_name
         state = RunState(run_dir=run_dir, run_id=run_id, phase=phase)
     write_json_atomic(run_dir / "config.json", config.model_dump(mode="json"))
     state.save()
     return state
+
+
+def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
+    """Run a phase's body; close its MLflow run and run.json as finished or failed."""
+    try:
+        result = body()
+    except BaseException:
+        tracker.end("FAILED")
+        state.status = "failed"
+        state.save()
+        raise
+    tracker.end("FINISHED")
+    state.status, state.extra = "finished", {**state.extra, **result}
+    state.save()
+    return result
 
 
 class Stopwatch:

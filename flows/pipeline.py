@@ -10,14 +10,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import (
-    RunState,
-    make_tracker,
-    read_json,
-    resolve_config,
-    write_json_atomic,
-    write_run_report,
-)
+from flows.common import make_tracker, open_run, resolve_config, run_phase, write_run_report
 from flows.rl import run_rl
 from flows.supervised import run_supervised
 
@@ -27,32 +20,16 @@ def pipeline_flow(config_path: str | None = None, overrides: list[str] | None = 
                   config: dict | None = None) -> dict:
     """SFT then RL; returns both phases' final checkpoints and eval metrics."""
     cfg = resolve_config(config_path, overrides, config)
-    state = _parent_state(cfg)
+    state = open_run(cfg, "pipeline")
     tracker = make_tracker(cfg, state)
-    try:
+
+    def sft_then_rl() -> dict:
         sft = run_supervised(cfg, "sft", parent_mlflow_run_id=state.mlflow_run_id)
         rl = run_rl(cfg, parent_mlflow_run_id=state.mlflow_run_id, start_checkpoint=sft["checkpoint"])
         tracker.log_metrics({"pipeline/sft_accuracy": sft["eval"].get("eval/accuracy", 0.0),
                              "pipeline/rl_accuracy": rl["eval"].get("eval/accuracy", 0.0)}, step=0)
-        tracker.end("FINISHED")
-    except BaseException:
-        tracker.end("FAILED")
-        raise
-    state.status = "finished"
-    state.save()
+        return {"sft": sft, "rl": rl, "run_dir": str(cfg.run_dir)}
+
+    result = run_phase(state, tracker, sft_then_rl)
     write_run_report(cfg, [cfg.run_dir / "rl", cfg.run_dir / "sft"])
-    return {"sft": sft, "rl": rl, "run_dir": str(cfg.run_dir)}
-
-
-def _parent_state(cfg):
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / "config.json", cfg.model_dump(mode="json"))
-    path = run_dir / "run.json"
-    if path.exists():
-        saved = read_json(path)
-        return RunState(run_dir=run_dir, run_id=saved["run_id"], phase="pipeline",
-                        mlflow_run_id=saved.get("mlflow_run_id"))
-    state = RunState(run_dir=run_dir, run_id=cfg.run_name, phase="pipeline")
-    state.save()
-    return state
+    return result

@@ -25,19 +25,32 @@ from flows.common import (
     phase_run_dir,
     registered_model_name,
     resolve_config,
+    run_phase,
     write_run_report,
 )
 from flows.config import RunConfig
 from flows.progress import progress
 from flows.supervised import due
-from tasks.advantages import advantage_config, filter_task, new_buffer, prompts_to_sample, scored_groups
+from tasks.advantages import (
+    advantage_config,
+    filter_task,
+    new_buffer,
+    prompts_to_sample,
+    scored_groups,
+)
 from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_task
 from tasks.generate import generate_stage
 from tasks.pack import pack_task
 from tasks.record import load_rows, persist, train_step_row
 from tasks.score import score_stage
-from tasks.setup import make_env, make_model_and_tokenizer, make_optimizer, max_context, stop_token_ids
+from tasks.setup import (
+    make_env,
+    make_model_and_tokenizer,
+    make_optimizer,
+    max_context,
+    stop_token_ids,
+)
 from tasks.sync import raise_failed, sync_task
 from tasks.train import train_task
 from training.checkpoint import latest_checkpoint, load_checkpoint
@@ -59,16 +72,7 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     tracker = make_tracker(config, state, parent_mlflow_run_id)
     engines: list = []
     try:
-        result = _loop(config, state, tracker, start_checkpoint, engines)
-        tracker.end("FINISHED")
-        state.status, state.extra = "finished", {**state.extra, **result}
-        state.save()
-        return result
-    except BaseException:
-        tracker.end("FAILED")
-        state.status = "failed"
-        state.save()
-        raise
+        return run_phase(state, tracker, lambda: _loop(config, state, tracker, start_checkpoint, engines))
     finally:
         for engine in engines:
             engine.close()

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.common import RunState, Stopwatch, make_tracker, open_run, registered_model_name
+from flows.common import (
+    RunState,
+    Stopwatch,
+    make_tracker,
+    open_run,
+    registered_model_name,
+    run_phase,
+)
 from flows.config import RunConfig
 from flows.progress import progress
 from tasks.checkpoint import checkpoint_task
@@ -37,18 +44,8 @@ def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | No
     section = getattr(config, phase)
     state: RunState = open_run(config, phase)
     tracker = make_tracker(config, state, parent_mlflow_run_id)
-    try:
-        result = _train(config, phase, section, state, tracker, start_checkpoint, TorchEngine)
-        tracker.end("FINISHED")
-        state.status = "finished"
-        state.extra.update(result)
-        state.save()
-        return result
-    except BaseException:
-        tracker.end("FAILED")
-        state.status = "failed"
-        state.save()
-        raise
+    return run_phase(state, tracker,
+                     lambda: _train(config, phase, section, state, tracker, start_checkpoint, TorchEngine))
 
 
 def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls) -> dict:

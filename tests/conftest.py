@@ -9,10 +9,8 @@ import os
 
 import torch
 
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from flows.common import quiet_defaults
+
+quiet_defaults()
 os.environ.setdefault("RLPIPE_PROGRESS", "0")
 torch.set_num_threads(1)
