@@ -14,7 +14,7 @@ from typing import Any
 from engines.base import Engine, SamplingParams
 from envs.base import Environment, Example
 from tasks._prefect import stage
-from tasks.record import load_rows, persist
+from tasks.record import load_rows_beyond, persist
 
 
 class PromptTooLongError(ValueError):
@@ -114,8 +114,8 @@ def generate_spread(engines: list[Engine], prompts: list[list[int]], params: Sam
     share = -(-len(prompts) // len(engines))
     chunks = [prompts[i:i + share] for i in range(0, len(prompts), share)]
     with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
-        parts = list(pool.map(lambda pair: pair[0].generate(pair[1], params) if pair[1] else [],
-                              zip(engines, chunks)))
+        # map stops at the shorter list: with fewer prompts than engines, some engines rest
+        parts = list(pool.map(lambda engine, chunk: engine.generate(chunk, params), engines, chunks))
     return [group for part in parts for group in part]
 
 
@@ -123,13 +123,13 @@ def generate_spread(engines: list[Engine], prompts: list[list[int]], params: Sam
 def generate_stage(
     engines: list[Engine], tokenizer: Any, env: Environment, examples: list[Example],
     params: SamplingParams, *, previous: list[dict], run_dir: Path, run_id: str, seed: int,
-    step: int, attempt: int, policy_version: int, max_context: int, remote: bool = False,
+    step: int, attempt: int, policy_version: int, max_context: int,
 ) -> list[dict]:
     """Rollouts of one sampling round; the table holds every round of the step so far.
 
     A round already in the table (a resumed step) is read back, not sampled again.
     """
-    existing = load_rows(run_dir, "rollouts", step) or []
+    existing = load_rows_beyond(run_dir, "rollouts", step, known=len(previous)) or []
     done = [row for row in existing if row["attempt"] == attempt]
     if done:
         return done

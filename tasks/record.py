@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from storage.layout import partition_file
 from storage.writer import is_complete, read_table, write_table
 
 PHASES = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
@@ -23,6 +26,15 @@ def persist(run_dir: Path, table: str, step: int, rows: list[dict], run_id: str,
 def load_rows(run_dir: Path, table: str, step: int) -> list[dict] | None:
     """The rows of a complete (table, step) partition, or None when it was never written."""
     if not is_complete(run_dir, table, step):
+        return None
+    return read_table(run_dir, table, step).to_pylist()
+
+
+def load_rows_beyond(run_dir: Path, table: str, step: int, known: int) -> list[dict] | None:
+    """The rows of a (table, step) partition when it holds more than the `known` rows this
+    process wrote itself (a resumed step); None otherwise, without reading past the footer."""
+    path = partition_file(run_dir, table, step)
+    if not path.is_file() or pq.ParquetFile(path).metadata.num_rows <= known:
         return None
     return read_table(run_dir, table, step).to_pylist()
 

@@ -6,12 +6,12 @@ A reward function that raises is recorded in `scores.error` with reward 0; once 
 
 from __future__ import annotations
 
-from envs.base import Environment, Example, RewardResult
-from envs.rewards import RewardError, format_traceback
 from pathlib import Path
 
+from envs.base import Environment, Example, RewardResult
+from envs.rewards import RewardError, format_traceback
 from tasks._prefect import stage
-from tasks.record import load_rows, persist
+from tasks.record import load_rows_beyond, persist
 
 
 def score_rollouts(
@@ -53,7 +53,8 @@ def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[d
                 max_error_fraction: float) -> list[dict]:
     """Scores of one sampling round; read back when a resumed step already scored them."""
     wanted = {row["sample_id"] for row in rollouts}
-    existing = [row for row in (load_rows(run_dir, "scores", step) or []) if row["sample_id"] in wanted]
+    stored = load_rows_beyond(run_dir, "scores", step, known=len(previous)) or []
+    existing = [row for row in stored if row["sample_id"] in wanted]
     if len(existing) == len(wanted):
         order = {row["sample_id"]: row for row in existing}
         return [order[row["sample_id"]] for row in rollouts]
