@@ -1,7 +1,7 @@
 """Stage `filter/advantages`: scored groups → zero-variance filter, over-sampling buffer,
 advantages → the `groups` and `advantages` tables.
 
-The buffer (training/advantages.py) keeps surplus valid groups for the next step; their rollout
+The buffer (training/oversampling.py) keeps surplus valid groups for the next step; their rollout
 rows stay in memory, and after a resume they are read back from the step that sampled them.
 """
 
@@ -12,15 +12,8 @@ from pathlib import Path
 
 from tasks._prefect import stage
 from tasks.record import load_rows, persist
-from training.advantages import (
-    AdvantageConfig,
-    BufferConfig,
-    GroupBuffer,
-    GroupDecision,
-    group_advantages,
-    group_row,
-    make_groups,
-)
+from training.advantages import AdvantageConfig, group_advantages, group_row, make_groups
+from training.oversampling import BufferConfig, GroupBuffer, GroupDecision
 
 
 def new_buffer(rl) -> GroupBuffer:

@@ -17,7 +17,8 @@ from tasks.pack import pack_rollouts
 from tasks.score import score_rollouts
 from tasks.setup import make_model_and_tokenizer, stop_token_ids
 from tasks.train import train_on_batches
-from training.advantages import AdvantageConfig, BufferConfig, GroupBuffer
+from training.advantages import AdvantageConfig
+from training.oversampling import BufferConfig, GroupBuffer
 from training.rl_loss import build_rl_loss
 from training.step import build_optimizer, build_scheduler
 

@@ -9,18 +9,15 @@ import pytest
 
 from training.advantages import (
     AdvantageConfig,
-    BatchFillError,
-    BufferConfig,
     Group,
-    GroupBuffer,
     compute_advantages,
-    fill_batch,
     group_advantages,
     group_row,
     group_stats,
     make_groups,
     overlong_penalty,
 )
+from training.oversampling import BatchFillError, BufferConfig, GroupBuffer, fill_batch
 
 
 def _close(a, b):
@@ -221,7 +218,8 @@ def test_config_validation_and_overlong_penalty():
 
 def test_prompts_to_sample_scales_with_the_valid_share():
     from tasks.advantages import prompts_to_sample
-    from training.advantages import BufferConfig, Group, GroupBuffer
+    from training.advantages import Group
+    from training.oversampling import BufferConfig, GroupBuffer
 
     buffer = GroupBuffer(BufferConfig(groups_per_batch=10, oversample_factor=1.0, max_attempts=5))
     buffer.start_batch(0)
