@@ -49,34 +49,53 @@ _BMM_SCORE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
+class AttentionBucket:
+    """Views of the same padded shape, attended in one call.
+
+    queries: int64 [n_b, Lq] indices into the T packed tokens of each view's query slots.
+    keys:    int64 [n_b, Lk] the same for its key/value slots (padding slots repeat a real token).
+    offset:  int64 [n_b] | None: query slot a sees key slots 0 .. a + offset (a shared prefix of
+             `offset` tokens precedes the queries); None = plain causal, queries are the keys.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    offset: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class VarlenPlan:
     """How a packed row of T tokens is cut into padded buckets for attention.
 
-    gather:  per bucket, int64 [n_b, L_b] indices into the T packed tokens (padding slots repeat
-             the bucket's first token; their outputs are dropped).
-    scatter: int64 [T], for each packed token its row in the concatenated bucket outputs
-             (flattened [sum_b n_b * L_b]).
+    buckets: the attention calls.
+    scatter: int64 [T], for each packed token its row in the concatenated bucket query outputs
+             (flattened [sum_b n_b * Lq_b]).
     """
 
-    gather: tuple[torch.Tensor, ...]
+    buckets: tuple[AttentionBucket, ...]
     scatter: torch.Tensor
     n_tokens: int
 
 
-def plan_buckets(seq_lens: list[int], call_cost: int = _CALL_COST_PAIRS) -> list[list[int]]:
-    """Group sequence indices into buckets minimising sum_b (n_b * max_len_b^2 + call_cost).
+def plan_buckets(
+    seq_lens: list[int], call_cost: int = _CALL_COST_PAIRS, query_lens: list[int] | None = None
+) -> list[list[int]]:
+    """Group view indices into buckets minimising sum_b (n_b * max_q_b * max_k_b + call_cost).
 
-    Sequences are sorted by length (descending) and cut into contiguous runs by dynamic
-    programming (O(n^2), n = sequences in the micro-batch). Deterministic.
+    seq_lens are the key lengths; query_lens (default: the same) the query lengths. Views are
+    sorted by key length (descending) and cut into contiguous runs by dynamic programming
+    (O(n^2), n = views in the micro-batch). Deterministic.
     """
-    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    q_lens = seq_lens if query_lens is None else query_lens
+    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], -q_lens[i], i))
     n = len(order)
-    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sorted sequences
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sorted views
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(j):  # bucket = sorted[i:j], its max is sorted[i]
-            longest = seq_lens[order[i]]
-            cost = best[i] + (j - i) * longest * longest + call_cost
+        widest_q = 0
+        for i in range(j - 1, -1, -1):  # bucket = sorted[i:j]; its key width is sorted[i]'s
+            widest_q = max(widest_q, q_lens[order[i]])
+            cost = best[i] + (j - i) * seq_lens[order[i]] * widest_q + call_cost
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     buckets: list[list[int]] = []
@@ -87,26 +106,66 @@ def plan_buckets(seq_lens: list[int], call_cost: int = _CALL_COST_PAIRS) -> list
     return buckets[::-1]
 
 
-def make_plan(cu_seqlens: torch.Tensor, call_cost: int = _CALL_COST_PAIRS) -> VarlenPlan:
-    """The bucket plan for a packed row with boundaries `cu_seqlens` (int [n+1])."""
+def _check_prefixes(prefixes: list[int], n: int) -> None:
+    if len(prefixes) != n:
+        raise ValueError(f"prefix_index has {len(prefixes)} entries for {n} segments")
+    for s, j in enumerate(prefixes):
+        if j >= 0 and (j >= s or prefixes[j] >= 0):
+            raise ValueError(f"segment {s}: prefix_index {j} must name an earlier segment without a prefix")
+
+
+def _slots(starts: list[int], lens: list[int], width: int) -> torch.Tensor:
+    """int64 [n, width]: start + t for t < len, padding repeats the start."""
+    steps = torch.arange(width, dtype=torch.int64)[None, :]
+    start = torch.tensor(starts, dtype=torch.int64)[:, None]
+    size = torch.tensor(lens, dtype=torch.int64)[:, None]
+    return torch.where(steps < size, start + steps, start)
+
+
+def make_plan(
+    cu_seqlens: torch.Tensor,
+    call_cost: int = _CALL_COST_PAIRS,
+    prefix_index: torch.Tensor | None = None,
+) -> VarlenPlan:
+    """The bucket plan for a packed row with boundaries `cu_seqlens` (int [n+1]).
+
+    Every segment is one view. prefix_index (int [n] | None, see PackedBatch): a continuation
+    segment's queries attend to its prefix segment's tokens, then causally to its own; the prefix
+    is attended once, as its own plain view. Plain and continuation views go to separate buckets.
+    """
     cu = [int(x) for x in cu_seqlens.tolist()]
     lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    prefixes = [-1] * len(lens) if prefix_index is None else [int(x) for x in prefix_index.tolist()]
+    _check_prefixes(prefixes, len(lens))
+    pre_lens = [lens[j] if j >= 0 else 0 for j in prefixes]
     device = cu_seqlens.device
-    gathers: list[torch.Tensor] = []
+    buckets: list[AttentionBucket] = []
     scatter = torch.empty(cu[-1], dtype=torch.int64)
     offset = 0
-    for bucket in plan_buckets(lens, call_cost):
-        width = max(lens[i] for i in bucket)
-        steps = torch.arange(width, dtype=torch.int64)
-        starts = torch.tensor([cu[i] for i in bucket], dtype=torch.int64)
-        sizes = torch.tensor([lens[i] for i in bucket], dtype=torch.int64)
-        valid = steps[None, :] < sizes[:, None]  # [n_b, L_b]
-        idx = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])
-        gathers.append(idx.to(device))
-        rows = offset + torch.arange(len(bucket) * width, dtype=torch.int64).view(len(bucket), width)
-        scatter[idx[valid]] = rows[valid]
-        offset += len(bucket) * width
-    return VarlenPlan(gather=tuple(gathers), scatter=scatter.to(device), n_tokens=cu[-1])
+    kinds = ([s for s in range(len(lens)) if prefixes[s] < 0], [s for s in range(len(lens)) if prefixes[s] >= 0])
+    for kind, views in enumerate(kinds):
+        key_lens = [lens[s] + pre_lens[s] for s in views]
+        for bucket in plan_buckets(key_lens, call_cost, [lens[s] for s in views]):
+            segs = [views[v] for v in bucket]
+            q_width = max(lens[s] for s in segs)
+            queries = _slots([cu[s] for s in segs], [lens[s] for s in segs], q_width)
+            if kind == 0:
+                keys, shift = queries, None
+            else:
+                k_width = max(key_lens[v] for v in bucket)
+                pre = _slots([cu[prefixes[s]] for s in segs], [pre_lens[s] for s in segs], k_width)
+                own = _slots([cu[s] for s in segs], [lens[s] for s in segs], k_width)
+                shift = torch.tensor([pre_lens[s] for s in segs], dtype=torch.int64)
+                steps = torch.arange(k_width, dtype=torch.int64)[None, :]
+                own = own.gather(1, (steps - shift[:, None]).clamp(min=0, max=k_width - 1))
+                keys = torch.where(steps < shift[:, None], pre, own)
+            buckets.append(AttentionBucket(queries.to(device), keys.to(device),
+                                           None if shift is None else shift.to(device)))
+            valid = torch.arange(q_width)[None, :] < torch.tensor([lens[s] for s in segs])[:, None]
+            rows = offset + torch.arange(len(segs) * q_width, dtype=torch.int64).view(len(segs), q_width)
+            scatter[queries[valid]] = rows[valid]
+            offset += len(segs) * q_width
+    return VarlenPlan(buckets=tuple(buckets), scatter=scatter.to(device), n_tokens=cu[-1])
 
 
 def _cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -126,30 +185,47 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def visible_keys(offset: torch.Tensor, q_width: int, k_width: int) -> torch.Tensor:
+    """bool [n, 1, Lq, Lk]: query slot a of view i sees key slot b iff b <= a + offset[i]."""
+    a = torch.arange(q_width, device=offset.device)[:, None]
+    b = torch.arange(k_width, device=offset.device)[None, :]
+    return (b[None] <= a[None] + offset[:, None, None])[:, None]
+
+
 def causal_attention_bmm(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float | None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention as two batched matmuls and a float32 softmax.
 
-    q: [B, Hq, L, D]; k, v: [B, Hkv, L, D] (GQA by broadcasting); returns [B, Hq, L, D] in v's dtype.
-    Chunked over B so the [b, Hq, L, L] scores stay near cache size.
+    q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] (GQA: the query heads of a kv group are stacked
+    along the rows, so k and v are never expanded); visible: bool [B, 1, Lq, Lk] or None (plain
+    causal, Lq == Lk). Returns [B, Hq, Lq, D] in v's dtype. Chunked over B so the scores stay
+    near cache size.
     """
-    b, hq, width, d = q.shape
-    hkv = k.shape[1]
+    b, hq, q_width, d = q.shape
+    hkv, k_width = k.shape[1], k.shape[2]
+    rep = hq // hkv
     scale = scaling if scaling is not None else d**-0.5
-    future = torch.ones(width, width, dtype=torch.bool, device=q.device).triu(1)
-    # [B, Hkv, rep, L, D]: the query heads of a kv group share one k/v without copying it
-    q = q.view(b, hkv, hq // hkv, width, d)
-    k, v = k[:, :, None], v[:, :, None]
-    step = max(1, _BMM_SCORE_ELEMENTS // (hq * width * width))
+    if visible is None:
+        hidden = torch.ones(q_width, k_width, dtype=torch.bool, device=q.device).triu(1)
+        hidden = hidden.repeat(rep, 1)  # [rep * Lq, Lk]
+    else:
+        hidden = (~visible).repeat(1, 1, rep, 1)  # [B, 1, rep * Lq, Lk]
+    q = q.reshape(b, hkv, rep * q_width, d)
+    step = max(1, _BMM_SCORE_ELEMENTS // (hq * q_width * k_width))
     outs = []
     for i in range(0, b, step):
+        mask = hidden if visible is None else hidden[i : i + step]
         scores = torch.matmul(q[i : i + step], k[i : i + step].transpose(-1, -2))
-        scores = scores.float().mul_(scale).masked_fill_(future, float("-inf"))
+        scores = scores.float().mul_(scale).masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         outs.append(torch.matmul(probs, v[i : i + step]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-    return out.view(b, hq, width, d)
+    return out.view(b, hq, q_width, d)
 
 
 def varlen_attention(
@@ -160,7 +236,7 @@ def varlen_attention(
     scaling: float | None,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention per sequence of one packed row.
+    """Causal attention per view of one packed row.
 
     query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (GQA: Hq a multiple of Hkv).
     Returns [1, T, Hq, D] (transformers' attention-output layout).
@@ -172,19 +248,21 @@ def varlen_attention(
         query, key, value = (x.to(low) for x in (query, key, value))
     q_rows, k_rows, v_rows = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     outs = []
-    for idx in plan.gather:
-        nb, width = idx.shape
-        flat = idx.reshape(-1)
-        q = q_rows.index_select(0, flat).view(nb, width, hq, -1).transpose(1, 2)
-        k = k_rows.index_select(0, flat).view(nb, width, hkv, -1).transpose(1, 2)
-        v = v_rows.index_select(0, flat).view(nb, width, hkv, -1).transpose(1, 2)
+    for bucket in plan.buckets:
+        nb, q_width = bucket.queries.shape
+        k_width = bucket.keys.shape[1]
+        q = q_rows.index_select(0, bucket.queries.reshape(-1)).view(nb, q_width, hq, -1).transpose(1, 2)
+        k = k_rows.index_select(0, bucket.keys.reshape(-1)).view(nb, k_width, hkv, -1).transpose(1, 2)
+        v = v_rows.index_select(0, bucket.keys.reshape(-1)).view(nb, k_width, hkv, -1).transpose(1, 2)
+        visible = None if bucket.offset is None else visible_keys(bucket.offset, q_width, k_width)
         if use_bmm:
-            o = causal_attention_bmm(q, k, v, scaling)
+            o = causal_attention_bmm(q, k, v, scaling, visible)
         else:  # enable_gqa: sdpa broadcasts the kv heads itself (no repeat_kv copies)
             o = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=hq != hkv
+                q, k, v, attn_mask=visible, dropout_p=dropout, is_causal=visible is None,
+                scale=scaling, enable_gqa=hq != hkv,
             )
-        outs.append(o.transpose(1, 2).reshape(nb * width, hq, -1))
+        outs.append(o.transpose(1, 2).reshape(nb * q_width, hq, -1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     return out.index_select(0, plan.scatter).unsqueeze(0)
 
@@ -268,7 +346,7 @@ def packed_forward_kwargs(batch: Any) -> dict[str, Any]:
         "cu_seq_lens_k": cu,
         "max_length_q": max_len,
         "max_length_k": max_len,
-        "varlen_plan": make_plan(cu),
+        "varlen_plan": make_plan(cu, prefix_index=getattr(batch, "prefix_index", None)),
         "use_cache": False,
     }
 

@@ -2,7 +2,8 @@
 and the `batches` table.
 
 RL token weights: the sequence's advantage on completion tokens, 0 on prompt tokens; the
-generator's log-probs ride along for ratio-based losses.
+generator's log-probs ride along for ratio-based losses. The prompt is declared a shared prefix,
+so a group's completions carry it once per micro-batch (training.batch, "Shared prefixes").
 """
 
 from __future__ import annotations
@@ -19,23 +20,25 @@ def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
         logprobs=[0.0] * len(prompt) + [float(x) for x in rollout["completion_logprobs"]],
         reward=rollout.get("reward"),
         sample_id=rollout["sample_id"],
+        prefix_len=len(prompt),
     )
 
 
 def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]:
     rows = []
     for index, batch in enumerate(batches):
-        lengths = batch.seq_lens
+        # whole rollouts (a shared prompt counted in each), not the packed segments
+        lengths = [n for n, sid in zip(batch.full_lengths(), batch.sample_ids, strict=True) if sid]
         rows.append(
             {
                 "run_id": run_id,
                 "step": step,
                 "batch_id": index,
-                "sample_ids": list(batch.sample_ids),
-                "n_sequences": batch.n_sequences,
+                "sample_ids": [sid for sid in batch.sample_ids if sid],
+                "n_sequences": len(lengths),
                 "n_tokens": batch.n_tokens,
-                # what padding these sequences to their longest would have cost
-                "n_pad": max(lengths) * len(lengths) - batch.n_tokens,
+                # what padding these rollouts to their longest would have cost
+                "n_pad": max(lengths) * len(lengths) - sum(lengths),
                 "cu_seqlens": [int(x) for x in batch.cu_seqlens.tolist()],
             }
         )

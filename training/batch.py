@@ -5,6 +5,15 @@ concatenates them, without padding, into micro-batches of at most `token_budget`
 the causal shift once (`labels[t] = tokens[t+1]`), so a loss never shifts again. See DESIGN.md,
 "The one batch contract".
 
+Shared prefixes: the completions of one RL group repeat the same prompt. A `Sequence` may declare
+`prefix_len` (its prompt, weightless); `pack` then lays the shared prompt out once per micro-batch,
+as a *prefix segment* holding prompt[:-1], followed by one *continuation segment* per sequence
+holding prompt[-1:] + completion (the last prompt token is repeated so that each continuation
+predicts its own first token). `prefix_index` tells attention which segment each continuation
+continues, and its position ids continue from the prefix. Projections, MLPs and the LM head then
+run on the prompt once per group instead of once per completion; log-probs and gradients are those
+of the unshared layout (a test checks both).
+
 `pad_batch()` builds the conventional padded batch of the same sequences; it is the baseline the
 packing benchmark and the packed-equals-unpacked tests compare against.
 """
@@ -28,6 +37,8 @@ class Sequence:
     logprobs:  generator's log-prob of tokens[i] (0 where none), RL only.
     reward:    sequence reward, RL only.
     sample_id: lineage (the rollout row), RL only.
+    prefix_len: leading tokens (an RL prompt) that `pack` may share with other sequences starting
+               with the same tokens; 0 = none. Their weights (weights[1:prefix_len]) must be 0.
     """
 
     tokens: list[int]
@@ -35,6 +46,7 @@ class Sequence:
     logprobs: list[float] | None = None
     reward: float | None = None
     sample_id: str | None = None
+    prefix_len: int = 0
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.tokens):
@@ -46,6 +58,16 @@ class Sequence:
             raise ValueError(
                 f"Sequence {self.sample_id!r}: logprobs has {len(self.logprobs)} entries "
                 f"for {len(self.tokens)} tokens"
+            )
+        if not 0 <= self.prefix_len <= len(self.tokens):
+            raise ValueError(
+                f"Sequence {self.sample_id!r}: prefix_len {self.prefix_len} is outside "
+                f"[0, {len(self.tokens)}]"
+            )
+        if any(w != 0 for w in self.weights[1 : self.prefix_len]):
+            raise ValueError(
+                f"Sequence {self.sample_id!r}: a shared prefix must carry no loss, but "
+                f"weights[1:{self.prefix_len}] are not all 0"
             )
 
 
@@ -61,6 +83,9 @@ class PackedBatch:
     log_probs:     float32 [T] | None  generator's log-prob of labels[t] (0 where none)
     rewards:       float32 [n] | None
     sample_ids:    list[str] [n] (empty strings where a sequence had none)
+    prefix_index:  int64 [n] | None  for a continuation segment, the index of the prefix segment
+                   it continues (attends to; its position_ids start at that prefix's length);
+                   -1 elsewhere. None: no shared prefixes, every segment is a whole sequence.
     """
 
     tokens: torch.Tensor
@@ -71,6 +96,7 @@ class PackedBatch:
     log_probs: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     sample_ids: list[str] = field(default_factory=list)
+    prefix_index: torch.Tensor | None = None
 
     @property
     def n_sequences(self) -> int:
@@ -104,7 +130,15 @@ class PackedBatch:
             log_probs=move(self.log_probs),
             rewards=move(self.rewards),
             sample_ids=list(self.sample_ids),
+            prefix_index=move(self.prefix_index),
         )
+
+    def full_lengths(self) -> list[int]:
+        """Length of each segment's whole sequence (a continuation's prefix included)."""
+        lens = self.seq_lens
+        if self.prefix_index is None:
+            return lens
+        return [n + (lens[p] if p >= 0 else 0) for n, p in zip(lens, self.prefix_index.tolist(), strict=True)]
 
 
 def _seq_name(index: int, seq: Sequence) -> str:
@@ -148,16 +182,23 @@ def _check(sequences: SequenceABC[Sequence], token_budget: int) -> None:
             )
 
 
-def pack_one(sequences: SequenceABC[Sequence]) -> PackedBatch:
-    """Concatenate `sequences` (in the given order) into one PackedBatch, shifting labels."""
+def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | None = None) -> PackedBatch:
+    """Concatenate `sequences` (in the given order) into one PackedBatch, shifting labels.
+
+    prefix_index: per sequence, the index (in `sequences`, earlier) of the prefix segment it
+    continues, or -1; its position ids then start at that segment's length. None: no prefixes.
+    """
     lens = [len(s.tokens) for s in sequences]
     total = sum(lens)
     tokens = torch.tensor([t for s in sequences for t in s.tokens], dtype=torch.int64)
     weights = torch.tensor([w for s in sequences for w in s.weights], dtype=torch.float32)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    starts = torch.repeat_interleave(cu[:-1].to(torch.int64), torch.tensor(lens))
-    position_ids = torch.arange(total, dtype=torch.int64) - starts
+    offsets = [0] * len(lens) if prefix_index is None else [lens[j] if j >= 0 else 0 for j in prefix_index]
+    first_position = torch.tensor(offsets, dtype=torch.int64) - cu[:-1].to(torch.int64)
+    position_ids = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
+        first_position, torch.tensor(lens)
+    )
     last = (cu[1:] - 1).to(torch.int64)  # each sequence's last token: nothing to predict
 
     labels = torch.empty(total, dtype=torch.int64)
@@ -191,16 +232,103 @@ def pack_one(sequences: SequenceABC[Sequence]) -> PackedBatch:
         log_probs=log_probs,
         rewards=rewards,
         sample_ids=[s.sample_id or "" for s in sequences],
+        prefix_index=None if prefix_index is None else torch.tensor(list(prefix_index), dtype=torch.int64),
     )
 
 
-def pack(sequences: SequenceABC[Sequence], token_budget: int) -> list[PackedBatch]:
+@dataclass(frozen=True)
+class _Unit:
+    """What bin packing places whole: one sequence, or a shared prefix with its continuations."""
+
+    members: tuple[int, ...]  # indices into the input sequences, in input order
+    prefix_len: int  # 0: a single whole sequence
+    size: int  # tokens it occupies in a micro-batch
+
+
+def _unit(sequences: SequenceABC[Sequence], members: list[int], prefix_len: int) -> _Unit:
+    if len(members) == 1:
+        return _Unit((members[0],), 0, len(sequences[members[0]].tokens))
+    # the prefix segment holds prompt[:-1]; each continuation repeats prompt[-1]
+    size = prefix_len - 1 + sum(len(sequences[i].tokens) - prefix_len + 1 for i in members)
+    return _Unit(tuple(members), prefix_len, size)
+
+
+def _split_group(
+    sequences: SequenceABC[Sequence], members: list[int], prefix_len: int, token_budget: int
+) -> list[_Unit]:
+    """Units of at most `token_budget` tokens from one group sharing `prefix_len` tokens."""
+    units: list[_Unit] = []
+    chunk: list[int] = []
+    for i in members:
+        if chunk and _unit(sequences, chunk + [i], prefix_len).size > token_budget:
+            units.append(_unit(sequences, chunk, prefix_len))
+            chunk = []
+        chunk.append(i)
+    units.append(_unit(sequences, chunk, prefix_len))
+    return units
+
+
+def shared_prefix_units(sequences: SequenceABC[Sequence], token_budget: int) -> list[_Unit]:
+    """Group sequences by their declared prefix (same prefix_len > 1, same prefix tokens).
+
+    Deterministic; units come in the order of their first member.
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    units: list[tuple[int, list[_Unit]]] = []
+    for i, seq in enumerate(sequences):
+        if seq.prefix_len > 1:
+            groups.setdefault(tuple(seq.tokens[: seq.prefix_len]), []).append(i)
+        else:
+            units.append((i, [_unit(sequences, [i], 0)]))
+    for key, members in groups.items():
+        units.append((members[0], _split_group(sequences, members, len(key), token_budget)))
+    return [u for _, group_units in sorted(units, key=lambda x: x[0]) for u in group_units]
+
+
+def _pack_units(sequences: SequenceABC[Sequence], units: list[_Unit]) -> PackedBatch:
+    segments: list[Sequence] = []
+    prefix_index: list[int] = []
+    for unit in units:
+        if unit.prefix_len == 0:
+            segments.append(sequences[unit.members[0]])
+            prefix_index.append(-1)
+            continue
+        shared = unit.prefix_len - 1
+        head = sequences[unit.members[0]]
+        prefix_at = len(segments)
+        segments.append(Sequence(tokens=head.tokens[:shared], weights=[0.0] * shared))
+        prefix_index.append(-1)
+        for i in unit.members:
+            seq = sequences[i]
+            segments.append(
+                Sequence(
+                    tokens=seq.tokens[shared:],
+                    weights=seq.weights[shared:],
+                    logprobs=None if seq.logprobs is None else seq.logprobs[shared:],
+                    reward=seq.reward,
+                    sample_id=seq.sample_id,
+                )
+            )
+            prefix_index.append(prefix_at)
+    shares = any(u.prefix_len for u in units)
+    return pack_one(segments, prefix_index if shares else None)
+
+
+def pack(
+    sequences: SequenceABC[Sequence], token_budget: int, share_prefixes: bool = True
+) -> list[PackedBatch]:
     """Pack sequences into micro-batches of at most `token_budget` tokens each, no padding.
 
     First-fit-decreasing bin packing; no sequence is split. Deterministic for a given input.
+    With `share_prefixes`, sequences declaring the same prefix (`Sequence.prefix_len`) hold it
+    once per micro-batch (see the module docstring); the log-probs and gradients are unchanged.
     Raises ValueError on empty input or a sequence longer than the budget (naming it).
     """
     _check(sequences, token_budget)
+    if share_prefixes and any(s.prefix_len > 1 for s in sequences):
+        units = shared_prefix_units(sequences, token_budget)
+        bins = assign_bins([u.size for u in units], token_budget)
+        return [_pack_units(sequences, [units[i] for i in b]) for b in bins]
     bins = assign_bins([len(s.tokens) for s in sequences], token_budget)
     return [pack_one([sequences[i] for i in b]) for b in bins]
 

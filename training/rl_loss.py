@@ -182,6 +182,11 @@ def build_rl_loss(name: str = "reinforce", **options: Any) -> LossFn:
     return functools.partial(_LOSS_FNS[name], config=config)
 
 
+def _batch_key(batch: PackedBatch) -> tuple[str, ...]:
+    """A micro-batch's rollouts (shared-prefix segments carry no sample_id)."""
+    return tuple(s for s in batch.sample_ids if s)
+
+
 def bind_old_logprobs(
     loss_fn: LossFn, batches: Sequence[PackedBatch], old_logprobs: Sequence[torch.Tensor]
 ) -> LossFn:
@@ -197,8 +202,8 @@ def bind_old_logprobs(
         )
     table: dict[tuple[str, ...], torch.Tensor] = {}
     for b, lp in zip(batches, old_logprobs, strict=True):
-        key = tuple(b.sample_ids)
-        if not all(key) or key in table:
+        key = _batch_key(b)
+        if not key or key in table:
             raise ValueError(
                 "bind_old_logprobs needs micro-batches with unique, non-empty sample_ids"
             )
@@ -209,7 +214,7 @@ def bind_old_logprobs(
         table[key] = lp.detach()
 
     def bound(logprobs: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        key = tuple(batch.sample_ids)
+        key = _batch_key(batch)
         if key not in table:
             raise ValueError(
                 f"no old_logprobs bound for micro-batch with sample_ids {list(key)[:3]}..."

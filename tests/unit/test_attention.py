@@ -149,7 +149,7 @@ def test_plan_buckets_cover_each_sequence_once():
 def test_plan_scatter_inverts_gather():
     cu = torch.tensor([0, 3, 10, 11, 15], dtype=torch.int32)
     plan = make_plan(cu, call_cost=0)
-    flat = torch.cat([g.reshape(-1) for g in plan.gather])
+    flat = torch.cat([b.queries.reshape(-1) for b in plan.buckets])
     assert torch.equal(flat[plan.scatter], torch.arange(15))
 
 
