@@ -42,7 +42,7 @@ from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_task
 from tasks.generate import generate_stage
 from tasks.pack import pack_task
-from tasks.record import load_rows, persist, train_step_row
+from tasks.record import background_writes, drain_writes, load_rows, persist, train_step_row
 from tasks.score import score_stage
 from tasks.setup import (
     make_env,
@@ -71,8 +71,15 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     state: RunState = open_run(config, "rl")
     tracker = make_tracker(config, state, parent_mlflow_run_id)
     engines: list = []
+
+    def body() -> dict:
+        # tables are written on one ordered background thread; leaving the block drains it, so
+        # the phase is marked finished (or failed) only once its tables are on disk
+        with background_writes():
+            return _loop(config, state, tracker, start_checkpoint, engines)
+
     try:
-        return run_phase(state, tracker, lambda: _loop(config, state, tracker, start_checkpoint, engines))
+        return run_phase(state, tracker, body)
     finally:
         for engine in engines:
             engine.close()
@@ -196,11 +203,15 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
         if due(step, rl.eval_every, rl.steps):
             with watch("eval"):
                 step_eval = eval_metrics = evaluate(step)
-        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)], run_id)
         checkpoint_path = None
         # servers only take weights from disk: an HTTP run checkpoints every step
         if due(step, rl.checkpoint_every, rl.steps) or config.engine.type == "http":
+            # the step's row before the checkpoint, which marks the step done; and every queued
+            # table write on disk first, so that a resume never starts past a missing table
+            persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)],
+                    run_id)
             with watch("checkpoint"):
+                drain_writes()
                 row = checkpoint_task(
                     run_dir=run_dir, run_id=run_id, step=step, policy_version=version, model=model,
                     tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
@@ -218,9 +229,8 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                                       step=step, retries=config.engine.retries)
                 persist(run_dir, "syncs", step, sync_rows, run_id)
                 raise_failed(sync_rows)
-            # the row again, now with checkpoint and sync seconds
-            persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)],
-                    run_id)
+        # the step's row, with checkpoint and sync seconds (a checkpoint step writes it twice)
+        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, "rl", metrics, watch.seconds)], run_id)
         tracker.log_metrics(_step_metrics(metrics, filter_metrics, sampled, scored, watch.seconds) | step_eval,
                             step=step)
         bar.update(1)
