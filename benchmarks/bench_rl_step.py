@@ -125,7 +125,7 @@ def instrument(events: list[Event], writer_seconds: list[float]) -> Iterator[Non
     Queued table writes count as Parquet time only where the flow waits for them (drain)."""
     from unittest import mock
 
-    import flows.rl as flows_rl
+    import tasks.record as record
     from storage.tracking import MlflowTracker
 
     with contextlib.ExitStack() as stack:
@@ -135,8 +135,8 @@ def instrument(events: list[Event], writer_seconds: list[float]) -> Iterator[Non
             if original is None:  # table I/O a module does not import (stages evolve)
                 continue
             stack.enter_context(mock.patch.object(module, attr, timed(original, events, bucket, name)))
-        stack.enter_context(mock.patch.object(flows_rl, "background_writes", writer_probe(flows_rl.background_writes,
-                                                                                    writer_seconds)))
+        stack.enter_context(mock.patch.object(record, "background_writes", writer_probe(record.background_writes,
+                                                                                  writer_seconds)))
         for method in MLFLOW_METHODS:
             original = getattr(MlflowTracker, method)
             stack.enter_context(mock.patch.object(MlflowTracker, method,
@@ -253,36 +253,54 @@ def isolate(root: Path) -> None:
     quiet_defaults()
 
 
+MODES = {"task_runs": True, "plain_calls": False}  # tracking.prefect_task_runs
+
+
+def timed_rl_run(rl_config: dict, target: float, steps: int) -> tuple[dict, dict, list[dict]]:
+    """One instrumented `rl` flow: (report, flow result, groups rows)."""
+    from flows.rl import rl_flow
+    from storage.writer import read_table
+
+    events: list[Event] = []
+    writer_seconds: list[float] = []
+    started = time.perf_counter()
+    with instrument(events, writer_seconds):
+        result = rl_flow(config=rl_config)
+    result["seconds"] = time.perf_counter() - started
+    run_dir = Path(rl_config["runs_root"]) / rl_config["run_name"]
+    train_steps = read_table(run_dir, "train_steps").to_pylist()
+    report = summarize(split_steps(events), train_steps, target)
+    report["outside"]["background_writer_s_per_step"] = sum(writer_seconds) / max(steps, 1)
+    return report, result, read_table(run_dir, "groups").to_pylist()
+
+
 def run(args: argparse.Namespace) -> dict:
+    """The SFT warm start once, then the same RL run with a Prefect task run per stage and with
+    stages as plain calls (tracking.prefect_task_runs), one after the other."""
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-rl-") as tmp:
         root = Path(tmp)
         isolate(root)
-        from flows.rl import rl_flow
         from flows.sft import sft_flow
         from models.loading import load_model
         from models.presets import count_parameters
-        from storage.writer import read_table
 
         sft_config, rl_config = bench_configs(args, root)
         started = time.perf_counter()
         sft = sft_flow(config=sft_config)
         sft_seconds = time.perf_counter() - started
         rl_config["model"]["path"] = sft["checkpoint"]
-        events: list[Event] = []
-        writer_seconds: list[float] = []
-        started = time.perf_counter()
-        with instrument(events, writer_seconds):
-            result = rl_flow(config=rl_config)
-        rl_seconds = time.perf_counter() - started
-        run_dir = Path(rl_config["runs_root"]) / rl_config["run_name"]
-        train_steps = read_table(run_dir, "train_steps").to_pylist()
-        rewards = read_table(run_dir, "groups").to_pylist()
+        modes, runs = {}, {}
+        for mode, task_runs in MODES.items():
+            config = json.loads(json.dumps(rl_config))
+            config["run_name"] = f"bench-rl-{mode}"
+            config["tracking"]["prefect_task_runs"] = task_runs
+            report, result, groups = timed_rl_run(config, args.target, args.steps)
+            kept = [g for g in groups if g.get("kept")]
+            modes[mode] = report
+            runs[mode] = {"rl_flow_seconds": result["seconds"], "rl_eval_accuracy": result["eval"].get("eval/accuracy"),
+                          "rollout_reward_mean": (sum(g["reward_mean"] for g in kept) / len(kept)) if kept else None}
         parameters = count_parameters(load_model(sft["checkpoint"]))
-    steps = split_steps(events)
-    report = summarize(steps, train_steps, args.target)
-    report["outside"]["background_writer_s_per_step"] = sum(writer_seconds) / max(args.steps, 1)
-    kept = [g for g in rewards if g.get("kept")]
     return {
         "benchmark": "rl_step",
         "settings": {
@@ -294,19 +312,23 @@ def run(args: argparse.Namespace) -> dict:
             "eval_every": args.eval_every, "eval_examples": args.eval_examples,
             "checkpoint_every": args.checkpoint_every, "drop_zero_variance": False,
             "torch_threads": args.threads or "default",
+            "modes": {mode: f"tracking.prefect_task_runs = {str(v).lower()}" for mode, v in MODES.items()},
         },
-        **report,
-        "run": {
-            "sft_flow_seconds": sft_seconds, "sft_eval_accuracy": sft["eval"].get("eval/accuracy"),
-            "rl_flow_seconds": rl_seconds, "rl_eval_accuracy": result["eval"].get("eval/accuracy"),
-            "rollout_reward_mean": (sum(g["reward_mean"] for g in kept) / len(kept)) if kept else None,
-        },
+        **modes["task_runs"],  # the default configuration, at the top level
+        "modes": modes,
+        "run": {"sft_flow_seconds": sft_seconds, "sft_eval_accuracy": sft["eval"].get("eval/accuracy"), **runs},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
     }
 
 
-def print_table(report: dict) -> None:
+def print_table(results: dict) -> None:
+    for mode, report in results["modes"].items():
+        print(f"-- {results['settings']['modes'][mode]}")
+        print_mode(report)
+
+
+def print_mode(report: dict) -> None:
     print(f"{'stage':<11}{'steps':>6}{'stopwatch s':>13}{'function s':>12}{'outside s':>11}")
     for stage, row in report["stages"].items():
         print(f"{stage:<11}{row['steps']:>6}{row['stopwatch_median_s']:>13.4f}"

@@ -207,29 +207,43 @@ def headline_storage(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     return summary, table(["measure", "value", "target"], rows)
 
 
-def headline_rl_step(results: dict, ceiling: dict) -> tuple[str, list[str]]:
-    out, step, settings = results["outside"], results["step"], results["settings"]
+def rl_step_mode(report: dict, label: str) -> list[str]:
+    """One configuration's stage table and its outside-share breakdown."""
+    out, step = report["outside"], report["step"]
     ms = lambda seconds: f"{seconds * 1000:.1f}"  # noqa: E731
     rows = [[stage, r["steps"], ms(r["stopwatch_median_s"]), ms(r["function_median_s"]), ms(r["outside_median_s"]),
              share(r["outside_median_s"] / r["stopwatch_median_s"]) if r["stopwatch_median_s"] else None]
-            for stage, r in results["stages"].items()]
-    summary = (f"{share(out['share'])} of an RL step outside the stage functions "
-               f"({share(out['share_plain_steps'])} on steps without eval/checkpoint); target ≤ {out['target_share']:.0%}")
-    lines = [f"{settings['rl_steps']} RL steps of {settings['prompts_per_step']} prompts × {settings['group_size']} "
-             f"completions ({settings['parameters'] / 1e6:.2f}M parameters, {settings['max_new_tokens']} new tokens), "
-             f"torch threads {settings['torch_threads']}. Step wall time: median {step['wall_median_s']:.3f} s, "
-             f"of which {step['function_median_s']:.3f} s inside the stage functions.", ""]
+            for stage, r in report["stages"].items()]
+    lines = [f"### {label}", "", f"Step wall time: median {step['wall_median_s']:.3f} s, of which "
+             f"{step['function_median_s']:.3f} s inside the stage functions; outside, median per step: "
+             f"{ms(out['median_s_per_step'])} ms.", ""]
     lines += table(["stage", "steps", "flow's stopwatch ms (median)", "stage function ms (median)",
                     "outside ms (median)", "outside share"], rows)
-    lines += ["", "The flow's stopwatch wraps the Prefect task call and the stage's table writes; the stage "
-              "function is the pure computation inside it. Per stage, outside = stopwatch − function."]
     lines += ["", *table(["outside the stage functions", "share of step wall time"], [
         ["all of it, all steps", share(out["share"])],
         [f"all of it, the {out['plain_steps']} steps without eval/checkpoint/sync", share(out["share_plain_steps"])],
-        ["Parquet writes and reads", share(out["parquet_share"])],
+        ["Parquet writes and reads (queued on the background writer)", share(out["parquet_share"])],
         ["MLflow (metrics, checkpoint registration)", share(out["mlflow_share"])],
         ["Prefect task runs + flow bookkeeping", share(out["prefect_and_flow_share"])],
-        ["target (the issue)", f"≤ {out['target_share']:.0%}"]])]
+        ["target (the issue)", f"≤ {out['target_share']:.0%}"]]), ""]
+    return lines
+
+
+def headline_rl_step(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    settings = results["settings"]
+    modes = results.get("modes") or {"task_runs": results}
+    labels = settings.get("modes", {"task_runs": "tracking.prefect_task_runs = true"})
+    summary = "outside the stage functions: " + ", ".join(
+        f"{share(report['outside']['share'])} with {labels[mode]}" for mode, report in modes.items()
+    ) + f" (target ≤ {results['outside']['target_share']:.0%})"
+    lines = [f"{settings['rl_steps']} RL steps of {settings['prompts_per_step']} prompts × {settings['group_size']} "
+             f"completions ({settings['parameters'] / 1e6:.2f}M parameters, {settings['max_new_tokens']} new tokens), "
+             f"torch threads {settings['torch_threads']}, the same SFT start, run once per configuration one after "
+             "the other. The flow's stopwatch wraps the stage call (a Prefect task run or a plain call) and the "
+             "stage's table writes; the stage function is the pure computation inside it. Per stage, outside = "
+             "stopwatch − function. The demo runs with `prefect_task_runs = false`.", ""]
+    for mode, report in modes.items():
+        lines += rl_step_mode(report, labels[mode])
     return summary, lines
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,17 @@ def open_run(config: RunConfig, phase: str) -> RunState:
     write_json_atomic(run_dir / "config.json", config.model_dump(mode="json"))
     state.save()
     return state
+
+
+@contextmanager
+def stage_io(config: RunConfig) -> Iterator[None]:
+    """How a phase's stages run: tables queued on one ordered background writer (drained when the
+    block ends), stages as Prefect task runs or plain calls (tracking.prefect_task_runs)."""
+    from tasks._prefect import stage_task_runs
+    from tasks.record import background_writes
+
+    with background_writes(), stage_task_runs(config.tracking.prefect_task_runs):
+        yield
 
 
 def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:

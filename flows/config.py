@@ -159,6 +159,9 @@ class TrackingConfig(Section):
     """Register checkpoints as versions of this model ('' = the run name)."""
     report: bool = True
     """Write <run_dir>/report.html at the end of the run."""
+    prefect_task_runs: bool = True
+    """One Prefect task run per stage, seen in the Prefect UI. false: stages are plain calls inside
+    the flow run (3-10 ms less per stage: worth it when steps take well under a second)."""
 
 
 class RunConfig(Section):

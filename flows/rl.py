@@ -26,6 +26,7 @@ from flows.common import (
     registered_model_name,
     resolve_config,
     run_phase,
+    stage_io,
     write_run_report,
 )
 from flows.config import RunConfig
@@ -42,7 +43,7 @@ from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_task
 from tasks.generate import generate_stage
 from tasks.pack import pack_task
-from tasks.record import background_writes, drain_writes, load_rows, persist, train_step_row
+from tasks.record import drain_writes, load_rows, persist, train_step_row
 from tasks.score import score_stage
 from tasks.setup import (
     make_env,
@@ -75,7 +76,7 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     def body() -> dict:
         # tables are written on one ordered background thread; leaving the block drains it, so
         # the phase is marked finished (or failed) only once its tables are on disk
-        with background_writes():
+        with stage_io(config):
             return _loop(config, state, tracker, start_checkpoint, engines)
 
     try:

@@ -13,12 +13,13 @@ from flows.common import (
     open_run,
     registered_model_name,
     run_phase,
+    stage_io,
 )
 from flows.config import RunConfig
 from flows.progress import progress
 from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_task
-from tasks.record import load_rows, persist, train_step_row
+from tasks.record import drain_writes, load_rows, persist, train_step_row
 from tasks.setup import (
     make_env,
     make_model_and_tokenizer,
@@ -44,8 +45,13 @@ def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | No
     section = getattr(config, phase)
     state: RunState = open_run(config, phase)
     tracker = make_tracker(config, state, parent_mlflow_run_id)
-    return run_phase(state, tracker,
-                     lambda: _train(config, phase, section, state, tracker, start_checkpoint, TorchEngine))
+
+    def body() -> dict:
+        # tables on one ordered background thread, drained before checkpoints and at the end
+        with stage_io(config):
+            return _train(config, phase, section, state, tracker, start_checkpoint, TorchEngine)
+
+    return run_phase(state, tracker, body)
 
 
 def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls) -> dict:
@@ -88,6 +94,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
         persist(run_dir, "train_steps", step, [train_step_row(run_id, step, phase, metrics, watch.seconds)], run_id)
         if due(step, section.checkpoint_every, section.steps):
             with watch("checkpoint"):
+                drain_writes()  # the checkpoint marks the step done: its tables land first
                 row = checkpoint_task(
                     run_dir=run_dir, run_id=run_id, step=step, policy_version=step, model=model,
                     tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,

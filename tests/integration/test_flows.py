@@ -84,26 +84,34 @@ def test_pipeline_runs_sft_then_rl_and_records_everything(prefect_api, tmp_path,
     assert by_phase["rl"].data.tags.get("mlflow.parentRunId") == by_phase["pipeline"].info.run_id
 
 
-def test_rl_stages_are_named_task_runs(prefect_api, tmp_path):
+def test_stages_are_named_task_runs_unless_turned_off(prefect_api, tmp_path):
     import asyncio
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from flows.sft import sft_flow
+    from storage.writer import read_table
 
-    config = tiny_config(tmp_path, flow="sft", tracking__enabled=False, sft__steps=3)
-    state = sft_flow(config=config, return_state=True)
-    assert state.is_completed()
+    def task_names(flow_run_id) -> list[str]:
+        async def read():
+            async with get_client() as client:
+                runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+                return sorted({r.name.rsplit("-", 1)[0] for r in runs})
 
-    async def task_names():
-        async with get_client() as client:
-            runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-            return sorted({r.name.rsplit("-", 1)[0] for r in runs})
+        return asyncio.run(read())
 
-    names = asyncio.run(task_names())
-    assert "train" in names and "checkpoint" in names and "eval" in names
+    names = {}
+    for task_runs in (True, False):
+        config = tiny_config(tmp_path / str(task_runs), flow="sft", tracking__enabled=False, sft__steps=3,
+                             tracking__prefect_task_runs=task_runs)
+        state = sft_flow(config=config, return_state=True)
+        assert state.is_completed()
+        names[task_runs] = task_names(state.state_details.flow_run_id)
+        run_dir = Path(config["runs_root"]) / config["run_name"]
+        assert read_table(run_dir, "train_steps").num_rows == 3  # the stages ran either way
+    assert "train" in names[True] and "checkpoint" in names[True] and "eval" in names[True]
+    assert names[False] == []  # plain calls inside the flow run
 
 
 def test_pretrain_flow_lowers_loss(prefect_api, tmp_path):
