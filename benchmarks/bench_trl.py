@@ -2,34 +2,47 @@
 
 Both sides start from the same weights: a short SFT (rlpipe's `sft` flow, 200 steps) of the
 `small-dense` preset (3.2M parameters, the size of ECOSYSTEM.md's TRL anchor) on the demo's task
-at 1-2 digits (reversed digits, a teacher that forgets 30% of carries), which reaches ~50% greedy
-accuracy, so rewards vary from the first step. Then each side runs `--steps` optimizer steps of
-the same algorithm, on CPU, in its own process:
+at 1-2 digits (reversed digits, a teacher that forgets 30% of carries), in fp32: a partly trained
+start (greedy accuracy ~0.6, see `start`), so rewards vary from the first step. Then each side
+runs `--steps` optimizer steps of the same algorithm, on CPU, in its own process, once per seed (`--seeds`, default 3):
 
 - 8 prompts x 8 completions per step, temperature 1, at most `--max-new-tokens` new tokens,
   stopping at <|im_end|> or <|endoftext|>;
+- the same prompts at the same steps: TRL reads, unshuffled, the prompts in the order rlpipe's
+  PromptSource draws them for the seed (`same_prompts_each_step` checks it);
 - advantage = reward - group mean (no std scaling), no KL (beta = 0), on-policy (one optimizer
   step per batch, so TRL's ratio is 1), loss normalised by the step's completion tokens (TRL's
   `dapo`, rlpipe's `token`), every group kept (rlpipe: drop_zero_variance = false, no
   over-sampling; TRL never drops groups);
-- the same optimizer and schedule: rlpipe's AdamW + warmup/cosine, handed to TRL as `optimizers`;
+- the same optimizer and schedule: rlpipe's AdamW (lr 1e-4, 2 warmup steps, cosine to 0.1x,
+  grad norm clipped at 1.0) handed to TRL as `optimizers`. At lr 5e-4 both sides' rewards fell
+  over 20 steps (greedy accuracy 0.48 -> 0.24-0.31); at 2e-4 they rose on both but unevenly
+  (0.58 and 0.73); at 1e-4 they rise steadily on both (0.48 -> 0.64-0.79 over seeds 0-2);
 - the same precision, once in fp32 and once under bf16 autocast (rlpipe's `bf16_autocast`, TRL's
   `bf16=True`), and the same number of torch threads.
 
-rlpipe runs its real Prefect flow (embedded API, Parquet tables, MLflow on a temporary SQLite
-store); the seconds of its stage functions alone (no Prefect, Parquet or MLflow) are reported too.
-A step's time runs from the end of one optimizer step to the end of the next (TRL: `on_step_end`;
-rlpipe: the end of the step's metrics logging), median over steps 2 .. N-1 (the first warms up,
-rlpipe's last evaluates and checkpoints). Reward: the mean training reward of the last 5 steps,
-and greedy accuracy on the same 200 held-out prompts after the last step, computed by the same
-evaluator (rlpipe's `evaluate_greedy`) for both models. One run per side: the timings are as
-noisy as the machine.
+Time: rlpipe runs its real Prefect flow (embedded API, Parquet tables, MLflow on a temporary
+SQLite store); the seconds of its stage functions alone (no Prefect, Parquet or MLflow) are
+reported too. A step's time runs from the end of one optimizer step to the end of the next (TRL:
+`on_step_end`; rlpipe: the end of the step's metrics logging), median over steps 2 .. N-1 (the
+first warms up, rlpipe's last evaluates and checkpoints), pooled over the seeds' runs.
+
+Reward: after the last step, one evaluator process scores the start and every run's final weights
+alike (fp32, rlpipe's TorchEngine, the same seed): greedy accuracy on the task's 400 held-out
+prompts, and the mean reward of `--eval-samples` temperature-1 completions per prompt. Each
+figure comes with a standard error that covers both the prompts and the run-to-run spread:
+max(SE over prompts of the seed-averaged values, SE of the seeds' run means); one run's spread
+(seeds 0-2 at lr 1e-4 gave TRL 0.64-0.77 greedy accuracy) dwarfs its SE over prompts (~0.02).
+rlpipe - TRL is paired by seed and prompt; "reward no worse" = both deltas >= -2 SE
+(`reward_verdict`). The training reward per step (mean over seeds) and its last-5-step mean are
+kept; they are on different prompts from the eval and far noisier.
 
 TRL is the `bench` extra (`pip install -e '.[bench]'`). When it is missing or fails, the JSON says
 so under `runs.<precision>.trl.error`, and no TRL figure is reported.
 
-    python -m benchmarks.bench_trl [--steps 20] [--sft-steps 200] [--preset small-dense]
-        [--max-new-tokens 16] [--threads 1] [--precisions fp32 bf16] [--out runs/bench/trl.json]
+    python -m benchmarks.bench_trl [--steps 20] [--seeds 3] [--lr 1e-4] [--sft-steps 200]
+        [--preset small-dense] [--max-new-tokens 16] [--threads 1] [--precisions fp32 bf16]
+        [--eval-samples 8] [--start SFT_CHECKPOINT] [--out runs/bench/trl.json]
 """
 
 from __future__ import annotations
@@ -62,7 +75,7 @@ def median_window(values: list[float]) -> float | None:
 
 def task_section(args: argparse.Namespace) -> dict:
     """The demo's task (configs/demo.toml) at 1-2 digits and a milder teacher, so that a short SFT
-    reaches ~50% greedy accuracy: every group of 8 then has reward variance, and both sides
+    reaches ~60% greedy accuracy: most groups of 8 then have reward variance, and both sides
     train on every step."""
     with (ROOT / "configs" / "demo.toml").open("rb") as handle:
         task = tomllib.load(handle)["task"]
@@ -83,7 +96,9 @@ def base_config(args: argparse.Namespace, root: Path) -> dict:
 def sft_config(args: argparse.Namespace, root: Path) -> dict:
     config = base_config(args, root)
     config.update(flow="sft", run_name="bench-trl-sft")
-    config["model"]["bf16_autocast"] = True  # only the shared starting point: fast is fine
+    # fp32: under bf16 autocast this lr-2e-3 SFT is chaotic (greedy accuracy 0.19-0.50 across
+    # rounding-level changes to the attention kernels), which would move the start under the benchmark
+    config["model"]["bf16_autocast"] = False
     config["sft"] = {"steps": args.sft_steps, "sequences_per_step": 64, "examples": 4000,
                      "optim": {"lr": 2e-3, "warmup_steps": 30, "min_lr_ratio": 1.0, "token_budget": 8192}}
     return config
@@ -94,11 +109,10 @@ def rl_optim(args: argparse.Namespace) -> dict:
             "max_grad_norm": 1.0}
 
 
-def rl_config(args: argparse.Namespace, root: Path, start: str) -> dict:
+def rl_config(args: argparse.Namespace, root: Path, start: str, seed: int) -> dict:
     config = base_config(args, root)
-    config["flow"] = "rl"
+    config.update(flow="rl", seed=seed, run_name=f"bench-trl-rl-{'bf16' if args.bf16 else 'fp32'}-seed{seed}")
     config["model"]["path"] = start
-    config["run_name"] = f"bench-trl-rl-{'bf16' if args.bf16 else 'fp32'}"
     config["rl"] = {
         "steps": args.steps, "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
         "oversample_factor": 1.0, "max_attempts": 1, "drop_zero_variance": False, "estimator": "grpo",
@@ -112,23 +126,37 @@ def rl_config(args: argparse.Namespace, root: Path, start: str) -> dict:
 # ------------------------------------------------------------------------------------- rlpipe
 
 
+def seeds(args: argparse.Namespace) -> list[int]:
+    """The RL runs' seeds (prompt order and sampling): --seed, --seed + 1, ..."""
+    return [args.seed + i for i in range(args.seeds)]
+
+
 def run_rlpipe(args: argparse.Namespace, root: Path) -> dict:
-    """The timed `rl` flow from `--start`; without one, first the SFT that makes the shared start."""
-    from benchmarks.bench_rl_step import Event, instrument, isolate, split_steps
+    """The timed `rl` flow from `--start`, once per seed; without a start, first the SFT that makes
+    the shared one."""
+    from benchmarks.bench_rl_step import isolate
 
     isolate(root)
-    from flows.rl import rl_flow
     from flows.sft import sft_flow
-    from storage.writer import read_table
 
     start, start_accuracy = args.start, None
     if not start:
         sft = sft_flow(config=sft_config(args, root))
         start, start_accuracy = sft["checkpoint"], sft["eval"].get("eval/accuracy")
+    return {"start_checkpoint": start, "start_eval_accuracy": start_accuracy,
+            "seeds": [rlpipe_once(args, root, start, seed) for seed in seeds(args)],
+            "how": "rl flow (Prefect tasks, Parquet tables, MLflow), TorchEngine sampling"}
+
+
+def rlpipe_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dict:
+    from benchmarks.bench_rl_step import Event, instrument, split_steps
+    from flows.rl import rl_flow
+    from storage.writer import read_table
+
     events: list[Event] = []
-    config = rl_config(args, root, start)
+    config = rl_config(args, root, start, seed)
     started = time.perf_counter()
-    with instrument(events):
+    with instrument(events, []):  # the writer probe's seconds are not reported here
         result = rl_flow(config=config)
     seconds = time.perf_counter() - started
     steps = split_steps(events)
@@ -138,19 +166,21 @@ def run_rlpipe(args: argparse.Namespace, root: Path) -> dict:
     reward_by_step = [statistics.mean(g["reward_mean"] for g in groups if g["step"] == s)
                       for s in range(1, args.steps + 1)]
     return {
-        "start_checkpoint": start,
-        "start_eval_accuracy": start_accuracy,
+        "seed": seed,
         "seconds_per_step": median_window([s["wall"] for s in steps]),
         "seconds_per_step_functions_only": median_window([s["function"] for s in steps]),
         "stage_function_seconds": {stage: median_window([s[f"function_{stage}"] for s in steps])
                                    for stage in ("generate", "score", "filter", "pack", "train")},
         "seconds_per_step_all": [round(s["wall"], 4) for s in steps],
+        "seconds_per_step_functions_only_all": [round(s["function"], 4) for s in steps],
         "flow_seconds": seconds,
         "reward_by_step": reward_by_step,
         "reward_last": statistics.mean(reward_by_step[-TAIL_STEPS:]),
         "completion_tokens_mean": statistics.mean(r["n_completion_tokens"] for r in rollouts),
-        "eval_accuracy": result["eval"].get("eval/accuracy"),
-        "how": "rl flow (Prefect tasks, Parquet tables, MLflow), TorchEngine sampling",
+        "example_ids_by_step": [sorted({r["example_id"] for r in rollouts if r["step"] == s})
+                                for s in range(1, args.steps + 1)],
+        "flow_eval_accuracy": result["eval"].get("eval/accuracy"),
+        "final_checkpoint": result["checkpoint"],
     }
 
 
@@ -158,18 +188,24 @@ def run_rlpipe(args: argparse.Namespace, root: Path) -> dict:
 
 
 def trl_dataset(env, n: int, seed: int):
-    """Conversational prompts of the env's first `n` train examples, with their ids."""
+    """Conversational prompts of the first `n` train examples in the order rlpipe's `rl` flow draws
+    them (its PromptSource over the same examples and seed), with their ids: read unshuffled, both
+    sides train on the same prompts at the same steps."""
     from datasets import Dataset
 
-    examples = [env.examples("train", seed=seed)[i] for i in range(n)]
+    from envs.prompts import PromptSource
+
+    examples = PromptSource(env.examples("train", seed=seed), seed=seed).next_batch(n)
     rows = {"prompt": [env.reset(e) for e in examples], "example_id": [e.example_id for e in examples]}
     return Dataset.from_dict(rows), {e.example_id: e for e in examples}
 
 
-def make_reward(env, by_id: dict):
-    """A TRL reward function scoring completions with the env's verifier."""
+def make_reward(env, by_id: dict, seen: list[list[str]]):
+    """A TRL reward function scoring completions with the env's verifier; appends each call's
+    (one step's) example ids to `seen`."""
 
     def arithmetic_reward(completions, example_id, **kwargs) -> list[float]:
+        seen.append(sorted(set(example_id)))
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(env.reward(by_id[i], text).reward) for text, i in zip(texts, example_id, strict=True)]
 
@@ -177,25 +213,30 @@ def make_reward(env, by_id: dict):
 
 
 def run_trl(args: argparse.Namespace, root: Path, start: str) -> dict:
+    """GRPOTrainer from `start`, once per seed."""
     import torch
     import trl
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from engines.torch_engine import TorchEngine
-    from flows.config import OptimConfig
-    from models.loading import load_model
-    from models.tokenizer import load_tokenizer
-    from tasks.evaluate import evaluate_greedy
-    from tasks.setup import make_env, make_optimizer, max_context, stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    return {"version": trl.__version__, "seeds": [trl_once(args, root, start, seed) for seed in seeds(args)],
+            "how": "GRPOTrainer, transformers generate (no vLLM), beta=0, loss_type=dapo, scale_rewards=none"}
+
+
+def trl_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dict:
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from flows.config import OptimConfig
+    from models.loading import load_model
+    from models.tokenizer import load_tokenizer
+    from tasks.setup import make_env, make_optimizer
+
     task = task_section(args)
     env = make_env(task["env"], task["options"])
     model, tokenizer = load_model(start), load_tokenizer(start)
     optimizer, scheduler = make_optimizer(model, OptimConfig(**rl_optim(args)), args.steps)
-    dataset, by_id = trl_dataset(env, max(2000, args.steps * PROMPTS_PER_STEP), args.seed)
+    dataset, by_id = trl_dataset(env, args.steps * PROMPTS_PER_STEP, seed)
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
@@ -207,15 +248,15 @@ def run_trl(args: argparse.Namespace, root: Path, start: str) -> dict:
         def on_step_end(self, *_, **__):
             self.ends.append(time.perf_counter())
 
-    clock = StepClock()
+    clock, seen = StepClock(), []
     config = GRPOConfig(
-        output_dir=str(root / "trl"), max_steps=args.steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
+        output_dir=str(root / f"trl-seed{seed}"), max_steps=args.steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
         gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=args.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, scale_rewards="none", loss_type="dapo",
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=args.bf16,
-        seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+        seed=seed, shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=make_reward(env, by_id), args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=make_reward(env, by_id, seen), args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock], optimizers=(optimizer, scheduler))
     started = time.perf_counter()
     trainer.train()
@@ -224,47 +265,168 @@ def run_trl(args: argparse.Namespace, root: Path, start: str) -> dict:
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     rewards = [float(entry["reward"]) for entry in logs]
     lengths = [float(entry["completions/mean_length"]) for entry in logs if "completions/mean_length" in entry]
-    model.eval()
-    eval_examples = list(env.examples("eval", seed=args.seed))[: args.eval_examples]
-    _, metrics = evaluate_greedy(TorchEngine(model), tokenizer, env, eval_examples, run_id="trl", step=args.steps,
-                                 max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
-                                 max_context=max_context(model))
+    final = root / f"trl-final-seed{seed}"
+    trainer.model.save_pretrained(str(final))  # the common evaluator loads it like rlpipe's checkpoint
     return {
-        "version": trl.__version__,
+        "seed": seed,
         "seconds_per_step": median_window(per_step),
         "seconds_per_step_all": [round(s, 4) for s in per_step],
         "train_seconds": seconds,
         "reward_by_step": rewards,
         "reward_last": statistics.mean(rewards[-TAIL_STEPS:]) if rewards else None,
         "completion_tokens_mean": statistics.mean(lengths) if lengths else None,
-        "eval_accuracy": metrics["eval/accuracy"],
-        "how": "GRPOTrainer, transformers generate (no vLLM), beta=0, loss_type=dapo, scale_rewards=none",
+        "final_checkpoint": str(final),
+        "example_ids_by_step": seen,
     }
+
+
+# ------------------------------------------------------------------------- common evaluator
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample stdev / sqrt(n); 0 for fewer than 2 values)."""
+    if not values:
+        raise ValueError("mean_se needs at least one value")
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+    return statistics.mean(values), se
+
+
+def estimate(by_seed: list[list[float]], name: str = "mean") -> dict:
+    """A figure measured per prompt in each of S runs, [S][N] (the same N prompts): its mean and a
+    standard error covering both the prompts and the run-to-run spread, the larger of the SE over
+    prompts of the seed-averaged values and the SE of the S run means (S >= 2 only; one run shows
+    no spread, and a few runs can show too little by chance)."""
+    if not by_seed or not by_seed[0] or any(len(v) != len(by_seed[0]) for v in by_seed):
+        raise ValueError(f"estimate needs S >= 1 runs of the same N >= 1 prompts, got {[len(v) for v in by_seed]}")
+    mean, se_prompts = mean_se([statistics.mean(column) for column in zip(*by_seed, strict=True)])
+    run_means = [statistics.mean(v) for v in by_seed]
+    se_seeds = mean_se(run_means)[1] if len(by_seed) > 1 else None
+    return {name: mean, "se": max(se_prompts, se_seeds or 0.0), "se_prompts": se_prompts, "se_seeds": se_seeds,
+            "by_seed": run_means}
+
+
+def differences(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    """a - b per seed and prompt, [S][N]; a single run `b` (the start) is subtracted from every seed's."""
+    b = b * len(a) if len(b) == 1 else b
+    if len(a) != len(b):
+        raise ValueError(f"differences needs as many runs on both sides, got {len(a)} and {len(b)}")
+    return [[x - y for x, y in zip(ra, rb, strict=True)] for ra, rb in zip(a, b, strict=True)]
+
+
+def no_worse(delta: float, se: float, k: float = 2.0) -> bool:
+    """'No worse': the delta is positive or within `k` standard errors of zero."""
+    return delta >= -k * se
+
+
+def evaluate_checkpoint(path: str, tokenizer, env, examples: list, *, samples: int, max_new_tokens: int,
+                        seed: int) -> dict:
+    """Greedy correctness and the mean of `samples` temperature-1 rewards, per prompt, of the
+    checkpoint at `path` (fp32, rlpipe's TorchEngine, fixed seed: the same evaluator for every model).
+
+    Returns {"correct": [n], "sampled": [n]} (one float per example, in order).
+    """
+    from engines.base import SamplingParams
+    from engines.torch_engine import TorchEngine
+    from models.loading import load_model
+    from tasks.generate import encode_prompts
+    from tasks.setup import max_context, stop_token_ids
+
+    model = load_model(path).eval()
+    engine, stops = TorchEngine(model), stop_token_ids(tokenizer)
+    prompts = encode_prompts(tokenizer, env, examples, max_context(model), max_new_tokens)
+
+    def rewards(params: SamplingParams, field: str) -> list[list[float]]:
+        out = []
+        for example, completions in zip(examples, engine.generate(prompts, params), strict=True):
+            results = [env.reward(example, tokenizer.decode(c.tokens, skip_special_tokens=True))
+                       for c in completions]
+            out.append([float(r.components.get("correct", r.reward >= 1.0)) if field == "correct"
+                        else float(r.reward) for r in results])
+        return out
+
+    greedy = rewards(SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+                                    seed=seed), "correct")
+    sampled = rewards(SamplingParams(n=samples, temperature=1.0, max_new_tokens=max_new_tokens,
+                                     stop_token_ids=stops, seed=seed), "reward")
+    return {"correct": [float(c[0] >= 1.0) for c in greedy], "sampled": [statistics.mean(r) for r in sampled]}
+
+
+FIGURES = {"greedy_accuracy": "correct", "sampled_reward": "sampled"}  # report name -> evaluator's key
+
+
+def summarize_eval(by_seed: list[dict], start: dict | None) -> dict:
+    """One side's runs ([S] evaluator outputs): each figure's mean and SE (`estimate`), and with
+    `start`, the gain over it (paired by prompt)."""
+    out = {}
+    for figure, key in FIGURES.items():
+        value = estimate([run[key] for run in by_seed])
+        out |= {figure: value["mean"], f"{figure}_se": value["se"], f"{figure}_by_seed": value["by_seed"]}
+    if start is not None:
+        out["gain_over_start"] = {figure: estimate(differences([run[key] for run in by_seed], [start[key]]), "delta")
+                                  for figure, key in FIGURES.items()}
+    return out
+
+
+def reward_verdict(rlpipe: list[dict], trl: list[dict], k: float = 2.0) -> dict:
+    """rlpipe minus TRL on both figures (paired by seed and prompt), and 'reward no worse' = every
+    delta >= -k standard errors."""
+    figures = {figure: estimate(differences([run[key] for run in rlpipe], [run[key] for run in trl]), "delta")
+               for figure, key in FIGURES.items()}
+    for figure in figures.values():
+        figure["no_worse"] = no_worse(figure["delta"], figure["se"], k)
+    return {**figures, "k_se": k, "reward_no_worse": all(f["no_worse"] for f in figures.values())}
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    """Every checkpoint named in --eval-models ({name: path}, 'start' first), same prompts and seed."""
+    import torch
+
+    from models.tokenizer import load_tokenizer
+    from tasks.setup import make_env
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = json.loads(args.eval_models)
+    task = task_section(args)
+    env = make_env(task["env"], task["options"])
+    examples = list(env.examples("eval", seed=args.seed))[: args.final_eval_examples]
+    tokenizer = load_tokenizer(models["start"])
+    started = time.perf_counter()
+    per_prompt = {name: evaluate_checkpoint(path, tokenizer, env, examples, samples=args.eval_samples,
+                                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+                  for name, path in models.items() if path}
+    return {"per_prompt": per_prompt, "examples": len(examples), "seconds": time.perf_counter() - started}
+
 
 
 # ------------------------------------------------------------------------------------- driver
 
 
 def child(args: argparse.Namespace) -> None:
-    """One side, in its own process; writes its JSON to --child-out (an `error` when it fails)."""
+    """One side (or the common evaluator), in its own process; writes its JSON to --child-out
+    (an `error` when it fails)."""
     root = Path(args.workdir)
     try:
         if args.child == "rlpipe":
             result = run_rlpipe(args, root)
-        else:
+        elif args.child == "trl":
             result = run_trl(args, root, args.start)
+        else:
+            result = run_eval(args)
     except Exception as error:  # noqa: BLE001 - the report must say what failed, not crash the suite
         result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
     Path(args.child_out).write_text(json.dumps(result, indent=2, default=str))
 
 
-def spawn(args: argparse.Namespace, side: str, workdir: Path, start: str = "") -> dict:
+def spawn(args: argparse.Namespace, side: str, workdir: Path, start: str = "", extra: list[str] = ()) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / f"{side}.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_trl", "--child", side, "--workdir", str(workdir),
            "--child-out", str(out), "--start", start, "--steps", str(args.steps), "--sft-steps", str(args.sft_steps),
            "--preset", args.preset, "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
-           "--lr", str(args.lr), "--eval-examples", str(args.eval_examples), "--seed", str(args.seed)]
+           "--lr", str(args.lr), "--eval-examples", str(args.eval_examples), "--seed", str(args.seed),
+           "--final-eval-examples", str(args.final_eval_examples), "--eval-samples", str(args.eval_samples),
+           "--seeds", str(args.seeds), *extra]
     if args.bf16:
         cmd.append("--bf16")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -273,47 +435,147 @@ def spawn(args: argparse.Namespace, side: str, workdir: Path, start: str = "") -
     return {"error": f"{side} process exited with {proc.returncode}", "traceback": (proc.stderr or proc.stdout)[-4000:]}
 
 
-def compare(rlpipe: dict, trl: dict) -> dict:
+TIMING = ("seconds_per_step", "seconds_per_step_functions_only", "stage_function_seconds", "seconds_per_step_all",
+          "flow_seconds", "train_seconds")
+
+
+def pooled_median(runs: list[dict], key: str) -> float | None:
+    """Median over every seed's steps 2 .. N-1 of a per-step series."""
+    window = [x for r in runs if r.get(key) for x in (r[key][1:-1] if len(r[key]) >= 3 else r[key])]
+    return statistics.median(window) if window else None
+
+
+def side_summary(result: dict) -> dict:
+    """A side's figures from its child's runs: seconds per step = median over the steps 2 .. N-1 of
+    every seed's run (the stage split from the first seed's), training rewards averaged over the
+    seeds (each seed's kept under `seeds`)."""
+    if "error" in result:
+        return result
+    runs = result["seeds"]
+    tails = [r["reward_last"] for r in runs if r["reward_last"] is not None]
+    tokens = [r["completion_tokens_mean"] for r in runs if r["completion_tokens_mean"] is not None]
+    return {
+        **{key: result[key] for key in ("version", "how") if key in result},
+        **{key: runs[0][key] for key in TIMING if key in runs[0]},
+        "timing_seed": runs[0]["seed"],
+        "seconds_per_step": pooled_median(runs, "seconds_per_step_all"),
+        "seconds_per_step_functions_only": pooled_median(runs, "seconds_per_step_functions_only_all"),
+        "seconds_per_step_by_seed": [r["seconds_per_step"] for r in runs],
+        "reward_by_step": [statistics.mean(step) for step in zip(*(r["reward_by_step"] for r in runs), strict=True)],
+        "reward_last": statistics.mean(tails) if tails else None,
+        "completion_tokens_mean": statistics.mean(tokens) if tokens else None,
+        "seeds": [{key: value for key, value in r.items()
+                   if key not in ("example_ids_by_step", "final_checkpoint", "seconds_per_step_all",
+                                  "seconds_per_step_functions_only_all")} for r in runs],
+    }
+
+
+def same_prompts(rlpipe: dict, trl: dict) -> bool:
+    """Whether both sides trained on the same prompts at every step of every seed."""
+    return ("error" not in rlpipe and "error" not in trl
+            and [r["example_ids_by_step"] for r in rlpipe["seeds"]] == [r["example_ids_by_step"] for r in trl["seeds"]])
+
+
+def compare(rlpipe: dict, trl: dict, verdict: dict) -> dict:
+    """Step time ratio, the training-reward tail delta, and the common evaluator's deltas with
+    their standard errors (`verdict`)."""
     if "error" in rlpipe or "error" in trl or not trl.get("seconds_per_step"):
         return {}
     ratio = rlpipe["seconds_per_step"] / trl["seconds_per_step"]
-    return {
+    out = {
         "step_time_ratio": ratio,
         "speedup": 1 / ratio,
         "meets_half_step_time": ratio <= 0.5,
         "reward_last_delta": rlpipe["reward_last"] - trl["reward_last"],
-        "eval_accuracy_delta": rlpipe["eval_accuracy"] - trl["eval_accuracy"],
     }
+    if verdict:
+        out |= {"eval_accuracy_delta": verdict["greedy_accuracy"]["delta"],
+                "eval_accuracy_delta_se": verdict["greedy_accuracy"]["se"],
+                "sampled_reward_delta": verdict["sampled_reward"]["delta"],
+                "sampled_reward_delta_se": verdict["sampled_reward"]["se"],
+                "reward_no_worse": verdict["reward_no_worse"], "final_eval": verdict}
+    return out
+
+
+def final_evals(args: argparse.Namespace, workdir: Path, start: str, children: dict) -> tuple[dict, dict]:
+    """The common evaluator over the start and every run's final weights, in one process:
+    (summaries keyed 'start' and '<precision>/<side>', per-precision verdicts)."""
+    models = {"start": start}
+    for precision, sides in children.items():
+        for side, result in sides.items():
+            for run in result.get("seeds", []):
+                models[f"{precision}/{side}/{run['seed']}"] = run["final_checkpoint"]
+    result = spawn(args, "eval", workdir / "eval", start, ["--eval-models", json.dumps(models)])
+    if "error" in result:
+        return {"error": result["error"], "traceback": result.get("traceback")}, {}
+    per_prompt, start_eval = result["per_prompt"], result["per_prompt"]["start"]
+    runs = {f"{precision}/{side}": [per_prompt[f"{precision}/{side}/{seed}"] for seed in seeds(args)]
+            for precision, sides in children.items() for side, child_result in sides.items()
+            if "error" not in child_result}
+    summaries = {name: summarize_eval(by_seed, start_eval) for name, by_seed in runs.items()}
+    summaries |= {"start": summarize_eval([start_eval], None), "examples": result["examples"],
+                  "seconds": result["seconds"]}
+    verdicts = {precision: reward_verdict(runs[f"{precision}/rlpipe"], runs[f"{precision}/trl"])
+                for precision in children if {f"{precision}/rlpipe", f"{precision}/trl"} <= runs.keys()}
+    return summaries, verdicts
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Per precision: rlpipe, then TRL, each in its own process, from the same SFT checkpoint
-    (made by the first rlpipe process)."""
+    """Per precision: rlpipe, then TRL, each in its own process running every seed from the same
+    SFT checkpoint (made by the first rlpipe process unless --start names one); then the common
+    evaluator over all final weights."""
     from models.presets import build_model, count_parameters
     from models.tokenizer import build_tokenizer
 
     load_start = os.getloadavg()
+    started = time.perf_counter()
     parameters = count_parameters(build_model(args.preset, vocab_size=len(build_tokenizer()), seed=0))
-    runs, start, start_accuracy = {}, "", None
+    children, start, flow_start_accuracy = {}, args.start, None
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-trl-") as tmp:
         workdir = Path(tmp)
         for precision in args.precisions:
             args.bf16 = precision == "bf16"
             rlpipe = spawn(args, "rlpipe", workdir / precision, start)
             if not start:
-                start, start_accuracy = rlpipe.get("start_checkpoint", ""), rlpipe.get("start_eval_accuracy")
+                start, flow_start_accuracy = rlpipe.get("start_checkpoint", ""), rlpipe.get("start_eval_accuracy")
             trl = (spawn(args, "trl", workdir / precision, start) if start
                    else {"error": "no SFT checkpoint: the rlpipe side failed before making one"})
-            runs[precision] = {"rlpipe": rlpipe, "trl": trl, "comparison": compare(rlpipe, trl)}
+            children[precision] = {"rlpipe": rlpipe, "trl": trl}
+        args.bf16 = False  # the common evaluator runs fp32
+        evals, verdicts = (final_evals(args, workdir, start, children) if start
+                           else ({"error": "no SFT checkpoint"}, {}))
+    runs = {}
+    for precision, sides in children.items():
+        runs[precision] = {side: side_summary(result) for side, result in sides.items()}
+        for side, row in runs[precision].items():
+            summary = evals.get(f"{precision}/{side}")
+            if summary:  # the common evaluator's figures, next to the side's own
+                row["final_eval"] = summary
+                row["eval_accuracy"] = summary["greedy_accuracy"]
+        runs[precision]["same_prompts_each_step"] = same_prompts(sides["rlpipe"], sides["trl"])
+        runs[precision]["comparison"] = compare(runs[precision]["rlpipe"], runs[precision]["trl"],
+                                                verdicts.get(precision, {}))
+    start_eval = evals.get("start", {})
     return {
         "benchmark": "trl",
-        "settings": {"preset": args.preset, "parameters": parameters, "steps": args.steps,
+        "settings": {"preset": args.preset, "parameters": parameters, "steps": args.steps, "seeds": seeds(args),
                      "sft_steps": args.sft_steps, "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
-                     "max_new_tokens": args.max_new_tokens, "lr": args.lr, "precisions": args.precisions,
-                     "torch_threads": args.threads or "default", "eval_examples": args.eval_examples,
-                     "reward_last_steps": TAIL_STEPS, "device": "cpu", "task": task_section(args)},
-        "start": {"sft_steps": args.sft_steps, "eval_accuracy": start_accuracy},
+                     "max_new_tokens": args.max_new_tokens, "lr": args.lr, "optim": rl_optim(args),
+                     "precisions": args.precisions, "torch_threads": args.threads or "default",
+                     "eval_examples": args.eval_examples, "reward_last_steps": TAIL_STEPS, "device": "cpu",
+                     "task": task_section(args), "start_checkpoint_given": bool(args.start),
+                     "final_eval": {"examples": evals.get("examples"), "samples_per_prompt": args.eval_samples,
+                                    "temperature": 1.0, "seed": args.seed, "dtype": "fp32",
+                                    "engine": "rlpipe TorchEngine",
+                                    "se": "max(SE over prompts, SE over seeds' run means)",
+                                    "no_worse": "rlpipe - TRL >= -2 SE, paired by seed and prompt"}},
+        "start": {"sft_steps": None if args.start else args.sft_steps,
+                  "eval_accuracy": start_eval.get("greedy_accuracy", flow_start_accuracy),
+                  "flow_eval_accuracy": flow_start_accuracy, "final_eval": start_eval},
         "runs": runs,
+        "final_eval_seconds": evals.get("seconds"),
+        "final_eval_error": evals.get("error"),
+        "seconds": time.perf_counter() - started,
         "anchor": {"source": "ECOSYSTEM.md", "trl_version": "1.16", "model": "3.7M dense",
                    "completions": 64, "completion_tokens": 16, "seconds_per_step": [0.72, 0.85],
                    "target": "rlpipe step <= half of TRL's, reward no worse"},
@@ -322,19 +584,38 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def pm(summary: dict, figure: str) -> str:
+    return f"{summary[figure]:.3f}±{summary[figure + '_se']:.3f}"
+
+
 def print_table(report: dict) -> None:
-    print(f"start: SFT accuracy {report['start']['eval_accuracy']}")
-    print(f"{'side':<14}{'s/step':>9}{'reward(last)':>14}{'eval acc':>10}{'tokens':>8}")
+    start = report["start"].get("final_eval") or {}
+    if "greedy_accuracy" in start:
+        print(f"start: greedy acc {pm(start, 'greedy_accuracy')}, sampled reward {pm(start, 'sampled_reward')}")
+    print(f"{'side':<12}{'s/step':>8}{'train reward(first..last 5)':>29}{'greedy acc':>14}{'sampled rwd':>14}"
+          f"{'greedy gain':>14}")
     for precision, sides in report["runs"].items():
         for side in ("trl", "rlpipe"):
             row, name = sides[side], f"{side} {precision}"
             if "error" in row:
-                print(f"{name:<14} failed: {row['error']}")
+                print(f"{name:<12} failed: {row['error']}")
                 continue
-            print(f"{name:<14}{row['seconds_per_step']:>9.3f}{row['reward_last']:>14.3f}"
-                  f"{row['eval_accuracy']:>10.3f}{row['completion_tokens_mean'] or 0:>8.2f}")
-        if sides["comparison"]:
-            print(f"rlpipe/TRL step time ({precision}): {sides['comparison']['step_time_ratio']:.2f} (target <= 0.5)")
+            rewards = row["reward_by_step"]
+            curve = f"{statistics.mean(rewards[:TAIL_STEPS]):.3f} .. {row['reward_last']:.3f}"
+            final = row.get("final_eval") or {}
+            gain = final.get("gain_over_start", {}).get("greedy_accuracy")
+            evals = (f"{pm(final, 'greedy_accuracy'):>14}{pm(final, 'sampled_reward'):>14}"
+                     f"{gain['delta']:>+8.3f}±{gain['se']:.3f}" if final else "  (no final eval)")
+            print(f"{name:<12}{row['seconds_per_step']:>8.3f}{curve:>29}{evals}")
+        c = sides["comparison"]
+        if c:
+            print(f"rlpipe/TRL step time ({precision}): {c['step_time_ratio']:.2f} (target <= 0.5)")
+        if c.get("final_eval"):
+            v = c["final_eval"]
+            print(f"rlpipe-TRL ({precision}): greedy {v['greedy_accuracy']['delta']:+.3f}±{v['greedy_accuracy']['se']:.3f}, "
+                  f"sampled {v['sampled_reward']['delta']:+.3f}±{v['sampled_reward']['se']:.3f}: "
+                  f"reward no worse = {v['reward_no_worse']}")
+    print(f"total {report['seconds']:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -343,24 +624,31 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--preset", default="small-dense")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--eval-examples", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--eval-examples", type=int, default=200, help="the flows' own greedy evals")
+    parser.add_argument("--final-eval-examples", type=int, default=400,
+                        help="held-out prompts of the common evaluator (the task has 400)")
+    parser.add_argument("--eval-samples", type=int, default=8, help="temperature-1 samples per prompt, common evaluator")
+    parser.add_argument("--start", default="", help="an SFT checkpoint to start from (skips the SFT)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (0: torch's default)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                         help="fp32, and/or bf16 autocast on both sides")
     parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)  # a child's precision
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the SFT's and the first RL run's seed")
+    parser.add_argument("--seeds", type=int, default=3, help="RL runs per side and precision (seeds --seed, +1, ...)")
     parser.add_argument("--out", default="runs/bench/trl.json")
-    parser.add_argument("--child", choices=["rlpipe", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["rlpipe", "trl", "eval"], help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
-    parser.add_argument("--start", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--eval-models", default="{}", help=argparse.SUPPRESS)  # the eval child's {name: path}
     args = parser.parse_args(argv)
     if args.child:
         child(args)
         return None
     if args.steps < 3:
         raise ValueError(f"--steps must be at least 3, got {args.steps}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     report = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

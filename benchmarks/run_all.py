@@ -44,7 +44,7 @@ QUICK_ARGS = {
     "serve": ["--repeats", "1"],
     "storage": ["--rows", "100000"],
     "rl_step": ["--steps", "10"],
-    "trl": ["--steps", "10", "--precisions", "bf16"],
+    "trl": ["--steps", "10", "--precisions", "bf16", "--seeds", "1", "--eval-samples", "2"],
 }
 
 
@@ -247,9 +247,16 @@ def headline_rl_step(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     return summary, lines
 
 
+def pm(summary: dict, figure: str) -> str | None:
+    """'mean ± SE' of a common-evaluator figure, or None when it is missing."""
+    if figure not in summary:
+        return None
+    return f"{summary[figure]:.3f} ± {summary[figure + '_se']:.3f}"
+
+
 def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     settings, anchor = results["settings"], results["anchor"]
-    rows, parts = [], []
+    rows, parts, verdicts = [], [], []
     for precision, run in results["runs"].items():
         for side in ("trl", "rlpipe"):
             r = run[side]
@@ -257,32 +264,48 @@ def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
             if "error" in r:
                 rows.append([name, f"failed: {r['error'][:120]}", None, None, None, None])
                 continue
-            rows.append([name, r["seconds_per_step"], r.get("seconds_per_step_functions_only"), r["reward_last"],
-                         r["eval_accuracy"], r["completion_tokens_mean"]])
+            final = r.get("final_eval", {})
+            gain = final.get("gain_over_start", {}).get("greedy_accuracy")
+            rows.append([name, r["seconds_per_step"], r.get("seconds_per_step_functions_only"),
+                         pm(final, "greedy_accuracy"), pm(final, "sampled_reward"),
+                         f"{gain['delta']:+.3f} ± {gain['se']:.3f}" if gain else None])
         c = run["comparison"]
         if c:
+            v = c.get("final_eval")
             rows.append([f"**rlpipe/TRL ({precision})**", ratio(c["step_time_ratio"]), None,
-                         f"{c['reward_last_delta']:+.3f}", f"{c['eval_accuracy_delta']:+.3f}", None])
+                         f"{v['greedy_accuracy']['delta']:+.3f} ± {v['greedy_accuracy']['se']:.3f}" if v else None,
+                         f"{v['sampled_reward']['delta']:+.3f} ± {v['sampled_reward']['se']:.3f}" if v else None,
+                         None])
             parts.append(f"{precision} {c['step_time_ratio']:.2f}×")
+            if v:
+                verdicts.append(f"{precision}: {'yes' if v['reward_no_worse'] else 'NO'}")
         elif "error" in run["trl"]:
             parts.append(f"{precision}: TRL failed")
-    summary = "rlpipe/TRL seconds per step " + ", ".join(parts) + " (target ≤ 0.5×, reward no worse)"
+    summary = ("rlpipe/TRL seconds per step " + ", ".join(parts) + " (target ≤ 0.5×); reward no worse: "
+               + (", ".join(verdicts) or "not measured"))
+    start = results["start"].get("final_eval") or {}
     lines = [f"{settings['preset']} ({settings['parameters'] / 1e6:.2f}M parameters), "
              f"{settings['prompts_per_step']} prompts × {settings['group_size']} completions, ≤ "
-             f"{settings['max_new_tokens']} new tokens, {settings['steps']} steps from the same SFT checkpoint "
-             f"(greedy accuracy {fmt(results['start']['eval_accuracy'])}), torch threads {settings['torch_threads']}, CPU. "
-             f"Anchor (ECOSYSTEM.md): TRL {anchor['trl_version']}, {anchor['model']}, {anchor['completions']} "
+             f"{settings['max_new_tokens']} new tokens, {settings['steps']} steps at lr {settings['lr']:g} from the "
+             f"same SFT checkpoint (greedy accuracy {pm(start, 'greedy_accuracy') or fmt(results['start']['eval_accuracy'])}), "
+             f"seeds {settings.get('seeds', [0])} per side, the same prompts at each step on both sides, "
+             f"torch threads {settings['torch_threads']}, CPU. rlpipe runs its `rl` flow with a Prefect task run per "
+             f"stage. Anchor (ECOSYSTEM.md): TRL {anchor['trl_version']}, {anchor['model']}, {anchor['completions']} "
              f"completions × {anchor['completion_tokens']} tokens: {anchor['seconds_per_step'][0]}–"
              f"{anchor['seconds_per_step'][1]} s per step.", ""]
-    lines += table(["", "s / step (median)", "stage functions only", f"reward, last {settings['reward_last_steps']} steps",
-                    "greedy accuracy after", "completion tokens"], rows)
+    lines += table(["", "s / step (median, all seeds)", "stage functions only", "greedy accuracy after",
+                    "sampled reward after", "greedy gain over start"], rows)
     stages = [[precision, *(run["rlpipe"]["stage_function_seconds"].get(k) for k in ("generate", "train"))]
               for precision, run in results["runs"].items() if "stage_function_seconds" in run["rlpipe"]]
     if stages:
-        lines += ["", "Where rlpipe's step goes (stage function seconds, median):", "",
+        lines += ["", "Where rlpipe's step goes (stage function seconds, median, first seed):", "",
                   *table(["precision", "generate", "train"], stages)]
-    lines += ["", "Rewards are one run per side with different prompt draws: the training reward of 5 steps "
-              "(320 completions) carries a standard error of about ±0.03."]
+    final = settings.get("final_eval", {})
+    lines += ["", f"After the last step one evaluator scores every final model alike ({final.get('examples')} "
+              f"held-out prompts, fp32, rlpipe's engine): greedy accuracy, and the mean reward of "
+              f"{final.get('samples_per_prompt')} temperature-1 samples per prompt. ± is a standard error covering "
+              "prompts and seeds (the larger of the two); rlpipe − TRL is paired by seed and prompt, and 'no worse' "
+              "means ≥ −2 SE on both figures."]
     return summary, lines
 
 
@@ -306,7 +329,7 @@ def render(report: dict) -> str:
     heads = {name: headline(name, entry, ceiling) for name, entry in report["benchmarks"].items()}
     lines = ["# rlpipe benchmarks", "",
              "Generated by `make bench` (benchmarks/run_all.py) — do not edit by hand. Raw results: "
-             "`runs/bench/all.json`.", "",
+             "[BENCHMARKS.json](BENCHMARKS.json) (a copy of `runs/bench/all.json`).", "",
              f"Machine: {report['machine']['platform']}, Python {report['machine']['python']}, torch "
              f"{report['machine']['torch']}, {report['machine']['cpus']} CPUs, {report['machine']['torch_threads']} "
              f"torch threads by default. Load average before / after: {fmt_load(report.get('loadavg_start'))} / "
@@ -345,6 +368,12 @@ def anchor_of(title: str) -> str:
     return kept.replace(" ", "-")
 
 
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="",
@@ -370,10 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         report = run_all(names, out_dir, args.quick, previous if args.only else None)
         (out_dir / "all.json").write_text(json.dumps(report, indent=2, default=str))
     doc = Path(args.doc)
-    tmp = doc.with_name(f".{doc.name}.tmp")
-    tmp.write_text(render(report))
-    os.replace(tmp, doc)
-    print(f"bench: wrote {doc}")
+    write_atomic(doc, render(report))
+    # the raw results beside the document, so a clone has them without re-running
+    write_atomic(doc.with_suffix(".json"), json.dumps(report, indent=2, default=str))
+    print(f"bench: wrote {doc} and {doc.with_suffix('.json')}")
     return 0
 
 
