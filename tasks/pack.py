@@ -21,6 +21,8 @@ def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
         reward=rollout.get("reward"),
         sample_id=rollout["sample_id"],
         prefix_len=len(prompt),
+        # every completion token counts in the normaliser, a zero advantage included
+        loss_mask=[False] * len(prompt) + [True] * len(completion),
     )
 
 

@@ -11,7 +11,6 @@ import time
 
 from tasks._prefect import stage
 from training.batch import PackedBatch
-from training.losses import batch_counts
 from training.step import forward_backward, optim_step
 
 
@@ -36,8 +35,8 @@ def train_on_batches(
     """`epochs` optimizer steps over the same micro-batches (1 = on-policy)."""
     start = time.perf_counter()
     metrics: dict[str, float] = {}
-    if sum(batch_counts(b)["loss_tokens"] for b in batches) == 0:
-        # every advantage is 0 (all groups zero-variance and kept): no signal, no update
+    if not any(bool((b.token_weights != 0).any()) for b in batches):
+        # every weight (advantage) is 0, e.g. all groups zero-variance and kept: no signal, no update
         return {"loss": 0.0, "skipped": 1.0, "tokens": 0, "seconds": time.perf_counter() - start,
                 "tokens_per_second": 0.0}
     model.train()

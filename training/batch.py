@@ -39,6 +39,9 @@ class Sequence:
     sample_id: lineage (the rollout row), RL only.
     prefix_len: leading tokens (an RL prompt) that `pack` may share with other sequences starting
                with the same tokens; 0 = none. Their weights (weights[1:prefix_len]) must be 0.
+    loss_mask: whether predicting tokens[i] is a loss token (counted by the normalisers) even
+               when its weight is 0 (RL: every completion token, a zero advantage included);
+               None: the tokens with a non-zero weight.
     """
 
     tokens: list[int]
@@ -47,6 +50,7 @@ class Sequence:
     reward: float | None = None
     sample_id: str | None = None
     prefix_len: int = 0
+    loss_mask: list[bool] | None = None
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.tokens):
@@ -59,12 +63,18 @@ class Sequence:
                 f"Sequence {self.sample_id!r}: logprobs has {len(self.logprobs)} entries "
                 f"for {len(self.tokens)} tokens"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.tokens):
+            raise ValueError(
+                f"Sequence {self.sample_id!r}: loss_mask has {len(self.loss_mask)} entries "
+                f"for {len(self.tokens)} tokens"
+            )
         if not 0 <= self.prefix_len <= len(self.tokens):
             raise ValueError(
                 f"Sequence {self.sample_id!r}: prefix_len {self.prefix_len} is outside "
                 f"[0, {len(self.tokens)}]"
             )
-        if any(w != 0 for w in self.weights[1 : self.prefix_len]):
+        shared_loss = self.loss_mask is not None and any(self.loss_mask[1 : self.prefix_len])
+        if shared_loss or any(w != 0 for w in self.weights[1 : self.prefix_len]):
             raise ValueError(
                 f"Sequence {self.sample_id!r}: a shared prefix must carry no loss, but "
                 f"weights[1:{self.prefix_len}] are not all 0"
@@ -86,6 +96,8 @@ class PackedBatch:
     prefix_index:  int64 [n] | None  for a continuation segment, the index of the prefix segment
                    it continues (attends to; its position_ids start at that prefix's length);
                    -1 elsewhere. None: no shared prefixes, every segment is a whole sequence.
+    loss_mask:     bool [T] | None  the loss tokens (labels[t] counted by the normalisers, 0 weight
+                   or not); None: labels != -100 and token_weights != 0.
     """
 
     tokens: torch.Tensor
@@ -97,6 +109,7 @@ class PackedBatch:
     rewards: torch.Tensor | None = None
     sample_ids: list[str] = field(default_factory=list)
     prefix_index: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
 
     @property
     def n_sequences(self) -> int:
@@ -131,6 +144,7 @@ class PackedBatch:
             rewards=move(self.rewards),
             sample_ids=list(self.sample_ids),
             prefix_index=move(self.prefix_index),
+            loss_mask=move(self.loss_mask),
         )
 
     def full_lengths(self) -> list[int]:
@@ -218,6 +232,16 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
         log_probs[:-1] = lp[1:]
         log_probs[last] = 0.0
 
+    loss_mask = None
+    if any(s.loss_mask is not None for s in sequences):
+        flags = torch.tensor(
+            [m for s in sequences for m in (s.loss_mask if s.loss_mask is not None else [w != 0 for w in s.weights])],
+            dtype=torch.bool,
+        )
+        loss_mask = torch.zeros(total, dtype=torch.bool)
+        loss_mask[:-1] = flags[1:]
+        loss_mask[last] = False
+
     rewards = None
     if any(s.reward is not None for s in sequences):
         rewards = torch.tensor(
@@ -233,6 +257,7 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
         rewards=rewards,
         sample_ids=[s.sample_id or "" for s in sequences],
         prefix_index=None if prefix_index is None else torch.tensor(list(prefix_index), dtype=torch.int64),
+        loss_mask=loss_mask,
     )
 
 
@@ -296,7 +321,8 @@ def _pack_units(sequences: SequenceABC[Sequence], units: list[_Unit]) -> PackedB
         shared = unit.prefix_len - 1
         head = sequences[unit.members[0]]
         prefix_at = len(segments)
-        segments.append(Sequence(tokens=head.tokens[:shared], weights=[0.0] * shared))
+        segments.append(Sequence(tokens=head.tokens[:shared], weights=[0.0] * shared,
+                                 loss_mask=None if head.loss_mask is None else [False] * shared))
         prefix_index.append(-1)
         for i in unit.members:
             seq = sequences[i]
@@ -307,6 +333,7 @@ def _pack_units(sequences: SequenceABC[Sequence], units: list[_Unit]) -> PackedB
                     logprobs=None if seq.logprobs is None else seq.logprobs[shared:],
                     reward=seq.reward,
                     sample_id=seq.sample_id,
+                    loss_mask=None if seq.loss_mask is None else seq.loss_mask[shared:],
                 )
             )
             prefix_index.append(prefix_at)

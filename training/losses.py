@@ -12,7 +12,9 @@ Normalisers (DESIGN.md "Algorithm = advantages + loss"):
               (sequences with no loss token are left out: they carry no signal).
 - `constant`: Σ loss / a constant (e.g. max tokens per step), the same for every step.
 
-Loss tokens are those with `labels != -100` and `token_weights != 0`.
+Loss tokens are those with `labels != -100` and `token_weights != 0`, or, when the batch has a
+`loss_mask` (RL: every completion token, so a zero advantage still counts in the normaliser, as in
+TRL's `dapo` and DAPO's token-level mean), `labels != -100` and `loss_mask`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ LossFn = Callable[[torch.Tensor, PackedBatch], tuple[torch.Tensor, dict[str, flo
 
 
 def loss_token_mask(batch: PackedBatch) -> torch.Tensor:
-    """bool [T]: the tokens a loss is computed on (a label, and a non-zero weight)."""
+    """bool [T]: the tokens a loss is computed on (a label, and a non-zero weight or the batch's
+    loss_mask)."""
+    if batch.loss_mask is not None:
+        return (batch.labels != IGNORE_INDEX) & batch.loss_mask.to(batch.labels.device)
     return (batch.labels != IGNORE_INDEX) & (batch.token_weights != 0)
 
 

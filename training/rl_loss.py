@@ -26,7 +26,7 @@ Losses (`build_rl_loss(name, **options)`):
   old_trainer = old_logprobs or logprobs.detach(); `ppo_clip` needs old_logprobs for it (else
   the weight would double-count the mismatch already in its ratio).
 
-Metrics (means over this micro-batch's loss tokens: labels != -100 and token_weights != 0):
+Metrics (means over this micro-batch's loss tokens, `training.losses.loss_token_mask`):
 `logprob_gap` = mean |trainer − engine| log-prob, `ratio_mean`, `clip_fraction` (ppo_clip: share of
 tokens whose clipped branch is active), `tis_weight_mean` and `tis_clip_fraction` (with tis_cap).
 """
@@ -40,8 +40,8 @@ from typing import Any, Literal
 
 import torch
 
-from training.batch import IGNORE_INDEX, PackedBatch
-from training.losses import LossFn
+from training.batch import PackedBatch
+from training.losses import LossFn, loss_token_mask
 
 LOSSES = ("reinforce", "ppo_clip")
 _MAX_LOG_RATIO = 20.0
@@ -72,8 +72,8 @@ class RLLossConfig:
 
 
 def _loss_mask(batch: PackedBatch, device: torch.device) -> torch.Tensor:
-    """bool [T]: labels != -100 and token_weights != 0."""
-    return ((batch.labels != IGNORE_INDEX) & (batch.token_weights != 0)).to(device)
+    """bool [T]: the loss tokens (see training.losses.loss_token_mask)."""
+    return loss_token_mask(batch).to(device)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -158,3 +158,52 @@ def test_bf16_autocast_logprobs_match_the_unshared_layout():
         gap = (torch.tensor(a[sid]) - torch.tensor(b[sid])).abs().max()
         assert gap <= 0.05, sid  # bf16 rounding differs with the layout, not the result
         assert (torch.tensor(a[sid]) - torch.tensor(exact[sid])).abs().max() <= 0.1
+
+
+def _with_loss_mask(seqs: list[Sequence], zero_group: str | None = None) -> list[Sequence]:
+    """RL packing's sequences: every completion token a loss token; `zero_group`'s advantages 0."""
+    out = []
+    for s in seqs:
+        adv = 0.0 if s.sample_id.startswith(f"{zero_group}:") else None
+        weights = s.weights if adv is None else [0.0] * len(s.weights)
+        out.append(Sequence(tokens=s.tokens, weights=weights, logprobs=s.logprobs, reward=s.reward,
+                            sample_id=s.sample_id, prefix_len=s.prefix_len,
+                            loss_mask=[False] * s.prefix_len + [True] * (len(s.tokens) - s.prefix_len)))
+    return out
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_zero_advantage_completions_still_count_in_the_token_normaliser(share):
+    """TRL's dapo / DAPO: the token mean runs over every completion token of the step."""
+    seqs = _with_loss_mask(_groups(), zero_group="g1")
+    batches = pack(seqs, 4096, share_prefixes=share)
+    completion_tokens = sum(len(s.tokens) - s.prefix_len for s in seqs)
+    assert sum(batch_counts(b)["loss_tokens"] for b in batches) == completion_tokens
+    # the same gradient as the weighted sum over all completion tokens, computed by hand
+    model = _model()
+    forward_backward(model, batches, build_rl_loss("reinforce"), normaliser="token")
+    got = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad()
+    (plain,) = pack(seqs, 4096, share_prefixes=False)
+    logprobs, _ = token_logprobs(model, plain)
+    (-(plain.token_weights * logprobs).sum() / completion_tokens).backward()
+    assert torch.allclose(got, model.model.embed_tokens.weight.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_loss_mask_on_a_shared_prefix_is_refused():
+    with pytest.raises(ValueError, match="shared prefix must carry no loss"):
+        Sequence(tokens=[1, 2, 3, 4], weights=[0, 0, 0, 1], prefix_len=3, loss_mask=[False, True, False, True])
+
+
+def test_a_step_whose_advantages_are_all_zero_is_skipped_without_touching_the_weights():
+    from tasks.train import train_on_batches
+    from training.step import build_optimizer
+
+    seqs = _with_loss_mask(_groups(n_groups=1), zero_group="g0")
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = build_optimizer(model, lr=1e-2)
+    metrics = train_on_batches(model, optimizer, None, pack(seqs, 4096), build_rl_loss("reinforce"),
+                               normaliser="token", max_grad_norm=1.0, autocast=False, step=1)
+    assert metrics["skipped"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
