@@ -183,11 +183,12 @@ def _write(run_dir: str | os.PathLike, table: str, step: int, data: TableData, *
     dest = partition_file(run_dir, table, step)
     clean_leftovers(dest.parent)
     key = (str(run_dir), table)
-    if prepared is None or key not in prepared:
+    first_write = prepared is None or key not in prepared
+    if first_write:
         clean_leftovers(table_dir(run_dir, table))
         catalog.ensure_schema_file(run_dir, table)  # before the data: views read columns from it
     atomic_write_parquet(arrow, dest, durable=durable)
-    if prepared is None or key not in prepared:
+    if first_write:
         if not (Path(run_dir) / CATALOG_NAME).exists():
             catalog.ensure_catalog(run_dir, quiet_if_busy=True)
         if prepared is not None and (Path(run_dir) / CATALOG_NAME).exists():

@@ -40,14 +40,12 @@ def stage_task_runs(enabled: bool) -> Iterator[None]:
 
 def call_with_retries(fn: Callable, retries: int, delay_s: float, /, *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **kwargs), tried again up to `retries` times after an exception (as Prefect would)."""
-    for attempt in range(retries + 1):
+    for _ in range(retries):
         try:
             return fn(*args, **kwargs)
         except Exception:
-            if attempt == retries:
-                raise
             time.sleep(delay_s)
-    raise AssertionError("unreachable")
+    return fn(*args, **kwargs)  # the last try: its exception propagates
 
 
 def stage(name: str, retries: int = 0, retry_delay_seconds: float = 1.0) -> Callable[[Callable], Any]:
