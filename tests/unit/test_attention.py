@@ -8,13 +8,12 @@ import torch.nn.functional as F
 
 import models.attention as attention
 from models.attention import (
-    make_plan,
     model_hidden_states,
     packed_forward_kwargs,
     packed_logits,
-    plan_buckets,
 )
 from models.presets import build_model
+from models.varlen_plan import make_plan, plan_buckets
 from training.batch import Sequence, pack, pad_batch
 
 VOCAB = 64

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import make_plan
 from models.presets import build_model
+from models.varlen_plan import make_plan
 from training.batch import Sequence, pack
 from training.logprobs import token_logprobs
 from training.losses import batch_counts
