@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from benchmarks.bench_trl import differences, estimate, no_worse, pooled_median, reward_verdict
+from benchmarks.paired_stats import differences, estimate, no_worse, pooled_median, reward_verdict
 
 
 def test_estimate_takes_the_larger_of_prompt_and_seed_error():
