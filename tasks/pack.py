@@ -8,21 +8,24 @@ so a group's completions carry it once per micro-batch (training.batch, "Shared 
 
 from __future__ import annotations
 
+from envs.multiturn import model_token_mask
 from tasks._prefect import stage
 from training.batch import PackedBatch, Sequence, pack
 
 
 def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
     prompt, completion = list(rollout["prompt_tokens"]), list(rollout["completion_tokens"])
+    # multi-turn: only the sampled spans are trained; environment tokens carry weight 0
+    sampled = model_token_mask(rollout.get("turns"), len(completion))
     return Sequence(
         tokens=prompt + completion,
-        weights=[0.0] * len(prompt) + [float(advantage)] * len(completion),
+        weights=[0.0] * len(prompt) + [float(advantage) if m else 0.0 for m in sampled],
         logprobs=[0.0] * len(prompt) + [float(x) for x in rollout["completion_logprobs"]],
         reward=rollout.get("reward"),
         sample_id=rollout["sample_id"],
         prefix_len=len(prompt),
         # every completion token counts in the normaliser, a zero advantage included
-        loss_mask=[False] * len(prompt) + [True] * len(completion),
+        loss_mask=[False] * len(prompt) + sampled,
     )
 
 

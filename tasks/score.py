@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from envs.base import Environment, Example, RewardResult
+from envs.multiturn import episode_reward
 from envs.rewards import RewardError, format_traceback
 from tasks._prefect import stage
 from tasks.record import load_rows_beyond, persist
@@ -22,7 +23,10 @@ def score_rollouts(
     for rollout in rollouts:
         example = examples[rollout["example_id"]]
         try:
-            result = env.reward(example, rollout["completion_text"])
+            if rollout.get("messages"):  # a multi-turn episode: judged on its transcript
+                result = episode_reward(env, rollout, example)
+            else:
+                result = env.reward(example, rollout["completion_text"])
         except Exception as exc:  # noqa: BLE001 - an env whose own reward() raises is recorded too
             result = RewardResult(0.0, {}, format_traceback(exc))
         if result.error is not None:

@@ -71,8 +71,12 @@ def env_conversations(env: Environment, n_examples: int, seed: int) -> list[list
         raise ValueError(f"environment {getattr(env, 'name', env)!r} has no train examples")
     rng = random.Random(f"sft/{seed}")
     chats = []
+    whole = getattr(env, "demonstration_messages", None)  # a multi-turn env's teacher episodes
     for index in range(n_examples):
         example = examples[index % len(examples)]
+        if callable(whole):
+            chats.append(whole(example, rng))
+            continue
         chats.append(env.reset(example) + [{"role": "assistant",
                                             "content": demonstration(env, example, rng)}])
     return chats
