@@ -85,6 +85,9 @@ def chat_segments(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        if i == 0:
+            raise ValueError(f"conversation {conv}: message 0 is an assistant message; "
+                             "an assistant turn needs a context to answer")
         header = template_ids(tokenizer, messages[:i], add_generation_prompt=True)
         ids = template_ids(tokenizer, messages[: i + 1])
         if ids[: len(header)] != header:
