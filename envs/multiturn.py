@@ -168,20 +168,29 @@ def run_episodes(
     return episodes
 
 
-def episode_reward(env: Environment, episode_or_row: Episode | dict, example: Example) -> RewardResult:
-    """The episode's reward: the environment's judgement of the transcript plus any per-turn
-    rewards (their sum is also the component `turn_rewards`)."""
-    if isinstance(episode_or_row, Episode):
-        messages, turn_rewards = episode_or_row.messages, [t.reward for t in episode_or_row.turns]
-    else:
-        messages = json.loads(episode_or_row["messages"])
-        turn_rewards = [t["reward"] for t in episode_or_row.get("turns") or []]
-    result = env.reward(example, messages)
+def row_transcript(row: dict) -> str | list[dict]:
+    """What the environment judges for a rollouts row: the messages of an episode, else the text."""
+    return json.loads(row["messages"]) if row.get("messages") else row["completion_text"]
+
+
+def with_turn_rewards(result: RewardResult, turn_rewards: list[float | None]) -> RewardResult:
+    """The episode's reward: the environment's judgement plus any per-turn rewards (their sum is
+    also the component `turn_rewards`)."""
     extra = [float(r) for r in turn_rewards if r is not None]
-    if not extra:
+    if not extra or result.error is not None:
         return result
     return RewardResult(result.reward + sum(extra), {**result.components, "turn_rewards": sum(extra)},
                         result.error)
+
+
+def episode_reward(env: Environment, episode_or_row: Episode | dict, example: Example) -> RewardResult:
+    """`env.reward` of an episode (or a rollouts row of one) with its per-turn rewards added."""
+    if isinstance(episode_or_row, Episode):
+        messages, turn_rewards = episode_or_row.messages, [t.reward for t in episode_or_row.turns]
+    else:
+        messages = row_transcript(episode_or_row)
+        turn_rewards = [t["reward"] for t in episode_or_row.get("turns") or []]
+    return with_turn_rewards(env.reward(example, messages), turn_rewards)
 
 
 def episode_fields(episode: Episode, tokenizer: Any) -> dict[str, Any]:

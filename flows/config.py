@@ -34,6 +34,24 @@ class ModelConfig(Section):
     """Train and sample under bf16 autocast where the CPU supports it (weights stay fp32)."""
 
 
+class RewardModelConfig(Section):
+    name: str
+    """Component name in scores.components (e.g. "rm", "judge")."""
+    type: Literal["classifier", "judge"]
+    """classifier: a sequence-classification reward model; judge: an LLM judge (torch engine)."""
+    path: str
+    """classifier: a Hugging Face AutoModelForSequenceClassification directory; judge: a causal
+    LM checkpoint directory."""
+    weight: float = 1.0
+    """Weight of this score in the reward (reward = env_reward_weight * env reward + sum)."""
+    label: int | str | None = None
+    """classifier with several labels: the label whose probability is the score (default: the last)."""
+    batch_size: int = Field(16, ge=1)
+    """classifier: sequences per forward pass."""
+    prompt: str = ""
+    """judge: prompt with a {conversation} field; '' = envs.reward_models.JUDGE_PROMPT."""
+
+
 class TaskConfig(Section):
     env: str = "arithmetic"
     """Environment name: arithmetic | countdown | dataset."""
@@ -41,6 +59,10 @@ class TaskConfig(Section):
     """Environment options (e.g. digits, operators, path, prompt_column); checked by the env."""
     eval_examples: int = Field(200, ge=1)
     """Held-out prompts used for greedy evaluation."""
+    reward_models: list[RewardModelConfig] = Field(default_factory=list)
+    """Model rewards added to the environment's (envs/reward_models.py), each a scores component."""
+    env_reward_weight: float = 1.0
+    """Weight of the environment's own reward when reward_models are set."""
 
 
 class OptimConfig(Section):

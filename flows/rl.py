@@ -106,7 +106,8 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
     from training.rl_loss import build_rl_loss
 
     rl, run_dir, run_id = config.rl, state.run_dir, state.run_id
-    env = make_env(config.task.env, config.task.options)
+    env = make_env(config.task.env, config.task.options, config.task.reward_models,
+                   config.task.env_reward_weight)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from envs.base import Environment, Example, RewardResult
-from envs.multiturn import episode_reward
+from envs.multiturn import row_transcript, with_turn_rewards
 from envs.rewards import RewardError, format_traceback
 from tasks._prefect import stage
 from tasks.record import load_rows_beyond, persist
@@ -20,15 +20,7 @@ def score_rollouts(
 ) -> list[dict]:
     """One `scores` row per rollout row, in the same order."""
     rows, errors = [], []
-    for rollout in rollouts:
-        example = examples[rollout["example_id"]]
-        try:
-            if rollout.get("messages"):  # a multi-turn episode: judged on its transcript
-                result = episode_reward(env, rollout, example)
-            else:
-                result = env.reward(example, rollout["completion_text"])
-        except Exception as exc:  # noqa: BLE001 - an env whose own reward() raises is recorded too
-            result = RewardResult(0.0, {}, format_traceback(exc))
+    for rollout, result in zip(rollouts, _rewards(env, examples, rollouts), strict=True):
         if result.error is not None:
             errors.append((rollout["sample_id"], result.error))
         rows.append(
@@ -49,6 +41,29 @@ def score_rollouts(
             f"{max_error_fraction:.0%}); first, for sample {sample_id}:\n{first}"
         )
     return rows
+
+
+def _rewards(env: Environment, examples: dict[str, Example], rollouts: list[dict]) -> list[RewardResult]:
+    """One result per rollout: batched where the env scores batches (model rewards,
+    envs/reward_models.py), else one call each; per-turn rewards of episodes added."""
+    batch = [examples[r["example_id"]] for r in rollouts]
+    transcripts = [row_transcript(r) for r in rollouts]
+    try:
+        if callable(getattr(env, "reward_batch", None)):
+            results = env.reward_batch(batch, transcripts)
+        else:
+            results = [_one(env, e, t) for e, t in zip(batch, transcripts, strict=True)]
+    except Exception as exc:  # noqa: BLE001 - a batch scorer that raises fails every row, recorded
+        results = [RewardResult(0.0, {}, format_traceback(exc))] * len(rollouts)
+    return [with_turn_rewards(result, [t["reward"] for t in r.get("turns") or []])
+            for r, result in zip(rollouts, results, strict=True)]
+
+
+def _one(env: Environment, example: Example, transcript) -> RewardResult:
+    try:
+        return env.reward(example, transcript)
+    except Exception as exc:  # noqa: BLE001 - an env whose own reward() raises is recorded too
+        return RewardResult(0.0, {}, format_traceback(exc))
 
 
 @stage("score")

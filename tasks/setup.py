@@ -19,8 +19,16 @@ from training.data import sft_sequences
 from training.step import build_optimizer, build_scheduler
 
 
-def make_env(env_name: str, options: dict[str, Any]) -> Environment:
-    return build_env(env_name, **options)
+def make_env(env_name: str, options: dict[str, Any], reward_models: list[Any] | tuple = (),
+             env_reward_weight: float = 1.0) -> Environment:
+    """The environment, its reward composed with `task.reward_models` when any are configured."""
+    env = build_env(env_name, **options)
+    if not reward_models:
+        return env
+    from envs.reward_models import WithModelRewards, build_scorer
+
+    scorers = {rm.name: (build_scorer(rm), rm.weight) for rm in reward_models}
+    return WithModelRewards(env, scorers, env_weight=env_reward_weight)
 
 
 def make_model_and_tokenizer(preset: str, path: str, overrides: dict[str, Any], seed: int):
