@@ -27,8 +27,8 @@ Contract:
   function that raises is caught and recorded in `RewardResult.error` (see `envs.rewards`).
 
 `build_env(name, **options)` builds a registered environment: `arithmetic`, `calculator` (multi-turn
-tool use), `countdown`, `dataset`. A multi-turn environment has a `max_turns` attribute above 1;
-envs/multiturn.py runs its episodes.
+tool use), `countdown`, `dataset`. A multi-turn environment has a `max_turns` attribute above 1
+(and optionally `rollout_context`, "tokens" or "template"); envs/multiturn.py runs its episodes.
 Unknown options raise `ValueError` naming them.
 """
 

@@ -51,6 +51,9 @@ class CalculatorConfig:
     """Operators to draw from (any of '+', '-', '*')."""
     max_turns: int = 3
     """Assistant turns per episode (tool calls plus the final answer)."""
+    context: str = "tokens"
+    """How each turn's context is built: "tokens" (the stream so far) or "template" (the chat
+    template's rendering of the conversation; envs/multiturn.py)."""
     teacher_tool_rate: float = 0.3
     """SFT demonstrations only: the share that call the calculator; the rest answer directly."""
     train_size: int = 100_000
@@ -67,6 +70,8 @@ class CalculatorConfig:
             raise ValueError(f"operators must be a non-empty subset of '+-*', got {self.operators!r}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.context not in ("tokens", "template"):
+            raise ValueError(f"context must be 'tokens' or 'template', got {self.context!r}")
         if not 0.0 <= self.teacher_tool_rate <= 1.0:
             raise ValueError(f"teacher_tool_rate must be in [0, 1], got {self.teacher_tool_rate}")
         if self.train_size < 1 or self.eval_size < 1:
@@ -91,6 +96,7 @@ class CalculatorEnv:
     def __init__(self, config: CalculatorConfig | None = None) -> None:
         self.config = config or CalculatorConfig()
         self.max_turns = self.config.max_turns
+        self.rollout_context = self.config.context
         self._eval = self._make_eval()
         self._eval_prompts = frozenset(e.prompt for e in self._eval)
 

@@ -13,7 +13,15 @@ Token fidelity (the bug reports of every multi-turn trainer are about this):
   for the appended messages, up to the next generation prompt (found by counting end-of-turn
   tokens, so a template that re-renders earlier turns — Qwen3 dropping old `<think>` blocks —
   still yields the right suffix). They carry loss weight 0.
-- The context of turn k is the stream so far: the tokens the model actually saw and wrote.
+- The context of turn k (`context="tokens"`, the default) is the stream so far: the tokens the
+  model actually saw and wrote.
+- `context="template"` builds each turn's context the way the chat template renders the
+  conversation at that point, as the SFT data does (training/chat.py): for Qwen3, earlier `<think>`
+  blocks are dropped once a new user query arrives. Where that rendering extends the stream, the
+  difference is the environment's span; where it rewrites earlier tokens, a "context" span holds
+  the whole new rendering and a new segment starts there (weight 0; the packer trains each segment
+  as its own sequence, tasks/pack.py), so every sampled token is trained in the context it was
+  sampled in.
 
 An episode ends when the environment says done ("stop"), at `max_turns` ("max_turns"), when a
 turn is cut by max_new_tokens, or when the next turn would pass `max_tokens` ("length").
@@ -37,7 +45,8 @@ class TurnSpan:
     """A span of an episode's completion tokens (offsets exclude the first prompt).
 
     turn:     the assistant turn it belongs to (an env span: the turn it answers)
-    producer: "model" (sampled, trained) or "env" (tool/user reply, weight 0)
+    producer: "model" (sampled, trained), "env" (tool/user reply, weight 0) or "context" (a
+              re-rendered context that starts a new segment, weight 0; context="template")
     reward:   per-turn reward the environment gave for that turn (env spans), else None
     """
 
@@ -66,11 +75,15 @@ class Episode:
         return sum(span.producer == "model" for span in self.turns)
 
     def context(self) -> list[int]:
-        return self.prompt_tokens + self.completion_tokens
+        """The tokens the next turn is sampled after: the current segment."""
+        starts = [span.start for span in self.turns if span.producer == "context"]
+        if not starts:
+            return self.prompt_tokens + self.completion_tokens
+        return self.completion_tokens[starts[-1]:]
 
     def add(self, producer: str, tokens: list[int], logprobs: list[float] | None,
             reward: float | None = None) -> None:
-        turn = self.n_turns - (producer == "env")
+        turn = self.n_turns - (producer != "model")
         self.turns.append(TurnSpan(turn, producer, len(self.completion_tokens), len(tokens), reward))
         self.completion_tokens += tokens
         self.completion_logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
@@ -113,8 +126,19 @@ def _sample_turn(engine: Engine, active: list[Episode], params: SamplingParams, 
     return out
 
 
+def _next_context(episode: Episode, tokenizer: Any, appended: list[dict], context: str) -> tuple[str, list[int]]:
+    """("env", tokens to append) or ("context", a whole new segment's context)."""
+    if context == "tokens":
+        return "env", env_tokens(tokenizer, episode.messages, appended)
+    rendered = template_ids(tokenizer, episode.messages + appended, add_generation_prompt=True)
+    stream = episode.context()
+    if rendered[: len(stream)] == stream:
+        return "env", rendered[len(stream):]
+    return "context", rendered
+
+
 def _advance(episode: Episode, completion, tokenizer, env: Environment, max_turns: int,
-             max_tokens: int) -> None:
+             max_tokens: int, context: str = "tokens") -> None:
     """Append a sampled turn, let the environment answer, decide whether the episode goes on."""
     episode.add("model", list(completion.tokens), [float(x) for x in completion.logprobs])
     text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
@@ -129,26 +153,35 @@ def _advance(episode: Episode, completion, tokenizer, env: Environment, max_turn
             episode.add("env", [], None, reward)
         episode.done, episode.finish_reason = True, "stop"
         return
-    observation = env_tokens(tokenizer, episode.messages, list(result.messages_to_append))
+    producer, observation = _next_context(episode, tokenizer, list(result.messages_to_append), context)
     episode.messages += list(result.messages_to_append)
+    room = max_tokens - (len(observation) if producer == "context" else len(episode.context()) + len(observation))
     if episode.n_turns >= max_turns:
         episode.done, episode.finish_reason = True, "max_turns"
-    elif len(episode.context()) + len(observation) >= max_tokens:
+    elif room <= 0:
         episode.done, episode.finish_reason = True, "length"
     if episode.done:
         if reward is not None:
             episode.add("env", [], None, reward)
         return
-    episode.add("env", observation, None, reward)
+    if producer == "context" and reward is not None:  # the reward rides on a span of its own
+        episode.add("env", [], None, reward)
+        reward = None
+    episode.add(producer, observation, None, reward)
 
 
 def run_episodes(
     engine: Engine, tokenizer: Any, env: Environment, examples: list[Example], params: SamplingParams,
-    *, max_turns: int, max_tokens: int,
+    *, max_turns: int, max_tokens: int, context: str = "tokens",
 ) -> list[list[Episode]]:
-    """`params.n` episodes per example (in order), each run until done, max_turns or max_tokens."""
+    """`params.n` episodes per example (in order), each run until done, max_turns or max_tokens.
+
+    context: "tokens" (the stream so far) or "template" (the template's rendering; see the
+    module docstring)."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if context not in ("tokens", "template"):
+        raise ValueError(f"context must be 'tokens' or 'template', got {context!r}")
     episodes: list[list[Episode]] = []
     for example in examples:
         messages = env.reset(example)
@@ -163,7 +196,7 @@ def run_episodes(
     while active := [e for e in flat if not e.done]:
         for episode, completion in zip(active, _sample_turn(engine, active, params, turn, max_tokens),
                                        strict=True):
-            _advance(episode, completion, tokenizer, env, max_turns, max_tokens)
+            _advance(episode, completion, tokenizer, env, max_turns, max_tokens, context)
         turn += 1
     return episodes
 
@@ -209,6 +242,12 @@ def episode_fields(episode: Episode, tokenizer: Any) -> dict[str, Any]:
         "turns": [vars(span).copy() for span in episode.turns],
         "messages": json.dumps(episode.messages),
     }
+
+
+def segment_bounds(turns: list[dict] | None, n_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of each segment of the completion: a "context" span starts a new one."""
+    starts = [0] + [span["start"] for span in turns or [] if span["producer"] == "context"]
+    return list(zip(starts, starts[1:] + [n_tokens], strict=True))
 
 
 def model_token_mask(turns: list[dict] | None, n_tokens: int) -> list[bool]:

@@ -40,7 +40,7 @@ def _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, m
     from envs.multiturn import episode_fields, episode_reward, run_episodes
 
     groups = run_episodes(engine, tokenizer, env, examples, params, max_turns=env.max_turns,
-                          max_tokens=max_context)
+                          max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
     rows = []
     for example, (episode,) in zip(examples, groups, strict=True):
         result = episode_reward(env, episode, example)

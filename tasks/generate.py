@@ -113,7 +113,7 @@ def _episode_rows(engine, tokenizer, env, examples, params, max_context, ids) ->
     run_id, step, attempt, policy_version, first_group_index = ids
     engines = engine if isinstance(engine, list) else [engine]
     groups = run_episodes(engines[0], tokenizer, env, examples, params, max_turns=env.max_turns,
-                          max_tokens=max_context)
+                          max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
     rows = []
     for index, (example, group) in enumerate(zip(examples, groups, strict=True)):
         group_id = group_id_for(run_id, step, attempt, first_group_index + index)

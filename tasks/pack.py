@@ -8,25 +8,44 @@ so a group's completions carry it once per micro-batch (training.batch, "Shared 
 
 from __future__ import annotations
 
-from envs.multiturn import model_token_mask
+from envs.multiturn import model_token_mask, segment_bounds
 from tasks._prefect import stage
 from training.batch import PackedBatch, Sequence, pack
 
 
-def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
+def rollout_sequences(rollout: dict, advantage: float) -> list[Sequence]:
+    """The rollout as training sequences: one, or one per segment of a multi-turn episode whose
+    context was re-rendered by the chat template (envs/multiturn.py); segments after the first
+    carry the sample_id `<sample_id>#<k>`."""
     prompt, completion = list(rollout["prompt_tokens"]), list(rollout["completion_tokens"])
+    logprobs = [float(x) for x in rollout["completion_logprobs"]]
     # multi-turn: only the sampled spans are trained; environment tokens carry weight 0
     sampled = model_token_mask(rollout.get("turns"), len(completion))
-    return Sequence(
-        tokens=prompt + completion,
-        weights=[0.0] * len(prompt) + [float(advantage) if m else 0.0 for m in sampled],
-        logprobs=[0.0] * len(prompt) + [float(x) for x in rollout["completion_logprobs"]],
-        reward=rollout.get("reward"),
-        sample_id=rollout["sample_id"],
-        prefix_len=len(prompt),
-        # every completion token counts in the normaliser, a zero advantage included
-        loss_mask=[False] * len(prompt) + sampled,
-    )
+    out = []
+    for k, (start, end) in enumerate(segment_bounds(rollout.get("turns"), len(completion))):
+        head = prompt if k == 0 else []
+        mask = sampled[start:end]
+        # a later segment starts with its re-rendered context: its prompt, shared like one
+        shared = len(head) if k == 0 else next((i for i, m in enumerate(mask) if m), len(mask))
+        out.append(Sequence(
+            tokens=head + completion[start:end],
+            weights=[0.0] * len(head) + [float(advantage) if m else 0.0 for m in mask],
+            logprobs=[0.0] * len(head) + logprobs[start:end],
+            reward=rollout.get("reward"),
+            sample_id=rollout["sample_id"] if k == 0 else f"{rollout['sample_id']}#{k}",
+            prefix_len=shared,
+            # every completion token counts in the normaliser, a zero advantage included
+            loss_mask=[False] * len(head) + mask,
+        ))
+    return out
+
+
+def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
+    """The single training sequence of a rollout (ValueError for a multi-segment episode)."""
+    sequences = rollout_sequences(rollout, advantage)
+    if len(sequences) != 1:
+        raise ValueError(f"rollout {rollout['sample_id']!r} has {len(sequences)} segments")
+    return sequences[0]
 
 
 def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]:
@@ -54,8 +73,8 @@ def pack_rollouts(
     rollouts: list[dict], advantages: dict[str, float], token_budget: int, run_id: str, step: int
 ) -> tuple[list[PackedBatch], list[dict]]:
     """Micro-batches of the rollouts that carry an advantage, and their `batches` rows."""
-    sequences = [rollout_sequence(r, advantages[r["sample_id"]]) for r in rollouts
-                 if r["sample_id"] in advantages]
+    sequences = [seq for r in rollouts if r["sample_id"] in advantages
+                 for seq in rollout_sequences(r, advantages[r["sample_id"]])]
     batches = pack(sequences, token_budget)
     return batches, batch_rows(batches, run_id, step)
 

@@ -20,7 +20,7 @@ from envs.multiturn import (
 )
 from models.tokenizer import build_tokenizer
 from storage.writer import conform
-from tasks.pack import rollout_sequence
+from tasks.pack import pack_rollouts, rollout_sequence, rollout_sequences
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
 from training.chat import template_ids
 
@@ -192,3 +192,72 @@ def test_calculator_env_tool_and_teacher():
     step = env.step(train[0], demos[0], "calc 2*3")
     assert step == StepResult([{"role": "tool", "content": "6"}], done=False)
     assert env.step(train[0], demos[0], "ans 6").done
+
+
+class Feedback:
+    """Answers every assistant turn with a new user query (Qwen3 then drops earlier thinking)."""
+
+    name, max_turns = "feedback", 2
+
+    def reset(self, example):
+        return [{"role": "user", "content": "What is 12+30?"}]
+
+    def step(self, example, messages, text):
+        return StepResult([{"role": "user", "content": "Hello there"}], done=False)
+
+    def reward(self, example, transcript):
+        from envs.base import RewardResult
+        return RewardResult(1.0)
+
+
+def _thinking_engine(tok):
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    first = tok.encode("<think>\nadd\n</think>\n\n42", add_special_tokens=False) + [end]
+    second = tok.encode("<think>\nagain\n</think>\n\nhi", add_special_tokens=False) + [end]
+    seen = []
+
+    def play(prompt):
+        seen.append(list(prompt))
+        return first if len(seen) == 1 else second
+
+    return ScriptedEngine(play, end), seen, first, second
+
+
+def test_template_context_trains_each_turn_in_the_context_the_template_renders():
+    tok = build_qwen3_like_tokenizer()
+    engine, seen, first, second = _thinking_engine(tok)
+    (group,) = run_episodes(engine, tok, Feedback(), [Example("feedback", "0", "", None)],
+                            SamplingParams(max_new_tokens=32), max_turns=2, max_tokens=400, context="template")
+    (episode,) = group
+    assert [s.producer for s in episode.turns] == ["model", "context", "model"]
+    # turn 2 was sampled after the template's rendering, where turn 1 lost its thinking
+    rendered = template_ids(tok, episode.messages[:3], add_generation_prompt=True)
+    assert seen[1] == rendered and "add" not in tok.decode(rendered)
+    row = episode_fields(episode, tok) | {"sample_id": "s", "reward": 1.0}
+    one, two = rollout_sequences(row, advantage=1.0)
+    assert one.tokens == episode.prompt_tokens + first and two.tokens == rendered + second
+    assert [t for t, w in zip(one.tokens, one.weights, strict=True) if w] == first
+    assert [t for t, w in zip(two.tokens, two.weights, strict=True) if w] == second
+    assert (one.sample_id, two.sample_id, two.prefix_len) == ("s", "s#1", len(rendered))
+    with pytest.raises(ValueError, match="2 segments"):
+        rollout_sequence(row, advantage=1.0)
+    batches, rows = pack_rollouts([row], {"s": 1.0}, token_budget=400, run_id="r", step=1)
+    assert sorted(rows[0]["sample_ids"]) == ["s", "s#1"]
+    # the token-append context keeps turn 1's thinking in turn 2's context, in one sequence
+    engine, seen, _, _ = _thinking_engine(tok)
+    (group,) = run_episodes(engine, tok, Feedback(), [Example("feedback", "0", "", None)],
+                            SamplingParams(max_new_tokens=32), max_turns=2, max_tokens=400)
+    assert "add" in tok.decode(seen[1]) and len(rollout_sequences(episode_fields(group[0], tok) | {
+        "sample_id": "s"}, 1.0)) == 1
+
+
+def test_template_context_equals_token_context_on_a_stable_template():
+    tok = build_tokenizer()
+    env = CalculatorEnv(CalculatorConfig(eval_size=10))
+    example = Example("calculator", "x", "12*34", 408)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    episodes = [run_episodes(ScriptedEngine(_calc_script(tok, ["calc 12*34", "ans 408"]), end), tok, env,
+                             [example], SamplingParams(), max_turns=3, max_tokens=512, context=c)[0][0]
+                for c in ("tokens", "template")]
+    assert episodes[0].completion_tokens == episodes[1].completion_tokens
+    assert [vars(s) for s in episodes[0].turns] == [vars(s) for s in episodes[1].turns]
