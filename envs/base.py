@@ -27,7 +27,7 @@ Contract:
   function that raises is caught and recorded in `RewardResult.error` (see `envs.rewards`).
 
 `build_env(name, **options)` builds a registered environment: `arithmetic`, `calculator` (multi-turn
-tool use), `countdown`, `dataset`. A multi-turn environment has a `max_turns` attribute above 1
+tool use), `countdown`, `dataset`, `verifiers` (a verifiers taskset; envs/verifiers_env.py). A multi-turn environment has a `max_turns` attribute above 1
 (and optionally `rollout_context`, "tokens" or "template"); envs/multiturn.py runs its episodes.
 Unknown options raise `ValueError` naming them.
 """
@@ -188,15 +188,21 @@ def _env_factories() -> dict[str, Callable[..., Environment]]:
     from envs.countdown import CountdownEnv
     from envs.dataset import DatasetEnv
 
+    def verifiers_env(**options: Any) -> Environment:
+        from envs.verifiers_env import VerifiersEnv  # the optional `verifiers` extra
+
+        return VerifiersEnv.from_options(**options)
+
     return {
         "arithmetic": ArithmeticEnv.from_options,
         "calculator": CalculatorEnv.from_options,
         "countdown": CountdownEnv.from_options,
         "dataset": DatasetEnv.from_options,
+        "verifiers": verifiers_env,
     }
 
 
-ENV_NAMES = ("arithmetic", "calculator", "countdown", "dataset")
+ENV_NAMES = ("arithmetic", "calculator", "countdown", "dataset", "verifiers")
 
 
 def build_env(name: str, **options: Any) -> Environment:

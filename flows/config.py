@@ -54,7 +54,7 @@ class RewardModelConfig(Section):
 
 class TaskConfig(Section):
     env: str = "arithmetic"
-    """Environment name: arithmetic | countdown | dataset."""
+    """Environment name: arithmetic | calculator | countdown | dataset | verifiers."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Environment options (e.g. digits, operators, path, prompt_column); checked by the env."""
     eval_examples: int = Field(200, ge=1)

@@ -8,7 +8,7 @@ import random
 import duckdb
 import pytest
 
-from engines.base import Completion, SamplingParams
+from engines.base import SamplingParams
 from envs.base import Example, StepResult
 from envs.calculator import CalculatorConfig, CalculatorEnv, run_tool
 from envs.multiturn import (
@@ -22,32 +22,8 @@ from models.tokenizer import build_tokenizer
 from storage.writer import conform
 from tasks.pack import pack_rollouts, rollout_sequence, rollout_sequences
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
+from tests.scripted_engine import ScriptedEngine
 from training.chat import template_ids
-
-
-class ScriptedEngine:
-    """Plays back a script: the k-th assistant turn of an episode samples `script[k]` (token ids),
-    given as a function of the context so each episode can differ."""
-
-    def __init__(self, script, end_id: int):
-        self.script, self.end_id, self.calls = script, end_id, []
-
-    policy_version = 0
-
-    def generate(self, prompts, params: SamplingParams):
-        self.calls.append((prompts, params))
-        out = []
-        for prompt in prompts:
-            tokens = list(self.script(prompt))[: params.max_new_tokens]
-            reason = "stop" if tokens and tokens[-1] == self.end_id else "length"
-            out.append([Completion(tokens, [-0.5] * len(tokens), reason) for _ in range(params.n)])
-        return out
-
-    def sync(self, checkpoint_path, policy_version):
-        pass
-
-    def close(self):
-        pass
 
 
 def _calc_script(tok, turns_text):
