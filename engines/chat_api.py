@@ -14,7 +14,8 @@ the trainer needs the exact sampled token ids and their log-probs back, which vL
 The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
 tools=..., **chat_template_kwargs)`. Sampling stops at the tokenizer's end-of-turn tokens
 (`<|im_end|>`, eos) plus `stop_token_ids`, unless `ignore_eos`. The reply's `content` is the
-decoded completion without special tokens. Unsupported OpenAI fields (stream, stop strings,
+decoded completion without special tokens; tool calls are not parsed out of it (`tool_calls` is
+always [], `tools` only reach the chat template). Unsupported OpenAI fields (stream, stop strings,
 response_format, ...) are refused by name, not ignored.
 """
 

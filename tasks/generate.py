@@ -112,8 +112,15 @@ def _episode_rows(engine, tokenizer, env, examples, params, max_context, ids) ->
 
     run_id, step, attempt, policy_version, first_group_index = ids
     engines = engine if isinstance(engine, list) else [engine]
-    groups = run_episodes(engines[0], tokenizer, env, examples, params, max_turns=env.max_turns,
-                          max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
+    share = -(-len(examples) // len(engines))  # contiguous shares, as generate_spread
+    chunks = [examples[i:i + share] for i in range(0, len(examples), share)]
+
+    def episodes(one: Engine, chunk: list[Example]):
+        return run_episodes(one, tokenizer, env, chunk, params, max_turns=env.max_turns,
+                            max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
+
+    with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
+        groups = [g for part in pool.map(episodes, engines, chunks) for g in part]
     rows = []
     for index, (example, group) in enumerate(zip(examples, groups, strict=True)):
         group_id = group_id_for(run_id, step, attempt, first_group_index + index)
