@@ -252,3 +252,37 @@ def test_generate_stage_spreads_episodes_over_engines():
     assert len(rows) == 8 and all(len(e.calls) == 2 for e in engines)  # two turns each, two examples each
     assert [r["example_id"] for r in rows] == ["0", "0", "1", "1", "2", "2", "3", "3"]
     assert {r["n_turns"] for r in rows} == {2} and len({r["sample_id"] for r in rows}) == 8
+
+
+def test_turns_by_step_canned_query(tmp_path):
+    from storage.queries import run_canned
+    from storage.writer import write_table
+
+    tok = build_tokenizer()
+    env = CalculatorEnv(CalculatorConfig(eval_size=10))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    # example "0" answers directly (one turn, wrong); the others call the tool first (two turns, right)
+    script = {"0*2": ["ans 5"], "1*2": ["calc 1*2", "ans 2"], "2*2": ["calc 2*2", "ans 4"]}
+
+    def play(prompt):
+        text = tok.decode(prompt)
+        key = next(k for k in script if k + "<|im_end|>" in text)
+        turn = text.count("<|im_start|>assistant") - 1
+        return [tok.convert_tokens_to_ids(c) for c in script[key][turn]] + [end]
+
+    examples = [Example("calculator", str(i), f"{i}*2", 2 * i) for i in range(3)]
+    groups = run_episodes(ScriptedEngine(play, end), tok, env, examples, SamplingParams(), max_turns=3,
+                          max_tokens=512)
+    rows = [{"run_id": "r", "step": 1, "policy_version": 0, "env": "calculator", "example_id": e.example.example_id,
+             "group_id": "g", "sample_id": f"s{i}", "attempt": 1, **episode_fields(e, tok)}
+            for i, (e,) in enumerate(groups)]
+    scores = [{"run_id": "r", "step": 1, "sample_id": f"s{i}", "group_id": "g",
+               "reward": episode_reward(env, e, e.example).reward} for i, (e,) in enumerate(groups)]
+    write_table(tmp_path, "rollouts", 1, rows, run_id="r")
+    write_table(tmp_path, "scores", 1, scores, run_id="r")
+    got = run_canned([tmp_path], "turns_by_step").to_pylist()
+    assert [(r["turn"], r["episodes"], r["model_tokens"], r["reward_mean"]) for r in got] == [
+        (0, 3, len("ans 5") + 2 * len("calc 1*2") + 3, pytest.approx(2 / 3)),
+        (1, 2, 2 * len("ans 2") + 2, pytest.approx(1.0)),
+    ]
+    assert got[0]["env_tokens"] == sum(s.length for (e,) in groups for s in e.turns if s.producer == "env")
