@@ -1,7 +1,8 @@
 """Stage `pack`: the step's selected rollouts and advantages → PackedBatch micro-batches
 and the `batches` table.
 
-RL token weights: the sequence's advantage on completion tokens, 0 on prompt tokens; the
+RL token weights: the sequence's advantage on completion tokens, 0 on prompt tokens and on the
+environment's tokens of a multi-turn episode (its `turns` spans, envs/multiturn.py); the
 generator's log-probs ride along for ratio-based losses. The prompt is declared a shared prefix,
 so a group's completions carry it once per micro-batch (training.batch, "Shared prefixes").
 """
