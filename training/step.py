@@ -18,14 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
+from models.device import model_device
 from models.loading import autocast_context
 from training.batch import PackedBatch
 from training.logprobs import token_logprobs
 from training.losses import LossFn, Normaliser, batch_counts, normaliser_totals, reduce_loss
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -> FloatingPointError:
@@ -62,7 +59,7 @@ def forward_backward(
         raise ValueError("forward_backward: no micro-batches")
     start = time.perf_counter()
     totals = normaliser_totals(batches, normaliser)
-    device = _model_device(model)
+    device = model_device(model)
     if aux_loss_coef is None:
         aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
 
