@@ -162,3 +162,42 @@ def shard_micro_batches(
     count = max(len(m) for m in mine_by_rank)
     filler = pack([Sequence(tokens=[0, 0], weights=[0.0, 0.0], sample_id=FILLER_ID)], 2)[0]
     return mine_by_rank[rank] + [filler] * (count - len(mine_by_rank[rank]))
+
+
+# Rank 0 runs the flow (tables, MLflow, engines); the other ranks only train. Each optimizer
+# step, rank 0 broadcasts the step's sequences and settings; every rank then takes its shard
+# and runs the same step. The loss function is built on each rank from the shared config (a
+# closure does not cross processes).
+
+
+def lead_step(dp: DataParallel, model, optimizer, scheduler, sequences: list[Sequence], loss_fn,
+              token_budget: int, max_grad_norm: float | None, **step_options) -> dict[str, float]:
+    """Rank 0: send a step to the other ranks, take part in it, return its metrics."""
+    dist.broadcast_object_list([("train", sequences, token_budget, max_grad_norm, step_options)], src=0)
+    return _step(dp, model, optimizer, scheduler, sequences, loss_fn, token_budget, max_grad_norm, step_options)
+
+
+def stop_followers(dp: DataParallel) -> None:
+    """Rank 0: let the other ranks' `follow` return."""
+    dist.broadcast_object_list([("stop",)], src=0)
+
+
+def follow(dp: DataParallel, model, optimizer, scheduler, loss_fn) -> int:
+    """Ranks > 0: run the steps rank 0 sends until it stops them; returns the steps run."""
+    steps = 0
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0][0] == "stop":
+            return steps
+        _, sequences, token_budget, max_grad_norm, options = message[0]
+        _step(dp, model, optimizer, scheduler, sequences, loss_fn, token_budget, max_grad_norm, options)
+        steps += 1
+
+
+def _step(dp, model, optimizer, scheduler, sequences, loss_fn, token_budget, max_grad_norm, options):
+    from training.step import forward_backward, optim_step  # step imports this module
+
+    mine = shard_micro_batches(sequences, token_budget, dp.rank, dp.world_size)
+    metrics = forward_backward(model, mine, loss_fn, data_parallel=dp, **options)
+    return metrics | optim_step(model, optimizer, scheduler, max_grad_norm)

@@ -11,7 +11,14 @@ import torch.multiprocessing as mp
 
 from models.presets import build_model
 from training.batch import Sequence, pack
-from training.distributed import data_parallel, is_filler, shard_micro_batches
+from training.distributed import (
+    data_parallel,
+    follow,
+    is_filler,
+    lead_step,
+    shard_micro_batches,
+    stop_followers,
+)
 from training.rl_loss import build_rl_loss
 from training.step import build_optimizer, forward_backward, optim_step
 
@@ -116,3 +123,42 @@ def test_shards_are_balanced_by_tokens_and_equal_in_count():
     for shard, kept in zip(shards, real, strict=True):
         for filler in shard[len(kept):]:
             assert float(filler.token_weights.abs().sum()) == 0.0
+
+
+def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+        dp = data_parallel(model, "ddp", torch.device("cpu"))
+        optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce")
+        if rank == 0:  # only rank 0 knows the data, as in a flow
+            losses = [lead_step(dp, model, optimizer, None, seqs, loss_fn, 96, 1.0)["loss"] for seqs in _steps()]
+            stop_followers(dp)
+            torch.save({"losses": losses, "state": model.state_dict()}, out)
+        else:  # DDP replicas hold whole tensors
+            torch.save({"steps": follow(dp, model, optimizer, None, loss_fn), "state": model.state_dict()},
+                       out + ".rank1")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_rank_zero_leads_and_the_others_follow(tmp_path):
+    out = str(tmp_path / "lead.pt")
+    mp.spawn(_lead_or_follow, args=(2, _free_port(), out), nprocs=2, join=True)
+    lead, follower = torch.load(out), torch.load(out + ".rank1")
+    assert follower["steps"] == STEPS
+    single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+
+    def both_ranks(seqs):
+        return [b for rank in (0, 1) for b in shard_micro_batches(seqs, 96, rank, 2) if not is_filler(b)]
+
+    assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks),
+                                           rel=1e-5)
+    for name, value in single.state_dict().items():  # replicas stay equal, and equal to one process
+        assert torch.equal(lead["state"][name], follower["state"][name]), name
+        assert (lead["state"][name] - value).abs().max().item() < 1e-5, name
