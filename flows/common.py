@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.config import RunConfig
+from training.timing import Stopwatch  # noqa: F401 - re-exported for the flows
 
 
 def quiet_defaults() -> None:
@@ -129,28 +129,6 @@ def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
     state.status, state.extra = "finished", {**state.extra, **result}
     state.save()
     return result
-
-
-class Stopwatch:
-    """Seconds per phase of one step: `with watch("generate"): ...`."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, name: str) -> _Lap:
-        return _Lap(self, name)
-
-
-class _Lap:
-    def __init__(self, watch: Stopwatch, name: str) -> None:
-        self.watch, self.name = watch, name
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        elapsed = time.perf_counter() - self.start
-        self.watch.seconds[self.name] = self.watch.seconds.get(self.name, 0.0) + elapsed
 
 
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
