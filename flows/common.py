@@ -152,7 +152,9 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
 def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None = None):
     """An MLflow tracker bound to the run (reopened on resume), or a no-op one."""
     if not config.tracking.enabled:
-        return NoTracking()
+        from storage.tracking import NullTracker
+
+        return NullTracker()
     from storage.tracking import MlflowTracker
 
     tracker = MlflowTracker.for_runs_root(config.runs_root)
@@ -173,19 +175,6 @@ def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None =
 
 def registered_model_name(config: RunConfig) -> str:
     return config.tracking.registered_model or config.run_name
-
-
-class NoTracking:
-    """The tracker of a run with tracking off: every call does nothing."""
-
-    def log_metrics(self, metrics: dict, step: int) -> None: ...
-
-    def register_checkpoint(self, path, model_name: str, tags: dict | None = None) -> None:
-        return None
-
-    def set_alias(self, model_name: str, alias: str, version) -> None: ...
-
-    def end(self, status: str = "FINISHED") -> None: ...
 
 
 def write_run_report(config: RunConfig, run_dirs: list[Path]) -> Path | None:

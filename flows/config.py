@@ -114,6 +114,9 @@ class RLConfig(Section):
     off_policy_tis_cap: float = Field(2.0, ge=0)
     """Off-policy correction when max_off_policy_steps >= 1 and tis_cap is 0: truncated
     importance weights capped at this value (0 = no correction)."""
+    off_policy_sequence_mask: float = Field(0.0, ge=0)
+    """Mask whole sequences whose mean per-token log-ratio (trainer vs. the policy that sampled
+    them) exceeds this in absolute value (0 = off; training/off_policy.py)."""
     estimator: Literal["grpo", "rloo"] = "grpo"
     """Advantage estimator."""
     normalize_std: bool = False

@@ -31,8 +31,7 @@ from flows.common import (
 from flows.config import RunConfig
 from flows.progress import progress
 from flows.supervised import due
-from tasks.checkpoint import checkpoint_task
-from tasks.evaluate import eval_step
+from tasks.checkpoint import checkpoint_task, promote_best
 from tasks.pack import pack_task
 from tasks.record import step_metrics, train_step_row
 from tasks.rl_setup import RLRun, open_rl
@@ -69,10 +68,7 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
 
 def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
-    evaluate = lambda step: eval_step(run.eval_engine, run.tokenizer, run.env, run.eval_examples, step=step,  # noqa: E731
-                                      max_new_tokens=rl.sampling.max_new_tokens, max_context=run.max_context,
-                                      stop_token_ids=run.stop_token_ids, **io)
-    evals = evaluate(0) if run.start_step == 0 else {}
+    evals = run.evaluate(0, **io) if run.start_step == 0 else {}
     best, last = evals.get(m.EVAL_ACCURACY, -math.inf), None
     if evals:
         tracker.log_metrics(evals, step=0)
@@ -84,24 +80,20 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, **io)
         with watch("train"):
             train = train_task(run.model, run.optimizer, run.scheduler, batches, run.loss_fn, step=step,
-                               normaliser=rl.optim.normaliser, max_grad_norm=rl.optim.max_grad_norm,
-                               autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
-                               temperature=rl.sampling.temperature)
+                               **run.train_options)
         if due(step, rl.eval_every, rl.steps):
             with watch("eval"):
-                step_evals = evals = evaluate(step)
+                step_evals = evals = run.evaluate(step, **io)
         tracker.log_metrics(step_metrics(train, batch.metrics, watch.seconds) | step_evals, step=step)
         sync = step % config.engine.sync_every == 0
-        with watch("checkpoint"):
+        with watch("checkpoint"):  # the step's tables on disk, then the checkpoint marking it done
             row = checkpoint_task(train_row=train_step_row(io["run_id"], step, "rl", train, watch.seconds),
                                   checkpoint=due(step, rl.checkpoint_every, rl.steps)
                                   or (sync and run.needs_checkpoint_to_sync), policy_version=version,
                                   model=run.model, tokenizer=run.tokenizer, optimizer=run.optimizer,
                                   scheduler=run.scheduler, data_state=batch.state, metrics=train,
                                   tracker=tracker, model_name=model_name, step=step, **io)
-        if row and step_evals.get(m.EVAL_ACCURACY, -math.inf) > best and row["mlflow_model_version"]:
-            best = step_evals[m.EVAL_ACCURACY]
-            tracker.set_alias(model_name, "best", row["mlflow_model_version"])
+        best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
         last = row["path"] if row else last
         if sync:
             with watch("sync"):

@@ -72,3 +72,11 @@ def repair_checkpoint_row(run_dir: Path, run_id: str, step: int, path: Path, mod
         version = int(metadata.get("policy_version", step))
         persist_now(run_dir, "checkpoints", step, [checkpoint_row(run_id, step, version, Path(path),
                                                                   model_name, None)], run_id)
+
+
+def promote_best(tracker, model_name: str, row: dict | None, accuracy: float | None, best: float) -> float:
+    """Move the registry's `best` alias to this checkpoint when its eval beats `best`; the new best."""
+    if row is None or accuracy is None or accuracy <= best or not row["mlflow_model_version"]:
+        return best
+    tracker.set_alias(model_name, "best", row["mlflow_model_version"])
+    return accuracy

@@ -12,6 +12,7 @@ from envs.base import Environment, Example
 from tasks._prefect import stage
 from tasks.generate import encode_prompts
 from tasks.record import load_rows, persist
+from tasks.score import reward_of
 from training import metric_names as m
 
 
@@ -26,7 +27,7 @@ def evaluate_greedy(
     rows = []
     for example, prompt, (completion,) in zip(examples, prompts, completions, strict=True):
         text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
-        result = env.reward(example, text)
+        result = reward_of(env, example, text)
         correct = result.components.get("correct", 1.0 if result.reward >= 1.0 else 0.0)
         rows.append({
             "run_id": run_id, "step": step, "env": example.env, "example_id": example.example_id,

@@ -15,6 +15,7 @@ from engines.base import Engine, SamplingParams
 from envs.base import Environment, Example
 from rollouts.source import RolloutSource
 from tasks.checkpoint import repair_checkpoint_row
+from tasks.evaluate import eval_step
 from tasks.rollout_stages import RunStages
 from tasks.setup import (
     make_env,
@@ -45,7 +46,15 @@ class RLRun:
     start_step: int
     stop_token_ids: tuple[int, ...]
     max_context: int
+    max_new_tokens: int
+    train_options: dict[str, Any] = field(default_factory=dict)
     closing: list[Engine] = field(default_factory=list)
+
+    def evaluate(self, step: int, *, run_dir: Path, run_id: str) -> dict[str, float]:
+        """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table)."""
+        return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
+                         run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
+                         stop_token_ids=self.stop_token_ids, max_context=self.max_context)
 
     @property
     def needs_checkpoint_to_sync(self) -> bool:
@@ -76,13 +85,18 @@ def make_engines(config, model) -> list[Engine]:
 
 
 def loss_for(rl):
-    """The policy loss; async RL (k >= 1) gets truncated importance weights by default."""
+    """The policy loss; async RL (k >= 1) gets truncated importance weights by default, the
+    sequence mask of rl.off_policy_sequence_mask, and the mismatch metrics."""
+    from training.off_policy import with_sequence_mask
     from training.rl_loss import build_rl_loss
 
     tis_cap = rl.tis_cap
     if rl.max_off_policy_steps > 0 and tis_cap == 0 and rl.loss == "reinforce":
         tis_cap = rl.off_policy_tis_cap
-    return build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high, tis_cap=tis_cap)
+    loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high, tis_cap=tis_cap)
+    if rl.max_off_policy_steps > 0 or rl.off_policy_sequence_mask > 0:
+        loss_fn = with_sequence_mask(loss_fn, rl.off_policy_sequence_mask)
+    return loss_fn
 
 
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, model_name: str) -> RLRun:
@@ -123,4 +137,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
                  loss_fn=loss_for(rl), env=env, engines=engines, eval_engine=eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=start_step, stop_token_ids=stops, max_context=context,
+                 max_new_tokens=rl.sampling.max_new_tokens,
+                 train_options=dict(normaliser=rl.optim.normaliser, max_grad_norm=rl.optim.max_grad_norm,
+                                    autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
+                                    temperature=rl.sampling.temperature),
                  closing=list(dict.fromkeys([*engines, eval_engine])))

@@ -14,6 +14,15 @@ from tasks._prefect import stage
 from tasks.record import load_rows_beyond, persist
 
 
+def reward_of(env: Environment, example: Example, completion_text: str) -> RewardResult:
+    """The env's reward of one completion; an env whose own reward() raises is recorded as an
+    error with reward 0 (the one scoring path of training rollouts and evals)."""
+    try:
+        return env.reward(example, completion_text)
+    except Exception as exc:  # noqa: BLE001 - recorded, and counted against max_error_fraction
+        return RewardResult(0.0, {}, format_traceback(exc))
+
+
 def score_rollouts(
     env: Environment, examples: dict[str, Example], rollouts: list[dict], max_error_fraction: float
 ) -> list[dict]:
@@ -21,10 +30,7 @@ def score_rollouts(
     rows, errors = [], []
     for rollout in rollouts:
         example = examples[rollout["example_id"]]
-        try:
-            result = env.reward(example, rollout["completion_text"])
-        except Exception as exc:  # noqa: BLE001 - an env whose own reward() raises is recorded too
-            result = RewardResult(0.0, {}, format_traceback(exc))
+        result = reward_of(env, example, rollout["completion_text"])
         if result.error is not None:
             errors.append((rollout["sample_id"], result.error))
         rows.append(
