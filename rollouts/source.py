@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rollouts.records import Rollout, Score
 from training import metric_names as m
 from training.advantages import Group, make_groups
 from training.oversampling import GroupBuffer, GroupDecision
@@ -45,13 +46,13 @@ if TYPE_CHECKING:
 class TrainSample:
     """One selected completion, ready to pack: its rollout row, reward and advantage."""
 
-    rollout: dict[str, Any]
+    rollout: Rollout
     reward: float
     advantage: float
 
     @property
     def sample_id(self) -> str:
-        return self.rollout["sample_id"]
+        return self.rollout.sample_id
 
 
 @dataclass
@@ -73,12 +74,12 @@ class RolloutStages(Protocol):
     """The stages a sampling round and the selection run (tasks/, bound to the run)."""
 
     def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
-                 previous: list[dict]) -> list[dict]: ...
+                 previous: list[Rollout]) -> list[Rollout]: ...
 
-    def score(self, examples: dict[str, Example], rollouts: list[dict], *, step: int,
-              previous: list[dict]) -> list[dict]: ...
+    def score(self, examples: dict[str, Example], rollouts: list[Rollout], *, step: int,
+              previous: list[Score]) -> list[Score]: ...
 
-    def rows_of(self, groups: list[Group], rows: dict[str, dict]) -> None:
+    def rows_of(self, groups: list[Group], rows: dict[str, Rollout]) -> None:
         """Add the rollout rows of `groups` missing from `rows` (carried across a resume)."""
 
     def select(self, batch: list[Group], decisions: list[GroupDecision], carried: list[Group],
@@ -94,7 +95,7 @@ class RolloutSource:
         self.rl, self.prompts, self.buffer, self.stages = rl, prompts, buffer, stages
         self.ahead = rl.max_off_policy_steps
         self._examples: dict[str, Example] = {}
-        self._rows: dict[str, dict] = {}
+        self._rows: dict[str, Rollout] = {}
         self._next = start_step + 1
         self._ready: dict[int, StepBatch | BaseException] = {}
         self._published = published_version
@@ -160,8 +161,8 @@ class RolloutSource:
     def _produce(self, step: int, version: int) -> StepBatch:
         """Fill the batch of `step` from engines at `version` (the one fill path, both modes)."""
         watch = Stopwatch()
-        sampled: list[dict] = []
-        scored: list[dict] = []
+        sampled: list[Rollout] = []
+        scored: list[Score] = []
 
         def sample_round(attempt: int, n_prompts: int) -> list[Group]:
             examples = self.prompts.next_batch(n_prompts)
@@ -173,9 +174,11 @@ class RolloutSource:
                 new_scores = self.stages.score(self._examples, new, step=step, previous=scored)
             sampled.extend(new)
             scored.extend(new_scores)
-            self._rows.update({row["sample_id"]: row for row in new})
-            reward = {row["sample_id"]: row["reward"] for row in new_scores}
-            return make_groups([{**row, "reward": reward[row["sample_id"]]} for row in new], attempt)
+            self._rows.update({r.sample_id: r for r in new})
+            reward = {s.sample_id: s.reward for s in new_scores}
+            return make_groups([{"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
+                                 "policy_version": r.policy_version, "sample_id": r.sample_id,
+                                 "reward": reward[r.sample_id]} for r in new], attempt)
 
         train_version = (step - 1) * self.rl.ppo_epochs
         carried = list(self.buffer.pending)
@@ -192,7 +195,7 @@ class RolloutSource:
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
 
 
-def _train_samples(batch: list[Group], rows: dict[str, dict], rl: RLConfig) -> list[TrainSample]:
+def _train_samples(batch: list[Group], rows: dict[str, Rollout], rl: RLConfig) -> list[TrainSample]:
     from training.advantages import group_advantages
 
     advantages = group_advantages(batch, rl)
@@ -200,7 +203,7 @@ def _train_samples(batch: list[Group], rows: dict[str, dict], rl: RLConfig) -> l
             for sid, reward in zip(g.sample_ids, g.rewards, strict=True)]
 
 
-def _sampling_metrics(sampled: list[dict], scored: list[dict], batch: list[Group],
+def _sampling_metrics(sampled: list[Rollout], scored: list[Score], batch: list[Group],
                       train_version: int) -> dict[str, float]:
     out: dict[str, float] = {m.KEPT_GROUPS: float(len(batch))}
     rewards = [r for g in batch for r in g.rewards]
@@ -209,8 +212,8 @@ def _sampling_metrics(sampled: list[dict], scored: list[dict], batch: list[Group
     out[m.LAG_MEAN] = sum(lags) / max(len(lags), 1)
     out[m.LAG_MAX] = float(max(lags, default=0))
     if sampled:
-        out[m.COMPLETION_LENGTH] = sum(r["n_completion_tokens"] for r in sampled) / len(sampled)
-        out[m.REWARD_MEAN_ALL] = sum(s["reward"] for s in scored) / len(scored)
-        out[m.REWARD_ERRORS] = float(sum(s["error"] is not None for s in scored))
+        out[m.COMPLETION_LENGTH] = sum(r.n_completion_tokens for r in sampled) / len(sampled)
+        out[m.REWARD_MEAN_ALL] = sum(s.reward for s in scored) / len(scored)
+        out[m.REWARD_ERRORS] = float(sum(s.error is not None for s in scored))
     return out
 

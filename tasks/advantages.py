@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollouts.records import Rollout
 from tasks._prefect import stage
 from tasks.record import load_rows, persist
 from training.advantages import Group, group_row
@@ -23,12 +24,12 @@ def step_of_group(group_id: str) -> int:
     return int(group_id.rsplit(":", 3)[1][1:])
 
 
-def load_group_rows(groups: list[Group], rows: dict[str, dict], run_dir: Path) -> None:
+def load_group_rows(groups: list[Group], rows: dict[str, Rollout], run_dir: Path) -> None:
     """Add to `rows` the rollout rows of carried groups sampled before a resume (from the tables)."""
     for group in groups:
         if group.sample_ids[0] not in rows:
             for row in load_rows(run_dir, "rollouts", step_of_group(group.group_id)) or []:
-                rows[row["sample_id"]] = row
+                rows[row["sample_id"]] = Rollout.from_row(row)
     missing = [g.group_id for g in groups if g.sample_ids[0] not in rows]
     if missing:
         raise FileNotFoundError(f"rollouts of carried-over group(s) {missing[:3]} are not in the tables")
@@ -56,5 +57,5 @@ def group_rows(batch: list[Group], decisions: list[GroupDecision], carried: list
 def select_task(batch, decisions, carried, samples, *, run_dir: Path, run_id: str, step: int) -> None:
     persist(run_dir, "groups", step, group_rows(batch, decisions, carried, run_id=run_id, step=step), run_id)
     advantage_rows = [{"run_id": run_id, "step": step, "sample_id": s.sample_id,
-                       "group_id": s.rollout["group_id"], "advantage": s.advantage} for s in samples]
+                       "group_id": s.rollout.group_id, "advantage": s.advantage} for s in samples]
     persist(run_dir, "advantages", step, advantage_rows, run_id)

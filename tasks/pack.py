@@ -18,13 +18,13 @@ from training.batch import PackedBatch, Sequence, pack
 
 def rollout_sequence(sample: TrainSample) -> Sequence:
     rollout, advantage = sample.rollout, sample.advantage
-    prompt, completion = list(rollout["prompt_tokens"]), list(rollout["completion_tokens"])
+    prompt, completion = list(rollout.prompt_tokens), list(rollout.completion_tokens)
     return Sequence(
         tokens=prompt + completion,
         weights=[0.0] * len(prompt) + [float(advantage)] * len(completion),
-        logprobs=[0.0] * len(prompt) + [float(x) for x in rollout["completion_logprobs"]],
+        logprobs=[0.0] * len(prompt) + [float(x) for x in rollout.completion_logprobs],
         reward=sample.reward,
-        sample_id=rollout["sample_id"],
+        sample_id=rollout.sample_id,
         prefix_len=len(prompt),
         # every completion token counts in the normaliser, a zero advantage included
         loss_mask=[False] * len(prompt) + [True] * len(completion),

@@ -54,7 +54,7 @@ class MemoryStages:
 
     def score(self, examples, rollouts, *, step, previous):
         scores = score_rollouts(self.env, examples, rollouts, max_error_fraction=0.0)
-        self.rewards.setdefault(step, []).extend(s["reward"] for s in scores)
+        self.rewards.setdefault(step, []).extend(s.reward for s in scores)
         return scores
 
     def rows_of(self, groups, rows):
