@@ -41,10 +41,27 @@ def completion_tokens(run_dir: Path) -> int:
     return int(duckdb.sql(f"select coalesce(sum(n_completion_tokens), 0) from read_parquet('{glob}')").fetchall()[0][0])
 
 
+def start_server(checkpoint: Path, allow_root: Path) -> tuple:
+    """`rlpipe serve` (one thread) on a free port, taking new checkpoints from under `allow_root`."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(checkpoint), "--port", "0",
+                             "--threads", "1", "--allow-root", str(allow_root)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()  # "... listening on http://host:port ..."
+    if "listening on " not in line:
+        proc.kill()
+        raise RuntimeError(f"rlpipe serve did not start: {line!r}")
+    return proc, line.split("listening on ", 1)[1].split()[0]
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from benchmarks.bench_serve import start_server, stop
+    from benchmarks.bench_serve import stop
     from flows.config import validate_config
     from flows.rl import run_rl
     from flows.supervised import run_supervised
@@ -54,11 +71,11 @@ def run(args: argparse.Namespace) -> dict:
     sft_config = validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {}, {}))
     sft = run_supervised(sft_config, "sft")
     results = []
-    for engine_name in ("torch", "serve"):
+    for engine_name in args.engines:
         procs = []
         engine = {}
         if engine_name == "serve":
-            proc, url = start_server(Path(sft["checkpoint"]), threads=1)
+            proc, url = start_server(Path(sft["checkpoint"]), allow_root=root)
             procs.append(proc)
             engine = {"type": "http", "urls": [url]}
         try:
@@ -76,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             stop(procs)
     for r in results:
-        base = next(b for b in results if b["engine"] == r["engine"] and b["k"] == 0)
+        base = next((b for b in results if b["engine"] == r["engine"] and b["k"] == 0), r)
         r["speedup"] = base["seconds"] / r["seconds"]
     return {"settings": {"rl_steps": args.rl_steps, "sft_steps": args.sft_steps, "ks": args.ks,
                          "sft_accuracy": sft["eval"].get("eval/accuracy")}, "runs": results}
@@ -87,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--engines", nargs="+", default=["torch", "serve"], choices=["torch", "serve"])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/async.json"))
     args = parser.parse_args(argv)
     from flows.common import quiet_defaults
