@@ -19,7 +19,7 @@ from flows.config import RunConfig
 from flows.progress import progress
 from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_metrics, eval_step
-from tasks.record import load_rows, train_step_row
+from tasks.record import load_rows, step_metrics, train_step_row
 from tasks.setup import (
     make_env,
     make_model_and_tokenizer,
@@ -29,6 +29,7 @@ from tasks.setup import (
     stop_token_ids,
 )
 from tasks.supervised import supervised_train_task
+from training import metric_names as m
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training.losses import nll_loss
 
@@ -101,9 +102,9 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
                 data_state={"cursor": cursor}, metrics=metrics, tracker=tracker,
                 model_name=f"{model_name}-{phase}")
         last_path = row["path"] if row else last_path
-        tracker.log_metrics(_train_metrics(metrics, watch.seconds) | eval_metrics, step=step)
+        tracker.log_metrics(step_metrics(metrics, {}, watch.seconds) | eval_metrics, step=step)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"acc": f"{eval_metrics['eval/accuracy']:.2f}"} if eval_metrics else {}))
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"acc": f"{eval_metrics[m.EVAL_ACCURACY]:.2f}"} if eval_metrics else {}))
     bar.close()
     if last_path is None:  # nothing left to train: the run was already complete
         last = latest_checkpoint(run_dir)
@@ -115,13 +116,3 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
 def _eval_summary(run_dir: Path, step: int) -> dict:
     rows = load_rows(run_dir, "evals", step) or []
     return eval_metrics(rows) if rows else {}
-
-
-def _train_metrics(metrics: dict, seconds: dict[str, float]) -> dict[str, float]:
-    out = {f"train/{k}": float(v) for k, v in metrics.items()
-           if isinstance(v, int | float) and k not in ("seconds", "tokens_per_second")}
-    out["perf/tokens_per_second"] = float(metrics.get("tokens_per_second", 0.0))
-    out |= {f"perf/seconds_{k}": v for k, v in seconds.items()}
-    return out
-
-
