@@ -29,11 +29,11 @@ class SnapshotEngine:
     shares_weights = False
     syncs_from_checkpoint = False
 
-    def __init__(self, model: nn.Module, policy_version: int = 0) -> None:
+    def __init__(self, model: nn.Module, policy_version: int = 0, dtype: torch.dtype | None = None) -> None:
         self._trainer = model
         snapshot = copy.deepcopy(model)
         snapshot.requires_grad_(False)
-        self._engine = TorchEngine(snapshot, policy_version=policy_version)
+        self._engine = TorchEngine(snapshot, dtype=dtype, policy_version=policy_version)
         self._lock = threading.Lock()  # a sync waits for the generate in flight, and back
         self.name = "snapshot"
 

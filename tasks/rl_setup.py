@@ -75,13 +75,14 @@ def make_engines(config, model) -> list[Engine]:
         from engines.vllm_engine import VllmEngine  # optional extra, needs a GPU
 
         return [VllmEngine(model)]
+    dtype = engine_dtype(model, config.model.bf16_autocast)
     if config.rl.max_off_policy_steps > 0:
         from engines.snapshot import SnapshotEngine
 
-        return [SnapshotEngine(model)]
+        return [SnapshotEngine(model, dtype=dtype)]
     from engines.torch_engine import TorchEngine
 
-    return [TorchEngine(model)]
+    return [TorchEngine(model, dtype=dtype)]
 
 
 def loss_for(rl):
@@ -108,6 +109,7 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     env = make_env(config.task.env, config.task.options)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
     buffer = GroupBuffer(rl)
@@ -124,7 +126,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
         sync_task(engines, str(resume_from), version, run_dir=run_dir, run_id=run_id, step=start_step,
                   retries=config.engine.retries, only_missing=True)
     # evals read the trainer's weights in-process: other engines may lag a sync behind
-    eval_engine = engines[0] if engines[0].shares_weights else TorchEngine(model)
+    eval_engine = engines[0] if engines[0].shares_weights else \
+        TorchEngine(model, dtype=engine_dtype(model, config.model.bf16_autocast))
     stops, context = stop_token_ids(tokenizer), max_context(model)
     sampling = SamplingParams(n=rl.group_size, temperature=rl.sampling.temperature, top_p=rl.sampling.top_p,
                               top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
