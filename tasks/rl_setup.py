@@ -18,10 +18,12 @@ from tasks.checkpoint import repair_checkpoint_row
 from tasks.evaluate import eval_step
 from tasks.rollout_stages import RunStages
 from tasks.setup import (
+    engine_dtype,
     make_env,
     make_model_and_tokenizer,
     make_optimizer,
     max_context,
+    place_model,
     stop_token_ids,
 )
 from tasks.sync import sync_task
