@@ -201,9 +201,14 @@ def run_episodes(
     return episodes
 
 
+def transcript_of(messages: str | None, completion_text: str) -> str | list[dict]:
+    """What the environment judges for a rollout: the messages (JSON) of an episode, else the text."""
+    return json.loads(messages) if messages else completion_text
+
+
 def row_transcript(row: dict) -> str | list[dict]:
-    """What the environment judges for a rollouts row: the messages of an episode, else the text."""
-    return json.loads(row["messages"]) if row.get("messages") else row["completion_text"]
+    """`transcript_of` a rollouts table row."""
+    return transcript_of(row.get("messages"), row["completion_text"])
 
 
 def with_turn_rewards(result: RewardResult, turn_rewards: list[float | None]) -> RewardResult:

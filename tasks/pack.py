@@ -9,21 +9,26 @@ so a group's completions carry it once per micro-batch (training.batch, "Shared 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from envs.multiturn import model_token_mask, segment_bounds
+from rollouts.source import TrainSample
 from tasks._prefect import stage
+from tasks.record import persist
 from training.batch import PackedBatch, Sequence, pack
 
 
-def rollout_sequences(rollout: dict, advantage: float) -> list[Sequence]:
+def rollout_sequences(sample: TrainSample) -> list[Sequence]:
     """The rollout as training sequences: one, or one per segment of a multi-turn episode whose
     context was re-rendered by the chat template (envs/multiturn.py); segments after the first
     carry the sample_id `<sample_id>#<k>`."""
-    prompt, completion = list(rollout["prompt_tokens"]), list(rollout["completion_tokens"])
-    logprobs = [float(x) for x in rollout["completion_logprobs"]]
+    rollout, advantage = sample.rollout, sample.advantage
+    prompt, completion = list(rollout.prompt_tokens), list(rollout.completion_tokens)
+    logprobs = [float(x) for x in rollout.completion_logprobs]
     # multi-turn: only the sampled spans are trained; environment tokens carry weight 0
-    sampled = model_token_mask(rollout.get("turns"), len(completion))
+    sampled = model_token_mask(rollout.turns, len(completion))
     out = []
-    for k, (start, end) in enumerate(segment_bounds(rollout.get("turns"), len(completion))):
+    for k, (start, end) in enumerate(segment_bounds(rollout.turns, len(completion))):
         head = prompt if k == 0 else []
         mask = sampled[start:end]
         # a later segment starts with its re-rendered context: its prompt, shared like one
@@ -32,8 +37,8 @@ def rollout_sequences(rollout: dict, advantage: float) -> list[Sequence]:
             tokens=head + completion[start:end],
             weights=[0.0] * len(head) + [float(advantage) if m else 0.0 for m in mask],
             logprobs=[0.0] * len(head) + logprobs[start:end],
-            reward=rollout.get("reward"),
-            sample_id=rollout["sample_id"] if k == 0 else f"{rollout['sample_id']}#{k}",
+            reward=sample.reward,
+            sample_id=rollout.sample_id if k == 0 else f"{rollout.sample_id}#{k}",
             prefix_len=shared,
             # every completion token counts in the normaliser, a zero advantage included
             loss_mask=[False] * len(head) + mask,
@@ -41,11 +46,11 @@ def rollout_sequences(rollout: dict, advantage: float) -> list[Sequence]:
     return out
 
 
-def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
+def rollout_sequence(sample: TrainSample) -> Sequence:
     """The single training sequence of a rollout (ValueError for a multi-segment episode)."""
-    sequences = rollout_sequences(rollout, advantage)
+    sequences = rollout_sequences(sample)
     if len(sequences) != 1:
-        raise ValueError(f"rollout {rollout['sample_id']!r} has {len(sequences)} segments")
+        raise ValueError(f"rollout {sample.sample_id!r} has {len(sequences)} segments")
     return sequences[0]
 
 
@@ -70,16 +75,18 @@ def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]
     return rows
 
 
-def pack_rollouts(
-    rollouts: list[dict], advantages: dict[str, float], token_budget: int, run_id: str, step: int
-) -> tuple[list[PackedBatch], list[dict]]:
-    """Micro-batches of the rollouts that carry an advantage, and their `batches` rows."""
-    sequences = [seq for r in rollouts if r["sample_id"] in advantages
-                 for seq in rollout_sequences(r, advantages[r["sample_id"]])]
-    batches = pack(sequences, token_budget)
+def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int
+                  ) -> tuple[list[PackedBatch], list[dict]]:
+    """Micro-batches of the selected samples (a multi-turn episode may give several sequences),
+    and their `batches` rows."""
+    sequences = [seq for s in samples for seq in rollout_sequences(s)]
+    batches = pack(sequences, token_budget) if sequences else []
     return batches, batch_rows(batches, run_id, step)
 
 
 @stage("pack")
-def pack_task(rollouts, advantages, token_budget, run_id, step):
-    return pack_rollouts(rollouts, advantages, token_budget, run_id, step)
+def pack_task(samples: list[TrainSample], token_budget: int, *, run_dir: Path, run_id: str, step: int
+              ) -> list[PackedBatch]:
+    batches, rows = pack_rollouts(samples, token_budget, run_id, step)
+    persist(run_dir, "batches", step, rows, run_id)
+    return batches

@@ -22,6 +22,7 @@ from models.tokenizer import build_tokenizer
 from storage.writer import conform
 from tasks.pack import pack_rollouts, rollout_sequence, rollout_sequences
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
+from tests.rollout_rows import train_sample
 from tests.scripted_engine import ScriptedEngine
 from training.chat import template_ids
 
@@ -60,7 +61,7 @@ def test_calculator_episode_keeps_sampled_tokens_and_weights_env_tokens_zero():
     assert engine.calls[0][1].seed != second_params.seed
     # packing trains the sampled tokens only, with the engine's log-probs
     row = episode_fields(episode, tok)
-    seq = rollout_sequence(row | {"sample_id": "s", "reward": 1.0}, advantage=2.0)
+    seq = rollout_sequence(train_sample(2.0, **row))
     n_prompt = len(episode.prompt_tokens)
     trained = [t for t, w in zip(seq.tokens, seq.weights, strict=True) if w]
     assert tok.decode(trained) == "calc 12*34<|im_end|>ans 408<|im_end|>"
@@ -209,22 +210,22 @@ def test_template_context_trains_each_turn_in_the_context_the_template_renders()
     # turn 2 was sampled after the template's rendering, where turn 1 lost its thinking
     rendered = template_ids(tok, episode.messages[:3], add_generation_prompt=True)
     assert seen[1] == rendered and "add" not in tok.decode(rendered)
-    row = episode_fields(episode, tok) | {"sample_id": "s", "reward": 1.0}
-    one, two = rollout_sequences(row, advantage=1.0)
+    row = episode_fields(episode, tok)
+    sample = train_sample(1.0, **row)
+    one, two = rollout_sequences(sample)
     assert one.tokens == episode.prompt_tokens + first and two.tokens == rendered + second
     assert [t for t, w in zip(one.tokens, one.weights, strict=True) if w] == first
     assert [t for t, w in zip(two.tokens, two.weights, strict=True) if w] == second
     assert (one.sample_id, two.sample_id, two.prefix_len) == ("s", "s#1", len(rendered))
     with pytest.raises(ValueError, match="2 segments"):
-        rollout_sequence(row, advantage=1.0)
-    batches, rows = pack_rollouts([row], {"s": 1.0}, token_budget=400, run_id="r", step=1)
+        rollout_sequence(sample)
+    batches, rows = pack_rollouts([sample], token_budget=400, run_id="r", step=1)
     assert sorted(rows[0]["sample_ids"]) == ["s", "s#1"]
     # the token-append context keeps turn 1's thinking in turn 2's context, in one sequence
     engine, seen, _, _ = _thinking_engine(tok)
     (group,) = run_episodes(engine, tok, Feedback(), [Example("feedback", "0", "", None)],
                             SamplingParams(max_new_tokens=32), max_turns=2, max_tokens=400)
-    assert "add" in tok.decode(seen[1]) and len(rollout_sequences(episode_fields(group[0], tok) | {
-        "sample_id": "s"}, 1.0)) == 1
+    assert "add" in tok.decode(seen[1]) and len(rollout_sequences(train_sample(1.0, **episode_fields(group[0], tok)))) == 1
 
 
 def test_template_context_equals_token_context_on_a_stable_template():
@@ -250,8 +251,8 @@ def test_generate_stage_spreads_episodes_over_engines():
     rows = generate_rollouts(engines, tok, env, examples, SamplingParams(n=2), run_id="r", step=1, attempt=1,
                              policy_version=0, max_context=512)
     assert len(rows) == 8 and all(len(e.calls) == 2 for e in engines)  # two turns each, two examples each
-    assert [r["example_id"] for r in rows] == ["0", "0", "1", "1", "2", "2", "3", "3"]
-    assert {r["n_turns"] for r in rows} == {2} and len({r["sample_id"] for r in rows}) == 8
+    assert [r.example_id for r in rows] == ["0", "0", "1", "1", "2", "2", "3", "3"]
+    assert {r.n_turns for r in rows} == {2} and len({r.sample_id for r in rows}) == 8
 
 
 def test_turns_by_step_canned_query(tmp_path):

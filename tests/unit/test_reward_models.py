@@ -17,6 +17,7 @@ from models.presets import build_model
 from models.tokenizer import build_tokenizer
 from tasks.score import score_rollouts
 from tasks.setup import make_env
+from tests.rollout_rows import rollout
 
 EXAMPLES = [Example("arithmetic", f"e{i}", f"{i}+{i}=", 2 * i) for i in range(5)]
 COMPLETIONS = ["0", "2", "5", "6", "a much longer wrong answer"]
@@ -102,13 +103,13 @@ def test_composed_reward_recorded_as_components_in_one_batch():
     counting = Counting()
     composed = WithModelRewards(env, {"len": (counting, 0.5)}, env_weight=2.0)
     assert composed.name == "arithmetic" and composed.examples("eval") is env.examples("eval")
-    rollouts = [{"run_id": "r", "step": 1, "sample_id": f"s{i}", "group_id": "g", "example_id": e.example_id,
-                 "completion_text": c} for i, (e, c) in enumerate(zip(EXAMPLES, COMPLETIONS, strict=True))]
+    rollouts = [rollout(sample_id=f"s{i}", example_id=e.example_id, completion_text=c)
+                for i, (e, c) in enumerate(zip(EXAMPLES, COMPLETIONS, strict=True))]
     rows = score_rollouts(composed, {e.example_id: e for e in EXAMPLES}, rollouts, max_error_fraction=0.0)
     assert counting.batches == [5]  # one call for the whole round
-    assert rows[1]["components"] == {"format": 1.0, "correct": 1.0, "env": 1.0, "len": 0.1}
-    assert rows[1]["reward"] == pytest.approx(2.0 * 1.0 + 0.5 * 0.1)
-    assert rows[4]["reward"] == pytest.approx(0.5 * len(COMPLETIONS[4]) / 10)
+    assert rows[1].components == {"format": 1.0, "correct": 1.0, "env": 1.0, "len": 0.1}
+    assert rows[1].reward == pytest.approx(2.0 * 1.0 + 0.5 * 0.1)
+    assert rows[4].reward == pytest.approx(0.5 * len(COMPLETIONS[4]) / 10)
 
 
 def test_failing_model_reward_marks_its_rows():

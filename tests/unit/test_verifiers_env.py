@@ -12,6 +12,7 @@ from envs.base import build_env  # noqa: E402
 from envs.multiturn import run_episodes  # noqa: E402
 from envs.verifiers_env import VerifiersEnv  # noqa: E402
 from tasks.score import score_rollouts  # noqa: E402
+from tests.rollout_rows import rollout  # noqa: E402
 from tests.scripted_engine import ScriptedEngine  # noqa: E402
 
 
@@ -64,11 +65,11 @@ def test_score_stage_batches_sampled_completions_through_the_tasks():
     examples = list(env.examples("train"))[:4]
     groups = run_episodes(ScriptedEngine(play, end), tok, env, examples, SamplingParams(), max_turns=1,
                           max_tokens=256)
-    rollouts = [{"run_id": "r", "step": 1, "sample_id": f"s{i}", "group_id": "g", "example_id": e.example.example_id,
-                 "completion_text": tok.decode(e.completion_tokens, skip_special_tokens=True)}
+    rollouts = [rollout(sample_id=f"s{i}", example_id=e.example.example_id,
+                        completion_text=tok.decode(e.completion_tokens, skip_special_tokens=True))
                 for i, (e,) in enumerate(groups)]
     rows = score_rollouts(env, {e.example_id: e for e in examples}, rollouts, max_error_fraction=0.0)
-    assert [r["components"]["correct"] for r in rows] == [1.0, 1.0, 0.0, 1.0]
+    assert [r.components["correct"] for r in rows] == [1.0, 1.0, 0.0, 1.0]
 
 
 def test_a_raising_reward_is_recorded_not_raised():
