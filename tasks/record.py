@@ -39,11 +39,12 @@ def background_writes() -> Iterator[BackgroundWriter]:
 
 
 def drain_writes() -> None:
-    """Wait until every queued table write is on disk; raises storage.writer.TableWriteError
+    """Wait until every queued table write is on disk, fsynced with its folders (a checkpoint
+    comes next and marks the step done); raises storage.writer.TableWriteError
     naming the (table, step) of a failed write. A no-op outside `background_writes()`."""
     writer = _WRITER.get()
     if writer is not None:
-        writer.drain()
+        writer.drain(durable=True)
 
 
 def _settle(run_dir: Path, table: str, step: int) -> None:
