@@ -40,7 +40,7 @@ from tasks.advantages import (
     scored_groups,
 )
 from tasks.checkpoint import checkpoint_task
-from tasks.evaluate import eval_task
+from tasks.evaluate import best_accuracy_before, eval_task
 from tasks.generate import generate_stage
 from tasks.pack import pack_task
 from tasks.record import drain_writes, load_rows, persist, train_step_row
@@ -54,7 +54,7 @@ from tasks.setup import (
 )
 from tasks.sync import raise_failed, sync_task
 from tasks.train import train_task
-from training.checkpoint import latest_checkpoint, load_checkpoint
+from training.checkpoint import checkpoint_steps, latest_checkpoint, load_checkpoint
 
 
 @flow(name="rl", log_prints=True, persist_result=False)
@@ -157,6 +157,8 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
         eval_metrics = evaluate(0)
         tracker.log_metrics(eval_metrics, step=0)
         best = eval_metrics["eval/accuracy"]
+    else:  # the `best` alias moves only for a better eval than before the interruption
+        best = best_accuracy_before(run_dir, start_step, checkpoint_steps(run_dir))
     last_path = None
     bar = progress(total=rl.steps, initial=start_step, desc="rl")
     for step in range(start_step + 1, rl.steps + 1):

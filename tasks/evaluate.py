@@ -41,3 +41,19 @@ def evaluate_greedy(
 @stage("eval")
 def eval_task(engine, tokenizer, env, examples, **kwargs):
     return evaluate_greedy(engine, tokenizer, env, examples, **kwargs)
+
+
+def best_accuracy_before(run_dir, step: int, checkpointed: set[int]) -> float:
+    """The `best` a run had after `step`, rebuilt from its `evals` table so that a resumed run
+    moves the `best` alias only for a better eval: the step-0 accuracy, raised by every eval at a
+    checkpointed step up to `step` (the alias only ever pointed at checkpoints). -inf if none."""
+    import duckdb
+
+    from storage.writer import read_table
+
+    evals = read_table(run_dir, "evals")
+    if not evals.num_rows:
+        return float("-inf")
+    accuracy = dict(duckdb.sql("select step, avg(correct::int) from evals group by step").fetchall())
+    steps = [s for s in accuracy if s == 0 or (s <= step and s in checkpointed)]
+    return max((float(accuracy[s]) for s in steps), default=float("-inf"))

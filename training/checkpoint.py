@@ -289,20 +289,26 @@ def load_checkpoint(
     return Checkpoint(path=path, model=model, tokenizer=tokenizer, data_state=data_state, metadata=metadata)
 
 
+def checkpoint_steps(run_dir: str | Path) -> set[int]:
+    """Steps of the complete checkpoints under `<run_dir>/checkpoints`."""
+    return {int(path.name[len("step_"):]) for path in _complete(run_dir)}
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under `<run_dir>/checkpoints`, or None."""
+    found = [(int(path.name[len("step_"):]), path) for path in _complete(run_dir)]
+    return max(found)[1] if found else None
+
+
+def _complete(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
-        return None
-    found: list[tuple[int, Path]] = []
+        return []
+    found: list[Path] = []
     for child in root.iterdir():
         name = child.name
-        if not name.startswith("step_") or not child.is_dir():
+        if not name.startswith("step_") or not child.is_dir() or not (child / METADATA_FILE).is_file():
             continue
-        if not (child / METADATA_FILE).is_file():
-            continue
-        try:
-            found.append((int(name[len("step_"):]), child))
-        except ValueError:
-            continue
-    return max(found)[1] if found else None
+        if name[len("step_"):].isdigit():
+            found.append(child)
+    return found
