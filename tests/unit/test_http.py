@@ -44,8 +44,8 @@ def ckpt(run_dir, step):
 
 
 def served_engine(run_dir, token=None, api_token=None):
-    client = TestClient(build_app(ckpt(run_dir, 0), token=token))
-    return HttpEngine("http://testserver", retries=0, api_token=api_token, client=client), client
+    client = TestClient(build_app(ckpt(run_dir, 0), token=token), base_url="http://localhost")
+    return HttpEngine("http://localhost", retries=0, api_token=api_token, client=client), client
 
 
 def test_generate_and_sync_through_the_server(run_dir):
@@ -75,7 +75,7 @@ def test_generate_and_sync_through_the_server(run_dir):
 
 def test_token_is_sent(run_dir):
     engine, client = served_engine(run_dir, token="t0k", api_token="t0k")
-    anonymous = HttpEngine("http://testserver", retries=0, client=client)
+    anonymous = HttpEngine("http://localhost", retries=0, client=client)
     with client:
         assert engine.health()["status"] == "ok"
         with pytest.raises(EngineResponseError, match="HTTP 401"):

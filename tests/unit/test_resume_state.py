@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from storage.writer import write_table
 from tasks.evaluate import best_accuracy_before
 
