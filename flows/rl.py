@@ -17,6 +17,7 @@ import math
 
 from prefect import flow
 
+from envs.timeout import with_reward_timeout
 from flows.common import (
     RunState,
     Stopwatch,
@@ -106,7 +107,7 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
     from training.rl_loss import build_rl_loss
 
     rl, run_dir, run_id = config.rl, state.run_dir, state.run_id
-    env = make_env(config.task.env, config.task.options)
+    env = with_reward_timeout(make_env(config.task.env, config.task.options), config.task.reward_timeout_s)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
