@@ -226,11 +226,21 @@ def read_table(run_dir: str | os.PathLike, table: str, step: int | None = None) 
         path = partition_file(run_dir, table, step)
         if not path.is_file():
             raise FileNotFoundError(f"table {table!r} has no partition for step {step}: {path}")
-        return align(pq.ParquetFile(path).read(), schema)
-    parts = [
-        align(pq.ParquetFile(path).read(), schema) for _, path in partition_files(run_dir, table)
-    ]
+        return align(read_partition(path, table), schema)
+    parts = [align(read_partition(path, table), schema) for _, path in partition_files(run_dir, table)]
     return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def read_partition(path: Path, table: str, metadata_only: bool = False) -> Any:
+    """One partition file (its metadata only, if asked); a damaged file is a ValueError naming it
+    and saying how to recover, instead of a bare Arrow error."""
+    try:
+        file = pq.ParquetFile(path)
+        return file.metadata if metadata_only else file.read()
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as error:
+        raise ValueError(
+            f"table {table!r}: partition file {str(path)!r} is corrupt ({error}). Delete it: "
+            "`rlpipe resume` recomputes the stage if its step is after the last checkpoint") from error
 
 
 def align(data: pa.Table, schema: pa.Schema) -> pa.Table:

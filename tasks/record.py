@@ -15,10 +15,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from storage.layout import partition_file
-from storage.writer import BackgroundWriter, is_complete, read_table, write_table
+from storage.writer import BackgroundWriter, is_complete, read_partition, read_table, write_table
 
 # the writer of the enclosing `background_writes()` block; a ContextVar, not a global, so each
 # flow (thread, context) sees only its own. Prefect runs sync task runs in the caller's context.
@@ -84,7 +82,7 @@ def load_rows_beyond(run_dir: Path, table: str, step: int, known: int) -> list[d
     process wrote itself (a resumed step); None otherwise, without reading past the footer."""
     _settle(run_dir, table, step)
     path = partition_file(run_dir, table, step)
-    if not path.is_file() or pq.ParquetFile(path).metadata.num_rows <= known:
+    if not path.is_file() or read_partition(path, table, metadata_only=True).num_rows <= known:
         return None
     return read_table(run_dir, table, step).to_pylist()
 
