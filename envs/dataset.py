@@ -9,6 +9,8 @@ Each row gives a prompt (a string, or chat messages: a list of {"role", "content
 `reward` names a function in the reward registry (`envs.rewards`); `reward_module` is imported first
 so that its `@register_reward` functions exist. Without `eval_path`, `eval_fraction` of the rows
 are held out by a stable hash of their id. Missing files and columns raise errors naming them.
+`reward_module` is code: `rlpipe resume` imports the one a run's config.json names, so resuming
+a run directory trusts it (README, "Runs, crashes and trust").
 """
 
 from __future__ import annotations
