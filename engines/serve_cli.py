@@ -92,7 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                        ("chunk_sequences", int), ("request_timeout_s", float)):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name),
                             help=f"{LIMIT_HELP[name]} (default {getattr(defaults, name)})")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available) | cpu | cuda | cuda:N (default auto)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     return parser.parse_args(argv)
 

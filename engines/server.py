@@ -197,7 +197,7 @@ def build_app(
     allow_root: str | Path | None = None,
     batch_window_ms: float = 5.0,
     max_batch_prompts: int = 256,
-    device: str = "cpu",
+    device: str = "auto",
     limits: ServeLimits | None = None,
     allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
 ) -> FastAPI:
