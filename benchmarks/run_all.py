@@ -35,6 +35,7 @@ BENCHMARKS = {
     "storage": "Storage: 1M rollout rows over 500 steps; write time, size, canned query time",
     "rl_step": "RL step by stage: the share outside the stage functions (Prefect, Parquet, MLflow)",
     "trl": "rlpipe vs TRL GRPOTrainer: seconds per optimizer step and reward, same model and task",
+    "async": "Async RL: demo task with rl.max_off_policy_steps = 0, 1, 2, in-process and `rlpipe serve` engines",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -44,6 +45,7 @@ QUICK_ARGS = {
     "serve": ["--repeats", "1"],
     "storage": ["--rows", "100000"],
     "rl_step": ["--steps", "10"],
+    "async": ["--rl-steps", "10", "--sft-steps", "100"],
     "trl": ["--steps", "10", "--precisions", "bf16", "--seeds", "1", "--eval-samples", "2"],
 }
 
@@ -309,9 +311,17 @@ def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     return summary, lines
 
 
+def headline_async(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    rows = [[r["engine"], r["k"], f"{r['seconds']:.1f}", f"{r['tokens_per_second']:.0f}", f"{r['speedup']:.2f}",
+             r["accuracy"]] for r in results["runs"]]
+    best = max((r for r in results["runs"] if r["k"] == 1), key=lambda r: r["speedup"], default=None)
+    summary = f"k = 1 end to end ×{best['speedup']:.2f} over k = 0 ({best['engine']})" if best else "no k = 1 run"
+    return summary, table(["engine", "k", "RL seconds", "completion tok/s", "× k=0", "final accuracy"], rows)
+
+
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
-             "trl": headline_trl}
+             "trl": headline_trl, "async": headline_async}
 
 
 def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:
