@@ -97,7 +97,9 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path):
     rng = random.Random(seed)
     # the uninterrupted run goes on beside the killed one (each is one thread)
     log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
-    straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+    # its own Prefect home: two embedded servers creating one SQLite database at once can collide
+    straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight")}
+    straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=log.open("w"), start_new_session=True)
     killed_dir, kills, command = runs / "killed", [], cli(*run_args(runs, "killed"))
     try:

@@ -62,9 +62,11 @@ class Hangs:
         return []
 
 
-def rollouts(texts: list[str]) -> list[dict]:
-    return [{"run_id": "r", "step": 1, "sample_id": f"s{i}", "group_id": "g", "example_id": "e",
-             "completion_text": text} for i, text in enumerate(texts)]
+def rollouts(texts: list[str]) -> list:
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(run_id="r", step=1, sample_id=f"s{i}", group_id="g", example_id="e",
+                            completion_text=text) for i, text in enumerate(texts)]
 
 
 def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():
@@ -82,9 +84,9 @@ def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():
         began = time.monotonic()
         rows = score_rollouts(env, examples, rollouts(["ok", "hang", "ok", "ok"]), max_error_fraction=0.5)
         assert time.monotonic() - began < 5
-        assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0, 1.0]
-        assert rows[1]["error"].startswith("RewardTimeout") and "task.reward_timeout_s=0.2s" in rows[1]["error"]
-        assert [r["error"] for r in rows if r["sample_id"] != "s1"] == [None] * 3
+        assert [r.reward for r in rows] == [1.0, 0.0, 1.0, 1.0]
+        assert rows[1].error.startswith("RewardTimeout") and "task.reward_timeout_s=0.2s" in rows[1].error
+        assert [r.error for r in rows if r.sample_id != "s1"] == [None] * 3
         # timeouts count in the error share that fails a step
         with pytest.raises(RewardError, match="2 of 3 reward calls raised"):
             score_rollouts(env, examples, rollouts(["hang", "hang", "ok"]), max_error_fraction=0.5)
