@@ -97,8 +97,9 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path):
     rng = random.Random(seed)
     # the uninterrupted run goes on beside the killed one (each is one thread)
     log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
-    # its own Prefect home: two embedded servers creating one SQLite database at once can collide
-    straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight")}
+    # its own Prefect home and MLflow store: two processes creating one SQLite database at once collide
+    straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
+                    "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
     straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=log.open("w"), start_new_session=True)
     killed_dir, kills, command = runs / "killed", [], cli(*run_args(runs, "killed"))
@@ -143,7 +144,7 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
     for table in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals"):
         assert rows(killed_dir, table) == rows(runs / "straight", table), table
-    assert best_step(tmp_path / "mlflow.db", "killed") == best_step(tmp_path / "mlflow.db", "straight")
+    assert best_step(tmp_path / "mlflow.db", "killed") == best_step(tmp_path / "mlflow-straight.db", "straight")
     assert json.loads((killed_dir / "run.json").read_text())["status"] == "finished"
 
 
