@@ -49,7 +49,9 @@ here, and the vLLM / SGLang snapshots were read in GitHub's stored copies, 2026-
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -404,11 +406,31 @@ def parse_sglang(items: list[Any], n_prompts: int, n: int, where: str) -> list[l
 # ----------------------------------------------------------------------------- config
 
 
+def read_token(token_file: str = "", env_var: str = "") -> str | None:
+    """A bearer token from a file (its first line) or else an environment variable; None if
+    neither gives one. Tokens never live in configs: those are written to disk and MLflow."""
+    if token_file:
+        path = Path(token_file)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read the token file {token_file!r}: {err}") from err
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ValueError(f"the token file {token_file!r} is empty")
+        return token
+    if not env_var:
+        return None
+    return (os.environ.get(env_var) or "").strip() or None
+
+
 def engines_from_config(engine_config: Any) -> list[HttpEngine]:
-    """One HttpEngine per URL of an `EngineConfig` (urls, timeout_s, retries, api_token)."""
+    """One HttpEngine per URL of an `EngineConfig` (urls, timeout_s, retries, and the token from
+    api_token_file or the api_token_env variable)."""
     urls = list(engine_config.urls)
     if not urls:
         raise ValueError("engine.urls lists no server")
+    token = read_token(engine_config.api_token_file, engine_config.api_token_env)
     engines = []
     for url in urls:
         flavor, base = parse_engine_url(url)
@@ -417,7 +439,7 @@ def engines_from_config(engine_config: Any) -> list[HttpEngine]:
                 base,
                 timeout_s=engine_config.timeout_s,
                 retries=engine_config.retries,
-                api_token=engine_config.api_token or None,
+                api_token=token,
                 name=base,
                 flavor=flavor,
             )

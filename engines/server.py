@@ -1,8 +1,12 @@
 """`rlpipe serve`: the torch engine behind an OpenAI-compatible HTTP API, with weight reload.
 
-    rlpipe serve runs/demo/checkpoints/step_000010 --port 8001 [--token T] [--allow-root DIR]
+    rlpipe serve runs/demo/checkpoints/step_000010 --port 8001 [--token-file F] [--allow-root DIR]
 
-Endpoints (all need `Authorization: Bearer <token>` when the server has a token; 401 otherwise):
+Every request passes, in order: a Host allowlist (403; loopback names and the bind address by
+default, against DNS rebinding), the bearer token when the server has one (401), and for POST a
+JSON Content-Type (415) and a body-size cap (413). Requests over a cap (n, max_tokens, prompts,
+prompt + max_tokens over the context) get 400 naming the cap and its option; any malformed input
+is a 4xx, never a 500 (engines/protocol.py holds these checks, for every route).
 
     POST /v1/completions          OpenAI completions; `prompt` is text, a list of texts, token ids
                                   (list[int]) or a batch of token ids (list[list[int]]).
@@ -25,25 +29,25 @@ Choice `index` = prompt index × n + sample index, as in OpenAI and vLLM.
 
 Batching: requests go through a queue; a worker takes the first one, waits up to
 `batch_window_ms` for more, and runs each group of requests with identical sampling
-parameters as one `TorchEngine.generate` call. A request with an explicit `seed` is never merged
-with another, so its completions equal the in-process engine's for that seed and prompts
-(sampling draws depend on the batch a prompt is decoded in).
+parameters as one `TorchEngine.generate` call. A request of more than `--chunk-sequences`
+sequences (prompts x n) runs as several calls, one per round, in turn with every other waiting
+request, so a small request or a weight reload never waits for a long request to finish. A
+request with an explicit `seed` is never merged with another, so its completions equal the
+in-process engine's for that seed and prompts when it fits one call (a later part k draws
+with seed + k). A request unanswered after `--request-timeout-s` gets 504, and one whose client
+disconnected is dropped: either way its remaining parts are never generated.
 
 Weight reload: the checkpoint is loaded and verified (sha256) while the old weights keep serving,
 then swapped in under the lock that generation holds, so a generate call sees either the old
-or the new weights, never a mix. A path outside the allowed root (after resolving symlinks) is
-refused with 403, an invalid checkpoint with 400; either way the old weights stay in service.
+or the new weights, never a mix; a request split in parts finishes on the weights it started
+with. A path outside the allowed root (after resolving symlinks) is refused with 403 whether
+it exists or not, an invalid checkpoint with 400; either way the old weights stay in service.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
-import json
-import os
-import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -52,12 +56,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import ValidationError
+from starlette.datastructures import Headers
 
-from engines.base import Completion, SamplingParams
+from engines.base import Completion
+from engines.protocol import (
+    LOOPBACK_HOSTS,
+    CompletionRequest,
+    RequestError,
+    ServeLimits,
+    check_content_type,
+    check_host,
+    check_request_limits,
+    prompt_token_ids,
+    read_json_body,
+    resolve_model_path,
+)
 from engines.serving import (
     Batcher,
     ModelSlot,
@@ -68,103 +84,9 @@ from engines.serving import (
 
 DEFAULT_PORT = 8000
 TOKEN_ENV = "RLPIPE_API_TOKEN"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-# ----------------------------------------------------------------------------- requests
-
-
-class RequestError(ValueError):
-    """A request the server refuses; `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class CompletionRequest(BaseModel):
-    """The accepted fields of POST /v1/completions (unknown fields are refused by name)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float | int = 1.0
-    top_p: float | int = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    logprobs: int | None = None
-    return_tokens_as_token_ids: bool = False
-    return_token_ids: bool = True
-    ignore_eos: bool = True
-    stream: bool = False
-    echo: bool = False
-    stop: str | list[str] | None = None
-    user: str | None = None
-
-    @field_validator("stream", "echo")
-    @classmethod
-    def _not_supported(cls, value: bool, info) -> bool:
-        if value:
-            raise ValueError(f"{info.field_name}=true is not supported by rlpipe serve")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _no_stop_strings(cls, value):
-        if value:
-            raise ValueError("stop strings are not supported; pass stop_token_ids")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs_range(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {value}")
-        return value
-
-    def sampling_params(self) -> SamplingParams:
-        """Our SamplingParams (ValueError names the bad field)."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        greedy = self.temperature == 0
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if greedy else float(self.temperature),
-            top_p=float(self.top_p),
-            top_k=max(self.top_k, 0),
-            max_new_tokens=self.max_tokens,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            seed=self.seed,
-            greedy=greedy,
-        )
-
-
-def prompt_token_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """Token ids of each prompt of a request; RequestError for empty or out-of-vocabulary ones."""
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts:
-        raise RequestError("prompt is empty")
-    out = []
-    for i, p in enumerate(prompts):
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-        if not ids:
-            raise RequestError(f"prompt[{i}] is empty")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"prompt[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
-        out.append(ids)
-    return out
+# ----------------------------------------------------------------------------- responses
 
 
 def completion_choice(
@@ -193,26 +115,6 @@ def completion_choice(
     return choice
 
 
-def resolve_model_path(model_path: Any, allow_root: Path) -> Path:
-    """The resolved checkpoint folder, if inside `allow_root` (symlinks resolved first).
-
-    RequestError 400 for a missing or non-folder path, 403 for one outside the root.
-    """
-    if not isinstance(model_path, str) or not model_path:
-        raise RequestError("model_path must be a non-empty string")
-    try:
-        resolved = Path(model_path).resolve(strict=True)
-    except (OSError, RuntimeError) as err:
-        raise RequestError(f"model_path {model_path!r} does not exist: {err}") from err
-    if not resolved.is_relative_to(allow_root):
-        raise RequestError(
-            f"model_path {model_path!r} resolves outside the allowed root {str(allow_root)!r}", 403
-        )
-    if not resolved.is_dir():
-        raise RequestError(f"model_path {model_path!r} is not a directory")
-    return resolved
-
-
 def _error(status: int, message: str) -> JSONResponse:
     kind = "authentication_error" if status == 401 else "invalid_request_error"
     return JSONResponse(
@@ -228,11 +130,49 @@ def _validation_message(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def _json_body(request: Request) -> Any:
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (after the body was read, receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_answered(request: Request, work: Any, timeout_s: float) -> Any:
+    """`await work`, unless the client goes away first (the work is cancelled: a request's
+    remaining parts are dropped) or `timeout_s` passes (the same, and a 504)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"request body is not valid JSON: {err}") from err
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    if gone in done:
+        raise RequestError("client closed the connection", 499)
+    raise RequestError(f"request took longer than request_timeout_s={timeout_s:g} (--request-timeout-s)", 504)
+
+
+class Guard:
+    """ASGI middleware run before any route: the Host allowlist, then the bearer token."""
+
+    def __init__(self, app: Any, token: str | None, allowed_hosts: tuple[str, ...] | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token else None
+        self.allowed_hosts = allowed_hosts
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            try:
+                check_host(headers, self.allowed_hosts)
+                given = headers.get("authorization", "").encode()
+                if self.expected is not None and not hmac.compare_digest(given, self.expected):
+                    raise RequestError("missing or wrong bearer token (Authorization: Bearer <token>)", 401)
+            except RequestError as err:
+                await _error(err.status, str(err))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ----------------------------------------------------------------------------- the app
@@ -247,6 +187,7 @@ class ServerState:
     model_name: str
     allow_root: Path
     device: str
+    limits: ServeLimits = field(default_factory=ServeLimits)
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     load: Callable[[Path, str], ServedModel] = load_served_model
 
@@ -259,13 +200,18 @@ def build_app(
     batch_window_ms: float = 5.0,
     max_batch_prompts: int = 256,
     device: str = "auto",
+    limits: ServeLimits | None = None,
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
 ) -> FastAPI:
     """The FastAPI app serving `checkpoint` (a folder, or an already loaded ServedModel).
 
     token: if set, every request needs `Authorization: Bearer <token>`.
     allow_root: folder that /update_weights_from_disk may load from (default: the folder
     holding `checkpoint`, i.e. `<run_dir>/checkpoints`).
+    limits: request caps (engines.protocol.ServeLimits). allowed_hosts: Host header names
+    accepted (None = any); loopback names by default, against DNS rebinding.
     """
+    limits = limits or ServeLimits()
     served = (
         checkpoint if isinstance(checkpoint, ServedModel) else load_served_model(checkpoint, device)
     )
@@ -275,10 +221,11 @@ def build_app(
     slot = ModelSlot(served)
     state = ServerState(
         slot=slot,
-        batcher=Batcher(slot, batch_window_ms / 1000.0, max_batch_prompts),
+        batcher=Batcher(slot, batch_window_ms / 1000.0, max_batch_prompts, limits.chunk_sequences),
         model_name=str(served.path),
         allow_root=root.resolve(),
         device=device,
+        limits=limits,
     )
 
     @asynccontextmanager
@@ -288,15 +235,7 @@ def build_app(
 
     app = FastAPI(title="rlpipe serve", lifespan=lifespan)
     app.state.rlpipe = state
-    expected = f"Bearer {token}".encode() if token else None
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if expected is not None:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-        return await call_next(request)
+    app.add_middleware(Guard, token=token, allowed_hosts=allowed_hosts)
 
     @app.exception_handler(RequestError)
     async def request_error(_request: Request, exc: RequestError):
@@ -331,7 +270,8 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json_body(request)
+        check_content_type(request.headers)
+        body = await read_json_body(request, state.limits)
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         try:
@@ -347,8 +287,12 @@ def build_app(
             )
         current = state.slot.current
         prompts = prompt_token_ids(req.prompt, current.tokenizer, current.vocab_size)
+        check_request_limits(prompts, params, state.limits, _max_len(current))
         try:
-            groups, served = await state.batcher.submit(prompts, params)
+            groups, served = await until_answered(
+                request, state.batcher.submit(prompts, params), state.limits.request_timeout_s)
+        except RequestError:
+            raise
         except ValueError as err:  # the engine refused the prompts (e.g. a reload changed vocab)
             raise RequestError(str(err)) from err
         choices = [
@@ -380,7 +324,8 @@ def build_app(
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        body = await _json_body(request)
+        check_content_type(request.headers)
+        body = await read_json_body(request, state.limits)
         if not isinstance(body, dict) or "model_path" not in body:
             raise RequestError('body must be a JSON object with "model_path"')
         path = resolve_model_path(body["model_path"], state.allow_root)
@@ -407,104 +352,3 @@ def build_app(
 def _max_len(served: ServedModel) -> int | None:
     value = getattr(served.engine.model.config, "max_position_embeddings", None)
     return int(value) if value is not None else None
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="rlpipe serve",
-        description="Serve a checkpoint with the torch engine behind an OpenAI-style HTTP API.",
-    )
-    parser.add_argument("checkpoint", help="checkpoint folder (<run_dir>/checkpoints/step_N)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_PORT,
-        help=f"port (default {DEFAULT_PORT}; 0 = a free port, printed at start)",
-    )
-    parser.add_argument(
-        "--token",
-        default=None,
-        help=f"bearer token every request must carry (default: ${TOKEN_ENV} if set)",
-    )
-    parser.add_argument(
-        "--allow-root",
-        default=None,
-        help="folder /update_weights_from_disk may load from "
-        "(default: the folder holding CHECKPOINT)",
-    )
-    parser.add_argument(
-        "--batch-window-ms",
-        type=float,
-        default=5.0,
-        help="how long the batcher waits for more requests to merge (default 5)",
-    )
-    parser.add_argument(
-        "--max-batch-prompts",
-        type=int,
-        default=256,
-        help="sequences (prompts x n) merged into one engine call at most",
-    )
-    parser.add_argument("--device", default="auto",
-                        help="auto (CUDA when available) | cpu | cuda | cuda:N (default auto)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `rlpipe serve`; returns the exit status."""
-    import uvicorn
-
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.host not in _LOOPBACK and not token:
-        print(
-            f"rlpipe serve: warning: listening on {args.host} without a token; anyone who can "
-            "reach it can sample and load checkpoints",
-            file=sys.stderr,
-        )
-    try:
-        app = build_app(
-            args.checkpoint,
-            token=token,
-            allow_root=args.allow_root,
-            batch_window_ms=args.batch_window_ms,
-            max_batch_prompts=args.max_batch_prompts,
-            device=args.device,
-        )
-    except ValueError as err:
-        print(f"rlpipe serve: {err}", file=sys.stderr)
-        return 2
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as err:
-        print(f"rlpipe serve: cannot bind {args.host}:{args.port}: {err}", file=sys.stderr)
-        sock.close()
-        return 2
-    port = sock.getsockname()[1]
-    served = app.state.rlpipe.slot.current
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
-    # The first stdout line names the address (tests and scripts read it when --port 0).
-    print(
-        f"rlpipe serve: listening on http://{host}:{port} (policy_version "
-        f"{served.policy_version}, {served.path})",
-        flush=True,
-    )
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,8 @@ def load_served_model(path: str | Path, device: str = "auto") -> ServedModel:
 
 class ModelSlot:
     """The model in service. `generate` and `swap` take the same lock, so a weight reload never
-    overlaps a generate call."""
+    overlaps a generate call; requests are cut into short calls, so a reload waits for one call,
+    not for a whole long request."""
 
     def __init__(self, served: ServedModel) -> None:
         self._served = served
@@ -74,61 +75,117 @@ class ModelSlot:
         return self._served
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams
+        self, prompts: list[list[int]], params: SamplingParams, pinned: ServedModel | None = None
     ) -> tuple[list[list[Completion]], ServedModel]:
-        """Completions and the model that made them (blocking; run it off the event loop)."""
+        """Completions and the model that made them (blocking; run it off the event loop).
+        pinned: the model an earlier part of the same request used (a request sees one model,
+        even when a reload lands between its parts); default: the current one."""
         with self._lock:
-            served = self._served
+            served = pinned or self._served
             return served.engine.generate(prompts, params), served
 
     def swap(self, served: ServedModel) -> ServedModel:
-        """Put `served` in service; returns the model taken out (already closed)."""
+        """Put `served` in service; returns the model taken out. It is not closed: requests
+        already generating with it finish with it, and it is freed with their last reference."""
         with self._lock:
             old, self._served = self._served, served
-        old.engine.close()
         return old
 
 
 # ----------------------------------------------------------------------------- batching
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
+    """One request: its prompts cut into parts of at most `chunk_sequences` sequences."""
+
     prompts: list[list[int]]
     params: SamplingParams
     future: asyncio.Future
+    parts: list[list[list[int]]] = field(default_factory=list)
+    results: list[list[Completion]] = field(default_factory=list)
+    served: ServedModel | None = None  # pinned by the first part
+    done_parts: int = 0
+
+
+@dataclass
+class _Unit:
+    """One part of one job: what a single engine call (possibly merged) generates."""
+
+    job: _Job
+    index: int
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.job.parts[self.index]
+
+    @property
+    def params(self) -> SamplingParams:
+        params = self.job.params
+        if params.seed is None or self.index == 0:
+            return params  # a one-part seeded request equals the in-process engine's answer
+        return replace(params, seed=(params.seed + self.index) % 2**64)
 
 
 @dataclass
 class BatchStats:
-    """Counters of the batching worker (read by tests and benchmarks)."""
+    """Counters of the batching worker (read by tests, benchmarks and /health)."""
 
     requests: int = 0
     engine_calls: int = 0
     prompts: int = 0
+    dropped: int = 0  # requests whose client went away or whose deadline passed mid-way
 
 
-def group_jobs(jobs: list[_Job]) -> list[list[_Job]]:
-    """Group jobs that can share one engine call: equal sampling params and no explicit seed
-    (a seeded job stays alone so its draws match a solo run). Order of first arrival kept."""
-    groups: dict[Any, list[_Job]] = {}
+def split_prompts(prompts: list[list[int]], n: int, chunk_sequences: int) -> list[list[list[int]]]:
+    """Prompts cut into consecutive parts of at most `chunk_sequences` sequences (prompts x n);
+    a part holds at least one prompt."""
+    per_part = max(1, chunk_sequences // max(n, 1))
+    return [prompts[i : i + per_part] for i in range(0, len(prompts), per_part)]
+
+
+def group_jobs(jobs: list) -> list[list]:
+    """Group units (or jobs) that can share one engine call: equal sampling params, the same
+    pinned model, and no explicit seed (a seeded one stays alone so its draws match a solo run).
+    Order of first arrival kept."""
+    groups: dict[Any, list] = {}
     for index, job in enumerate(jobs):
-        key = job.params if job.params.seed is None else ("seeded", index)
+        pinned = id(job.job.served) if isinstance(job, _Unit) and job.job.served is not None else None
+        key = (job.params, pinned) if job.params.seed is None else ("seeded", index)
         groups.setdefault(key, []).append(job)
     return list(groups.values())
 
 
-class Batcher:
-    """A queue and one worker task merging requests that arrive within `window_s`."""
+def cap_sequences(group: list[_Unit], limit: int) -> list[list[_Unit]]:
+    """A group cut into engine calls of at most `limit` sequences (a unit is never cut)."""
+    calls: list[list[_Unit]] = [[]]
+    size = 0
+    for unit in group:
+        need = len(unit.prompts) * unit.params.n
+        if calls[-1] and size + need > limit:
+            calls.append([])
+            size = 0
+        calls[-1].append(unit)
+        size += need
+    return calls
 
-    def __init__(self, slot: ModelSlot, window_s: float, max_prompts: int) -> None:
+
+class Batcher:
+    """A queue and one worker task: merges requests that arrive within `window_s`, and runs long
+    requests part by part, one part of each waiting request per round, so that a small request
+    never waits for a long one to finish (and a reload waits for one engine call at most)."""
+
+    def __init__(self, slot: ModelSlot, window_s: float, max_prompts: int, chunk_sequences: int = 64) -> None:
         if window_s < 0:
             raise ValueError(f"batch window must be >= 0 seconds, got {window_s}")
         if max_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_prompts}")
+        if chunk_sequences < 1:
+            raise ValueError(f"chunk_sequences must be >= 1, got {chunk_sequences}")
         self.slot = slot
         self.window_s = window_s
         self.max_prompts = max_prompts
+        self.chunk_sequences = chunk_sequences
         self.stats = BatchStats()
         self._queue: asyncio.Queue[_Job] | None = None
         self._task: asyncio.Task | None = None
@@ -137,14 +194,16 @@ class Batcher:
     async def submit(
         self, prompts: list[list[int]], params: SamplingParams
     ) -> tuple[list[list[Completion]], ServedModel]:
-        """Queue a request and wait for its completions (the worker starts on first use)."""
+        """Queue a request and wait for its completions (the worker starts on first use).
+        Cancelling the wait (client gone, deadline) drops the request's remaining parts."""
         loop = asyncio.get_running_loop()
         # (Re)start the worker in this loop: a test client may run each request in a new loop.
         if self._task is None or self._task.done() or self._loop is not loop:
             self._loop, self._queue = loop, asyncio.Queue()
             self._task = loop.create_task(self._run())
         assert self._queue is not None
-        job = _Job(prompts, params, loop.create_future())
+        job = _Job(prompts, params, loop.create_future(),
+                   parts=split_prompts(prompts, params.n, self.chunk_sequences))
         self.stats.requests += 1
         await self._queue.put(job)
         return await job.future
@@ -158,46 +217,64 @@ class Batcher:
                 pass
         self._task = None
 
-    async def _collect(self) -> list[_Job]:
+    async def _collect(self, active: list[_Job]) -> list[_Job]:
+        """New jobs: wait for one (and the batch window) when idle, else take what is queued."""
         assert self._queue is not None
-        jobs = [await self._queue.get()]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.window_s
-        while sum(len(j.prompts) * j.params.n for j in jobs) < self.max_prompts:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            try:
-                jobs.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except TimeoutError:
-                break
+        jobs = []
+        if not active:
+            jobs.append(await self._queue.get())
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.window_s
+            while sum(len(j.prompts) * j.params.n for j in jobs) < self.max_prompts:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    jobs.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except TimeoutError:
+                    break
+        while not self._queue.empty():
+            jobs.append(self._queue.get_nowait())
         return jobs
 
     async def _run(self) -> None:
+        active: list[_Job] = []
         while True:
-            jobs = await self._collect()
-            for group in group_jobs(jobs):
-                await self._run_group(group)
+            active = self._prune(active)
+            active = self._prune(active + await self._collect(active))
+            units = [_Unit(job, job.done_parts) for job in active]
+            for group in group_jobs(units):
+                for call in cap_sequences(group, self.max_prompts):
+                    await self._run_group(call)
 
-    async def _run_group(self, group: list[_Job]) -> None:
-        live = [job for job in group if not job.future.done()]  # a cancelled client is skipped
-        if not live:
+    def _prune(self, jobs: list[_Job]) -> list[_Job]:
+        """Jobs still waiting for parts; a cancelled one (client gone, deadline) is counted."""
+        self.stats.dropped += sum(job.future.cancelled() for job in jobs)
+        return [job for job in jobs if not job.future.done()]
+
+    async def _run_group(self, group: list[_Unit]) -> None:
+        units = [unit for unit in group if not unit.job.future.done()]
+        if not units:
             return
-        prompts = [p for job in live for p in job.prompts]
+        prompts = [p for unit in units for p in unit.prompts]
         self.stats.engine_calls += 1
         self.stats.prompts += len(prompts)
         try:
             completions, served = await asyncio.to_thread(
-                self.slot.generate, prompts, live[0].params
+                self.slot.generate, prompts, units[0].params, units[0].job.served
             )
         except Exception as exc:  # noqa: BLE001 - handed to every waiting request
-            for job in live:
-                if not job.future.done():
-                    job.future.set_exception(exc)
+            for unit in units:
+                if not unit.job.future.done():
+                    unit.job.future.set_exception(exc)
             return
         start = 0
-        for job in live:
-            part = completions[start : start + len(job.prompts)]
-            start += len(job.prompts)
-            if not job.future.done():
-                job.future.set_result((part, served))
+        for unit in units:
+            job = unit.job
+            part = completions[start : start + len(unit.prompts)]
+            start += len(unit.prompts)
+            job.served = served
+            job.results += part
+            job.done_parts += 1
+            if job.done_parts == len(job.parts) and not job.future.done():
+                job.future.set_result((job.results, served))

@@ -9,6 +9,8 @@ Each row gives a prompt (a string, or chat messages: a list of {"role", "content
 `reward` names a function in the reward registry (`envs.rewards`); `reward_module` is imported first
 so that its `@register_reward` functions exist. Without `eval_path`, `eval_fraction` of the rows
 are held out by a stable hash of their id. Missing files and columns raise errors naming them.
+`reward_module` is code: `rlpipe resume` imports the one a run's config.json names, so resuming
+a run directory trusts it (README, "Runs, crashes and trust").
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ class DatasetConfig:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
 
+def read_utf8(path: str | Path) -> str:
+    """A text file's content; ValueError naming the file, line and byte when it is not UTF-8
+    (instead of a bare UnicodeDecodeError)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ValueError(f"{path}: line {line} is not valid UTF-8 (byte {data[err.start]:#04x} at column "
+                         f"{column}); save the file as UTF-8") from None
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a .parquet, .jsonl or .json file as dicts (FileNotFoundError/ValueError naming it)."""
     p = Path(path)
@@ -65,20 +80,20 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         return pq.read_table(p).to_pylist()
     if suffix == ".jsonl":
         rows = []
-        with p.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{p}: line {lineno} is not valid JSON ({exc.msg})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{p}: line {lineno} is not a JSON object")
-                rows.append(row)
+        # split on "\n" only: str.splitlines would also cut at U+2028 inside a JSON string
+        for lineno, line in enumerate(read_utf8(p).split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}: line {lineno} is not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{p}: line {lineno} is not a JSON object")
+            rows.append(row)
         return rows
     if suffix == ".json":
-        rows = json.loads(p.read_text(encoding="utf-8"))
+        rows = json.loads(read_utf8(p))
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{p}: want a JSON list of objects")
         return rows

@@ -19,7 +19,7 @@ SUBCOMMANDS = {
     "resume": ("flows.runner", "main_resume", "continue a stopped run where it stopped"),
     "sql": ("storage.sqlcli", "main", "query a run's tables with DuckDB"),
     "report": ("dashboards.report", "main", "write the HTML run report"),
-    "serve": ("engines.server", "main", "serve a checkpoint over HTTP (torch engine)"),
+    "serve": ("engines.serve_cli", "main", "serve a checkpoint over HTTP (torch engine)"),
 }
 
 

@@ -81,9 +81,12 @@ def phase_run_dir(config: RunConfig, phase: str) -> Path:
 
 
 def open_run(config: RunConfig, phase: str) -> RunState:
-    """Create or reopen the run directory of a phase; write the resolved config."""
+    """Create or reopen the run directory of a phase, locked for this process until `run_phase`
+    ends (storage.runlock: a second process gets RunLockedError); write the resolved config."""
+    from storage.runlock import acquire_run_lock
+
     run_dir = phase_run_dir(config, phase)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    acquire_run_lock(run_dir)
     state_path = run_dir / "run.json"
     if state_path.exists():
         saved = read_json(state_path)
@@ -117,18 +120,24 @@ def stage_io(config: RunConfig) -> Iterator[None]:
 
 
 def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
-    """Run a phase's body; close its MLflow run and run.json as finished or failed."""
+    """Run a phase's body; close its MLflow run and run.json as finished or failed (also on
+    SIGTERM, which flows/runner.py turns into an exception); release the run dir's lock."""
+    from storage.runlock import release_run_lock
+
     try:
-        result = body()
-    except BaseException:
-        tracker.end("FAILED")
-        state.status = "failed"
+        try:
+            result = body()
+        except BaseException:
+            tracker.end("FAILED")
+            state.status = "failed"
+            state.save()
+            raise
+        tracker.end("FINISHED")
+        state.status, state.extra = "finished", {**state.extra, **result}
         state.save()
-        raise
-    tracker.end("FINISHED")
-    state.status, state.extra = "finished", {**state.extra, **result}
-    state.save()
-    return result
+        return result
+    finally:
+        release_run_lock(state.run_dir)
 
 
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:

@@ -8,6 +8,7 @@ written to `<run_dir>/config.json` and logged to MLflow as params.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +21,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -73,6 +75,9 @@ class TaskConfig(Section):
     """Model rewards added to the environment's (envs/reward_models.py), each a scores component."""
     env_reward_weight: float = 1.0
     """Weight of the environment's own reward when reward_models are set."""
+    reward_timeout_s: float = Field(0.0, ge=0)
+    """Seconds one reward call may take (0 = no limit). A call over it is recorded as a reward
+    error (reward 0), counted in the share that fails a step (rl.max_reward_error_fraction)."""
 
 
 class OptimConfig(Section):
@@ -159,8 +164,8 @@ class RLConfig(Section):
     """Drop groups whose rewards all match (they carry no signal)."""
     loss: Literal["reinforce", "ppo_clip"] = "reinforce"
     """Policy loss: on-policy REINFORCE, or PPO clipped ratio against the engine's log-probs."""
-    epsilon_low: float = Field(0.2, ge=0)
-    """PPO clip below 1."""
+    epsilon_low: float = Field(0.2, ge=0, lt=1)
+    """PPO clip below 1 (the ratio's floor 1 - epsilon_low must stay positive)."""
     epsilon_high: float = Field(0.28, ge=0)
     """PPO clip above 1 (asymmetric)."""
     ppo_epochs: int = Field(1, ge=1)
@@ -188,8 +193,20 @@ class EngineConfig(Section):
     """HTTP engine: per-request timeout."""
     retries: int = Field(3, ge=0)
     """HTTP engine and sync: retries on connection errors (with backoff)."""
-    api_token: str = ""
-    """HTTP engine: bearer token, if the servers need one."""
+    api_token_env: str = "RLPIPE_API_TOKEN"
+    """HTTP engine: environment variable holding the servers' bearer token (unset or empty = none).
+    The token itself is never a config value, so it never reaches config.json, MLflow or logs."""
+    api_token_file: str = ""
+    """HTTP engine: a file holding the bearer token (first line); takes precedence over api_token_env."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_token(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_token" in data:
+            raise ValueError("engine.api_token is not accepted: a token in the config would be written to "
+                             "config.json and MLflow; put it in $RLPIPE_API_TOKEN (engine.api_token_env) "
+                             "or a file (engine.api_token_file)")
+        return data
     sync_every: int = Field(1, ge=1)
     """Send the trainer's weights to the engines every N steps (servers: a checkpoint each time);
     at most rl.max_off_policy_steps + 1, so that samples stay within the staleness bound."""
@@ -241,6 +258,14 @@ class RunConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow tracking and the report."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, data: Any) -> Any:
+        bad = non_finite_keys(data)
+        if bad:
+            raise ValueError(f"{bad[0]} must be a finite number (inf and nan are refused)")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.engine.type == "http" and not self.engine.urls:
@@ -255,13 +280,35 @@ class RunConfig(Section):
         if k > 0 and self.rl.ppo_epochs > 1:
             raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
                              "count steps, which the staleness bound is stated in)")
-        if "/" in self.run_name or not self.run_name.strip():
-            raise ValueError(f"run_name must be a plain folder name, got {self.run_name!r}")
+        check_plain_name(self.run_name, "run_name")
         return self
 
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_root) / self.run_name
+
+
+def check_plain_name(name: str, key: str) -> str:
+    """`name` if it is one plain folder name: no separator, not '.' or '..', no control character,
+    no surrounding spaces (a run_name of '..' would put the run, and --overwrite, outside runs_root)."""
+    if (not name or name != name.strip() or name in (".", "..") or any(c in name for c in "/\\")
+            or any(ord(c) < 32 for c in name)):
+        raise ValueError(f"{key} must be a plain folder name (no '/', '\\', '.' or '..'), got {name!r}")
+    return name
+
+
+def non_finite_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of every inf or nan float in a nested dict/list (TOML accepts `inf` and `nan`)."""
+    if isinstance(data, float):
+        return [] if math.isfinite(data) else [prefix or "(value)"]
+    if isinstance(data, dict):
+        items = data.items()
+    elif isinstance(data, list | tuple):
+        items = enumerate(data)
+    else:
+        return []
+    return [key for name, value in items
+            for key in non_finite_keys(value, f"{prefix}.{name}" if prefix else str(name))]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

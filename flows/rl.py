@@ -32,13 +32,14 @@ from flows.config import RunConfig
 from flows.progress import progress
 from flows.supervised import due
 from tasks.checkpoint import checkpoint_task, promote_best
+from tasks.evaluate import best_accuracy_before
 from tasks.pack import pack_task
 from tasks.record import step_metrics, train_step_row
 from tasks.rl_setup import RLRun, open_rl
 from tasks.sync import sync_task
 from tasks.train import train_task
 from training import metric_names as m
-from training.checkpoint import latest_checkpoint
+from training.checkpoint import checkpoint_steps, latest_checkpoint
 
 
 @flow(name="rl", log_prints=True, persist_result=False)
@@ -70,6 +71,8 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
     evals = run.evaluate(0, **io) if run.start_step == 0 else {}
     best, last = evals.get(m.EVAL_ACCURACY, -math.inf), None
+    if run.start_step:  # a resumed run moves the `best` alias only for a better eval than before
+        best = best_accuracy_before(io["run_dir"], run.start_step, checkpoint_steps(io["run_dir"]))
     if evals:
         tracker.log_metrics(evals, step=0)
     bar = progress(total=rl.steps, initial=run.start_step, desc="rl")

@@ -1,7 +1,9 @@
 """`rlpipe run` and `rlpipe resume`: validate the config, start the flow it names, summarise.
 
 A run directory that already holds a run is never silently reused: `rlpipe run` refuses it
-(resume it, or pass --overwrite to start over).
+(resume it, or pass --overwrite to start over). A run directory is locked while a process runs
+it (storage.runlock): a second `rlpipe run --overwrite` or `rlpipe resume` gets a clear error.
+SIGTERM stops a run like Ctrl-C: queued table writes drain, MLflow and run.json say FAILED.
 """
 
 from __future__ import annotations
@@ -9,13 +11,49 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from flows.common import quiet_defaults
 from flows.config import ConfigError, RunConfig, describe_fields, load_config, validate_config
+from storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
 from training import metric_names as m
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that no `except Exception`
+    in user code (a reward function's) swallows it, while every `finally` still runs."""
+
+
+@contextmanager
+def sigterm_stops_the_run() -> Iterator[None]:
+    """While the block runs, SIGTERM raises Terminated in the main thread (once: a second one is
+    ignored so the clean-up — draining writes, closing the MLflow run — is not cut short)."""
+
+    def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Delete what a run directory holds, but not its lock file (held by this process)."""
+    for child in run_dir.iterdir():
+        if child.name == LOCK_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def flow_function(name: str):
@@ -85,13 +123,11 @@ def main_run(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"rlpipe run: {error}", file=sys.stderr)
         return 2
-    if (config.run_dir / "run.json").exists():
-        if not args.overwrite:
-            print(f"rlpipe run: {config.run_dir} already holds a run; `rlpipe resume {config.run_dir}` "
-                  "continues it, --overwrite starts over", file=sys.stderr)
-            return 2
-        shutil.rmtree(config.run_dir)
-    return _execute(config)
+    if (config.run_dir / "run.json").exists() and not args.overwrite:
+        print(f"rlpipe run: {config.run_dir} already holds a run; `rlpipe resume {config.run_dir}` "
+              "continues it, --overwrite starts over", file=sys.stderr)
+        return 2
+    return _execute(config, overwrite=args.overwrite)
 
 
 def main_resume(argv: list[str]) -> int:
@@ -115,7 +151,7 @@ def main_resume(argv: list[str]) -> int:
     return _execute(config)
 
 
-def _execute(config: RunConfig) -> int:
+def _execute(config: RunConfig, overwrite: bool = False) -> int:
     from models.device import resolve_device
 
     try:  # before any run directory or tracking run exists
@@ -125,14 +161,25 @@ def _execute(config: RunConfig) -> int:
         return 2
     began = time.perf_counter()
     try:
-        result = start(config)
-    except KeyboardInterrupt:
-        print(f"rlpipe: interrupted; `rlpipe resume {config.run_dir}` continues", file=sys.stderr)
-        return 130
+        acquire_run_lock(config.run_dir)
+    except RunLockedError as error:
+        print(f"rlpipe: {error}", file=sys.stderr)
+        return 2
+    try:
+        if overwrite and (config.run_dir / "run.json").exists():
+            clear_run_dir(config.run_dir)
+        with sigterm_stops_the_run():
+            result = start(config)
+    except (KeyboardInterrupt, Terminated) as stop:
+        why = "interrupted" if isinstance(stop, KeyboardInterrupt) else str(stop)
+        print(f"rlpipe: {why}; `rlpipe resume {config.run_dir}` continues", file=sys.stderr)
+        return 130 if isinstance(stop, KeyboardInterrupt) else 143
     except Exception as error:  # noqa: BLE001 - one clear line; Prefect logged the traceback
         print(f"rlpipe: run failed: {type(error).__name__}: {error}\n"
               f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
               "last complete stage", file=sys.stderr)
         return 1
+    finally:
+        release_run_lock(config.run_dir)
     print("\n".join(summary_lines(config, result or {}, time.perf_counter() - began)))
     return 0

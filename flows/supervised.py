@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from envs.timeout import with_reward_timeout
 from flows.common import (
     RunState,
     Stopwatch,
@@ -59,7 +60,7 @@ def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | No
 
 def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls) -> dict:
     run_dir, run_id = state.run_dir, state.run_id
-    env = make_env(config.task.env, config.task.options)
+    env = with_reward_timeout(make_env(config.task.env, config.task.options), config.task.reward_timeout_s)
     resume_from = latest_checkpoint(run_dir)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)

@@ -73,8 +73,9 @@ def atomic_write_parquet(table: pa.Table, dest: Path, *, durable: bool = True) -
     """Write `table` to `dest` (zstd) through a hidden temporary file renamed over `dest`.
 
     durable: fsync the file before the rename, so a power cut cannot leave a renamed but
-    empty file (a SIGKILL cannot either way). The folder is not fsynced: after a power cut the
-    newest rename may be lost, leaving the previous file — still whole.
+    empty file (a SIGKILL cannot either way), and its folder after it, so the rename itself
+    survives a power cut (`fsync_written` covers the folders above, when they are new). Not durable: after a power cut the newest rename
+    may be lost, leaving the previous file — still whole; `fsync_written` later makes it durable.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
@@ -86,6 +87,29 @@ def atomic_write_parquet(table: pa.Table, dest: Path, *, durable: bool = True) -
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if durable:
+        _fsync(dest.parent)
+
+
+def fsync_written(files: list[Path], root: Path) -> None:
+    """Make earlier writes durable: fsync each file, then each folder from the file's up to
+    `root` (inclusive), each once, so renames and newly made folders survive a power cut.
+    A file renamed away since (a later write replaced it) is skipped: its folder still is synced."""
+    folders: dict[Path, None] = {}
+    root = Path(root)
+    for file in files:
+        try:
+            _fsync(file)
+        except FileNotFoundError:
+            pass
+        folder = file.parent
+        while True:
+            folders.setdefault(folder, None)
+            if folder == root or folder == folder.parent or root not in folder.parents:
+                break
+            folder = folder.parent
+    for folder in folders:
+        _fsync(folder)
 
 
 def _fsync(path: Path) -> None:

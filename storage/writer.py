@@ -33,6 +33,7 @@ from storage.layout import (
     atomic_write_parquet,
     check_step,
     clean_leftovers,
+    fsync_written,
     partition_file,
     partition_files,
     table_dir,
@@ -166,7 +167,8 @@ def write_table(
     """Write (or atomically replace) the partition `<run_dir>/tables/<table>/step=<step>/`.
 
     run_id: defaults to the run_id column of `data`, else the run folder's name.
-    durable: fsync the file before the rename (see storage.layout.atomic_write_parquet).
+    durable: fsync the file before the rename and the folders up to run_dir after it, so the
+    partition survives a power cut (see storage.layout.atomic_write_parquet).
     Returns the partition's file. An empty `data` writes an empty, complete partition.
     """
     return _write(run_dir, table, step, data, run_id=run_id, durable=durable, prepared=None)
@@ -188,6 +190,8 @@ def _write(run_dir: str | os.PathLike, table: str, step: int, data: TableData, *
         clean_leftovers(table_dir(run_dir, table))
         catalog.ensure_schema_file(run_dir, table)  # before the data: views read columns from it
     atomic_write_parquet(arrow, dest, durable=durable)
+    if durable:
+        fsync_written([dest], Path(run_dir))
     if first_write:
         if not (Path(run_dir) / CATALOG_NAME).exists():
             catalog.ensure_catalog(run_dir, quiet_if_busy=True)
@@ -222,11 +226,21 @@ def read_table(run_dir: str | os.PathLike, table: str, step: int | None = None) 
         path = partition_file(run_dir, table, step)
         if not path.is_file():
             raise FileNotFoundError(f"table {table!r} has no partition for step {step}: {path}")
-        return align(pq.ParquetFile(path).read(), schema)
-    parts = [
-        align(pq.ParquetFile(path).read(), schema) for _, path in partition_files(run_dir, table)
-    ]
+        return align(read_partition(path, table), schema)
+    parts = [align(read_partition(path, table), schema) for _, path in partition_files(run_dir, table)]
     return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def read_partition(path: Path, table: str, metadata_only: bool = False) -> Any:
+    """One partition file (its metadata only, if asked); a damaged file is a ValueError naming it
+    and saying how to recover, instead of a bare Arrow error."""
+    try:
+        file = pq.ParquetFile(path)
+        return file.metadata if metadata_only else file.read()
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as error:
+        raise ValueError(
+            f"table {table!r}: partition file {str(path)!r} is corrupt ({error}). Delete it: "
+            "`rlpipe resume` recomputes the stage if its step is after the last checkpoint") from error
 
 
 def align(data: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -270,7 +284,10 @@ class BackgroundWriter:
 
     Writes happen in submission order, each atomic, so a killed process has written a prefix of
     its submissions: the same disk state as a process killed earlier, with nothing partial.
-    Callers that make progress durable elsewhere (a checkpoint) drain first. `submit` snapshots
+    Callers that make progress durable elsewhere (a checkpoint) call `drain(durable=True)` first:
+    it also fsyncs every file written since the last durable drain, and their folders up to the
+    run directory, so a checkpoint never outlives, even after a power cut, the partitions it
+    depends on (one fsync batch per checkpoint instead of ~7 ms per write). `submit` snapshots
     row lists (a shallow copy of each row) so later changes by the caller cannot leak into the
     table. The first failure stops the writer — later writes are dropped, so the disk still
     holds a prefix — and raises TableWriteError at every later `submit`, `drain` and `close`.
@@ -285,6 +302,7 @@ class BackgroundWriter:
         self._closed = False
         self._prepared: set[tuple[str, str]] = set()
         self._keys: dict[tuple[str, str, int], int] = {}  # (run_dir, table, step) -> queued writes
+        self._unsynced: dict[str, list[Path]] = {}  # run_dir -> files written without fsync
         self.busy_seconds = 0.0  # time spent writing, for benchmarks
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -314,11 +332,15 @@ class BackgroundWriter:
         with self._done:
             return self._keys.get(_key(run_dir, table, step), 0) > 0
 
-    def drain(self) -> None:
-        """Wait until every submitted write is on disk; raise TableWriteError if one failed."""
+    def drain(self, durable: bool = False) -> None:
+        """Wait until every submitted write is on disk; raise TableWriteError if one failed.
+        durable: then fsync what was written since the last durable drain (files and folders)."""
         with self._done:
             self._done.wait_for(lambda: self._finished >= self._submitted)
+            unsynced, self._unsynced = (self._unsynced, {}) if durable else ({}, self._unsynced)
         self._raise_error()
+        for run_dir, files in unsynced.items():
+            fsync_written(files, Path(run_dir))
 
     def close(self, raise_errors: bool = True) -> None:
         """Drain, then stop the thread. raise_errors=False: keep a write error quiet (the caller
@@ -326,8 +348,9 @@ class BackgroundWriter:
         if self._closed:
             return
         try:
-            with self._done:
-                self._done.wait_for(lambda: self._finished >= self._submitted)
+            self.drain(durable=True)
+        except TableWriteError:
+            pass  # raised below (or kept quiet) with the thread stopped
         finally:
             self._closed = True
             self._jobs.put(None)
@@ -354,8 +377,11 @@ class BackgroundWriter:
             skipped = 0
             if not failed:
                 try:
-                    _write(job.run_dir, job.table, job.step, job.data, run_id=job.run_id,
-                           durable=job.durable, prepared=self._prepared)
+                    dest = _write(job.run_dir, job.table, job.step, job.data, run_id=job.run_id,
+                                  durable=job.durable, prepared=self._prepared)
+                    if not job.durable:
+                        with self._done:
+                            self._unsynced.setdefault(str(job.run_dir), []).append(dest)
                 except BaseException as error:  # noqa: BLE001 - surfaced at the next submit/drain
                     failed = True
                     skipped = self._jobs.qsize()

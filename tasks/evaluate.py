@@ -78,3 +78,19 @@ def eval_step(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, s
         rows, _ = eval_task(engine, tokenizer, env, examples, run_id=run_id, step=step, **kwargs)
         persist(run_dir, "evals", step, rows, run_id)
     return eval_metrics(rows)
+
+
+def best_accuracy_before(run_dir, step: int, checkpointed: set[int]) -> float:
+    """The `best` a run had after `step`, rebuilt from its `evals` table so that a resumed run
+    moves the `best` alias only for a better eval: the step-0 accuracy, raised by every eval at a
+    checkpointed step up to `step` (the alias only ever pointed at checkpoints). -inf if none."""
+    import duckdb
+
+    from storage.writer import read_table
+
+    evals = read_table(run_dir, "evals")
+    if not evals.num_rows:
+        return float("-inf")
+    accuracy = dict(duckdb.sql("select step, avg(correct::int) from evals group by step").fetchall())
+    steps = [s for s in accuracy if s == 0 or (s <= step and s in checkpointed)]
+    return max((float(accuracy[s]) for s in steps), default=float("-inf"))

@@ -15,10 +15,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from storage.layout import partition_file
-from storage.writer import BackgroundWriter, is_complete, read_table, write_table
+from storage.writer import BackgroundWriter, is_complete, read_partition, read_table, write_table
 from training import metric_names as m
 
 # the writer of the enclosing `background_writes()` block; a ContextVar, not a global, so each
@@ -40,11 +38,12 @@ def background_writes() -> Iterator[BackgroundWriter]:
 
 
 def drain_writes() -> None:
-    """Wait until every queued table write is on disk; raises storage.writer.TableWriteError
+    """Wait until every queued table write is on disk, fsynced with its folders (a checkpoint
+    comes next and marks the step done); raises storage.writer.TableWriteError
     naming the (table, step) of a failed write. A no-op outside `background_writes()`."""
     writer = _WRITER.get()
     if writer is not None:
-        writer.drain()
+        writer.drain(durable=True)
 
 
 def _settle(run_dir: Path, table: str, step: int) -> None:
@@ -89,7 +88,7 @@ def load_rows_beyond(run_dir: Path, table: str, step: int, known: int) -> list[d
     process wrote itself (a resumed step); None otherwise, without reading past the footer."""
     _settle(run_dir, table, step)
     path = partition_file(run_dir, table, step)
-    if not path.is_file() or pq.ParquetFile(path).metadata.num_rows <= known:
+    if not path.is_file() or read_partition(path, table, metadata_only=True).num_rows <= known:
         return None
     return read_table(run_dir, table, step).to_pylist()
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from engines.base import Engine, SamplingParams
 from envs.base import Environment, Example
+from envs.timeout import with_reward_timeout
 from rollouts.source import RolloutSource
 from tasks.checkpoint import repair_checkpoint_row
 from tasks.evaluate import eval_step
@@ -108,8 +109,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     from envs.prompts import PromptSource
 
     rl = config.rl
-    env = make_env(config.task.env, config.task.options, config.task.reward_models,
-                   config.task.env_reward_weight)
+    env = with_reward_timeout(make_env(config.task.env, config.task.options, config.task.reward_models,
+                                       config.task.env_reward_weight), config.task.reward_timeout_s)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import Environment, Example, build_env
+from envs.dataset import read_utf8
 from models.device import resolve_device
 from models.loading import load_model
 from models.presets import build_model
@@ -125,7 +126,7 @@ def read_chat_jsonl(path: Path) -> list[list[dict]]:
     if not path.is_file():
         raise ValueError(f"SFT data file not found: {path}")
     chats = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_utf8(path).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -157,16 +158,23 @@ def read_documents(path: Path) -> list[str]:
 
     if not path.is_file():
         raise ValueError(f"pretrain data file not found: {path}")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    text = read_utf8(path)
     if path.suffix == ".jsonl":
         docs = []
-        for number, line in enumerate(lines, 1):
-            record = json.loads(line)
+        for number, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: JSONL record is not an object")
             if "text" not in record:
                 raise ValueError(f"{path}:{number}: JSONL record has no 'text' field")
             docs.append(str(record["text"]))
         return docs
-    return lines
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def pretrain_data(env: Environment, tokenizer, section, seed: int) -> list[Sequence]:

@@ -5,11 +5,13 @@
         tokenizer.json, tokenizer_config.json, ...                (tokenizer.save_pretrained)
         optimizer.pt     optimizer + scheduler state dicts
         data_state.json  the caller's data position (epoch, offset, seed, buffers, ...)
-        rng_state.pt     python, numpy and torch (CPU, CUDA) RNG states
+        rng_state.pt     python, numpy and torch (CPU, CUDA) RNG states, as tensors and numbers
         metadata.json    step, time, metrics, policy_version, sha256 of the weight files
 
 The folder loads as is with `transformers.AutoModelForCausalLM.from_pretrained(path)` (and vLLM /
-SGLang): config.json never names rlpipe's own attention implementation. It is written into a
+SGLang): config.json never names rlpipe's own attention implementation. `optimizer.pt` and
+`rng_state.pt` hold only tensors and plain numbers and are loaded with `weights_only=True`, so
+loading a checkpoint runs no code from it. It is written into a
 hidden temporary folder beside the final one and renamed into place, so a reader never sees a
 half-written checkpoint; `latest_checkpoint` ignores hidden folders and folders without
 metadata.json (which is written last).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import uuid
@@ -74,24 +77,45 @@ def sha256_file(path: Path, block: int = 1 << 20) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG state a training loop may draw from."""
+    """Every RNG state a training loop may draw from, as tensors, lists and numbers only (so that
+    `torch.load(weights_only=True)` reads it back: no pickled numpy objects)."""
+    version, internal, gauss = random.getstate()
+    key_kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "format": 2,
+        "python": [version, list(internal), gauss],
+        "numpy": {"kind": str(key_kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore the states saved by `rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _load_safely(file: Path) -> Any:
+    """`torch.load(weights_only=True)`; a file that needs arbitrary unpickling (a checkpoint from
+    before rlpipe stored RNG states as tensors) is refused with what to do instead."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{str(file)!r} holds objects other than tensors and numbers, and loading them could run "
+            "code from the file (older rlpipe checkpoints pickled numpy RNG states). Load the weights "
+            f"alone (restore_rng=False, no optimizer), or re-save it from a trusted copy: {err}"
+        ) from None
 
 
 def _portable_config(folder: Path) -> None:
@@ -251,7 +275,7 @@ def load_checkpoint(
         opt_file = path / OPTIMIZER_FILE
         if not opt_file.is_file():
             raise ValueError(f"checkpoint {str(path)!r} has no {OPTIMIZER_FILE} to restore from")
-        states = torch.load(opt_file, map_location="cpu", weights_only=False)
+        states = _load_safely(opt_file)
         for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler")):
             if obj is not None:
                 if states.get(key) is None:
@@ -261,24 +285,30 @@ def load_checkpoint(
         rng_file = path / RNG_FILE
         if not rng_file.is_file():
             raise ValueError(f"checkpoint {str(path)!r} has no {RNG_FILE} (pass restore_rng=False)")
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+        set_rng_state(_load_safely(rng_file))
     return Checkpoint(path=path, model=model, tokenizer=tokenizer, data_state=data_state, metadata=metadata)
+
+
+def checkpoint_steps(run_dir: str | Path) -> set[int]:
+    """Steps of the complete checkpoints under `<run_dir>/checkpoints`."""
+    return {int(path.name[len("step_"):]) for path in _complete(run_dir)}
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under `<run_dir>/checkpoints`, or None."""
+    found = [(int(path.name[len("step_"):]), path) for path in _complete(run_dir)]
+    return max(found)[1] if found else None
+
+
+def _complete(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
-        return None
-    found: list[tuple[int, Path]] = []
+        return []
+    found: list[Path] = []
     for child in root.iterdir():
         name = child.name
-        if not name.startswith("step_") or not child.is_dir():
+        if not name.startswith("step_") or not child.is_dir() or not (child / METADATA_FILE).is_file():
             continue
-        if not (child / METADATA_FILE).is_file():
-            continue
-        try:
-            found.append((int(name[len("step_"):]), child))
-        except ValueError:
-            continue
-    return max(found)[1] if found else None
+        if name[len("step_"):].isdigit():
+            found.append(child)
+    return found

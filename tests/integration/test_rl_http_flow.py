@@ -1,6 +1,7 @@
 """The RL flow with two `rlpipe serve` subprocesses as its engines: every sync recorded and
 applied; with one server killed, the next run stops with an error naming it and nothing
-persisted is lost."""
+persisted is lost. The servers' token comes from the environment and is found nowhere in the
+run directory, the MLflow store or the logs afterwards."""
 
 from __future__ import annotations
 
@@ -33,20 +34,31 @@ def http_config(tmp_path: Path, start: Path, urls: list[str], steps: int) -> dic
     config = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
     config.update(flow="rl", run_name="http", runs_root=str(tmp_path / "runs"))
     config["model"]["path"] = str(start)
-    config["engine"] = {"type": "http", "urls": urls, "api_token": "tok", "retries": 1, "timeout_s": 60}
+    config["engine"] = {"type": "http", "urls": urls, "retries": 1, "timeout_s": 60}
     config["rl"].update(steps=steps, eval_every=0, drop_zero_variance=False)
-    config["tracking"] = {"enabled": False, "report": False}
+    config["tracking"] = {"enabled": True, "report": False, "experiment": "http-secret"}
     return config
 
 
-def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, tmp_path):
+TOKEN = "tok-7f3a9c-never-on-disk"
+
+
+def files_holding(root: Path, secret: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
+
+
+def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, tmp_path, monkeypatch,
+                                                                    capfd, caplog):
     from flows.rl import rl_flow
+
+    monkeypatch.setenv("RLPIPE_API_TOKEN", TOKEN)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the store lands under runs_root (tmp)
 
     tok = build_tokenizer()
     start = save_checkpoint(tmp_path / "init", 0, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)
     procs: list[subprocess.Popen] = []
     try:
-        procs = [start_server(start, tmp_path, "tok") for _ in range(2)]
+        procs = [start_server(start, tmp_path, TOKEN) for _ in range(2)]
         urls = [wait_for_url(p) for p in procs]
         rl_flow(config=http_config(tmp_path, start, urls, steps=2))
 
@@ -55,7 +67,7 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
         assert [(r["step"], r["ok"]) for r in syncs] == [(1, True), (1, True), (2, True), (2, True)]
         assert {r["engine"] for r in syncs} == set(urls)
         for url in urls:  # applied: each server now serves policy version 2
-            engine = HttpEngine(url, api_token="tok")
+            engine = HttpEngine(url, api_token=TOKEN)
             assert engine.health()["policy_version"] == 2
             engine.close()
 
@@ -68,6 +80,11 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
             == rollouts_before
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".")) \
             == ["step_000001", "step_000002"]
+        # the token reached the servers (every request above was authorised) and nothing else
+        assert not files_holding(tmp_path, TOKEN.encode())
+        out, err = capfd.readouterr()
+        assert TOKEN not in out + err + caplog.text
+        assert (run_dir / "config.json").read_text().count("RLPIPE_API_TOKEN") == 1  # the variable's name only
     finally:
         for proc in procs:
             if proc.poll() is None:

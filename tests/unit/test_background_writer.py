@@ -117,3 +117,39 @@ def test_sigkill_leaves_a_prefix_of_the_writes_and_no_partial_file(tmp_path):
         assert read_table(tmp_path, "train_steps", step).num_rows == 1, path
     folder = tmp_path / "tables" / "train_steps"
     assert not [p for p in folder.rglob("*.parquet") if p.name.startswith(".")]
+
+
+def test_a_durable_drain_fsyncs_every_written_file_and_its_folders_before_returning(tmp_path, monkeypatch):
+    # what must hold before a checkpoint marks a step done: each partition written since the last
+    # durable drain, and every folder from its own up to the run dir, has been fsynced
+    import storage.layout as layout
+
+    synced: list[Path] = []
+    real = layout._fsync
+    monkeypatch.setattr(layout, "_fsync", lambda path: (synced.append(Path(path)), real(path)))
+    run_dir = tmp_path / "run"
+    with BackgroundWriter() as writer:
+        writer.submit(run_dir, "train_steps", 1, [step_row(1, 0.5)], run_id="r")
+        writer.submit(run_dir, "evals", 1, [], run_id="r")
+        writer.drain()
+        assert synced == []  # a plain drain (a read of one's own writes) costs no fsync
+        writer.drain(durable=True)
+        tables = run_dir / "tables"
+        files = [tables / "train_steps" / "step=1" / "part-0.parquet", tables / "evals" / "step=1" / "part-0.parquet"]
+        folders = [f.parent for f in files] + [tables / "train_steps", tables / "evals", tables, run_dir]
+        assert set(files + folders) <= set(synced)
+        assert max(synced.index(f) for f in files) < min(synced.index(d) for d in folders)
+        synced.clear()
+        writer.drain(durable=True)
+        assert synced == []  # nothing new since: nothing to sync
+
+
+def test_write_table_durable_fsyncs_the_folders_up_to_the_run_dir(tmp_path, monkeypatch):
+    import storage.layout as layout
+    from storage.writer import write_table
+
+    synced: list[Path] = []
+    real = layout._fsync
+    monkeypatch.setattr(layout, "_fsync", lambda path: (synced.append(Path(path)), real(path)))
+    write_table(tmp_path, "train_steps", 4, [step_row(4, 0.1)], run_id="r")
+    assert {tmp_path, tmp_path / "tables", tmp_path / "tables" / "train_steps"} <= set(synced)

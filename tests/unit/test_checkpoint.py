@@ -156,3 +156,35 @@ def test_optimizer_state_missing_errors(saved, tokenizer):
     model = _model(tokenizer)
     with pytest.raises(ValueError, match=r"optimizer\.pt"):
         load_checkpoint(saved, model=model, optimizer=build_optimizer(model, 1e-3))
+
+
+def test_rng_state_round_trips_through_a_weights_only_load(tmp_path, tokenizer):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = save_checkpoint(tmp_path, 1, _model(tokenizer), tokenizer)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    torch.load(path / "rng_state.pt", weights_only=True)  # plain tensors and numbers: no pickle code
+    load_checkpoint(path)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+class _Boom:
+    def __reduce__(self):  # what a hostile optimizer.pt would carry: code run at unpickling
+        return (exec, ("import pathlib; pathlib.Path('PWNED').touch()",))
+
+
+def test_a_pickled_object_in_a_checkpoint_is_refused_not_run(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = _model(tokenizer)
+    opt = build_optimizer(model, lr=1e-3)
+    path = save_checkpoint(tmp_path, 1, model, tokenizer, optimizer=opt)
+    torch.save({"optimizer": _Boom(), "scheduler": None}, path / "optimizer.pt")
+    with pytest.raises(ValueError, match=r"optimizer\.pt.*could run code"):
+        load_checkpoint(path, model=model, optimizer=opt, restore_rng=False)
+    assert not (tmp_path / "PWNED").exists()
+    # an old checkpoint's RNG file (numpy state pickled as objects) gets the same clear refusal
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               path / "rng_state.pt")
+    with pytest.raises(ValueError, match=r"rng_state\.pt.*restore_rng=False"):
+        load_checkpoint(path)
+    assert load_checkpoint(path, restore_rng=False).step == 1  # the weights still load

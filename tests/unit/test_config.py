@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, RunConfig, apply_overrides, describe_fields, load_config
+from flows.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    describe_fields,
+    load_config,
+    validate_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,3 +68,35 @@ def test_every_field_has_a_docstring():
 def test_shipped_configs_validate(name):
     config = load_config(ROOT / "configs" / name)
     assert config.run_name
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", " x", "a/b", "a\\b", "../up", "x\ny"])
+def test_run_name_must_be_a_plain_folder_name(name):
+    # '..' would put the run dir (and --overwrite's rmtree) outside runs_root
+    with pytest.raises(ConfigError, match="run_name must be a plain folder name"):
+        load_config(ROOT / "configs" / "tiny.toml", [f"run_name={name!r}".replace("'", '"')])
+
+
+@pytest.mark.parametrize("key", ["rl.optim.lr", "rl.optim.max_grad_norm", "rl.oversample_factor",
+                                 "sft.optim.min_lr_ratio", "rl.sampling.temperature", "task.options.x"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_numbers_are_refused_by_name(key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*finite"):
+        load_config(ROOT / "configs" / "tiny.toml", [f"{key}={value}"])
+
+
+def test_non_finite_strings_are_refused_too():
+    # config.json read back by `rlpipe resume` could carry "inf" as a string
+    with pytest.raises(ConfigError, match=r"rl\.optim\.lr: Input should be a finite number"):
+        validate_config({"rl": {"optim": {"lr": "inf"}}})
+
+
+def test_epsilon_low_must_stay_below_one():
+    with pytest.raises(ConfigError, match=r"rl\.epsilon_low"):
+        load_config(ROOT / "configs" / "tiny.toml", ["rl.epsilon_low=1.0"])
+    assert load_config(ROOT / "configs" / "tiny.toml", ["rl.epsilon_low=0.99"]).rl.epsilon_low == 0.99
+
+
+def test_an_inline_api_token_is_refused_with_where_to_put_it():
+    with pytest.raises(ConfigError, match="RLPIPE_API_TOKEN"):
+        load_config(ROOT / "configs" / "tiny.toml", ['engine.api_token="s3cret"'])

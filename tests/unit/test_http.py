@@ -18,6 +18,7 @@ from engines.http import (
     HttpEngine,
     engines_from_config,
     parse_engine_url,
+    read_token,
 )
 from engines.server import build_app
 from engines.torch_engine import TorchEngine
@@ -43,8 +44,8 @@ def ckpt(run_dir, step):
 
 
 def served_engine(run_dir, token=None, api_token=None):
-    client = TestClient(build_app(ckpt(run_dir, 0), token=token))
-    return HttpEngine("http://testserver", retries=0, api_token=api_token, client=client), client
+    client = TestClient(build_app(ckpt(run_dir, 0), token=token), base_url="http://localhost")
+    return HttpEngine("http://localhost", retries=0, api_token=api_token, client=client), client
 
 
 def test_generate_and_sync_through_the_server(run_dir):
@@ -74,7 +75,7 @@ def test_generate_and_sync_through_the_server(run_dir):
 
 def test_token_is_sent(run_dir):
     engine, client = served_engine(run_dir, token="t0k", api_token="t0k")
-    anonymous = HttpEngine("http://testserver", retries=0, client=client)
+    anonymous = HttpEngine("http://localhost", retries=0, client=client)
     with client:
         assert engine.health()["status"] == "ok"
         with pytest.raises(EngineResponseError, match="HTTP 401"):
@@ -219,13 +220,15 @@ def test_malformed_answers_raise_engine_response_error():
         engine.generate([[1], [2]], SamplingParams(max_new_tokens=1))
 
 
-def test_engines_from_config_and_urls():
+def test_engines_from_config_and_urls(monkeypatch):
+    monkeypatch.setenv("RLPIPE_API_TOKEN", "tok")
     config = EngineConfig(type="http", urls=["http://127.0.0.1:8001/", "sglang+http://127.0.0.1:8002"],
-                          timeout_s=5, retries=1, api_token="tok")
+                          timeout_s=5, retries=1)
     engines = engines_from_config(config)
     assert [e.name for e in engines] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     assert [e.flavor for e in engines] == ["rlpipe", "sglang"]
     assert engines[0].timeout_s == 5 and engines[0].retries == 1
+    assert engines[0]._headers == {"Authorization": "Bearer tok"}
     for bad in ("127.0.0.1:8000", "ftp://h", "tgi+http://h:1", "http://"):
         with pytest.raises(ValueError, match="engine url"):
             parse_engine_url(bad)
@@ -233,3 +236,16 @@ def test_engines_from_config_and_urls():
         HttpEngine("vllm+http://h:1", flavor="sglang")
     with pytest.raises(ValueError, match="no server"):
         engines_from_config(EngineConfig(urls=[]))
+
+
+def test_token_comes_from_a_file_before_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("MY_TOKEN", "from-env")
+    assert read_token("", "MY_TOKEN") == "from-env"
+    assert read_token("", "UNSET_TOKEN_VAR") is None
+    (tmp_path / "tok").write_text("from-file\n")
+    assert read_token(str(tmp_path / "tok"), "MY_TOKEN") == "from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_token(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="cannot read the token file"):
+        read_token(str(tmp_path / "missing"))

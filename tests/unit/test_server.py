@@ -37,7 +37,7 @@ def ckpt(run_dir, step):
 
 @pytest.fixture()
 def client(run_dir):
-    with TestClient(build_app(ckpt(run_dir, 0))) as c:
+    with TestClient(build_app(ckpt(run_dir, 0)), base_url="http://localhost") as c:
         yield c
 
 
@@ -92,7 +92,7 @@ def test_text_prompt_equals_token_prompt_and_stop_tokens(client):
 
 
 def test_token_required(run_dir):
-    with TestClient(build_app(ckpt(run_dir, 0), token="s3cret")) as c:
+    with TestClient(build_app(ckpt(run_dir, 0), token="s3cret"), base_url="http://localhost") as c:
         body = {"prompt": PROMPTS[0], "max_tokens": 2}
         assert c.post("/v1/completions", json=body).status_code == 401
         assert c.get("/health").status_code == 401
@@ -170,7 +170,7 @@ def test_refused_reloads_keep_the_old_weights(client, run_dir, tmp_path):
         cases = [
             (str(outside), 403, "outside the allowed root"),
             (str(link), 403, "outside the allowed root"),  # a symlink inside pointing outside
-            (str(run_dir / "checkpoints" / ".." / ".." / "x"), 400, "does not exist"),
+            (str(run_dir / "checkpoints" / ".." / ".." / "x"), 403, "outside the allowed root"),
             (str(corrupt), 400, "not a valid checkpoint"),
             (str(run_dir / "checkpoints" / "nope"), 400, "does not exist"),
             (42, 400, "model_path"),
@@ -180,6 +180,12 @@ def test_refused_reloads_keep_the_old_weights(client, run_dir, tmp_path):
             assert r.status_code == status, (path, r.text)
             assert words in r.json()["error"]["message"], r.text
         assert client.post("/update_weights_from_disk", json={"path": "x"}).status_code == 400
+        # outside the root, an existing and a missing path get the same answer: nothing leaks
+        answers = [client.post("/update_weights_from_disk", json={"model_path": p})
+                   for p in ("/etc", "/etc/no-such-dir-xyz")]
+        assert [a.status_code for a in answers] == [403, 403]
+        assert [a.json()["error"]["message"].split("'")[2] for a in answers][0] == \
+               answers[1].json()["error"]["message"].split("'")[2]
         assert client.get("/health").json()["policy_version"] == 0
         assert complete(client, **body)["choices"][0] == before
     finally:
@@ -193,7 +199,7 @@ def test_concurrent_requests_are_batched(run_dir):
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as c:
             unseeded = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "logprobs": 0})
                         for p in PROMPTS * 2]
             seeded = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "seed": 9, "logprobs": 0})
@@ -231,3 +237,177 @@ def test_models_endpoint(client, run_dir):
     data = client.get("/v1/models").json()["data"]
     assert data[0]["id"] == str(ckpt(run_dir, 0)) and data[0]["policy_version"] == 0
     assert complete(client, prompt=PROMPTS[0], max_tokens=1, model=data[0]["id"])["choices"]
+
+
+# ----------------------------------------------------------------------------- limits and protocol
+
+from engines.protocol import ServeLimits  # noqa: E402
+
+
+@pytest.fixture()
+def capped(run_dir):
+    limits = ServeLimits(max_n=4, max_tokens=8, max_prompts=3, max_body_bytes=2000)
+    with TestClient(build_app(ckpt(run_dir, 0), limits=limits), base_url="http://localhost") as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"prompt": [1, 2], "n": 5}, 400, "max_n=4 (--max-n)"),
+        ({"prompt": [1, 2], "max_tokens": 9}, 400, "max_tokens=8 (--max-tokens)"),
+        ({"prompt": [[1]] * 4}, 400, "max_prompts=3 (--max-prompts)"),
+        ({"prompt": [1] * 1500}, 413, "max_body_bytes=2000 (--max-body-bytes)"),
+        ({"prompt": [1] * 300, "max_tokens": 8}, 400, "over the model's context"),
+        ({"prompt": [1, 2], "seed": 2**64}, 400, "seed must be in [0, 2**64)"),
+        ({"prompt": [1, 2], "seed": -1}, 400, "seed must be in"),
+        ({"prompt": [1, 2], "temperature": 1e-30}, 400, "temperature must be 0 (greedy) or >="),
+    ],
+)
+def test_requests_over_a_cap_get_a_4xx_naming_it(capped, body, status, words, monkeypatch):
+    if "context" in words:  # a 300-token prompt fits the body cap only on a small-context model
+        model = capped.app.state.rlpipe.slot.current.engine.model
+        monkeypatch.setattr(model.config, "max_position_embeddings", 256)
+    response = capped.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    assert words in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "content, headers, status, words",
+    [
+        (b'{"prompt": [1, 2]}', {"Content-Type": "text/plain"}, 415, "application/json"),
+        (b'{"prompt": [1, 2]}', {"Content-Type": "application/x-www-form-urlencoded"}, 415, "application/json"),
+        (b"[" * 100_000 + b"]" * 100_000, {"Content-Type": "application/json"}, 400, "nested too deeply"),
+        (b'{"prompt": [1, 2], "temperature": NaN}', {"Content-Type": "application/json"}, 400, "NaN"),
+        (b'{"prompt": [1, 2], "top_p": Infinity}', {"Content-Type": "application/json"}, 400, "Infinity"),
+        (b"\xff\xfe", {"Content-Type": "application/json"}, 400, "not valid JSON"),
+    ],
+)
+def test_malformed_bodies_are_4xx_never_500(client, content, headers, status, words):
+    response = client.post("/v1/completions", content=content, headers=headers)
+    assert response.status_code == status, response.text
+    assert words in response.json()["error"]["message"]
+
+
+def test_reload_needs_a_json_body_too(client, run_dir):
+    # a cross-site form post cannot set Content-Type: application/json
+    r = client.post("/update_weights_from_disk", content=f'{{"model_path": "{ckpt(run_dir, 3)}"}}',
+                    headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and client.get("/health").json()["policy_version"] == 0
+
+
+def test_only_allowed_host_names_are_served(run_dir):
+    app = build_app(ckpt(run_dir, 0))
+    with TestClient(app, base_url="http://evil.example:8000") as c:  # what DNS rebinding sends
+        r = c.post("/update_weights_from_disk", json={"model_path": str(ckpt(run_dir, 3))})
+        assert r.status_code == 403 and "Host 'evil.example:8000' is not allowed" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 403
+    for base in ("http://127.0.0.1:1234", "http://[::1]:8000", "http://LOCALHOST"):
+        with TestClient(app, base_url=base) as c:
+            assert c.get("/health").status_code == 200, base
+    with TestClient(build_app(ckpt(run_dir, 0), allowed_hosts=None), base_url="http://anything") as c:
+        assert c.get("/health").status_code == 200
+
+
+def test_allowed_hosts_from_the_command_line():
+    from engines.serve_cli import allowed_hosts
+
+    assert allowed_hosts(None, "127.0.0.1") == ("localhost", "127.0.0.1", "::1")
+    assert allowed_hosts(None, "10.0.0.5") == ("localhost", "127.0.0.1", "::1", "10.0.0.5")
+    assert allowed_hosts(None, "0.0.0.0") == ("localhost", "127.0.0.1", "::1")
+    assert allowed_hosts(["gpu1.lan"], "0.0.0.0") == ("gpu1.lan",)
+    assert allowed_hosts(["*"], "0.0.0.0") is None
+
+
+def test_a_long_request_does_not_starve_a_small_one_or_a_weight_update(run_dir):
+    # 32 prompts x n=4 in parts of 8 sequences: 16 engine calls. A small request and a reload
+    # sent just after it are answered while it is still running, and it finishes on the
+    # weights it started with (one policy_version per response).
+    app = build_app(ckpt(run_dir, 0), batch_window_ms=0, limits=ServeLimits(chunk_sequences=8))
+    stats = app.state.rlpipe.batcher.stats
+    done: list[str] = []
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=120) as c:
+            async def call(name, path, body):
+                response = await c.post(path, json=body)
+                done.append(name)
+                return response, stats.engine_calls
+
+            long = asyncio.create_task(call("long", "/v1/completions",
+                                            {"prompt": [PROMPTS[0]] * 32, "n": 4, "max_tokens": 8}))
+            while stats.engine_calls < 1:
+                await asyncio.sleep(0.005)
+            small = await call("small", "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2})
+            reload = await call("reload", "/update_weights_from_disk", {"model_path": str(ckpt(run_dir, 3))})
+            after = await call("after", "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2})
+            result = await long
+            await app.state.rlpipe.batcher.stop()
+            return result, small, reload, after
+
+    (long, long_calls), (small, small_calls), (reload, _), (after, _) = asyncio.run(main())
+    assert [r.status_code for r in (long, small, reload, after)] == [200] * 4
+    assert done.index("small") < done.index("long") and done.index("reload") < done.index("long")
+    assert small_calls < long_calls
+    assert len(long.json()["choices"]) == 128 and long.json()["policy_version"] == 0
+    assert small.json()["policy_version"] == 0 and after.json()["policy_version"] == 3
+
+
+def test_a_request_past_its_deadline_gets_504_and_its_remaining_parts_are_dropped(run_dir):
+    app = build_app(ckpt(run_dir, 0), batch_window_ms=0,
+                    limits=ServeLimits(chunk_sequences=2, request_timeout_s=0.3))
+    stats = app.state.rlpipe.batcher.stats
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=120) as c:
+            slow = await c.post("/v1/completions", json={"prompt": [PROMPTS[0]] * 200, "max_tokens": 16})
+            calls = stats.engine_calls
+            await asyncio.sleep(0.5)  # nothing more is generated for it
+            quick = await c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1})
+            await app.state.rlpipe.batcher.stop()
+            return slow, calls, quick
+
+    slow, calls, quick = asyncio.run(main())
+    assert slow.status_code == 504 and "request_timeout_s=0.3 (--request-timeout-s)" in slow.json()["error"]["message"]
+    assert calls < 100  # far from its 100 parts
+    assert stats.engine_calls <= calls + 2 and quick.status_code == 200
+    assert stats.dropped == 1
+
+
+def test_a_client_that_goes_away_stops_its_request(run_dir):
+    # a real uvicorn on a loopback port (in a thread): a client timing out closes its connection,
+    # and the server stops generating for it instead of computing all 100 parts for nobody
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    app = build_app(ckpt(run_dir, 0), batch_window_ms=0, limits=ServeLimits(chunk_sequences=2))
+    stats = app.state.rlpipe.batcher.stats
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json={"prompt": [PROMPTS[0]] * 200, "max_tokens": 16}, timeout=0.5)
+        while stats.dropped < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stats.dropped == 1
+        calls = stats.engine_calls
+        time.sleep(0.5)
+        assert stats.engine_calls <= calls + 1 and calls < 100
+        assert httpx.post(url, json={"prompt": PROMPTS[0], "max_tokens": 1}, timeout=30).status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

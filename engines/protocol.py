@@ -1,0 +1,252 @@
+"""What `rlpipe serve` accepts: request checks shared by every route, limits, and the
+completions request model. Nothing here knows FastAPI routes; a new route (chat completions)
+calls the same functions:
+
+    check_host(headers, allowed)            403 unless the Host header names an allowed host
+    check_content_type(headers)             415 unless the body is application/json
+    body = await read_json_body(request, limits)   413 over limits.max_body_bytes; 400 for bad JSON
+    check_request_limits(prompts, params, limits, context)   400 naming the cap a request exceeds
+
+Every refusal is a `RequestError` carrying its HTTP status; the app turns it into an OpenAI-style
+error body. Nothing a client sends gives a 500: bad JSON (also too deep), non-finite numbers, a
+seed outside [0, 2**64), a temperature so small the log-probs overflow, are all 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from engines.base import SamplingParams
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Below this, logits / temperature overflow float32 for ordinary logits (NaN log-probs).
+MIN_TEMPERATURE = 1e-3
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Caps of one server; each refusal names the command-line option that sets it."""
+
+    max_n: int = 64
+    """Completions per prompt (--max-n)."""
+    max_tokens: int = 4096
+    """max_tokens of a request (--max-tokens); prompt + max_tokens must also fit the context."""
+    max_prompts: int = 256
+    """Prompts in one request (--max-prompts)."""
+    max_body_bytes: int = 16 << 20
+    """Request body size (--max-body-bytes)."""
+    chunk_sequences: int = 64
+    """A request is generated in engine calls of at most this many sequences (prompts x n), so
+    other requests and weight updates take turns with a long one (--chunk-sequences)."""
+    request_timeout_s: float = 600.0
+    """A request still unanswered after this many seconds gets 504 and its remaining work is
+    dropped (--request-timeout-s)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_tokens", "max_prompts", "max_body_bytes", "chunk_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+def check_host(headers: Any, allowed: tuple[str, ...] | None) -> None:
+    """403 unless the Host header (port stripped) is in `allowed` (None = any host). A browser
+    page on another site can reach a loopback server through DNS rebinding, but its requests
+    carry that site's host name."""
+    if allowed is None:
+        return
+    host = headers.get("host", "")
+    if host_name(host) not in allowed:
+        raise RequestError(f"Host {host!r} is not allowed (allowed: {', '.join(allowed)}; --allow-host)", 403)
+
+
+def host_name(host: str) -> str:
+    """A Host header's name without its port, lower-cased ('[::1]:8000' -> '::1')."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0].lower()
+    if host.count(":") == 1:
+        return host.split(":", 1)[0].lower()
+    return host.lower()  # a bare name, or a bare IPv6 address
+
+
+def check_content_type(headers: Any) -> None:
+    """415 unless the body is declared JSON (a form post from a web page cannot be)."""
+    kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/json":
+        raise RequestError(f"Content-Type must be application/json, got {kind or 'none'!r}", 415)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_json_body(request: Any, limits: ServeLimits) -> Any:
+    """The request's JSON body: 413 past limits.max_body_bytes (checked while reading), 400 for
+    invalid, too deeply nested or non-finite (NaN, Infinity) JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise RequestError(f"request body of {declared} bytes exceeds max_body_bytes={limits.max_body_bytes} "
+                           "(--max-body-bytes)", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise RequestError(f"request body exceeds max_body_bytes={limits.max_body_bytes} (--max-body-bytes)", 413)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_no_constants)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+        raise RequestError(f"request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise RequestError("request body is nested too deeply") from None
+
+
+class CompletionRequest(BaseModel):
+    """The accepted fields of POST /v1/completions (unknown fields are refused by name)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float | int = 1.0
+    top_p: float | int = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = True
+    ignore_eos: bool = True
+    stream: bool = False
+    echo: bool = False
+    stop: str | list[str] | None = None
+    user: str | None = None
+
+    @field_validator("stream", "echo")
+    @classmethod
+    def _not_supported(cls, value: bool, info) -> bool:
+        if value:
+            raise ValueError(f"{info.field_name}=true is not supported by rlpipe serve")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop_strings(cls, value):
+        if value:
+            raise ValueError("stop strings are not supported; pass stop_token_ids")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {value}")
+        return value
+
+    def sampling_params(self) -> SamplingParams:
+        """Our SamplingParams (ValueError names the bad field)."""
+        return sampling_params(n=self.n, max_tokens=self.max_tokens, temperature=self.temperature,
+                               top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                               stop_token_ids=self.stop_token_ids)
+
+
+def sampling_params(*, n: int, max_tokens: int, temperature: float, top_p: float, top_k: int,
+                    seed: int | None, stop_token_ids: list[int] | None) -> SamplingParams:
+    """OpenAI sampling fields as SamplingParams; ValueError naming the field for values the
+    engine cannot sample with (temperature 0 = greedy)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}: "
+                         "smaller ones overflow the log-probs")
+    if top_k < -1:
+        raise ValueError(f"top_k must be -1, 0 (off) or positive, got {top_k}")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    greedy = temperature == 0
+    return SamplingParams(
+        n=n,
+        temperature=1.0 if greedy else float(temperature),
+        top_p=float(top_p),
+        top_k=max(top_k, 0),
+        max_new_tokens=max_tokens,
+        stop_token_ids=tuple(stop_token_ids or ()),
+        seed=seed,
+        greedy=greedy,
+    )
+
+
+def check_request_limits(prompts: list[list[int]], params: SamplingParams, limits: ServeLimits,
+                         context: int | None) -> None:
+    """400 naming the cap (and its option) that a request exceeds."""
+    if len(prompts) > limits.max_prompts:
+        raise RequestError(f"{len(prompts)} prompts exceed max_prompts={limits.max_prompts} (--max-prompts)")
+    if params.n > limits.max_n:
+        raise RequestError(f"n={params.n} exceeds max_n={limits.max_n} (--max-n)")
+    if params.max_new_tokens > limits.max_tokens:
+        raise RequestError(f"max_tokens={params.max_new_tokens} exceeds max_tokens={limits.max_tokens} (--max-tokens)")
+    if context is not None:
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        need = len(prompts[longest]) + params.max_new_tokens
+        if need > context:
+            raise RequestError(f"prompt[{longest}] has {len(prompts[longest])} tokens; with max_tokens="
+                               f"{params.max_new_tokens} that is {need}, over the model's context of {context}")
+
+
+def prompt_token_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt of a request; RequestError for empty or out-of-vocabulary ones."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise RequestError("prompt is empty")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+        if not ids:
+            raise RequestError(f"prompt[{i}] is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"prompt[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+        out.append(ids)
+    return out
+
+
+def resolve_model_path(model_path: Any, allow_root: Path) -> Path:
+    """The resolved checkpoint folder, if inside `allow_root` (symlinks resolved first).
+
+    RequestError 403 for any path outside the root, whether it exists or not (the answer must
+    not tell a client what exists outside); 400 for a missing or non-folder path inside it.
+    """
+    if not isinstance(model_path, str) or not model_path or "\x00" in model_path:
+        raise RequestError("model_path must be a non-empty string")
+    try:
+        resolved = Path(model_path).resolve(strict=False)  # follows the symlinks that exist
+    except (OSError, RuntimeError):
+        resolved = None
+    if resolved is None or not resolved.is_relative_to(allow_root):
+        raise RequestError(f"model_path {model_path!r} is outside the allowed root {str(allow_root)!r}", 403)
+    if not resolved.exists():
+        raise RequestError(f"model_path {model_path!r} does not exist")
+    if not resolved.is_dir():
+        raise RequestError(f"model_path {model_path!r} is not a directory")
+    return resolved

@@ -1,0 +1,147 @@
+"""prefect.yaml against a real Prefect server: `prefect server start` on a free loopback port, a
+process work pool, `prefect deploy --all`, a worker, and the `tiny` pipeline deployment run to
+Completed; then the run's tables and its MLflow registry entries are checked.
+
+Every process started here is in its own session and is stopped in a finally (SIGTERM, then
+SIGKILL after a bounded wait); every wait is bounded; only 127.0.0.1 is used. The server's
+database and the run directory live under pytest's tmp_path (runs_root is overridden).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+SERVER_START_S = 180
+RUN_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prefect_env(tmp_path: Path, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+        PREFECT_SERVER_API_HOST="127.0.0.1",
+        PREFECT_SERVER_API_PORT=str(port),
+        PREFECT_UI_ENABLED="false",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        # SQLite on a busy 2-core machine: be patient with locks instead of failing a call
+        PREFECT_API_REQUEST_TIMEOUT="120",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        RLPIPE_PROGRESS="0",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def prefect(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prefect", *args]
+
+
+def start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it after 30 s (the server's children included)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
+def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"prefect server exited:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"prefect server not healthy within {SERVER_START_S}s:\n{log.read_text()[-3000:]}")
+
+
+def run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(args[2:])} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
+    port = free_port()
+    env = prefect_env(tmp_path, port)
+    runs = tmp_path / "runs"
+    server = start(prefect("server", "start", "--host", "127.0.0.1", "--port", str(port)), env,
+                   tmp_path / "server.log")
+    worker = None
+    try:
+        wait_healthy(env["PREFECT_API_URL"], server, tmp_path / "server.log")
+        run(prefect("work-pool", "create", "rlpipe", "--type", "process"), env, 120)
+        deployed = run(prefect("--no-prompt", "deploy", "--all"), env, 300)
+        for name in ("tiny", "pipeline", "pretrain", "sft", "rl"):
+            assert f"/{name}'" in deployed.stdout or f"/{name}" in deployed.stdout, deployed.stdout[-2000:]
+        worker = start(prefect("worker", "start", "--pool", "rlpipe"), env, tmp_path / "worker.log")
+        params = json.dumps({"overrides": [f"runs_root={runs}"]})
+        began = time.monotonic()
+        flow_run = subprocess.run(
+            prefect("deployment", "run", "pipeline/tiny", "--params", params, "--watch",
+                    "--watch-timeout", str(RUN_TIMEOUT_S)),
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
+        seconds = time.monotonic() - began
+        worker_log = (tmp_path / "worker.log").read_text()
+        assert flow_run.returncode == 0, f"{flow_run.stdout[-3000:]}\n{flow_run.stderr[-2000:]}\n{worker_log[-3000:]}"
+        assert "Completed" in flow_run.stdout, flow_run.stdout[-3000:]
+        print(f"tiny pipeline deployment ran to Completed in {seconds:.0f} s")
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(server)
+
+    # the run it made: both phases' tables and checkpoints, registered in MLflow with aliases
+    from mlflow import MlflowClient
+
+    from storage.writer import read_table
+
+    run_dir = runs / "tiny"
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    assert sorted(read_table(run_dir / "rl", "train_steps").column("step").to_pylist()) == [1, 2, 3, 4]
+    assert read_table(run_dir / "sft", "train_steps").num_rows == 40
+    assert read_table(run_dir / "rl", "rollouts").num_rows > 0
+    assert sorted(read_table(run_dir / "rl", "checkpoints").column("step").to_pylist()) == [2, 4]
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
+    versions = client.search_model_versions("name='tiny'")
+    assert {v.tags.get("step") for v in versions} == {"2", "4"}
+    assert all(v.tags.get("run_dir") == str((run_dir / "rl").resolve()) for v in versions)
+    assert client.search_model_versions("name='tiny-sft'")
+    # nothing of ours is left running
+    assert server.poll() is not None and (worker is None or worker.poll() is not None)

@@ -1,0 +1,261 @@
+"""Fault injection against the real CLI (subprocesses of `rlpipe run` / `rlpipe resume`):
+
+- SIGKILL at 10 random points of the `tiny` pipeline, each followed by a resume;
+- SIGTERM mid-run, with a second process refused by the run-dir lock meanwhile, then a corrupt
+  partition met by the resume;
+- a served engine killed in the middle of a weight sync.
+
+Each test states what must hold afterwards and asserts it. Every process is bounded by a timeout
+and killed in a finally; the servers listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_resume import cli, env_for, rows  # same folder: pytest puts it on sys.path
+
+from training.checkpoint import METADATA_FILE, _verify
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+STEP_TIMEOUT_S = 600
+# The tiny pipeline with progress made durable often (so kills land between checkpoints).
+OVERRIDES = ["--set", "rl.checkpoint_every=1", "--set", "sft.checkpoint_every=10"]
+
+
+def run_args(runs: Path, name: str) -> list[str]:
+    return ["run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}",
+            "--set", f"run_name={name}", *OVERRIDES]
+
+
+def kill_points() -> list[tuple[str, str, int]]:
+    """(phase, table, step) partitions in the order a tiny run writes them; the last RL step's
+    final writes are left out (the run may end before a poll sees them)."""
+    points = [("sft", "train_steps", 2), ("sft", "train_steps", 6)]
+    for checkpoint in (10, 20, 30):
+        points += [("sft", "checkpoints", checkpoint), ("sft", "train_steps", checkpoint + 1),
+                   ("sft", "train_steps", checkpoint + 6)]
+    points += [("rl", "evals", 0)]
+    for step in (1, 2, 3, 4):
+        points += [("rl", table, step) for table in ("rollouts", "scores", "groups", "batches")]
+        if step < 4:
+            points += [("rl", "train_steps", step), ("rl", "checkpoints", step)]
+    return points
+
+
+def partition(run_dir: Path, point: tuple[str, str, int]) -> Path:
+    phase, table, step = point
+    return run_dir / phase / "tables" / table / f"step={step}" / "part-0.parquet"
+
+
+def check_consistent(run_dir: Path) -> None:
+    """What must hold after any kill: every visible partition is a whole Parquet file; every
+    checkpoint that marks a step done is whole (sha256) and the step's tables are on disk."""
+    for path in run_dir.rglob("*.parquet"):
+        if not path.name.startswith("."):
+            pq.read_metadata(path)
+    for phase, tables in (("sft", ["train_steps"]), ("rl", ["rollouts", "scores", "batches", "train_steps"])):
+        root = run_dir / phase / "checkpoints"
+        for folder in sorted(root.glob("step_*")) if root.is_dir() else []:
+            if not (folder / METADATA_FILE).is_file():
+                continue
+            step = _verify(folder)["step"]
+            for table in tables:
+                assert partition(run_dir, (phase, table, step)).is_file(), (folder, table)
+
+
+def best_step(tracking: Path, model: str) -> str | None:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tracking}")
+    try:
+        return client.get_model_version_by_alias(model, "best").tags.get("step")
+    except MlflowException:
+        return None
+
+
+def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path):
+    """Afterwards: after each kill the run dir is consistent (check_consistent); the last resume
+    finishes; the final weights, the row counts of every stage's table and the step the `best`
+    alias points at equal those of an uninterrupted run."""
+    runs, env = tmp_path / "runs", env_for(tmp_path)
+    seed = random.randrange(1 << 30)
+    print(f"kill points drawn with seed {seed}")
+    rng = random.Random(seed)
+    # the uninterrupted run goes on beside the killed one (each is one thread)
+    log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
+    # its own Prefect home and MLflow store: two processes creating one SQLite database at once collide
+    straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
+                    "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
+    straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=log.open("w"), start_new_session=True)
+    killed_dir, kills, command = runs / "killed", [], cli(*run_args(runs, "killed"))
+    try:
+        pending = kill_points()
+        while len(kills) < 10:
+            pending = [p for p in pending if not partition(killed_dir, p).exists()]
+            assert pending, f"ran out of kill points after {kills}"
+            point = rng.choice(pending[:4])  # one of the next few: spread over the run
+            process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                deadline = time.monotonic() + STEP_TIMEOUT_S
+                while not partition(killed_dir, point).exists() and process.poll() is None \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert process.poll() is None, f"run ended before the kill point {point} (kills: {kills})"
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+            finally:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(timeout=30)
+            kills.append(point)
+            check_consistent(killed_dir)
+            pending.remove(point)
+            command = cli("resume", str(killed_dir))
+        print(f"killed at {kills}")
+        resumed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert straight.wait(timeout=STEP_TIMEOUT_S) == 0, log.read_text()[-3000:]
+    finally:
+        if straight.poll() is None:
+            os.killpg(straight.pid, signal.SIGKILL)
+            straight.wait(timeout=30)
+
+    check_consistent(killed_dir)
+    last = lambda run: sorted((runs / run / "rl" / "checkpoints").glob("step_*"))[-1]  # noqa: E731
+    a, b = load_file(last("straight") / "model.safetensors"), load_file(last("killed") / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+    for table in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals"):
+        assert rows(killed_dir, table) == rows(runs / "straight", table), table
+    assert best_step(tmp_path / "mlflow.db", "killed") == best_step(tmp_path / "mlflow-straight.db", "straight")
+    assert json.loads((killed_dir / "run.json").read_text())["status"] == "finished"
+
+
+def mlflow_statuses(tracking: Path, experiment: str) -> dict[str, str]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tracking}")
+    found = client.get_experiment_by_name(experiment)
+    return {r.info.run_name: r.info.status for r in client.search_runs([found.experiment_id])}
+
+
+def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path):
+    """Afterwards: while the run runs, a second `rlpipe resume` is refused naming the holder's pid;
+    SIGTERM ends the run with status 143 within a bounded time, its queued writes on disk (every
+    partition whole, no temporary file), run.json and MLflow saying failed; a resume that meets a
+    corrupt partition stops with an error naming the file; once it is deleted, resume finishes."""
+    runs, env = tmp_path / "runs", env_for(tmp_path)
+    run_dir = runs / "term"
+    log = tmp_path / "term.log"  # a file, not a pipe nobody reads while the run writes to it
+    process = subprocess.Popen(cli(*run_args(runs, "term")), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=log.open("w"), start_new_session=True)
+    try:
+        trigger = partition(run_dir, ("rl", "rollouts", 2))
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert process.poll() is None, log.read_text()[-3000:]
+        os.kill(process.pid, signal.SIGSTOP)  # held still (its lock too) while a second process tries
+        second = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+        assert second.returncode == 2 and f"in use by another process (pid {process.pid})" in second.stderr, \
+            second.stderr[-2000:]
+        os.kill(process.pid, signal.SIGTERM)
+        os.kill(process.pid, signal.SIGCONT)
+        assert process.wait(timeout=120) == 143, log.read_text()[-3000:]
+        stderr = log.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the embedded Prefect server, if it outlived it
+        except ProcessLookupError:
+            pass
+    assert "stopped by signal SIGTERM" in stderr and f"rlpipe resume {run_dir}" in stderr
+    for folder in (run_dir, run_dir / "rl"):
+        assert json.loads((folder / "run.json").read_text())["status"] == "failed", folder
+    statuses = mlflow_statuses(tmp_path / "mlflow.db", "rlpipe-tiny")
+    assert statuses["term"] == "FAILED" and statuses["term/rl"] == "FAILED" and statuses["term/sft"] == "FINISHED"
+    check_consistent(run_dir)
+    assert not [p for p in (run_dir / "rl" / "tables").rglob("*.tmp")]
+    assert partition(run_dir, ("rl", "train_steps", 1)).is_file()  # drained before the process left
+
+    # a partition that the resume reads back: the rollouts of the step after the last checkpoint
+    last = max(int(p.name[5:]) for p in (run_dir / "rl" / "checkpoints").glob("step_*"))
+    victim = partition(run_dir, ("rl", "rollouts", last + 1))
+    assert victim.is_file(), last
+    victim.write_bytes(victim.read_bytes()[:40])
+    broken = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=STEP_TIMEOUT_S)
+    assert broken.returncode == 1 and f"partition file '{victim}' is corrupt" in broken.stderr, broken.stderr[-3000:]
+    victim.unlink()
+    done = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=STEP_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    assert rows(run_dir, "train_steps") == 4
+
+
+def test_a_served_engine_killed_mid_sync(tmp_path):
+    """Afterwards: the sync fails within its timeout and retries (no hang), its `syncs` row says
+    not ok with an error naming the server, the step's raise_failed names it too; a server
+    restarted on the old checkpoint takes the same sync (what a resume does first)."""
+    from test_serve_http import start_server, wait_for_url
+
+    from engines.http import HttpEngine
+    from models.presets import build_model
+    from models.tokenizer import build_tokenizer
+    from tasks.sync import SyncError, raise_failed, sync_engines
+    from training.checkpoint import save_checkpoint
+
+    tok = build_tokenizer()
+    old = save_checkpoint(tmp_path, 0, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)
+    new = save_checkpoint(tmp_path, 1, build_model("tiny-dense", vocab_size=len(tok), seed=1), tok)
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(start_server(old, tmp_path / "checkpoints", "tok"))
+        url = wait_for_url(procs[0])
+        engine = HttpEngine(url, timeout_s=10, retries=1, api_token="tok", backoff_s=0.1)
+        os.kill(procs[0].pid, signal.SIGSTOP)  # frozen: the sync is accepted by the kernel, never answered
+        result: list[dict] = []
+        syncing = threading.Thread(target=lambda: result.extend(
+            sync_engines([engine], str(new), 1, run_id="r", step=1, retries=1, backoff_s=0.1)))
+        began = time.monotonic()
+        syncing.start()
+        time.sleep(0.5)
+        procs[0].kill()  # SIGKILL mid-request
+        procs[0].wait(timeout=30)
+        syncing.join(timeout=120)
+        assert not syncing.is_alive() and time.monotonic() - began < 60
+        assert [r["ok"] for r in result] == [False] and url in result[0]["error"]
+        with pytest.raises(SyncError, match=url.replace(".", r"\.")):
+            raise_failed(result)
+
+        procs.append(start_server(old, tmp_path / "checkpoints", "tok"))
+        engine = HttpEngine(wait_for_url(procs[1]), timeout_s=30, retries=1, api_token="tok")
+        assert [r["ok"] for r in sync_engines([engine], str(new), 1, run_id="r", step=1)] == [True]
+        assert engine.health()["policy_version"] == 1
+        engine.close()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)

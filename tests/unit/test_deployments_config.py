@@ -1,0 +1,28 @@
+"""Every deployment in prefect.yaml names an entrypoint that exists and a config that validates
+and selects that entrypoint's flow, so each runs with its defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOYMENTS = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=[d["name"] for d in DEPLOYMENTS])
+def test_deployment_defaults_point_at_a_valid_config_for_its_flow(deployment):
+    path, function = deployment["entrypoint"].split(":")
+    source = (ROOT / path).read_text()
+    assert f"def {function}(" in source
+    flow_name = source.split(f"def {function}(")[0].rsplit('@flow(name="', 1)[1].split('"')[0]
+    config = load_config(ROOT / deployment["parameters"]["config_path"], deployment["parameters"]["overrides"])
+    assert config.flow == flow_name, (deployment["name"], config.flow, flow_name)
+
+
+def test_the_tiny_pipeline_deployment_exists():
+    assert {"tiny", "pipeline", "pretrain", "sft", "rl"} <= {d["name"] for d in DEPLOYMENTS}

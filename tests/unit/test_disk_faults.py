@@ -1,0 +1,97 @@
+"""Fault injection, in process: a full disk (OSError ENOSPC) during a table write and during a
+checkpoint, and a corrupt partition file. Each test states what must hold afterwards."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import storage.layout as layout
+import training.checkpoint as checkpoint
+from models.presets import build_model
+from models.tokenizer import build_tokenizer
+from storage.writer import BackgroundWriter, TableWriteError, read_table, write_table
+from tasks.record import load_rows
+from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+def disk_full(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def row(step: int, loss: float) -> dict:
+    return {"run_id": "r", "step": step, "mode": "rl", "loss": loss, "tokens": 1}
+
+
+def hidden_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob(".*") if p.is_file() and p.name != ".lock"]
+
+
+def test_disk_full_during_a_table_write(tmp_path, monkeypatch):
+    """Afterwards: the error names the table and step; the partition holds its previous whole
+    content; no temporary file is left; the queued writer refuses later writes (a prefix on disk)."""
+    write_table(tmp_path, "train_steps", 1, [row(1, 0.5)], run_id="r")
+    monkeypatch.setattr(layout.pq, "write_table", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_table(tmp_path, "train_steps", 1, [row(1, 9.0)], run_id="r")
+    writer = BackgroundWriter()
+    writer.submit(tmp_path, "train_steps", 2, [row(2, 0.1)], run_id="r")
+    with pytest.raises(TableWriteError, match=r"table 'train_steps' step 2: .*No space left"):
+        writer.drain(durable=True)
+    with pytest.raises(TableWriteError):
+        writer.submit(tmp_path, "train_steps", 3, [row(3, 0.1)], run_id="r")
+    writer.close(raise_errors=False)
+    monkeypatch.undo()
+    assert read_table(tmp_path, "train_steps").to_pylist()[0]["loss"] == 0.5
+    assert read_table(tmp_path, "train_steps").num_rows == 1
+    assert hidden_files(tmp_path / "tables") == []
+
+
+@pytest.mark.parametrize("fail_at", ["optimizer", "rng", "weights"])
+def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch, fail_at):
+    """Afterwards: the error propagates; the step's folder does not exist (or, when a checkpoint
+    of that step existed, is the old one, whole); no temporary folder is left; the latest
+    checkpoint is the previous one and loads with its sha256 verified."""
+    tok = build_tokenizer()
+    model = build_model("tiny-dense", vocab_size=len(tok), seed=0)
+    from training.step import build_optimizer
+
+    optimizer = build_optimizer(model, lr=1e-3)
+    save_checkpoint(tmp_path, 1, model, tok, optimizer=optimizer)
+    real_save = checkpoint.torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if Path(path).name == {"optimizer": "optimizer.pt", "rng": "rng_state.pt"}.get(fail_at):
+            disk_full()
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    if fail_at == "weights":
+        monkeypatch.setattr(type(model), "save_pretrained", disk_full)
+    for step in (2, 1):  # a new step, and a rewrite of an existing one
+        with pytest.raises(OSError, match="No space left"):
+            save_checkpoint(tmp_path, step, model, tok, optimizer=optimizer)
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001"]
+    assert latest_checkpoint(tmp_path) == root / "step_000001"
+    assert load_checkpoint(root / "step_000001", model=model, optimizer=optimizer).step == 1
+
+
+def test_a_corrupt_partition_is_named_with_how_to_recover(tmp_path):
+    """Afterwards: reading it (a resumed stage, or every step at once) raises a ValueError that
+    names the file and says to delete it; once deleted, the stage's rows are simply absent."""
+    write_table(tmp_path, "scores", 3, [{"run_id": "r", "step": 3, "sample_id": "s", "group_id": "g",
+                                         "reward": 1.0}], run_id="r")
+    path = tmp_path / "tables" / "scores" / "step=3" / "part-0.parquet"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # torn by a faulty disk or a bad copy
+    for read in (lambda: load_rows(tmp_path, "scores", 3), lambda: read_table(tmp_path, "scores")):
+        with pytest.raises(ValueError, match=rf"partition file '{path}' is corrupt .*Delete it"):
+            read()
+    path.unlink()
+    assert load_rows(tmp_path, "scores", 3) is None
+    assert pq.read_schema(tmp_path / "tables" / "scores" / "_schema.parquet")  # the view still has its schema
