@@ -20,8 +20,16 @@ import torch
 
 from models.loading import autocast_context
 from training.batch import PackedBatch
+from training.entropy import token_logprobs_and_entropy
 from training.logprobs import token_logprobs
-from training.losses import LossFn, Normaliser, batch_counts, normaliser_totals, reduce_loss
+from training.losses import (
+    LossFn,
+    Normaliser,
+    batch_counts,
+    loss_token_mask,
+    normaliser_totals,
+    reduce_loss,
+)
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -47,6 +55,7 @@ def forward_backward(
     temperature: float = 1.0,
     aux_loss_coef: float | None = None,
     chunk_size: int = 1024,
+    entropy: bool = False,
 ) -> dict[str, float]:
     """Accumulate the gradients of one optimizer step over `batches` (its micro-batches).
 
@@ -55,7 +64,8 @@ def forward_backward(
     `router_aux_loss_coef` (0 if absent).
     Returns metrics: loss (the step's objective, without aux), aux_loss (if any), tokens,
     loss_tokens, sequences, seconds, and loss_fn's metrics averaged over micro-batches weighted
-    by their loss tokens. Raises FloatingPointError on a NaN/inf loss, after clearing the
+    by their loss tokens; with `entropy`, also the policy's mean entropy over the loss tokens
+    (training/entropy.py, one more LM-head matmul per token). Raises FloatingPointError on a NaN/inf loss, after clearing the
     gradients (the caller must not step).
     """
     if len(batches) == 0:
@@ -75,8 +85,15 @@ def forward_backward(
         batch = batch.to(device)
         counts = batch_counts(batch)
         with autocast_context(device, autocast):
-            logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+            if entropy:
+                logprobs, aux, token_entropy = token_logprobs_and_entropy(
+                    model, batch, temperature=temperature, chunk_size=chunk_size)
+            else:
+                logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
             per_token, fn_metrics = loss_fn(logprobs, batch)
+            if entropy:
+                mask = loss_token_mask(batch).to(token_entropy.device)
+                fn_metrics = {**fn_metrics, "entropy": float(token_entropy[mask].sum() / max(int(mask.sum()), 1))}
             loss = reduce_loss(per_token, batch, normaliser, totals, constant)
         if not torch.isfinite(loss):
             model.zero_grad(set_to_none=True)
