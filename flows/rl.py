@@ -103,13 +103,15 @@ def make_engines(config: RunConfig, model) -> list:
 def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines: list) -> dict:
     from engines.base import SamplingParams
     from envs.prompts import PromptSource
-    from training.rl_loss import build_rl_loss
+    from training.kl import frozen_copy
+    from training.rl_loss import build_rl_loss, loss_normaliser
 
     rl, run_dir, run_id = config.rl, state.run_dir, state.run_id
     env = make_env(config.task.env, config.task.options)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
+    ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
     buffer = new_buffer(rl)
     start_step = 0
@@ -130,7 +132,10 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                               top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
                               stop_token_ids=stops)
     loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high,
-                            tis_cap=rl.tis_cap)
+                            tis_cap=rl.tis_cap, cispo_cap=rl.cispo_cap, kl_coef=rl.kl_coef,
+                            kl_estimator=rl.kl_estimator)
+    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
+                                           rl.sampling.max_new_tokens)
     context = max_context(model)
     eval_examples = list(env.examples("eval", seed=config.seed))[: config.task.eval_examples]
     examples_by_id: dict = {}
@@ -176,7 +181,8 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                                      max_context=context, **common)
             with watch("score"):
                 new_scores = score_stage(env, examples_by_id, new, previous=scored, step=step,
-                                         max_error_fraction=rl.max_reward_error_fraction, **common)
+                                         max_error_fraction=rl.max_reward_error_fraction,
+                                         length_penalty=overlong_penalty_fn(rl), **common)
             sampled, scored = sampled + new, scored + new_scores
             rows_by_sample.update({row["sample_id"]: row for row in new})
             decisions += buffer.add(scored_groups(new, new_scores, attempt))
@@ -195,9 +201,11 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
                 batches, batch_rows = pack_task(selected, advantages, rl.optim.token_budget, run_id, step)
         persist(run_dir, "batches", step, batch_rows, run_id)
         with watch("train"):
-            metrics = train_task(model, optimizer, scheduler, batches, loss_fn, normaliser=rl.optim.normaliser,
-                                 max_grad_norm=rl.optim.max_grad_norm, autocast=config.model.bf16_autocast,
-                                 epochs=rl.ppo_epochs, step=step, temperature=rl.sampling.temperature)
+            step_loss = with_reference(loss_fn, ref_model, batches, config)
+            metrics = train_task(model, optimizer, scheduler, batches, step_loss, normaliser=normaliser,
+                                 constant=constant, max_grad_norm=rl.optim.max_grad_norm,
+                                 autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs, step=step,
+                                 temperature=rl.sampling.temperature)
         version = step * rl.ppo_epochs
         # eval and the step's row come before the checkpoint: a checkpoint marks the step done
         step_eval = {}
@@ -242,6 +250,31 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
         last = latest_checkpoint(run_dir)
         last_path = str(last) if last else None
     return {"checkpoint": last_path, "eval": eval_metrics, "steps": rl.steps}
+
+
+def with_reference(loss_fn, ref_model, batches: list, config: RunConfig):
+    """loss_fn with the reference policy's log-probs of `batches` bound (KL penalty), computed once
+    per batch; loss_fn itself without a reference."""
+    if ref_model is None or not batches:
+        return loss_fn
+    from training.kl import reference_logprobs
+    from training.rl_loss import bind_batch_inputs
+
+    ref = reference_logprobs(ref_model, batches, temperature=config.rl.sampling.temperature,
+                             autocast=config.model.bf16_autocast)
+    return bind_batch_inputs(loss_fn, batches, ref_logprobs=ref)
+
+
+def overlong_penalty_fn(rl):
+    """DAPO's soft overlong penalty as a function of the completion length, or None when off."""
+    if rl.overlong_buffer == 0:
+        return None
+    import functools
+
+    from training.advantages import overlong_penalty
+
+    return functools.partial(overlong_penalty, max_length=rl.sampling.max_new_tokens,
+                             buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
 
 
 def _local_engine(model):

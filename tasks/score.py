@@ -6,6 +6,7 @@ A reward function that raises is recorded in `scores.error` with reward 0; once 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from envs.base import Environment, Example, RewardResult
@@ -15,9 +16,11 @@ from tasks.record import load_rows_beyond, persist
 
 
 def score_rollouts(
-    env: Environment, examples: dict[str, Example], rollouts: list[dict], max_error_fraction: float
+    env: Environment, examples: dict[str, Example], rollouts: list[dict], max_error_fraction: float,
+    length_penalty: Callable[[int], float] | None = None,
 ) -> list[dict]:
-    """One `scores` row per rollout row, in the same order."""
+    """One `scores` row per rollout row, in the same order. `length_penalty(completion tokens)` is
+    added to the reward and kept as the `overlong_penalty` component (DAPO)."""
     rows, errors = [], []
     for rollout in rollouts:
         example = examples[rollout["example_id"]]
@@ -27,14 +30,19 @@ def score_rollouts(
             result = RewardResult(0.0, {}, format_traceback(exc))
         if result.error is not None:
             errors.append((rollout["sample_id"], result.error))
+        components = {k: float(v) for k, v in result.components.items()}
+        reward = float(result.reward)
+        if length_penalty is not None:
+            components["overlong_penalty"] = length_penalty(len(rollout["completion_tokens"]))
+            reward += components["overlong_penalty"]
         rows.append(
             {
                 "run_id": rollout["run_id"],
                 "step": rollout["step"],
                 "sample_id": rollout["sample_id"],
                 "group_id": rollout["group_id"],
-                "reward": float(result.reward),
-                "components": {k: float(v) for k, v in result.components.items()},
+                "reward": reward,
+                "components": components,
                 "error": result.error,
             }
         )
@@ -50,7 +58,7 @@ def score_rollouts(
 @stage("score")
 def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[dict], *,
                 previous: list[dict], run_dir: Path, run_id: str, step: int,
-                max_error_fraction: float) -> list[dict]:
+                max_error_fraction: float, length_penalty: Callable[[int], float] | None = None) -> list[dict]:
     """Scores of one sampling round; read back when a resumed step already scored them."""
     wanted = {row["sample_id"] for row in rollouts}
     stored = load_rows_beyond(run_dir, "scores", step, known=len(previous)) or []
@@ -58,6 +66,6 @@ def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[d
     if len(existing) == len(wanted):
         order = {row["sample_id"]: row for row in existing}
         return [order[row["sample_id"]] for row in rollouts]
-    rows = score_rollouts(env, examples, rollouts, max_error_fraction)
+    rows = score_rollouts(env, examples, rollouts, max_error_fraction, length_penalty)
     persist(run_dir, "scores", step, previous + rows, run_id)
     return rows
