@@ -23,6 +23,18 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
+class LoraSection(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA adapter rank (0 = off: every weight trains). Needs the `lora` extra (peft)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scale numerator: the update is alpha / rank x B.A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input."""
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+    """Linear modules that get adapters."""
+
+
 class ModelConfig(Section):
     preset: str = "tiny-dense"
     """Named model preset (models/presets.py) used when `path` is empty."""
@@ -32,6 +44,8 @@ class ModelConfig(Section):
     """Config fields to change on the preset (hidden_size, num_hidden_layers, ...)."""
     bf16_autocast: bool = True
     """Train and sample under bf16 autocast where the CPU supports it (weights stay fp32)."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA: train low-rank adapters only; checkpoints hold merged weights plus a PEFT adapter/."""
 
 
 class TaskConfig(Section):
@@ -215,6 +229,9 @@ class RunConfig(Section):
             raise ValueError("rl.tis_cap with rl.loss = 'ppo_clip' is not supported: the PPO ratio "
                              "against the engine's log-probs already absorbs the mismatch")
         _check_rl_loss(self.rl)
+        if self.model.lora.rank and self.engine.type == "vllm":
+            raise ValueError("model.lora with engine.type = 'vllm' is not supported yet (the in-process "
+                             "vLLM sync reads the unadapted weights); use the torch or http engine")
         if "/" in self.run_name or not self.run_name.strip():
             raise ValueError(f"run_name must be a plain folder name, got {self.run_name!r}")
         return self

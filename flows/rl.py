@@ -55,6 +55,7 @@ from tasks.setup import (
 from tasks.sync import raise_failed, sync_task
 from tasks.train import train_task
 from training.checkpoint import latest_checkpoint, load_checkpoint
+from training.lora import lora_from_config
 
 
 @flow(name="rl", log_prints=True, persist_result=False)
@@ -110,6 +111,7 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
     env = make_env(config.task.env, config.task.options)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
+    model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
     ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)

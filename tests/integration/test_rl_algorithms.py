@@ -1,5 +1,6 @@
-"""The `rl` flow with a non-default loss, a KL penalty and DAPO's overlong penalty: what the run
-tables record (entropy, KL, the penalty as a reward component), and the canned query reads them."""
+"""The pipeline with LoRA, a non-default loss, a KL penalty and DAPO's overlong penalty: what the
+run tables record (entropy, KL, the penalty as a reward component), the canned query reading them,
+and the checkpoints' merged weights plus PEFT adapter folders."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from tests.integration.test_flows import prefect_api, tiny_config  # noqa: F401 
 pytestmark = pytest.mark.slow
 
 
-def test_cispo_with_kl_and_overlong_penalty_records_entropy_and_kl(prefect_api, tmp_path):  # noqa: F811
+def test_lora_cispo_with_kl_and_overlong_penalty(prefect_api, tmp_path):  # noqa: F811
+    pytest.importorskip("peft")
     from flows.pipeline import pipeline_flow
     from storage.queries import run_canned
     from storage.writer import read_table
 
     config = tiny_config(tmp_path, tracking__enabled=False, sft__steps=20, rl__steps=2, rl__eval_every=0,
                          rl__checkpoint_every=0, rl__loss="cispo", rl__kl_coef=0.05, rl__kl_estimator="k3",
-                         rl__overlong_buffer=2, rl__overlong_penalty=0.5)
+                         rl__overlong_buffer=2, rl__overlong_penalty=0.5, model__lora={"rank": 4})
     result = pipeline_flow(config=config)
     rl_dir = Path(result["run_dir"]) / "rl"
 
@@ -39,3 +41,9 @@ def test_cispo_with_kl_and_overlong_penalty_records_entropy_and_kl(prefect_api, 
 
     query = run_canned([rl_dir], "loss_by_step").to_pylist()
     assert [row["entropy"] for row in query] == [row["entropy"] for row in steps]
+
+    # LoRA in both phases: each checkpoint is merged HF weights plus a PEFT adapter folder
+    for phase in ("sft", "rl"):
+        checkpoint = Path(result[phase]["checkpoint"])
+        assert (checkpoint / "model.safetensors").is_file(), phase
+        assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file(), phase
