@@ -271,6 +271,22 @@ def run_trl(args: argparse.Namespace, root: Path, start: str) -> dict:
                    "gradient_checkpointing=False"}
 
 
+def time_calls(obj, name: str) -> list[float]:
+    """Wrap obj.<name> to record each call's seconds; returns the (growing) list."""
+    seconds: list[float] = []
+    original = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+    return seconds
+
+
 def trl_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -311,6 +327,7 @@ def trl_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dic
     checkpointing = bool(getattr(trainer.model, "is_gradient_checkpointing", False))
     if checkpointing:
         raise RuntimeError("TRL's model has gradient checkpointing on despite gradient_checkpointing=False")
+    generate_seconds = time_calls(trainer, "_generate_and_score_completions")
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started
@@ -324,6 +341,10 @@ def trl_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dic
         "seed": seed,
         "seconds_per_step": median_window(per_step),
         "seconds_per_step_all": [round(s, 4) for s in per_step],
+        # sampling + scoring (transformers generate) vs the rest of the step (forward, backward, step)
+        "stage_function_seconds": {"generate": median_window(generate_seconds),
+                                   "train": median_window([t - g for t, g in zip(per_step, generate_seconds,
+                                                                                  strict=False)])},
         "train_seconds": seconds,
         "reward_by_step": rewards,
         "reward_last": statistics.mean(rewards[-TAIL_STEPS:]) if rewards else None,

@@ -126,6 +126,10 @@ def compare(args: argparse.Namespace) -> dict:
                 buffer, decisions, AdvantageConfig(estimator="grpo"), {r["sample_id"]: r for r in rollouts},
                 run_dir=root, run_id="g", step=step)
             batches, _ = pack_rollouts(selected, advantages, 8192, "g", step)
+            if step == 1:  # do both sides put the same prompt tokens in front of the model?
+                trl_prompts = trainer._tokenize_prompts([env.reset(e) for e in examples])[0]
+                ours_prompts = [list(r["prompt_tokens"]) for r in rollouts[::GROUP]]
+                same_prompt_tokens = [list(t) for t in trl_prompts] == ours_prompts
             model.train()
             ours = forward_backward(model, batches, loss_fn, normaliser="token", entropy=True)
             g_ours = grad_vector(model)
@@ -153,7 +157,8 @@ def compare(args: argparse.Namespace) -> dict:
                     "trl_generation_config": {k: v for k, v in trainer.generation_config.to_dict().items()
                                               if k in ("do_sample", "temperature", "top_p", "top_k", "min_p",
                                                        "repetition_penalty", "max_new_tokens", "eos_token_id")},
-                    "rlpipe_stop_token_ids": stops, "rlpipe_sampling": "temperature 1, top_p 1, top_k 0"}
+                    "rlpipe_stop_token_ids": stops, "rlpipe_sampling": "temperature 1, top_p 1, top_k 0",
+                    "same_prompt_tokens": same_prompt_tokens}
     return {"benchmark": "trl_grads", "start": args.start, "steps": rows, "sampling": sampling}
 
 
