@@ -53,7 +53,7 @@ def trl_inputs(rollouts: list[dict], advantages: dict[str, float], pad_id: int) 
             "num_items_in_batch": completion_mask.sum().float()}
 
 
-def make_trainer(start: str, env, root: Path, steps: int):
+def make_trainer(start: str, env, root: Path, steps: int, dtype):
     """A GRPOTrainer configured like bench_trl's, on its own copy of the start."""
     from transformers import TrainerCallback  # noqa: F401 - transformers first, as TRL expects
     from trl import GRPOConfig, GRPOTrainer
@@ -64,7 +64,7 @@ def make_trainer(start: str, env, root: Path, steps: int):
     from models.tokenizer import load_tokenizer
     from tasks.setup import make_optimizer
 
-    model, tokenizer = load_model(start), load_tokenizer(start)
+    model, tokenizer = load_model(start, dtype=dtype), load_tokenizer(start)
     optim = OptimConfig(lr=LR, warmup_steps=2, min_lr_ratio=0.1, token_budget=8192, max_grad_norm=1.0)
     optimizer, scheduler = make_optimizer(model, optim, steps)
     dataset, by_id = trl_dataset(env, steps * PROMPTS, 0)
@@ -72,9 +72,10 @@ def make_trainer(start: str, env, root: Path, steps: int):
                         num_generations=GROUP, max_completion_length=16, temperature=1.0, top_p=1.0, top_k=0,
                         beta=0.0, num_iterations=1, scale_rewards="none", loss_type="dapo", max_grad_norm=1.0,
                         report_to="none", use_cpu=True, seed=0, shuffle_dataset=False, gradient_checkpointing=False,
-                        save_strategy="no", disable_tqdm=True)
+                        save_strategy="no", disable_tqdm=True, bf16=False)  # TRL defaults bf16 to True
     trainer = GRPOTrainer(model=model, reward_funcs=make_reward(env, by_id, []), args=config, train_dataset=dataset,
                           processing_class=tokenizer, optimizers=(optimizer, scheduler))
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; one micro-batch per step here
     return trainer, optimizer, scheduler
 
 
@@ -102,8 +103,9 @@ def compare(args: argparse.Namespace) -> dict:
     env = arithmetic_env()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        trainer, trl_opt, trl_sched = make_trainer(args.start, env, root, args.steps)
-        model = load_model(args.start)
+        dtype = getattr(torch, args.dtype)
+        trainer, trl_opt, trl_sched = make_trainer(args.start, env, root, args.steps, dtype)
+        model = load_model(args.start, dtype=dtype)
         tokenizer = load_tokenizer(args.start)
         optim = OptimConfig(lr=LR, warmup_steps=2, min_lr_ratio=0.1, token_budget=8192, max_grad_norm=1.0)
         optimizer, scheduler = make_optimizer(model, optim, args.steps)
@@ -138,6 +140,8 @@ def compare(args: argparse.Namespace) -> dict:
             loss.backward()
             g_trl = grad_vector(trl_model)
             cosine = float(torch.nn.functional.cosine_similarity(g_ours, g_trl, dim=0))
+            before = [q.detach().clone() for q in model.parameters()]
+            before_trl = [q.detach().clone() for q in trl_model.parameters()]
             ours_step = optim_step(model, optimizer, scheduler, 1.0)
             torch.nn.utils.clip_grad_norm_([p for p in trl_model.parameters() if p.grad is not None], 1.0)
             trl_opt.step()
@@ -145,11 +149,17 @@ def compare(args: argparse.Namespace) -> dict:
             trl_opt.zero_grad(set_to_none=True)
             drift = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), trl_model.parameters(),
                                                                    strict=True))
+            # the two updates, as vectors: how far apart relative to their size
+            upd = torch.cat([(q.detach() - b).flatten().double() for q, b in zip(model.parameters(), before, strict=True)])
+            upd_trl = torch.cat([(q.detach() - b).flatten().double()
+                                 for q, b in zip(trl_model.parameters(), before_trl, strict=True)])
+            update_rel_diff = float((upd - upd_trl).norm() / upd.norm())
             rows.append({"step": step, "loss_rlpipe": ours["loss"], "loss_trl": float(loss.detach()),
                          "grad_norm_rlpipe": float(g_ours.norm()), "grad_norm_trl": float(g_trl.norm()),
                          "grad_cosine": cosine, "grad_norm_ratio": float(g_ours.norm() / g_trl.norm()),
                          "grad_max_abs_diff": float((g_ours - g_trl).abs().max()),
-                         "weight_max_abs_diff_after_step": drift, "lr": ours_step["lr"],
+                         "weight_max_abs_diff_after_step": drift, "update_rel_diff": update_rel_diff,
+                         "lr": ours_step["lr"],
                          "reward_mean": sum(s["reward"] for s in scores) / len(scores),
                          "completion_tokens": int(sum(len(r["completion_tokens"]) for r in selected))})
             print(json.dumps(rows[-1]))
@@ -159,7 +169,7 @@ def compare(args: argparse.Namespace) -> dict:
                                                        "repetition_penalty", "max_new_tokens", "eos_token_id")},
                     "rlpipe_stop_token_ids": stops, "rlpipe_sampling": "temperature 1, top_p 1, top_k 0",
                     "same_prompt_tokens": same_prompt_tokens}
-    return {"benchmark": "trl_grads", "start": args.start, "steps": rows, "sampling": sampling}
+    return {"benchmark": "trl_grads", "start": args.start, "dtype": args.dtype, "steps": rows, "sampling": sampling}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -167,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--start", default="", help="an SFT checkpoint (default: make bench_trl's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                        help="both sides' weights (float64: differences left are the algorithm's, not rounding)")
     parser.add_argument("--out", default="runs/bench/trl_grads.json")
     args = parser.parse_args(argv)
     started = time.perf_counter()

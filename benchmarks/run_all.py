@@ -35,6 +35,7 @@ BENCHMARKS = {
     "storage": "Storage: 1M rollout rows over 500 steps; write time, size, canned query time",
     "rl_step": "RL step by stage: the share outside the stage functions (Prefect, Parquet, MLflow)",
     "trl": "rlpipe vs TRL GRPOTrainer: seconds per optimizer step and reward, same model and task",
+    "losses": "RL losses: does each `rl.loss` learn? Reward gain per loss on one task",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -44,7 +45,8 @@ QUICK_ARGS = {
     "serve": ["--repeats", "1"],
     "storage": ["--rows", "100000"],
     "rl_step": ["--steps", "10"],
-    "trl": ["--steps", "10", "--seeds", "5", "--eval-samples", "2"],
+    "trl": ["--steps", "10", "--seeds", "3", "--eval-samples", "2"],
+    "losses": ["--steps", "30", "--seeds", "1"],
 }
 
 
@@ -335,9 +337,28 @@ def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     return summary, lines
 
 
+def headline_losses(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    settings, rows = results["settings"], results["results"]
+    gains = [r["gain_mean"] for r in rows]
+    summary = (f"training-reward gain over {settings['steps']} steps, every loss: {min(gains):+.2f} to "
+               f"{max(gains):+.2f} ({settings['task']})")
+    lines = table(["loss", "reward, first 5 steps", "last 5 steps", "gain (mean over seeds)", "gain range",
+                   "entropy first 5 → last 5", "greedy accuracy gain"],
+                  [[r["variant"], r["reward_first"], r["reward_last"], f"{r['gain_mean']:+.3f}",
+                    f"{r['gain_min']:+.3f} .. {r['gain_max']:+.3f}",
+                    f"{r['entropy_first']:.2f} → {r['entropy_last']:.2f}" if r["entropy_last"] is not None else None,
+                    f"{r['accuracy_gain_mean']:+.3f}" if r.get("accuracy_gain_mean") is not None else None]
+                   for r in rows])
+    return summary, lines + ["", f"{settings['seeds']} seed(s), {settings['prompts_per_step']} prompts × "
+                             f"{settings['group_size']} completions per step, lr {settings['lr']:g}, start: "
+                             f"{settings['start']}. On-policy the ratio-based losses start at ratio 1, where "
+                             "ppo_clip and cispo give reinforce's gradient exactly (the engine samples with the "
+                             "trainer's fp32 weights): equal rows are expected, not a bug."]
+
+
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
-             "trl": headline_trl}
+             "trl": headline_trl, "losses": headline_losses}
 
 
 def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:
