@@ -382,6 +382,8 @@ def render(report: dict) -> str:
              f"torch threads by default. Load average before / after: {fmt_load(report.get('loadavg_start'))} / "
              f"{fmt_load(report.get('loadavg_end'))} (the last `run_all`). The benchmarks took "
              f"{sum(e.get('seconds', 0) for e in report['benchmarks'].values()) / 60:.1f} min in all.", "",
+             "GPU figures (an H100: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in "
+             "[BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py` where a GPU is present.", "",
              "Timings come from a shared 2-core machine: other processes ran beside them, so read them as "
              "ranges, not digits." + (" This was a `--quick` run (fewer repeats and steps)." if report.get("quick")
                                       else ""), "",

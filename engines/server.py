@@ -256,7 +256,7 @@ def build_app(
     allow_root: str | Path | None = None,
     batch_window_ms: float = 5.0,
     max_batch_prompts: int = 256,
-    device: str = "cpu",
+    device: str = "auto",
 ) -> FastAPI:
     """The FastAPI app serving `checkpoint` (a folder, or an already loaded ServedModel).
 
@@ -442,7 +442,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=256,
         help="sequences (prompts x n) merged into one engine call at most",
     )
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available) | cpu | cuda | cuda:N (default auto)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     return parser.parse_args(argv)
 

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engines.base import Completion, SamplingParams
 from engines.torch_engine import TorchEngine
+from models.device import resolve_device
 
 # ----------------------------------------------------------------------------- model state
 
@@ -35,7 +38,7 @@ class ServedModel:
         return int(self.engine.model.config.vocab_size)
 
 
-def load_served_model(path: str | Path, device: str = "cpu") -> ServedModel:
+def load_served_model(path: str | Path, device: str = "auto") -> ServedModel:
     """Load and verify a checkpoint written by `training.checkpoint.save_checkpoint`.
 
     Raises ValueError naming the path for a missing, incomplete or corrupt checkpoint.
@@ -46,12 +49,14 @@ def load_served_model(path: str | Path, device: str = "cpu") -> ServedModel:
     checkpoint = load_checkpoint(path, restore_rng=False)
     if "policy_version" not in checkpoint.metadata:
         raise ValueError(f"checkpoint {str(path)!r}: metadata.json has no policy_version")
-    model = checkpoint.model.to(device).eval()
+    model = checkpoint.model.to(resolve_device(device, "--device")).eval()
     version = int(checkpoint.metadata["policy_version"])
+    # bf16 sampling on CUDA, as the in-process engine of a bf16-autocast run does
+    dtype = torch.bfloat16 if model.device.type == "cuda" else None
     return ServedModel(
         path=path,
         tokenizer=checkpoint.tokenizer,
-        engine=TorchEngine(model, policy_version=version),
+        engine=TorchEngine(model, dtype=dtype, policy_version=version),
         policy_version=version,
     )
 

@@ -43,9 +43,19 @@ class ModelConfig(Section):
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Config fields to change on the preset (hidden_size, num_hidden_layers, ...)."""
     bf16_autocast: bool = True
-    """Train and sample under bf16 autocast where the CPU supports it (weights stay fp32)."""
+    """Train under bf16 autocast where the device supports it (CUDA, or a CPU with AMX/AVX512-BF16):
+    fp32 master weights and optimizer state, bf16 matmuls. On CUDA the engine samples in bf16 too."""
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the weights and optimizer state. bfloat16 = pure bf16 (half the memory, no fp32
+    master copy; small updates can round away); float32 is the default (with bf16_autocast)."""
     lora: LoraSection = Field(default_factory=LoraSection)
     """LoRA: train low-rank adapters only; checkpoints hold merged weights plus a PEFT adapter/."""
+
+
+class TrainConfig(Section):
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them:
+    much less memory for long packs, about a third more compute."""
 
 
 class TaskConfig(Section):
@@ -201,8 +211,9 @@ class RunConfig(Section):
     """Folder holding run directories and the default MLflow database."""
     seed: int = 0
     """Seed of every random choice (data order, sampling, init)."""
-    device: str = "cpu"
-    """Torch device."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Torch device of the model, optimizer, batches and in-process engine: auto (CUDA when torch
+    sees a GPU, else CPU) | cpu | cuda | cuda:N. Asking for cuda without one is an error."""
     threads: int = Field(0, ge=0)
     """Torch intra-op threads (0 = torch's default). Tiny models are overhead-bound: 1 is often
     as fast, and much steadier when other processes share the cores."""
@@ -216,6 +227,8 @@ class RunConfig(Section):
     """SFT phase (flow = sft or pipeline)."""
     rl: RLConfig = Field(default_factory=RLConfig)
     """RL phase (flow = rl or pipeline)."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """How the trainer runs (memory/compute trade-offs shared by every phase)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """Rollout engine."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

@@ -46,10 +46,12 @@ from tasks.pack import pack_task
 from tasks.record import drain_writes, load_rows, persist, train_step_row
 from tasks.score import score_stage
 from tasks.setup import (
+    engine_dtype,
     make_env,
     make_model_and_tokenizer,
     make_optimizer,
     max_context,
+    place_model,
     stop_token_ids,
 )
 from tasks.sync import raise_failed, sync_task
@@ -91,7 +93,7 @@ def make_engines(config: RunConfig, model) -> list:
     if config.engine.type == "torch":
         from engines.torch_engine import TorchEngine
 
-        return [TorchEngine(model)]
+        return [TorchEngine(model, dtype=engine_dtype(model, config.model.bf16_autocast))]
     if config.engine.type == "http":
         from engines.http import engines_from_config
 
@@ -111,6 +113,7 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
     env = make_env(config.task.env, config.task.options)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
     model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
     ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
@@ -125,7 +128,7 @@ def _loop(config: RunConfig, state: RunState, tracker, start_checkpoint, engines
         buffer.load_state_dict(loaded.data_state["buffer"])
     engines += make_engines(config, model)
     # evals read the trainer's weights in-process: servers may lag a step behind
-    eval_engine = engines[0] if config.engine.type != "http" else _local_engine(model)
+    eval_engine = engines[0] if config.engine.type != "http" else _local_engine(model, config)
     if resume_from is not None and config.engine.type == "http":
         raise_failed(sync_task(engines, str(resume_from), start_step * rl.ppo_epochs, run_id=run_id,
                                step=start_step, retries=config.engine.retries))
@@ -279,10 +282,10 @@ def overlong_penalty_fn(rl):
                              buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
 
 
-def _local_engine(model):
+def _local_engine(model, config: RunConfig):
     from engines.torch_engine import TorchEngine
 
-    return TorchEngine(model)
+    return TorchEngine(model, dtype=engine_dtype(model, config.model.bf16_autocast))
 
 
 def _step_metrics(train: dict, filt: dict, rollouts: list[dict], scores: list[dict],

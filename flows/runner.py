@@ -115,6 +115,13 @@ def main_resume(argv: list[str]) -> int:
 
 
 def _execute(config: RunConfig) -> int:
+    from models.device import resolve_device
+
+    try:  # before any run directory or tracking run exists
+        resolve_device(config.device)
+    except ValueError as error:
+        print(f"rlpipe: {error}", file=sys.stderr)
+        return 2
     began = time.perf_counter()
     try:
         result = start(config)

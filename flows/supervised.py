@@ -21,10 +21,12 @@ from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_task
 from tasks.record import drain_writes, load_rows, persist, train_step_row
 from tasks.setup import (
+    engine_dtype,
     make_env,
     make_model_and_tokenizer,
     make_optimizer,
     max_context,
+    place_model,
     sft_data,
     stop_token_ids,
 )
@@ -61,6 +63,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
     resume_from = latest_checkpoint(run_dir)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
     model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     optimizer, scheduler = make_optimizer(model, section.optim, section.steps)
     start_step = 0
@@ -75,7 +78,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
         sequences = sft_data(env, tokenizer, section.examples, config.seed,
                              max_len=min(max_context(model), section.optim.token_budget),
                              data_path=section.data_path)
-    engine = engine_cls(model)
+    engine = engine_cls(model, dtype=engine_dtype(model, config.model.bf16_autocast))
     eval_examples = list(env.examples("eval", seed=config.seed))[: config.task.eval_examples]
     model_name = registered_model_name(config)
     last_path, eval_metrics, cursor = None, {}, {}

@@ -1,4 +1,11 @@
-"""Varlen attention for packed rows on CPU (and anywhere sdpa runs), registered with transformers.
+"""Varlen attention for packed rows, registered with transformers: a varlen kernel on CUDA,
+padded buckets through sdpa elsewhere.
+
+On CUDA in 16-bit (bf16 autocast or bf16 weights), a packed row runs through torch's varlen
+FlashAttention kernel (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10): no padding, no
+mask, causal per segment; a shared-prefix continuation's keys are its prefix's then its own, and
+the kernel's bottom-right causal alignment is exactly "all of the prefix, then causal" (measured
+against a dense reference). fp32 on CUDA, and the CPU, use the buckets below.
 
 Why: transformers' sdpa path builds a full T x T mask for a packed row, so a 2048-token pack costs
 attention over 2048^2 pairs and trains slower than padding; torch's flex_attention has no CPU
@@ -34,7 +41,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from models.varlen_plan import VarlenPlan, make_plan
+from models.varlen_plan import FlashViews, VarlenPlan, make_flash_views, make_plan
 
 VARLEN_ATTENTION = "rlpipe_varlen"
 
@@ -104,6 +111,43 @@ def causal_attention_bmm(
     return out.view(b, hq, q_width, d)
 
 
+def flash_kernel():
+    """torch's varlen FlashAttention kernel (CUDA, torch >= 2.10), or None where it is missing."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def flash_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, views: FlashViews, scaling: float | None
+) -> torch.Tensor:
+    """Causal attention of a packed row through the varlen kernel: no padding, no T x T mask.
+
+    query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (GQA: the kernel reads the kv heads in place).
+    Returns [1, T, Hq, D].
+    """
+    low = _compute_dtype(query)
+    q, k, v = (x[0].transpose(0, 1).to(low).contiguous() for x in (query, key, value))  # [T, H, D]
+    if views.keys is not None:  # continuations: their prefix's keys, then their own
+        k, v = k.index_select(0, views.keys), v.index_select(0, views.keys)
+    out = flash_kernel()(q, k, v, views.cu_q, views.cu_k, views.max_q, views.max_k, scale=scaling,
+                         window_size=(-1, 0))
+    return out.unsqueeze(0)
+
+
+def use_flash(model: PreTrainedModel) -> bool:
+    """Whether packed rows of `model` go through the varlen kernel: CUDA, a kernel in this torch,
+    16-bit compute (autocast or 16-bit weights), no attention dropout while training."""
+    param = next(model.parameters())
+    if param.device.type != "cuda" or flash_kernel() is None:
+        return False
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else param.dtype
+    dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+    return dtype in (torch.bfloat16, torch.float16) and not (dropout > 0 and model.training)
+
+
 def varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -117,6 +161,8 @@ def varlen_attention(
     query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (GQA: Hq a multiple of Hkv).
     Returns [1, T, Hq, D] (transformers' attention-output layout).
     """
+    if plan.flash is not None:
+        return flash_attention(query, key, value, plan.flash, scaling)
     hq, hkv = query.shape[1], key.shape[1]
     low = _compute_dtype(query)
     use_bmm = query.device.type == "cpu" and low in (torch.bfloat16, torch.float16) and dropout == 0.0
@@ -207,14 +253,17 @@ def register() -> None:
 register()
 
 
-def packed_forward_kwargs(batch: Any) -> dict[str, Any]:
+def packed_forward_kwargs(batch: Any, flash: bool = False) -> dict[str, Any]:
     """Keyword arguments that run a model on a PackedBatch (input_ids [1, T], ...).
 
     Includes FlashAttention-style `cu_seq_lens_q/k`, `max_length_q/k`, and a precomputed
-    `varlen_plan` so the buckets are planned once per forward, not once per layer.
+    `varlen_plan` so the views are planned once per forward, not once per layer: for the varlen
+    kernel when `flash` (see `use_flash`), else padded buckets.
     """
     cu = batch.cu_seqlens.to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    prefix_index = getattr(batch, "prefix_index", None)
+    plan = make_flash_views(cu, prefix_index) if flash else make_plan(cu, prefix_index=prefix_index)
     return {
         "input_ids": batch.tokens.reshape(1, -1),
         "position_ids": batch.position_ids.reshape(1, -1),
@@ -222,7 +271,7 @@ def packed_forward_kwargs(batch: Any) -> dict[str, Any]:
         "cu_seq_lens_k": cu,
         "max_length_q": max_len,
         "max_length_k": max_len,
-        "varlen_plan": make_plan(cu, prefix_index=getattr(batch, "prefix_index", None)),
+        "varlen_plan": plan,
         "use_cache": False,
     }
 
@@ -253,7 +302,7 @@ def model_hidden_states(
     else None. The lm_head is not applied (the loss helper applies it in chunks).
     """
     _check_attention(model)
-    kwargs = packed_forward_kwargs(batch)
+    kwargs = packed_forward_kwargs(batch, flash=use_flash(model))
     want_router = bool(getattr(model.config, "output_router_logits", False))
     if want_router:
         kwargs["output_router_logits"] = True

@@ -102,6 +102,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "head_dim": 64,
     },
+    # Qwen3-0.6B's transformer body (28 layers, GQA 16/8 heads of 128, SwiGLU 3072, tied
+    # embeddings, rope theta 1e6): 0.44B parameters without the embedding, 0.60B at its
+    # 151,936-token vocabulary. For GPUs (configs/gpu.toml); a real checkpoint uses model.path.
+    "qwen3-0.6b": {
+        "model_type": "qwen3",
+        **_COMMON,
+        "max_position_embeddings": 40_960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
 }
 
 _CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}

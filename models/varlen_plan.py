@@ -41,11 +41,31 @@ class VarlenPlan:
     buckets: the attention calls.
     scatter: int64 [T], for each packed token its row in the concatenated bucket query outputs
              (flattened [sum_b n_b * Lq_b]).
+    flash:   set instead of buckets when a varlen kernel runs the row unpadded (CUDA).
     """
 
     buckets: tuple[AttentionBucket, ...]
-    scatter: torch.Tensor
+    scatter: torch.Tensor | None
     n_tokens: int
+    flash: FlashViews | None = None
+
+
+@dataclass(frozen=True)
+class FlashViews:
+    """The views of a packed row in the layout of a varlen (FlashAttention-style) kernel.
+
+    Queries are the packed tokens in order (view i = segment i, rows cu_q[i]:cu_q[i+1]); its keys
+    are rows cu_k[i]:cu_k[i+1] of the gathered key tokens `keys` (int64 [Tk]: the prefix segment's
+    tokens, then its own), or of the packed tokens themselves when no segment has a prefix
+    (`keys` None, cu_k = cu_q). Causality is aligned bottom-right: query a of view i sees keys
+    0 .. a + (len_k - len_q), which is exactly "all of the prefix, then causal on its own tokens".
+    """
+
+    cu_q: torch.Tensor  # int32 [n+1]
+    cu_k: torch.Tensor  # int32 [n+1]
+    max_q: int
+    max_k: int
+    keys: torch.Tensor | None
 
 
 def plan_buckets(
@@ -137,3 +157,28 @@ def make_plan(
             scatter[queries[valid]] = rows[valid]
             offset += len(segs) * q_width
     return VarlenPlan(buckets=tuple(buckets), scatter=scatter.to(device), n_tokens=cu[-1])
+
+
+def make_flash_views(cu_seqlens: torch.Tensor, prefix_index: torch.Tensor | None = None) -> VarlenPlan:
+    """A plan for a varlen kernel: no buckets, no padding, keys gathered only for continuations."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    prefixes = [-1] * len(lens) if prefix_index is None else [int(x) for x in prefix_index.tolist()]
+    _check_prefixes(prefixes, len(lens))
+    device = cu_seqlens.device
+    cu_q = torch.tensor(cu, dtype=torch.int32)
+    if all(j < 0 for j in prefixes):
+        views = FlashViews(cu_q=cu_q.to(device), cu_k=cu_q.to(device), max_q=max(lens, default=0),
+                           max_k=max(lens, default=0), keys=None)
+        return VarlenPlan(buckets=(), scatter=None, n_tokens=cu[-1], flash=views)
+    ranges, key_lens = [], []
+    for s, j in enumerate(prefixes):
+        if j >= 0:
+            ranges.append(torch.arange(cu[j], cu[j + 1], dtype=torch.int64))
+        ranges.append(torch.arange(cu[s], cu[s + 1], dtype=torch.int64))
+        key_lens.append(lens[s] + (lens[j] if j >= 0 else 0))
+    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(torch.tensor(key_lens, dtype=torch.int32), 0)
+    views = FlashViews(cu_q=cu_q.to(device), cu_k=cu_k.to(device), max_q=max(lens), max_k=max(key_lens),
+                       keys=torch.cat(ranges).to(device))
+    return VarlenPlan(buckets=(), scatter=None, n_tokens=cu[-1], flash=views)

@@ -31,9 +31,9 @@ import threading
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
-import polars as pl
 import pyarrow.parquet as pq
 
 from storage.layout import (
@@ -44,6 +44,9 @@ from storage.layout import (
     tables_root,
 )
 from storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
+
+if TYPE_CHECKING:
+    import polars as pl
 
 RunDirs = str | os.PathLike | Iterable[str | os.PathLike]
 # Serialises catalog refreshes of this process: concurrent CREATE VIEWs on one DuckDB file from
@@ -165,6 +168,8 @@ def relation(
 
 def lazy_frame(run_dirs: RunDirs, table: str) -> pl.LazyFrame:
     """`table` over all runs as a polars LazyFrame with the table's columns (run_id included)."""
+    import polars as pl  # only here: the rest of storage needs no polars
+
     schema = pl.from_arrow(schema_for(table).empty_table()).schema
     files = [
         str(path) for run in run_dirs_list(run_dirs) for _, path in partition_files(run, table)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import Environment, Example, build_env
+from models.device import resolve_device
 from models.loading import load_model
 from models.presets import build_model
 from models.tokenizer import build_tokenizer, load_tokenizer
@@ -35,6 +36,33 @@ def make_model_and_tokenizer(preset: str, path: str, overrides: dict[str, Any], 
     }
     model = build_model(preset, vocab_size=len(tokenizer), seed=seed, **{**token_ids, **overrides})
     return model, tokenizer
+
+
+def place_model(model, device: str, weights_dtype: str = "float32",
+                activation_checkpointing: bool = False):
+    """The model on the configured device and dtype (in place), with activation checkpointing
+    switched on if asked. Call before building the optimizer: its state follows the parameters."""
+    import torch
+
+    model.to(device=resolve_device(device), dtype=getattr(torch, weights_dtype))
+    if activation_checkpointing:
+        # non-reentrant: works with the packed-attention keyword arguments and no-grad inputs;
+        # transformers >= 5.2x renamed the switch (the old name still works but warns)
+        options = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    return model
+
+
+def engine_dtype(model, bf16_autocast: bool):
+    """The dtype the in-process engine samples in: bf16 on CUDA when training autocasts to it
+    (what vLLM would do), else the model's own (fp32 decoding is faster than bf16 on CPU)."""
+    import torch
+
+    param = next(model.parameters())
+    return torch.bfloat16 if param.device.type == "cuda" and bf16_autocast else param.dtype
 
 
 def make_optimizer(model, optim, total_steps: int):

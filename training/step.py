@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from models.device import model_device
 from models.loading import autocast_context
 from training.batch import PackedBatch
 from training.entropy import token_logprobs_and_entropy
@@ -30,10 +31,6 @@ from training.losses import (
     normaliser_totals,
     reduce_loss,
 )
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -> FloatingPointError:
@@ -72,7 +69,7 @@ def forward_backward(
         raise ValueError("forward_backward: no micro-batches")
     start = time.perf_counter()
     totals = normaliser_totals(batches, normaliser)
-    device = _model_device(model)
+    device = model_device(model)
     if aux_loss_coef is None:
         aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
 

@@ -53,7 +53,7 @@ def test_logprobs_match_trainer_and_follow_the_optimizer():
     from engines.vllm_engine import VllmEngine
 
     tok = build_tokenizer()
-    model = build_model("tiny-dense", vocab_size=len(tok), seed=0).cuda()
+    model = build_model("tiny-dense", vocab_size=len(tok), seed=0).to("cuda")
     engine = VllmEngine(model, dtype="float32", gpu_memory_utilization=0.2)
     try:
         assert isinstance(engine, Engine)

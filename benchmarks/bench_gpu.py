@@ -1,0 +1,404 @@
+"""GPU benchmark (one CUDA device): rlpipe at Qwen3-0.6B scale, and TRL's GRPOTrainer beside it.
+
+Three parts, one process, one GPU:
+- train: the packed train step of the `qwen3-0.6b` preset at its real 151,936-token vocabulary
+  (0.60B parameters), RL-like packs of 256-1,024-token sequences: seconds, real tokens/s, model
+  FLOP utilisation (MFU: 6 x matmul parameters x tokens + causal attention, over the GPU's dense
+  bf16 peak), peak memory; bf16 autocast over fp32 master weights (the default), pure bf16, and
+  each with activation checkpointing.
+- engine: the torch engine decoding on the GPU in bf16 (tokens/s), the cost of its weight "sync"
+  (it re-reads the trainer's tensors, cast to bf16, at each generate: no copy through disk), and
+  the cost of writing the Hugging Face checkpoint that an HTTP engine (vLLM/SGLang server) loads.
+- rl_vs_trl: one RL step (generate -> reward -> advantages -> pack -> train) of rlpipe's stage
+  functions against TRL's GRPOTrainer on the same model, prompts, group size, completion length,
+  optimizer and precision (bf16), gradient checkpointing off on both sides. TRL generates with
+  transformers' `generate`: vLLM is not installed where this ran (see the JSON's `notes`).
+
+    python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl] [--out runs/bench/gpu.json]
+    python -m benchmarks.bench_gpu --render docs/BENCHMARKS_GPU.json     # -> docs/BENCHMARKS_GPU.md
+
+The document is generated from the JSON (which also holds the `rlpipe run configs/gpu.toml`
+figures read from its tables); `make bench` on a machine without CUDA leaves both as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engines.base import SamplingParams
+from engines.torch_engine import TorchEngine
+from models.device import synchronize
+from models.presets import build_model
+from models.tokenizer import build_tokenizer
+from tasks.setup import place_model, stop_token_ids
+from training.batch import Sequence, pack
+from training.losses import nll_loss
+from training.rl_loss import build_rl_loss
+from training.step import build_optimizer, forward_backward, optim_step
+
+QWEN3_VOCAB = 151_936
+# dense bf16 tensor-core peaks (no sparsity), by device name
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def peak_flops() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def matmul_parameters(model) -> int:
+    """Parameters that take part in a matmul per token: the blocks' matrices and the lm_head."""
+    blocks = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() >= 2)
+    return blocks + model.lm_head.weight.numel()
+
+
+def train_flops(model, lengths: list[int]) -> float:
+    """fwd + bwd FLOPs of a step: 6 N T for the matmuls, 3 x 4 Hq D (causal pairs) per layer."""
+    cfg = model.config
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    attention = 3 * 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
+    return 6 * matmul_parameters(model) * sum(lengths) + attention
+
+
+def rl_like_sequences(n: int, vocab: int, seed: int, low: int = 256, high: int = 1024) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(low, high + 1, (1,), generator=g))
+        tokens = torch.randint(3, vocab, (length,), generator=g).tolist()
+        out.append(Sequence(tokens=tokens, weights=[1.0] * length, sample_id=f"s{i}"))
+    return out
+
+
+def timed(fn, repeats: int, warmup: int = 2) -> list[float]:
+    device = torch.device("cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def train_step_seconds(batches, seqs, weights_dtype: str, checkpointing: bool, repeats: int):
+    """Median seconds of a full optimizer step, its FLOPs and the parameter count."""
+    model = build_model("qwen3-0.6b", QWEN3_VOCAB, seed=0, pad_token_id=0, eos_token_id=1)
+    place_model(model, "cuda", weights_dtype, checkpointing)
+    optimizer = build_optimizer(model, lr=1e-5)
+
+    def step():
+        forward_backward(model, batches, nll_loss, autocast=True)
+        optim_step(model, optimizer, None, max_grad_norm=1.0)
+
+    seconds = statistics.median(timed(step, repeats))
+    return seconds, train_flops(model, [len(s.tokens) for s in seqs]), sum(p.numel() for p in model.parameters())
+
+
+def bench_train(tokens_per_step: int, token_budget: int, repeats: int) -> list[dict]:
+    seqs, total = [], 0
+    for s in rl_like_sequences(4 * tokens_per_step // 512, QWEN3_VOCAB, seed=0):
+        if total + len(s.tokens) > tokens_per_step:
+            break
+        seqs.append(s)
+        total += len(s.tokens)
+    batches = pack(seqs, token_budget)
+    rows = []
+    for weights_dtype, checkpointing in itertools.product(("float32", "bfloat16"), (False, True)):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        seconds, flops, parameters = train_step_seconds(batches, seqs, weights_dtype, checkpointing, repeats)
+        peak = peak_flops()
+        rows.append({
+            "weights": weights_dtype, "activation_checkpointing": checkpointing, "parameters": parameters,
+            "tokens": total, "micro_batches": len(batches), "seconds": seconds, "tokens_per_second": total / seconds,
+            "tflops": flops / seconds / 1e12, "mfu": None if peak is None else flops / seconds / peak,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def profile_train_step(tokens_per_step: int, token_budget: int, path: Path) -> None:
+    """Where a default-precision train step spends GPU time: the profiler's top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs = rl_like_sequences(tokens_per_step // 640, QWEN3_VOCAB, seed=0)
+    batches = pack(seqs, token_budget)
+    model = place_model(build_model("qwen3-0.6b", QWEN3_VOCAB, seed=0, pad_token_id=0, eos_token_id=1), "cuda")
+    optimizer = build_optimizer(model, lr=1e-5)
+
+    def step():
+        forward_backward(model, batches, nll_loss, autocast=True)
+        optim_step(model, optimizer, None, max_grad_norm=1.0)
+
+    timed(step, repeats=1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        synchronize(torch.device("cuda"))
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+
+
+def bench_engine(prompts: int, n: int, max_new: int) -> dict:
+    from engines import qwen3_fast
+
+    tok = build_tokenizer()
+    model = build_model("qwen3-0.6b", QWEN3_VOCAB, seed=0, pad_token_id=0, eos_token_id=1)
+    place_model(model, "cuda")
+    engine = TorchEngine(model, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(3, len(tok), (int(torch.randint(16, 64, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(prompts)]
+    params = SamplingParams(n=n, max_new_tokens=max_new, seed=0)  # no stop tokens: every row runs max_new
+    times = timed(lambda: engine.generate(batch, params), repeats=3, warmup=1)
+    sync = timed(lambda: qwen3_fast.QwenWeights.from_model(model, torch.bfloat16, "cuda"), repeats=5)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        model.save_pretrained(tmp)
+        save_seconds = time.perf_counter() - start
+    generated = prompts * n * max_new
+    out = {"prompts": prompts, "n": n, "max_new_tokens": max_new, "seconds": statistics.median(times),
+           "tokens_per_second": generated / statistics.median(times),
+           "sync_seconds_shared_weights": statistics.median(sync),
+           "checkpoint_write_seconds": save_seconds}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def arithmetic_prompts(tokenizer, count: int, seed: int):
+    from envs.base import build_env
+    from tasks.generate import encode_messages
+
+    env = build_env("arithmetic")
+    examples = list(env.examples("train", seed=seed))[:count]
+    return env, examples, [encode_messages(tokenizer, env.reset(e)) for e in examples]
+
+
+def rlpipe_steps(model, tokenizer, args) -> dict:
+    """rlpipe's stage functions, no Prefect/Parquet/MLflow: generate, reward, advantages, pack, train."""
+    env, examples, prompts = arithmetic_prompts(tokenizer, args.prompts * (args.steps + 2), seed=0)
+    engine = TorchEngine(model, dtype=torch.bfloat16)
+    optimizer = build_optimizer(model, lr=1e-6)
+    loss_fn = build_rl_loss("reinforce")
+    stops = stop_token_ids(tokenizer)
+    times, tokens, phases = [], [], []
+    for step in range(args.steps):
+        sl = slice(step * args.prompts, (step + 1) * args.prompts)
+        synchronize(torch.device("cuda"))
+        start = time.perf_counter()
+        out = engine.generate(prompts[sl], SamplingParams(n=args.group, max_new_tokens=args.max_new, seed=step,
+                                                          stop_token_ids=stops))
+        generated = time.perf_counter()
+        seqs = []
+        for example, prompt, group in zip(examples[sl], prompts[sl], out, strict=True):
+            rewards = [env.reward(example, tokenizer.decode(c.tokens, skip_special_tokens=True)).reward for c in group]
+            mean = sum(rewards) / len(rewards)
+            for c, r in zip(group, rewards, strict=True):
+                seqs.append(Sequence(tokens=prompt + c.tokens, weights=[0.0] * len(prompt) + [r - mean] * len(c.tokens),
+                                     logprobs=[0.0] * len(prompt) + c.logprobs, prefix_len=len(prompt),
+                                     loss_mask=[False] * len(prompt) + [True] * len(c.tokens)))
+        batches = pack(seqs, 16_384)
+        forward_backward(model, batches, loss_fn, autocast=True)
+        optim_step(model, optimizer, None, max_grad_norm=1.0)
+        synchronize(torch.device("cuda"))
+        end = time.perf_counter()
+        times.append(end - start)
+        phases.append({"generate": generated - start, "train": end - generated})
+        tokens.append(sum(len(s.tokens) for s in seqs))
+    keep = slice(1, None)  # the first step warms up kernels and caches
+    return {"seconds_per_step": statistics.median(times[keep]), "seconds_all": times,
+            "tokens_per_second": sum(tokens[keep]) / sum(times[keep]), "phases": phases}
+
+
+def trl_steps(model, tokenizer, args, workdir: Path) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    env, examples, _ = arithmetic_prompts(tokenizer, args.prompts * (args.steps + 2), seed=0)
+    by_id = {e.example_id: e for e in examples}
+    dataset = Dataset.from_dict({"prompt": [env.reset(e) for e in examples],
+                                 "example_id": [e.example_id for e in examples]})
+    lengths: list[int] = []
+
+    def reward(completions, example_id, completion_ids=None, **kwargs):
+        if completion_ids is not None:
+            lengths.append(sum(len(c) for c in completion_ids))
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(env.reward(by_id[i], t).reward) for t, i in zip(texts, example_id, strict=True)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_train_begin(self, *_, **__):
+            self.ends.append(time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+    clock = Clock()
+    config = GRPOConfig(
+        output_dir=str(workdir / "trl"), max_steps=args.steps, per_device_train_batch_size=args.group * 4,
+        # one optimizer step per generation batch, in micro-batches of 4 prompts' completions
+        # (all 256 at once ran out of the GPU's 80 GB without gradient checkpointing)
+        gradient_accumulation_steps=args.prompts // 4, num_generations=args.group, max_completion_length=args.max_new,
+        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, scale_rewards="none", loss_type="dapo",
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", bf16=True,
+        gradient_checkpointing=False, use_vllm=False, seed=0, shuffle_dataset=False, dataloader_num_workers=0,
+        disable_tqdm=True, log_completions=False, learning_rate=1e-6,
+    )
+    optimizer = build_optimizer(model, lr=1e-6)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock], optimizers=(optimizer, None))
+    trainer.train()
+    times = [b - a for a, b in itertools.pairwise(clock.ends)]
+    keep = slice(1, None)
+    logs = [e for e in trainer.state.log_history if "completions/mean_length" in e]
+    mean_len = statistics.mean(float(e["completions/mean_length"]) for e in logs) if logs else None
+    return {"seconds_per_step": statistics.median(times[keep]), "seconds_all": times,
+            "completion_tokens_mean": mean_len,
+            "effective_args": {k: getattr(config, k, None) for k in (
+                "per_device_train_batch_size", "num_generations", "max_completion_length", "bf16",
+                "gradient_checkpointing", "use_vllm", "loss_type", "beta", "steps_per_generation")}}
+
+
+def bench_rl_vs_trl(args) -> dict:
+    tokenizer = build_tokenizer()
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    base = build_model("qwen3-0.6b", len(tokenizer), seed=0, **ids)
+    result = {"model": "qwen3-0.6b preset (char vocabulary)", "prompts": args.prompts, "group": args.group,
+              "max_new_tokens": args.max_new, "steps": args.steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            import trl
+
+            result["trl_version"] = trl.__version__
+            result["trl"] = trl_steps(place_model(copy.deepcopy(base), "cuda"), tokenizer, args, Path(tmp))
+        except Exception as error:  # noqa: BLE001 - the JSON says why TRL has no figure
+            result["trl"] = {"error": f"{type(error).__name__}: {error}"}
+        torch.cuda.empty_cache()
+        result["rlpipe"] = rlpipe_steps(place_model(copy.deepcopy(base), "cuda"), tokenizer, args)
+    if "seconds_per_step" in result["trl"]:
+        result["step_time_ratio"] = result["rlpipe"]["seconds_per_step"] / result["trl"]["seconds_per_step"]
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rlpipe", "trl")}), flush=True)
+    return result
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def render(report: dict) -> str:
+    """docs/BENCHMARKS_GPU.md from the JSON."""
+    lines = ["# GPU benchmarks", "", "Generated by `python -m benchmarks.bench_gpu --render` from "
+             "[BENCHMARKS_GPU.json](BENCHMARKS_GPU.json). Measured: " + report.get("measured", report["device"]) + ".",
+             "", *[f"- {note}" for note in report.get("notes", [])], ""]
+    if "train" in report:
+        lines += ["## Train step, `qwen3-0.6b` at its 151,936-token vocabulary (0.60B parameters)", "",
+                  f"One optimizer step over {report['train'][0]['tokens']:,} real tokens (RL-like packs of "
+                  f"256-1,024-token sequences, {report['train'][0]['micro_batches']} micro-batches), bf16 autocast, "
+                  f"varlen FlashAttention; MFU against the dense bf16 peak of {report['peak_bf16_tflops']:.0f} TFLOP/s.", "",
+                  "| weights + optimizer state | activation checkpointing | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in report["train"]:
+            lines.append(f"| {r['weights']} | {'on' if r['activation_checkpointing'] else 'off'} | {r['seconds']:.3f} | "
+                         f"{r['tokens_per_second']:,.0f} | {r['tflops']:.0f} | {100 * (r['mfu'] or 0):.1f}% | "
+                         f"{r['peak_memory_gib']:.1f} |")
+        lines.append("")
+    if "engine" in report:
+        e = report["engine"]
+        lines += ["## Torch engine on the GPU (bf16)", "",
+                  "| prompts x n | new tokens | s | generated tokens/s | weight refresh (shared tensors) s | "
+                  "HF checkpoint write s |", "|---|---|---|---|---|---|",
+                  f"| {e['prompts']} x {e['n']} | {e['max_new_tokens']} | {e['seconds']:.2f} | {e['tokens_per_second']:,.0f} | "
+                  f"{e['sync_seconds_shared_weights']:.4f} | {e['checkpoint_write_seconds']:.2f} |", ""]
+    if "rl_vs_trl" in report:
+        r = report["rl_vs_trl"]
+        trl = r.get("trl", {})
+        lines += ["## One RL step: rlpipe vs TRL GRPOTrainer, same GPU", "",
+                  f"{r['model']}; {r['prompts']} prompts x {r['group']} completions of at most {r['max_new_tokens']} "
+                  f"tokens; bf16; gradient checkpointing off on both sides; median of steps 2..{r['steps']}. "
+                  f"TRL {r.get('trl_version', '?')} arguments: `{json.dumps(trl.get('effective_args'))}`.", "",
+                  "| side | s/step | generate s | train s |", "|---|---|---|---|"]
+        phases = r["rlpipe"].get("phases", [])
+        gen = statistics.median(p["generate"] for p in phases) if phases else None
+        train = statistics.median(p["train"] for p in phases) if phases else None
+        lines.append(f"| rlpipe | {r['rlpipe']['seconds_per_step']:.2f} | {_fmt(gen)} | {_fmt(train)} |")
+        lines.append(f"| TRL | {_fmt(trl.get('seconds_per_step'))} | - | - |" if "error" not in trl
+                     else f"| TRL | failed: {trl['error'][:120]} | | |")
+        if r.get("step_time_ratio"):
+            lines += ["", f"**rlpipe/TRL step time: {r['step_time_ratio']:.2f}x** (target <= 0.5x)."]
+        lines.append("")
+    if "flow" in report:
+        f = report["flow"]
+        lines += ["## `rlpipe run configs/gpu.toml`", "", f"`{f['command']}`", "",
+                  "| phase | steps | s/step | tokens/s | greedy accuracy by step |", "|---|---|---|---|---|"]
+        for phase in ("sft", "rl"):
+            x = f[phase]
+            acc = ", ".join(f"{k}: {v:.1%}" for k, v in x["eval_accuracy_by_step"].items())
+            lines.append(f"| {phase} | {x.get('steps', x.get('steps_done'))} | {x['seconds_per_step_median']:.2f} | "
+                         f"{x['tokens_per_second_median']:,} | {acc} |")
+        lines.append("")
+    if "gpu_tests" in report:
+        lines += ["## GPU tests", "", report["gpu_tests"], ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", nargs="+", default=["train", "engine", "rl_vs_trl"])
+    parser.add_argument("--tokens-per-step", type=int, default=32_768)
+    parser.add_argument("--token-budget", type=int, default=16_384)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default="runs/bench/gpu.json")
+    parser.add_argument("--profile", action="store_true", help="also write the train step's top kernels")
+    parser.add_argument("--render", metavar="JSON", help="only write the Markdown next to this JSON")
+    args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        Path(args.render).with_suffix(".md").write_text(render(report))
+        return report
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA GPU (torch sees none)")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "peak_bf16_tflops": (peak_flops() or 0) / 1e12,
+              "notes": ["vLLM/SGLang are not installed on this machine: TRL generates with transformers' "
+                        "generate and rlpipe with its torch engine"]}
+    if "train" in args.parts:
+        report["train"] = bench_train(args.tokens_per_step, args.token_budget, args.repeats)
+    if args.profile:
+        profile_train_step(args.tokens_per_step, args.token_budget, Path(args.out).with_suffix(".profile.txt"))
+    if "engine" in args.parts:
+        report["engine"] = bench_engine(prompts=64, n=8, max_new=256)
+    if "rl_vs_trl" in args.parts:
+        report["rl_vs_trl"] = bench_rl_vs_trl(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()
