@@ -36,7 +36,7 @@ from pathlib import Path
 PROMPTS, GROUP, LR = 8, 8, 1e-4
 
 
-def grad_vector(model) -> "torch.Tensor":  # noqa: F821
+def grad_vector(model) -> torch.Tensor:  # noqa: F821
     import torch
 
     return torch.cat([p.grad.detach().flatten().double() for p in model.parameters() if p.grad is not None])
@@ -100,8 +100,8 @@ def compare(args: argparse.Namespace) -> dict:
     from tasks.pack import pack_rollouts
     from tasks.score import score_rollouts
     from tasks.setup import make_optimizer, stop_token_ids
-    from training.oversampling import BufferConfig, GroupBuffer
     from training.advantages import AdvantageConfig
+    from training.oversampling import BufferConfig, GroupBuffer
     from training.rl_loss import build_rl_loss
     from training.step import forward_backward, optim_step
 
