@@ -12,7 +12,7 @@ on 2 shared cores ran SFT steps 10-30x slower and far less steadily here).
 What is timed, in the same process and the same steps:
 - `seconds_<stage>` of the `train_steps` table: the flow's Stopwatch around each stage, i.e. the
   Prefect task call plus the stage's table writes;
-- the stage functions themselves (generate_rollouts, score_rollouts, filter_and_advantages,
+- the stage functions themselves (generate_rollouts, score_rollouts, group_rows,
   pack_rollouts, train_on_batches, save_checkpoint, sync_engines, evaluate_greedy), the Parquet
   writes and reads (`persist`, `load_rows`) and the MLflow calls (log_metrics, register_checkpoint,
   set_alias), by wrapping those module attributes for the duration of the RL flow only;
@@ -50,13 +50,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
+from storage.schemas import PHASES as STAGES  # noqa: E402
 
 # (module, attribute, bucket, stage): the functions whose time counts as a stage's own work
 STAGE_FUNCTIONS = [
     ("tasks.generate", "generate_rollouts", "function", "generate"),
     ("tasks.score", "score_rollouts", "function", "score"),
-    ("tasks.advantages", "filter_and_advantages", "function", "filter"),
+    ("tasks.advantages", "group_rows", "function", "filter"),
     ("tasks.pack", "pack_rollouts", "function", "pack"),
     ("tasks.train", "train_on_batches", "function", "train"),
     ("tasks.checkpoint", "save_checkpoint", "function", "checkpoint"),

@@ -36,6 +36,7 @@ BENCHMARKS = {
     "rl_step": "RL step by stage: the share outside the stage functions (Prefect, Parquet, MLflow)",
     "trl": "rlpipe vs TRL GRPOTrainer: seconds per optimizer step and reward, same model and task",
     "losses": "RL losses: does each `rl.loss` learn? Reward gain per loss on one task",
+    "async": "Async RL: demo task with rl.max_off_policy_steps = 0, 1, 2, in-process and `rlpipe serve` engines",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -47,6 +48,7 @@ QUICK_ARGS = {
     "rl_step": ["--steps", "10"],
     "trl": ["--steps", "10", "--seeds", "3", "--eval-samples", "2"],
     "losses": ["--steps", "30", "--seeds", "1"],
+    "async": ["--rl-steps", "10", "--sft-steps", "100"],
 }
 
 
@@ -364,9 +366,17 @@ def headline_losses(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                              "trainer's fp32 weights): equal rows are expected, not a bug."]
 
 
+def headline_async(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    rows = [[r["engine"], r["k"], f"{r['seconds']:.1f}", f"{r['tokens_per_second']:.0f}", f"{r['speedup']:.2f}",
+             r["accuracy"]] for r in results["runs"]]
+    best = max((r for r in results["runs"] if r["k"] == 1), key=lambda r: r["speedup"], default=None)
+    summary = f"k = 1 end to end ×{best['speedup']:.2f} over k = 0 ({best['engine']})" if best else "no k = 1 run"
+    return summary, table(["engine", "k", "RL seconds", "completion tok/s", "× k=0", "final accuracy"], rows)
+
+
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
-             "trl": headline_trl, "losses": headline_losses}
+             "trl": headline_trl, "losses": headline_losses, "async": headline_async}
 
 
 def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:

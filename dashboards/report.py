@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from storage.catalog import connect, run_dirs_list
 from storage.layout import partition_files
 from storage.queries import canned_sql
-from storage.schemas import TABLES
+from storage.schemas import PHASES, TABLES
 from storage.writer import default_run_id
 
 PROG = "rlpipe report"
@@ -47,7 +47,6 @@ QUERIES = (
 )
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#7f7f7f", "#bcbd22")
-PHASES = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
 MAX_SAMPLE_STEPS = 40  # per run: the sample table keeps this many steps, evenly spread
 MAX_TEXT = 2000  # characters of a prompt or completion kept in the page
 HARDEST_PER_RUN = 10

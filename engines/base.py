@@ -96,6 +96,13 @@ class Completion:
 class Engine(Protocol):
     """What rollout generation needs from an inference engine."""
 
+    shares_weights: bool
+    """True when the engine samples from the trainer's own tensors (sees every update with no
+    sync); False when it holds its own copy that `sync` refreshes."""
+    syncs_from_checkpoint: bool
+    """True when `sync` needs a checkpoint folder on disk (servers); False when it takes the
+    trainer's weights in-process."""
+
     @property
     def policy_version(self) -> int:
         """Optimizer steps applied to the weights the engine samples from."""

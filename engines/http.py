@@ -50,7 +50,6 @@ here, and the vLLM / SGLang snapshots were read in GitHub's stored copies, 2026-
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import httpx
@@ -100,6 +99,9 @@ class HttpEngine:
     GET /v1/models). client: an httpx.Client to use instead of a new one (tests); its own
     timeout applies then.
     """
+
+    shares_weights = False
+    syncs_from_checkpoint = True
 
     def __init__(
         self,
@@ -422,8 +424,3 @@ def engines_from_config(engine_config: Any) -> list[HttpEngine]:
         )
     return engines
 
-
-def sync_all(engines: list[HttpEngine], checkpoint_path: str, policy_version: int) -> None:
-    """Sync every engine in parallel; raises the first failure (tasks/sync.py records rows)."""
-    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
-        list(pool.map(lambda e: e.sync(checkpoint_path, policy_version), engines))

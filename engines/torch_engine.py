@@ -46,6 +46,9 @@ class TorchEngine:
     max_batch_size: sequences (prompts x n) decoded together at most.
     """
 
+    shares_weights = True
+    syncs_from_checkpoint = False
+
     def __init__(
         self,
         model: nn.Module,

@@ -104,6 +104,9 @@ class VllmEngine:
     release vLLM's GPU memory after each generate (for colocated training).
     """
 
+    shares_weights = False
+    syncs_from_checkpoint = False
+
     def __init__(
         self,
         model: nn.Module,

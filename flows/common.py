@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.config import RunConfig
+from training.timing import Stopwatch  # noqa: F401 - re-exported for the flows
 
 
 def quiet_defaults() -> None:
@@ -131,28 +131,6 @@ def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
     return result
 
 
-class Stopwatch:
-    """Seconds per phase of one step: `with watch("generate"): ...`."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, name: str) -> _Lap:
-        return _Lap(self, name)
-
-
-class _Lap:
-    def __init__(self, watch: Stopwatch, name: str) -> None:
-        self.watch, self.name = watch, name
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        elapsed = time.perf_counter() - self.start
-        self.watch.seconds[self.name] = self.watch.seconds.get(self.name, 0.0) + elapsed
-
-
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
     """The flow parameters (a TOML path and overrides, or a config dict) → a validated config;
     applies its process-wide settings (torch threads)."""
@@ -174,7 +152,9 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
 def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None = None):
     """An MLflow tracker bound to the run (reopened on resume), or a no-op one."""
     if not config.tracking.enabled:
-        return NoTracking()
+        from storage.tracking import NullTracker
+
+        return NullTracker()
     from storage.tracking import MlflowTracker
 
     tracker = MlflowTracker.for_runs_root(config.runs_root)
@@ -195,19 +175,6 @@ def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None =
 
 def registered_model_name(config: RunConfig) -> str:
     return config.tracking.registered_model or config.run_name
-
-
-class NoTracking:
-    """The tracker of a run with tracking off: every call does nothing."""
-
-    def log_metrics(self, metrics: dict, step: int) -> None: ...
-
-    def register_checkpoint(self, path, model_name: str, tags: dict | None = None) -> None:
-        return None
-
-    def set_alias(self, model_name: str, alias: str, version) -> None: ...
-
-    def end(self, status: str = "FINISHED") -> None: ...
 
 
 def write_run_report(config: RunConfig, run_dirs: list[Path]) -> Path | None:

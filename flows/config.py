@@ -131,6 +131,16 @@ class RLConfig(Section):
     train on the valid groups found instead of failing the step."""
     max_staleness: int = Field(1, ge=0)
     """Carried-over groups older than this many policy versions are dropped."""
+    max_off_policy_steps: int = Field(0, ge=0)
+    """Async RL: rollouts of the next k steps are generated while the current step trains
+    (0 = synchronous, on-policy). A trained sample lags the updated weights by at most
+    max(k, max_staleness) policy versions; older ones are dropped as stale."""
+    off_policy_tis_cap: float = Field(2.0, ge=0)
+    """Off-policy correction when max_off_policy_steps >= 1 and tis_cap is 0: truncated
+    importance weights capped at this value (0 = no correction)."""
+    off_policy_sequence_mask: float = Field(0.0, ge=0)
+    """Mask whole sequences whose mean per-token log-ratio (trainer vs. the policy that sampled
+    them) exceeds this in absolute value (0 = off; training/off_policy.py)."""
     estimator: Literal["grpo", "rloo"] = "grpo"
     """Advantage estimator."""
     normalize_std: bool = False
@@ -186,6 +196,9 @@ class EngineConfig(Section):
     """HTTP engine and sync: retries on connection errors (with backoff)."""
     api_token: str = ""
     """HTTP engine: bearer token, if the servers need one."""
+    sync_every: int = Field(1, ge=1)
+    """Send the trainer's weights to the engines every N steps (servers: a checkpoint each time);
+    at most rl.max_off_policy_steps + 1, so that samples stay within the staleness bound."""
 
 
 class TrackingConfig(Section):
@@ -245,6 +258,13 @@ class RunConfig(Section):
         if self.model.lora.rank and self.engine.type == "vllm":
             raise ValueError("model.lora with engine.type = 'vllm' is not supported yet (the in-process "
                              "vLLM sync reads the unadapted weights); use the torch or http engine")
+        k = self.rl.max_off_policy_steps
+        if self.engine.sync_every > k + 1:
+            raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "
+                             f"= {k + 1}: engines would sample from weights older than the staleness bound")
+        if k > 0 and self.rl.ppo_epochs > 1:
+            raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
+                             "count steps, which the staleness bound is stated in)")
         if "/" in self.run_name or not self.run_name.strip():
             raise ValueError(f"run_name must be a plain folder name, got {self.run_name!r}")
         return self

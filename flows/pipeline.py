@@ -13,6 +13,7 @@ from prefect import flow
 from flows.common import make_tracker, open_run, resolve_config, run_phase, write_run_report
 from flows.rl import run_rl
 from flows.supervised import run_supervised
+from training import metric_names as m
 
 
 @flow(name="pipeline", log_prints=True, persist_result=False)
@@ -26,8 +27,8 @@ def pipeline_flow(config_path: str | None = None, overrides: list[str] | None = 
     def sft_then_rl() -> dict:
         sft = run_supervised(cfg, "sft", parent_mlflow_run_id=state.mlflow_run_id)
         rl = run_rl(cfg, parent_mlflow_run_id=state.mlflow_run_id, start_checkpoint=sft["checkpoint"])
-        tracker.log_metrics({"pipeline/sft_accuracy": sft["eval"].get("eval/accuracy", 0.0),
-                             "pipeline/rl_accuracy": rl["eval"].get("eval/accuracy", 0.0)}, step=0)
+        tracker.log_metrics({"pipeline/sft_accuracy": sft["eval"].get(m.EVAL_ACCURACY, 0.0),
+                             "pipeline/rl_accuracy": rl["eval"].get(m.EVAL_ACCURACY, 0.0)}, step=0)
         return {"sft": sft, "rl": rl, "run_dir": str(cfg.run_dir)}
 
     result = run_phase(state, tracker, sft_then_rl)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from flows.common import quiet_defaults
 from flows.config import ConfigError, RunConfig, describe_fields, load_config, validate_config
+from training import metric_names as m
 
 
 def flow_function(name: str):
@@ -44,7 +45,7 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         else [(config.flow, result)]
     for name, phase in phases:
         if phase and phase.get("eval"):
-            accuracy = phase["eval"].get("eval/accuracy")
+            accuracy = phase["eval"].get(m.EVAL_ACCURACY)
             if accuracy is not None:
                 lines.append(f"  held-out greedy accuracy after {name.upper():<8} {accuracy:6.1%}")
     teacher_error = config.task.options.get("teacher_carry_error", 0)

@@ -18,8 +18,8 @@ from flows.common import (
 from flows.config import RunConfig
 from flows.progress import progress
 from tasks.checkpoint import checkpoint_task
-from tasks.evaluate import eval_task
-from tasks.record import drain_writes, load_rows, persist, train_step_row
+from tasks.evaluate import eval_metrics, eval_step
+from tasks.record import load_rows, step_metrics, train_step_row
 from tasks.setup import (
     engine_dtype,
     make_env,
@@ -31,6 +31,7 @@ from tasks.setup import (
     stop_token_ids,
 )
 from tasks.supervised import supervised_train_task
+from training import metric_names as m
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training.lora import lora_from_config
 from training.losses import nll_loss
@@ -91,25 +92,24 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
                 per_step=section.sequences_per_step, token_budget=section.optim.token_budget,
                 normaliser=section.optim.normaliser, max_grad_norm=section.optim.max_grad_norm,
                 autocast=config.model.bf16_autocast)
-        # eval and the step's row come before the checkpoint: a checkpoint marks the step done
         if due(step, section.eval_every, section.steps) and load_rows(run_dir, "evals", step) is None:
             with watch("eval"):
-                eval_metrics = _evaluate(engine, tokenizer, env, eval_examples, run_dir, run_id, step,
-                                         model, config)
-        persist(run_dir, "train_steps", step, [train_step_row(run_id, step, phase, metrics, watch.seconds)], run_id)
-        if due(step, section.checkpoint_every, section.steps):
-            with watch("checkpoint"):
-                drain_writes()  # the checkpoint marks the step done: its tables land first
-                row = checkpoint_task(
-                    run_dir=run_dir, run_id=run_id, step=step, policy_version=step, model=model,
-                    tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                    data_state={"cursor": cursor}, metrics=metrics, tracker=tracker,
-                    model_name=f"{model_name}-{phase}")
-                persist(run_dir, "checkpoints", step, [row], run_id)
-                last_path = row["path"]
-        tracker.log_metrics(_train_metrics(metrics, watch.seconds) | eval_metrics, step=step)
+                eval_metrics = eval_step(engine, tokenizer, env, eval_examples, run_dir=run_dir, run_id=run_id,
+                                         step=step, max_new_tokens=config.rl.sampling.max_new_tokens,
+                                         stop_token_ids=stop_token_ids(tokenizer), max_context=max_context(model))
+        # the step's row, then (due) every queued table and the checkpoint that marks the step done
+        with watch("checkpoint"):
+            row = checkpoint_task(
+                train_row=train_step_row(run_id, step, phase, metrics, watch.seconds),
+                checkpoint=due(step, section.checkpoint_every, section.steps),
+                run_dir=run_dir, run_id=run_id, step=step, policy_version=step, model=model,
+                tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                data_state={"cursor": cursor}, metrics=metrics, tracker=tracker,
+                model_name=f"{model_name}-{phase}")
+        last_path = row["path"] if row else last_path
+        tracker.log_metrics(step_metrics(metrics, {}, watch.seconds) | eval_metrics, step=step)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"acc": f"{eval_metrics['eval/accuracy']:.2f}"} if eval_metrics else {}))
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"acc": f"{eval_metrics[m.EVAL_ACCURACY]:.2f}"} if eval_metrics else {}))
     bar.close()
     if last_path is None:  # nothing left to train: the run was already complete
         last = latest_checkpoint(run_dir)
@@ -118,29 +118,6 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
     return {"checkpoint": last_path, "eval": eval_metrics, "steps": section.steps}
 
 
-def _evaluate(engine, tokenizer, env, examples, run_dir, run_id, step, model, config) -> dict:
-    rows, metrics = eval_task(
-        engine, tokenizer, env, examples, run_id=run_id, step=step,
-        max_new_tokens=config.rl.sampling.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
-        max_context=max_context(model))
-    persist(run_dir, "evals", step, rows, run_id)
-    model.train()
-    return metrics
-
-
 def _eval_summary(run_dir: Path, step: int) -> dict:
     rows = load_rows(run_dir, "evals", step) or []
-    if not rows:
-        return {}
-    return {"eval/accuracy": sum(r["correct"] for r in rows) / len(rows),
-            "eval/reward_mean": sum(r["reward"] for r in rows) / len(rows)}
-
-
-def _train_metrics(metrics: dict, seconds: dict[str, float]) -> dict[str, float]:
-    out = {f"train/{k}": float(v) for k, v in metrics.items()
-           if isinstance(v, int | float) and k not in ("seconds", "tokens_per_second")}
-    out["perf/tokens_per_second"] = float(metrics.get("tokens_per_second", 0.0))
-    out |= {f"perf/seconds_{k}": v for k, v in seconds.items()}
-    return out
-
-
+    return eval_metrics(rows) if rows else {}

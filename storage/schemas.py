@@ -38,20 +38,9 @@ def _opt(name: str, type_: pa.DataType) -> pa.Field:
 
 
 _KEY = [_f("run_id", pa.string()), _f("step", pa.int64())]
-_SECONDS = [
-    _opt(f"seconds_{phase}", pa.float64())
-    for phase in (
-        "generate",
-        "score",
-        "filter",
-        "pack",
-        "train",
-        "checkpoint",
-        "sync",
-        "eval",
-        "total",
-    )
-]
+# the phases of an RL step, in order: the seconds_* columns of train_steps, the report's plots
+PHASES: tuple[str, ...] = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
+_SECONDS = [_opt(f"seconds_{phase}", pa.float64()) for phase in (*PHASES, "total")]
 
 _FIELDS: dict[str, list[pa.Field]] = {
     # one row per completion (generate)
@@ -94,6 +83,8 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _f("zero_variance", pa.bool_()),
         _f("kept", pa.bool_()),
         _f("attempts", pa.int32()),
+        # the group's fate at this step: trained | carried | zero_variance | stale
+        _opt("status", pa.string()),
     ],
     # one row per kept completion (filter/advantages)
     "advantages": _KEY

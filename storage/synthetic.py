@@ -114,6 +114,7 @@ def synthetic_step(
             "zero_variance": zero_variance,
             "kept": ~zero_variance,
             "attempts": attempts,
+            "status": np.where(zero_variance, "zero_variance", "trained").tolist(),
         },
         schema=schema_for("groups"),
     )

@@ -106,14 +106,14 @@ class _EndOnExit:
 
 
 class NullTracker(_EndOnExit):
-    """Tracks nothing; keeps what it was given in memory so tests can look."""
+    """The tracker of a run with tracking off (and of tests): tracks nothing, registers nothing,
+    keeps the metrics it was given in memory so tests can look."""
 
     def __init__(self) -> None:
         self.run_id: str | None = None
         self.metrics: list[tuple[int, dict[str, float]]] = []
         self.params: dict[str, str] = {}
         self.status: str | None = None
-        self._versions: dict[str, int] = {}
 
     def start(self, run_name, experiment, params=None, tags=None, parent=None) -> NullTracker:
         self.run_id = f"null-{run_name}"
@@ -132,9 +132,8 @@ class NullTracker(_EndOnExit):
     def log_artifact(self, path, artifact_path=None) -> None:
         pass
 
-    def register_checkpoint(self, checkpoint_dir, model_name, tags=None) -> str:
-        self._versions[model_name] = self._versions.get(model_name, 0) + 1
-        return str(self._versions[model_name])
+    def register_checkpoint(self, checkpoint_dir, model_name, tags=None) -> None:
+        return None  # no registry: checkpoints rows keep a null model version
 
     def set_alias(self, model_name, alias, version) -> None:
         _check_alias(alias)

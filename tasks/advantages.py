@@ -1,50 +1,22 @@
-"""Stage `filter/advantages`: scored groups → zero-variance filter, over-sampling buffer,
-advantages → the `groups` and `advantages` tables.
+"""Stage `filter/advantages`: the groups the rollout source took for a step (and what it did with
+every other group) → the `groups` and `advantages` tables.
 
-The buffer (training/oversampling.py) keeps surplus valid groups for the next step; their rollout
-rows stay in memory, and after a resume they are read back from the step that sampled them.
+The selection itself (zero-variance filter, carry-over, staleness) is training/oversampling.py,
+driven by rollouts/source.py; this stage records its decisions. `groups.status` is each group's
+fate at that step: trained, carried (valid, waits for a later step), zero_variance, or stale
+(dropped for age). A carried group gets a second row at the step that trains or drops it, so a
+group's last row is its final fate.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
+from rollouts.records import Rollout
 from tasks._prefect import stage
 from tasks.record import load_rows, persist
-from training.advantages import AdvantageConfig, group_advantages, group_row, make_groups
-from training.oversampling import BufferConfig, GroupBuffer, GroupDecision
-
-
-def new_buffer(rl) -> GroupBuffer:
-    return GroupBuffer(BufferConfig(
-        groups_per_batch=rl.prompts_per_step, oversample_factor=rl.oversample_factor,
-        max_attempts=rl.max_attempts, max_staleness=rl.max_staleness,
-        drop_zero_variance=rl.drop_zero_variance))
-
-
-def advantage_config(rl) -> AdvantageConfig:
-    return AdvantageConfig(estimator=rl.estimator, normalize_std=rl.normalize_std,
-                           positive_only=rl.positive_only)
-
-
-def prompts_to_sample(buffer: GroupBuffer, max_boost: float = 8.0) -> int:
-    """Prompts for the next sampling round: the buffer's `need × oversample_factor`, scaled up by
-    the share of sampled groups that turned out valid (this batch's, else the run's so far), so
-    that a policy which solves most prompts (many zero-variance groups) still fills its batch in
-    a round or two instead of shrinking rounds."""
-    base = buffer.prompts_to_sample()
-    counts = buffer.batch_counts if buffer.batch_counts["sampled_groups"] else buffer.total_counts
-    if not counts["sampled_groups"]:
-        return base
-    valid_share = max(counts["valid_groups"] / counts["sampled_groups"], 1.0 / max_boost)
-    return math.ceil(base / valid_share)
-
-
-def scored_groups(rollouts: list[dict], scores: list[dict], attempt: int):
-    """Groups of one sampling round (rollout rows joined with their rewards)."""
-    reward = {row["sample_id"]: row["reward"] for row in scores}
-    return make_groups([{**row, "reward": reward[row["sample_id"]]} for row in rollouts], attempt)
+from training.advantages import Group, group_row
+from training.oversampling import GroupDecision
 
 
 def step_of_group(group_id: str) -> int:
@@ -52,43 +24,38 @@ def step_of_group(group_id: str) -> int:
     return int(group_id.rsplit(":", 3)[1][1:])
 
 
-def rollout_rows_for(groups, rows_by_sample: dict[str, dict], run_dir: Path) -> list[dict]:
-    """Rollout rows of the batch's groups; carried groups sampled before a resume are read back."""
+def load_group_rows(groups: list[Group], rows: dict[str, Rollout], run_dir: Path) -> None:
+    """Add to `rows` the rollout rows of carried groups sampled before a resume (from the tables)."""
     for group in groups:
-        if group.sample_ids[0] not in rows_by_sample:
+        if group.sample_ids[0] not in rows:
             for row in load_rows(run_dir, "rollouts", step_of_group(group.group_id)) or []:
-                rows_by_sample[row["sample_id"]] = row
-    missing = [g.group_id for g in groups if g.sample_ids[0] not in rows_by_sample]
+                rows[row["sample_id"]] = Rollout.from_row(row)
+    missing = [g.group_id for g in groups if g.sample_ids[0] not in rows]
     if missing:
         raise FileNotFoundError(f"rollouts of carried-over group(s) {missing[:3]} are not in the tables")
-    return [rows_by_sample[sid] | {"reward": reward} for g in groups
-            for sid, reward in zip(g.sample_ids, g.rewards, strict=True)]
 
 
-def filter_and_advantages(
-    buffer: GroupBuffer, decisions: list[GroupDecision], config: AdvantageConfig,
-    rows_by_sample: dict[str, dict], *, run_dir: Path, run_id: str, step: int,
-) -> tuple[list[dict], dict[str, float], dict[str, float], list[dict], list[dict]]:
-    """Take the batch from the buffer; returns (rollout rows, advantages, metrics, group rows,
-    advantage rows)."""
-    batch, metrics = buffer.take()
+def group_rows(batch: list[Group], decisions: list[GroupDecision], carried: list[Group], *,
+               run_id: str, step: int) -> list[dict]:
+    """One row per group decided at this step, and per carried group trained at it."""
     taken = {g.group_id for g in batch}
-    group_rows = [{"run_id": run_id, "step": step, **group_row(d.group, config.eps),
-                   "kept": d.group.group_id in taken} for d in decisions]
-    advantages = group_advantages(batch, config)
-    advantage_rows = [{"run_id": run_id, "step": step, "sample_id": sid, "group_id": g.group_id,
-                       "advantage": advantages[sid]} for g in batch for sid in g.sample_ids]
-    rollouts = rollout_rows_for(batch, rows_by_sample, run_dir)
-    rewards = [row["reward"] for row in rollouts]
-    metrics["rollout/reward_mean"] = sum(rewards) / max(len(rewards), 1)
-    metrics["rollout/kept_groups"] = float(len(batch))
-    return rollouts, advantages, metrics, group_rows, advantage_rows
+
+    def row(group: Group, status: str) -> dict:
+        return {"run_id": run_id, "step": step, **group_row(group), "kept": status == "trained",
+                "status": status}
+
+    rows = []
+    for d in decisions:
+        status = d.status if d.status != "valid" else "trained" if d.group.group_id in taken else "carried"
+        rows.append(row(d.group, status))
+    decided = {d.group.group_id for d in decisions}
+    rows += [row(g, "trained") for g in carried if g.group_id in taken and g.group_id not in decided]
+    return rows
 
 
 @stage("filter")
-def filter_task(buffer, decisions, config, rows_by_sample, *, run_dir, run_id, step):
-    rollouts, advantages, metrics, group_rows, advantage_rows = filter_and_advantages(
-        buffer, decisions, config, rows_by_sample, run_dir=run_dir, run_id=run_id, step=step)
-    persist(run_dir, "groups", step, group_rows, run_id)
+def select_task(batch, decisions, carried, samples, *, run_dir: Path, run_id: str, step: int) -> None:
+    persist(run_dir, "groups", step, group_rows(batch, decisions, carried, run_id=run_id, step=step), run_id)
+    advantage_rows = [{"run_id": run_id, "step": step, "sample_id": s.sample_id,
+                       "group_id": s.rollout.group_id, "advantage": s.advantage} for s in samples]
     persist(run_dir, "advantages", step, advantage_rows, run_id)
-    return rollouts, advantages, metrics

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from tasks._prefect import stage
+from tasks.record import drain_writes, load_rows, persist, persist_now
 from training.checkpoint import save_checkpoint
 
 
@@ -45,5 +46,37 @@ def save_and_register(
 
 
 @stage("checkpoint")
-def checkpoint_task(**kwargs) -> dict:
-    return save_and_register(**kwargs)
+def checkpoint_task(*, train_row: dict, checkpoint: bool, run_dir: Path, run_id: str, step: int,
+                    **kwargs) -> dict | None:
+    """Finish a step: its `train_steps` row, then (when `checkpoint`) every queued table write on
+    disk, the checkpoint that marks the step done, and its `checkpoints` row written at once.
+
+    A resume starts after the newest checkpoint, so nothing the step wrote may still be queued when
+    it appears; the `checkpoints` row (it needs the registered version) comes right after, and
+    `repair_checkpoint_row` rewrites it on resume if a kill fell in between.
+    """
+    persist(run_dir, "train_steps", step, [train_row], run_id)
+    if not checkpoint:
+        return None
+    drain_writes()
+    row = save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
+    persist_now(run_dir, "checkpoints", step, [row], run_id)
+    return row
+
+
+def repair_checkpoint_row(run_dir: Path, run_id: str, step: int, path: Path, model_name: str | None) -> None:
+    """Write the `checkpoints` row of the checkpoint a run resumes from when a kill right after
+    its rename lost it (its MLflow model version, if any, is then unknown: null)."""
+    if load_rows(run_dir, "checkpoints", step) is None:
+        metadata = json.loads((Path(path) / "metadata.json").read_text())
+        version = int(metadata.get("policy_version", step))
+        persist_now(run_dir, "checkpoints", step, [checkpoint_row(run_id, step, version, Path(path),
+                                                                  model_name, None)], run_id)
+
+
+def promote_best(tracker, model_name: str, row: dict | None, accuracy: float | None, best: float) -> float:
+    """Move the registry's `best` alias to this checkpoint when its eval beats `best`; the new best."""
+    if row is None or accuracy is None or accuracy <= best or not row["mlflow_model_version"]:
+        return best
+    tracker.set_alias(model_name, "best", row["mlflow_model_version"])
+    return accuracy

@@ -5,10 +5,15 @@ Step 0 measures the starting weights (for RL, the SFT checkpoint).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engines.base import Engine, SamplingParams
 from envs.base import Environment, Example
 from tasks._prefect import stage
 from tasks.generate import encode_prompts
+from tasks.record import load_rows, persist
+from tasks.score import reward_of
+from training import metric_names as m
 
 
 def evaluate_greedy(
@@ -22,7 +27,7 @@ def evaluate_greedy(
     rows = []
     for example, prompt, (completion,) in zip(examples, prompts, completions, strict=True):
         text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
-        result = env.reward(example, text)
+        result = reward_of(env, example, text)
         correct = result.components.get("correct", 1.0 if result.reward >= 1.0 else 0.0)
         rows.append({
             "run_id": run_id, "step": step, "env": example.env, "example_id": example.example_id,
@@ -30,14 +35,25 @@ def evaluate_greedy(
             "prompt_text": tokenizer.decode(prompt, skip_special_tokens=False),
             "completion_text": text,
         })
-    n = max(len(rows), 1)
-    metrics = {
-        "eval/reward_mean": sum(r["reward"] for r in rows) / n,
-        "eval/accuracy": sum(r["correct"] for r in rows) / n,
-    }
-    return rows, metrics
+    return rows, eval_metrics(rows)
 
 
 @stage("eval")
 def eval_task(engine, tokenizer, env, examples, **kwargs):
     return evaluate_greedy(engine, tokenizer, env, examples, **kwargs)
+
+
+def eval_metrics(rows: list[dict]) -> dict[str, float]:
+    n = max(len(rows), 1)
+    return {m.EVAL_ACCURACY: sum(bool(r["correct"]) for r in rows) / n,
+            m.EVAL_REWARD: sum(r["reward"] for r in rows) / n}
+
+
+def eval_step(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, step: int,
+              **kwargs) -> dict[str, float]:
+    """Evaluate at `step` and write the `evals` table; a resumed step reads its rows back."""
+    rows = load_rows(run_dir, "evals", step)
+    if rows is None:
+        rows, _ = eval_task(engine, tokenizer, env, examples, run_id=run_id, step=step, **kwargs)
+        persist(run_dir, "evals", step, rows, run_id)
+    return eval_metrics(rows)

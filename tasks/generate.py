@@ -13,6 +13,7 @@ from typing import Any
 
 from engines.base import Engine, SamplingParams
 from envs.base import Environment, Example
+from rollouts.records import Rollout
 from tasks._prefect import stage
 from tasks.record import load_rows_beyond, persist
 
@@ -71,7 +72,7 @@ def generate_rollouts(
     policy_version: int,
     max_context: int,
     first_group_index: int = 0,
-) -> list[dict]:
+) -> list[Rollout]:
     """Sample `params.n` completions per example; one row per completion."""
     prompts = encode_prompts(tokenizer, env, examples, max_context, params.max_new_tokens)
     completions = generate_spread(engine if isinstance(engine, list) else [engine], prompts, params)
@@ -81,24 +82,15 @@ def generate_rollouts(
         prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
         for j, completion in enumerate(group):
             rows.append(
-                {
-                    "run_id": run_id,
-                    "step": step,
-                    "policy_version": policy_version,
-                    "env": example.env,
-                    "example_id": example.example_id,
-                    "group_id": group_id,
-                    "sample_id": sample_id_for(group_id, j),
-                    "attempt": attempt,
-                    "prompt_tokens": prompt,
-                    "completion_tokens": list(completion.tokens),
-                    "completion_logprobs": [float(x) for x in completion.logprobs],
-                    "finish_reason": completion.finish_reason,
-                    "prompt_text": prompt_text,
-                    "completion_text": tokenizer.decode(completion.tokens, skip_special_tokens=True),
-                    "n_prompt_tokens": len(prompt),
-                    "n_completion_tokens": len(completion.tokens),
-                }
+                Rollout(
+                    run_id=run_id, step=step, policy_version=policy_version, env=example.env,
+                    example_id=example.example_id, group_id=group_id, sample_id=sample_id_for(group_id, j),
+                    attempt=attempt, prompt_tokens=prompt, completion_tokens=list(completion.tokens),
+                    completion_logprobs=[float(x) for x in completion.logprobs],
+                    finish_reason=completion.finish_reason, prompt_text=prompt_text,
+                    completion_text=tokenizer.decode(completion.tokens, skip_special_tokens=True),
+                    n_prompt_tokens=len(prompt), n_completion_tokens=len(completion.tokens),
+                )
             )
     return rows
 
@@ -122,20 +114,20 @@ def generate_spread(engines: list[Engine], prompts: list[list[int]], params: Sam
 @stage("generate")
 def generate_stage(
     engines: list[Engine], tokenizer: Any, env: Environment, examples: list[Example],
-    params: SamplingParams, *, previous: list[dict], run_dir: Path, run_id: str, seed: int,
+    params: SamplingParams, *, previous: list[Rollout], run_dir: Path, run_id: str, seed: int,
     step: int, attempt: int, policy_version: int, max_context: int,
-) -> list[dict]:
+) -> list[Rollout]:
     """Rollouts of one sampling round; the table holds every round of the step so far.
 
     A round already in the table (a resumed step) is read back, not sampled again.
     """
     existing = load_rows_beyond(run_dir, "rollouts", step, known=len(previous)) or []
-    done = [row for row in existing if row["attempt"] == attempt]
+    done = [Rollout.from_row(row) for row in existing if row["attempt"] == attempt]
     if done:
         return done
     rows = generate_rollouts(
         engines, tokenizer, env, examples, sampling_for_step(params, seed, step, attempt),
         run_id=run_id, step=step, attempt=attempt, policy_version=policy_version,
         max_context=max_context)
-    persist(run_dir, "rollouts", step, previous + rows, run_id)
+    persist(run_dir, "rollouts", step, [r.row() for r in previous + rows], run_id)
     return rows

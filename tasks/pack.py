@@ -8,18 +8,23 @@ so a group's completions carry it once per micro-batch (training.batch, "Shared 
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from rollouts.source import TrainSample
 from tasks._prefect import stage
+from tasks.record import persist
 from training.batch import PackedBatch, Sequence, pack
 
 
-def rollout_sequence(rollout: dict, advantage: float) -> Sequence:
-    prompt, completion = list(rollout["prompt_tokens"]), list(rollout["completion_tokens"])
+def rollout_sequence(sample: TrainSample) -> Sequence:
+    rollout, advantage = sample.rollout, sample.advantage
+    prompt, completion = list(rollout.prompt_tokens), list(rollout.completion_tokens)
     return Sequence(
         tokens=prompt + completion,
         weights=[0.0] * len(prompt) + [float(advantage)] * len(completion),
-        logprobs=[0.0] * len(prompt) + [float(x) for x in rollout["completion_logprobs"]],
-        reward=rollout.get("reward"),
-        sample_id=rollout["sample_id"],
+        logprobs=[0.0] * len(prompt) + [float(x) for x in rollout.completion_logprobs],
+        reward=sample.reward,
+        sample_id=rollout.sample_id,
         prefix_len=len(prompt),
         # every completion token counts in the normaliser, a zero advantage included
         loss_mask=[False] * len(prompt) + [True] * len(completion),
@@ -47,16 +52,16 @@ def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]
     return rows
 
 
-def pack_rollouts(
-    rollouts: list[dict], advantages: dict[str, float], token_budget: int, run_id: str, step: int
-) -> tuple[list[PackedBatch], list[dict]]:
-    """Micro-batches of the rollouts that carry an advantage, and their `batches` rows."""
-    sequences = [rollout_sequence(r, advantages[r["sample_id"]]) for r in rollouts
-                 if r["sample_id"] in advantages]
-    batches = pack(sequences, token_budget)
+def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int
+                  ) -> tuple[list[PackedBatch], list[dict]]:
+    """Micro-batches of the selected samples, and their `batches` rows."""
+    batches = pack([rollout_sequence(s) for s in samples], token_budget) if samples else []
     return batches, batch_rows(batches, run_id, step)
 
 
 @stage("pack")
-def pack_task(rollouts, advantages, token_budget, run_id, step):
-    return pack_rollouts(rollouts, advantages, token_budget, run_id, step)
+def pack_task(samples: list[TrainSample], token_budget: int, *, run_dir: Path, run_id: str, step: int
+              ) -> list[PackedBatch]:
+    batches, rows = pack_rollouts(samples, token_budget, run_id, step)
+    persist(run_dir, "batches", step, rows, run_id)
+    return batches

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from storage.layout import partition_file
 from storage.writer import BackgroundWriter, is_complete, read_table, write_table
+from training import metric_names as m
 
 # the writer of the enclosing `background_writes()` block; a ContextVar, not a global, so each
 # flow (thread, context) sees only its own. Prefect runs sync task runs in the caller's context.
@@ -52,7 +53,12 @@ def _settle(run_dir: Path, table: str, step: int) -> None:
     if writer is not None and writer.has_pending(run_dir, table, step):
         writer.drain()
 
-PHASES = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
+
+def persist_now(run_dir: Path, table: str, step: int, rows: list[dict], run_id: str) -> None:
+    """Write a table partition synchronously and durably (fsynced), after every queued write:
+    for rows that must be on disk when the call returns (after a checkpoint)."""
+    drain_writes()
+    write_table(run_dir, table, step, rows, run_id=run_id, durable=True)
 
 
 def persist(run_dir: Path, table: str, step: int, rows: list[dict], run_id: str, durable: bool = False) -> None:
@@ -98,7 +104,18 @@ def train_step_row(run_id: str, step: int, mode: str, metrics: dict, seconds: di
         "logprob_gap": metrics.get("logprob_gap"),
         "entropy": metrics.get("entropy"), "kl": metrics.get("kl"),
     }
-    for phase in PHASES:
+    for phase in m.PHASES:
         row[f"seconds_{phase}"] = seconds.get(phase)
     row["seconds_total"] = sum(seconds.values())
     return row
+
+
+def step_metrics(train: dict, rollout: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
+    """The MLflow metrics of one RL step: train/*, rollout/*, perf/* (training.metric_names)."""
+    out = {m.train(k): float(v) for k, v in train.items() if isinstance(v, int | float)
+           and k not in ("seconds", "tokens_per_second")}
+    out |= {k: float(v) for k, v in rollout.items()}
+    out[m.TOKENS_PER_SECOND] = float(train.get("tokens_per_second", 0.0))
+    out |= {m.seconds(k): v for k, v in seconds.items()}
+    out[m.SECONDS_TOTAL] = sum(seconds.values())
+    return out

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from engines.base import Engine
 from tasks._prefect import stage
+from tasks.record import load_rows, persist_now
 
 
 class SyncError(RuntimeError):
@@ -59,5 +61,15 @@ def raise_failed(rows: list[dict]) -> None:
 
 
 @stage("sync", retries=1)
-def sync_task(engines, checkpoint_path, policy_version, **kwargs) -> list[dict]:
-    return sync_engines(engines, checkpoint_path, policy_version, **kwargs)
+def sync_task(engines, checkpoint_path, policy_version, *, run_dir: Path, run_id: str, step: int,
+              retries: int, only_missing: bool = False) -> None:
+    """Sync the engines that hold their own weights copy and write their `syncs` rows at once
+    (a sync may follow the step's checkpoint); raises SyncError after the rows are written.
+    `only_missing`: a resume's re-sync, whose rows repair a step killed before writing them."""
+    engines = [e for e in engines if not e.shares_weights]
+    if not engines:
+        return
+    rows = sync_engines(engines, checkpoint_path, policy_version, run_id=run_id, step=step, retries=retries)
+    if not only_missing or load_rows(run_dir, "syncs", step) is None:
+        persist_now(run_dir, "syncs", step, rows, run_id)
+    raise_failed(rows)

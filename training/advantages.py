@@ -19,9 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flows.config import RLConfig
 
 ESTIMATORS = ("grpo", "rloo")
+ZERO_VARIANCE_EPS = 1e-6
+"""A group whose reward std is at most this carries no signal; also the std normaliser's epsilon."""
 
 
 # ---------------------------------------------------------------------------- estimators
@@ -72,28 +77,6 @@ def compute_advantages(
     if positive_only:
         adv = [max(a, 0.0) for a in adv]
     return adv
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdvantageConfig:
-    """How advantages are computed from a group's rewards."""
-
-    estimator: Literal["grpo", "rloo"] = "grpo"
-    """Advantage estimator."""
-    normalize_std: bool = False
-    """Divide by the group's reward std (+ eps)."""
-    positive_only: bool = False
-    """Clamp advantages at 0."""
-    eps: float = 1e-6
-    """std <= eps counts as zero variance; also the std normaliser's epsilon."""
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(
-                f"unknown advantage estimator {self.estimator!r}; known: {', '.join(ESTIMATORS)}"
-            )
-        if self.eps < 0:
-            raise ValueError(f"eps must be >= 0, got {self.eps}")
 
 
 def overlong_penalty(length: int, max_length: int, buffer_length: int, factor: float = 1.0) -> float:
@@ -192,18 +175,19 @@ def make_groups(rows: Iterable[Mapping[str, Any]], attempt: int = 1) -> list[Gro
     return list(groups.values())
 
 
-def group_advantages(groups: Iterable[Group], config: AdvantageConfig) -> dict[str, float]:
-    """sample_id → advantage for every completion of `groups`."""
+def group_advantages(groups: Iterable[Group], rl: RLConfig) -> dict[str, float]:
+    """sample_id → advantage for every completion of `groups` (rl.estimator, rl.normalize_std,
+    rl.positive_only of the pydantic `[rl]` section)."""
     out: dict[str, float] = {}
     for g in groups:
         adv = compute_advantages(
-            g.rewards, config.estimator, config.normalize_std, config.eps, config.positive_only
+            g.rewards, rl.estimator, rl.normalize_std, ZERO_VARIANCE_EPS, rl.positive_only
         )
         out.update(zip(g.sample_ids, adv, strict=True))
     return out
 
 
-def group_row(group: Group, eps: float = 1e-6) -> dict[str, Any]:
+def group_row(group: Group, eps: float = ZERO_VARIANCE_EPS) -> dict[str, Any]:
     """The statistics columns of a `groups` table row for `group`."""
     s = group.stats(eps)
     return {

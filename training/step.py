@@ -12,6 +12,7 @@ SFT and RL differ only in `loss_fn` and the token weights inside the batches.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import torch
 from models.device import model_device
 from models.loading import autocast_context
 from training.batch import PackedBatch
+from training.distributed import DataParallel, is_filler
 from training.entropy import token_logprobs_and_entropy
 from training.logprobs import token_logprobs
 from training.losses import (
@@ -52,6 +54,7 @@ def forward_backward(
     temperature: float = 1.0,
     aux_loss_coef: float | None = None,
     chunk_size: int = 1024,
+    data_parallel: DataParallel | None = None,
     entropy: bool = False,
 ) -> dict[str, float]:
     """Accumulate the gradients of one optimizer step over `batches` (its micro-batches).
@@ -61,14 +64,20 @@ def forward_backward(
     `router_aux_loss_coef` (0 if absent).
     Returns metrics: loss (the step's objective, without aux), aux_loss (if any), tokens,
     loss_tokens, sequences, seconds, and loss_fn's metrics averaged over micro-batches weighted
-    by their loss tokens; with `entropy`, also the policy's mean entropy over the loss tokens
-    (training/entropy.py, one more LM-head matmul per token). Raises FloatingPointError on a NaN/inf loss, after clearing the
-    gradients (the caller must not step).
+    by their loss tokens; with `entropy` (single process), also the policy's mean entropy over the
+    loss tokens (training/entropy.py, one more LM-head matmul per token). Raises FloatingPointError
+    on a NaN/inf loss, after clearing the gradients (the caller must not step).
+    data_parallel: this rank's share of a step run on several ranks (training.distributed):
+    `batches` are this rank's micro-batches, the normaliser counts and the returned loss cover
+    every rank, and the gradients equal one process's over all ranks' batches.
     """
     if len(batches) == 0:
         raise ValueError("forward_backward: no micro-batches")
     start = time.perf_counter()
-    totals = normaliser_totals(batches, normaliser)
+    dp = data_parallel
+    totals = normaliser_totals(batches, normaliser) if dp is None else dp.global_totals(batches, normaliser)
+    # DDP and FSDP2 average gradients over ranks: scale each rank's loss back to a sum
+    grad_scale = 1.0 if dp is None else float(dp.world_size)
     device = model_device(model)
     if aux_loss_coef is None:
         aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -81,31 +90,29 @@ def forward_backward(
     for i, batch in enumerate(batches):
         batch = batch.to(device)
         counts = batch_counts(batch)
-        with autocast_context(device, autocast):
-            if entropy:
-                logprobs, aux, token_entropy = token_logprobs_and_entropy(
-                    model, batch, temperature=temperature, chunk_size=chunk_size)
-            else:
-                logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
-            per_token, fn_metrics = loss_fn(logprobs, batch)
-            if entropy:
-                mask = loss_token_mask(batch).to(token_entropy.device)
-                fn_metrics = {**fn_metrics, "entropy": float(token_entropy[mask].sum() / max(int(mask.sum()), 1))}
-            loss = reduce_loss(per_token, batch, normaliser, totals, constant)
-        if not torch.isfinite(loss):
-            model.zero_grad(set_to_none=True)
-            raise _non_finite(loss, "loss", i, batch)
-        total = loss
+        if dp is not None and is_filler(batch):  # lines up collectives; counts for nothing
+            counts = dict.fromkeys(counts, 0)
+        sync = contextlib.nullcontext() if dp is None else dp.sync(last=i == len(batches) - 1)
+        with sync:  # forward and backward: DDP decides in its forward whether to reduce
+            with autocast_context(device, autocast):
+                token_entropy = None
+                if dp is not None:
+                    logprobs, aux = dp.module(batch, temperature=temperature, chunk_size=chunk_size)
+                elif entropy:
+                    logprobs, aux, token_entropy = token_logprobs_and_entropy(
+                        model, batch, temperature=temperature, chunk_size=chunk_size)
+                else:
+                    logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+                per_token, fn_metrics = loss_fn(logprobs, batch)
+                if token_entropy is not None:
+                    mask = loss_token_mask(batch).to(token_entropy.device)
+                    fn_metrics = {**fn_metrics,
+                                  "entropy": float(token_entropy[mask].sum() / max(int(mask.sum()), 1))}
+                loss = reduce_loss(per_token, batch, normaliser, totals, constant)
+            _backward_after_checks(model, loss, aux, i, batch, counts, totals, aux_loss_coef, grad_scale)
         if aux is not None:
-            if not torch.isfinite(aux):
-                model.zero_grad(set_to_none=True)
-                raise _non_finite(aux, "router aux loss", i, batch)
             has_aux = True
-            share = counts["tokens"] / totals["tokens"]
-            aux_sum += float(aux.detach()) * share
-            if aux_loss_coef:
-                total = total + aux_loss_coef * share * aux
-        total.backward()
+            aux_sum += float(aux.detach()) * counts["tokens"] / totals["tokens"]
         loss_sum += float(loss.detach())
         # Weight micro-batch metrics by loss tokens (a micro-batch without any counts once).
         w = float(counts["loss_tokens"]) or 1e-9
@@ -113,6 +120,8 @@ def forward_backward(
             fn_sums[key] = fn_sums.get(key, 0.0) + w * float(value)
             fn_weights[key] = fn_weights.get(key, 0.0) + w
 
+    if dp is not None:  # the step's figures over every rank, as one process would report them
+        loss_sum, aux_sum = dp.sum(loss_sum), dp.sum(aux_sum) / dp.world_size
     metrics: dict[str, float] = {k: fn_sums[k] / fn_weights[k] for k in fn_sums}
     metrics.update(
         loss=loss_sum,
@@ -125,6 +134,22 @@ def forward_backward(
     if has_aux:
         metrics["aux_loss"] = aux_sum
     return metrics
+
+
+def _backward_after_checks(model, loss, aux, index, batch, counts, totals, aux_loss_coef, grad_scale) -> None:
+    """Backward of one micro-batch's loss (+ its share of the router aux loss); a non-finite
+    value clears the gradients and raises instead."""
+    if not torch.isfinite(loss):
+        model.zero_grad(set_to_none=True)
+        raise _non_finite(loss, "loss", index, batch)
+    total = loss
+    if aux is not None:
+        if not torch.isfinite(aux):
+            model.zero_grad(set_to_none=True)
+            raise _non_finite(aux, "router aux loss", index, batch)
+        if aux_loss_coef:
+            total = total + aux_loss_coef * counts["tokens"] / totals["tokens"] * aux
+    (total * grad_scale if grad_scale != 1.0 else total).backward()
 
 
 def _no_decay(name: str, param: torch.nn.Parameter, embedding_ids: set[int]) -> bool:

@@ -1,4 +1,5 @@
-"""The RL core end to end without Prefect: engine → score → filter/advantages → pack → train.
+"""The RL core end to end without Prefect or tables: the rollout source (engine → score →
+filter/advantages) → pack → train, synchronous (k = 0) and one step ahead (k = 1).
 
 A trivially learnable environment (reward = share of digits in the completion) must see
 its mean reward rise well above the untrained policy's within a few dozen steps.
@@ -6,20 +7,23 @@ its mean reward rise well above the untrained policy's within a few dozen steps.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engines.base import SamplingParams
+from engines.snapshot import SnapshotEngine
 from engines.torch_engine import TorchEngine
 from envs.base import Example, LazyExamples, SingleTurnEnv
-from tasks.advantages import filter_and_advantages, scored_groups
+from envs.prompts import PromptSource
+from flows.config import RLConfig
+from rollouts.source import RolloutSource
 from tasks.generate import generate_rollouts
 from tasks.pack import pack_rollouts
+from tasks.rl_setup import loss_for
 from tasks.score import score_rollouts
 from tasks.setup import make_model_and_tokenizer, stop_token_ids
 from tasks.train import train_on_batches
-from training.advantages import AdvantageConfig
-from training.oversampling import BufferConfig, GroupBuffer
-from training.rl_loss import build_rl_loss
+from training.oversampling import GroupBuffer
 from training.step import build_optimizer, build_scheduler
 
 
@@ -36,42 +40,58 @@ class LetterEnv(SingleTurnEnv):
         return sum(c.isdigit() for c in text) / len(text)
 
 
-def test_reinforce_raises_reward_on_a_learnable_env(tmp_path):
+class MemoryStages:
+    """The rollout source's stages without tables: sampling rounds straight from the engine."""
+
+    def __init__(self, engine, tokenizer, env, params):
+        self.engine, self.tokenizer, self.env, self.params = engine, tokenizer, env, params
+        self.rewards: dict[int, list[float]] = {}
+
+    def generate(self, examples, *, step, attempt, policy_version, previous):
+        params = SamplingParams(**{**self.params.__dict__, "seed": step * 10 + attempt})
+        return generate_rollouts(self.engine, self.tokenizer, self.env, examples, params, run_id="t", step=step,
+                                 attempt=attempt, policy_version=policy_version, max_context=4096)
+
+    def score(self, examples, rollouts, *, step, previous):
+        scores = score_rollouts(self.env, examples, rollouts, max_error_fraction=0.0)
+        self.rewards.setdefault(step, []).extend(s.reward for s in scores)
+        return scores
+
+    def rows_of(self, groups, rows):
+        pass
+
+    def select(self, batch, decisions, carried, samples, *, step, empty):
+        pass
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_reinforce_raises_reward_on_a_learnable_env(ahead):
     torch.manual_seed(0)
     env = LetterEnv()
     model, tokenizer = make_model_and_tokenizer("tiny-dense", "", {}, seed=0)
-    engine = TorchEngine(model)
+    engine = SnapshotEngine(model) if ahead else TorchEngine(model)
     optimizer = build_optimizer(model, lr=3e-3)
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=40, min_lr_ratio=1.0)
-    loss_fn = build_rl_loss("reinforce")
-    buffer = GroupBuffer(BufferConfig(groups_per_batch=8, drop_zero_variance=False))
-    advantage = AdvantageConfig(estimator="grpo")
-    examples = list(env.examples("train"))
-    by_id = {e.example_id: e for e in examples}
+    rl = RLConfig(steps=40, prompts_per_step=8, group_size=8, drop_zero_variance=False,
+                  max_off_policy_steps=ahead)
+    loss_fn = loss_for(rl)
     params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer))
+    stages = MemoryStages(engine, tokenizer, env, params)
+    source = RolloutSource(rl, PromptSource(env.examples("train"), seed=0), GroupBuffer(rl), stages,
+                           start_step=0, published_version=0)
+    lags = []
+    with source:
+        for step in range(1, rl.steps + 1):
+            batch = source.batch(step)
+            lags.append(batch.metrics["rollout/policy_lag_max"])
+            batches, _ = pack_rollouts(batch.samples, 2048, "t", step)
+            train_on_batches(model, optimizer, scheduler, batches, loss_fn, normaliser="token",
+                             max_grad_norm=1.0, autocast=False, step=step)
+            engine.sync(None, step)
+            source.publish(step)
 
-    mean_rewards, rows_by_sample = [], {}
-    for step in range(1, 41):
-        buffer.start_batch(step - 1)
-        decisions, rewards = [], []
-        while buffer.need() > 0:
-            attempt = buffer.begin_attempt()
-            batch_examples = examples[(step * 16) % 960:][: buffer.prompts_to_sample()]
-            rollouts = generate_rollouts(
-                engine, tokenizer, env, batch_examples, params.__class__(**{**params.__dict__, "seed": step}),
-                run_id="t", step=step, attempt=attempt, policy_version=step - 1, max_context=4096)
-            scores = score_rollouts(env, by_id, rollouts, max_error_fraction=0.0)
-            rewards += [s["reward"] for s in scores]
-            rows_by_sample.update({r["sample_id"]: r for r in rollouts})
-            decisions += buffer.add(scored_groups(rollouts, scores, attempt))
-        selected, advantages, _, _, _ = filter_and_advantages(
-            buffer, decisions, advantage, rows_by_sample, run_dir=tmp_path, run_id="t", step=step)
-        batches, _ = pack_rollouts(selected, advantages, 2048, "t", step)
-        train_on_batches(model, optimizer, scheduler, batches, loss_fn, normaliser="token",
-                         max_grad_norm=1.0, autocast=False, step=step)
-        if rewards:  # a step fed only by carried-over groups samples nothing new
-            mean_rewards.append(sum(rewards) / len(rewards))
-
+    mean_rewards = [sum(r) / len(r) for _, r in sorted(stages.rewards.items())]
     start = sum(mean_rewards[:5]) / 5
     end = sum(mean_rewards[-5:]) / 5
     assert end > start + 0.3, (start, end, mean_rewards)
+    assert max(lags) <= ahead

@@ -53,6 +53,7 @@ EXAMPLE_ROWS: dict[str, dict] = {
         zero_variance=False,
         kept=True,
         attempts=2,
+        status="trained",
     ),
     "advantages": dict(sample_id="g1-0", group_id="g1", advantage=-0.75),
     "batches": dict(

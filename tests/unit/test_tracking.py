@@ -45,7 +45,7 @@ def test_null_tracker_records_and_rejects_latest():
     tracker = NullTracker()
     with tracker.start("r", "e", params={"lr": 1e-3}):
         tracker.log_metrics({"train/loss": 1.0, "skip": None}, step=1)
-        assert tracker.register_checkpoint("unused", "m") == "1"
+        assert tracker.register_checkpoint("unused", "m") is None
         with pytest.raises(ValueError, match="reserved"):
             tracker.set_alias("m", "latest", "1")
     assert tracker.metrics == [(1, {"train/loss": 1.0})] and tracker.status == "FINISHED"

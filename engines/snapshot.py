@@ -1,0 +1,59 @@
+"""An in-process engine over a private copy of the trainer's weights, for async RL.
+
+With `rl.max_off_policy_steps >= 1` the trainer updates its model while rollouts of the next
+steps are generated in a background thread. Sampling from the trainer's own tensors would mix
+policy versions inside one completion, so this engine samples from a snapshot: `sync` copies
+the trainer's weights into it (between two `generate` calls, never during one), and records the
+policy version those weights are.
+
+    engine = SnapshotEngine(model, policy_version=0)   # model: the nn.Module the optimizer updates
+    engine.generate(prompts, params)                   # from the snapshot (any thread)
+    engine.sync(None, version)                         # after an optimizer step, in the trainer
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+from torch import nn
+
+from engines.base import Completion, SamplingParams
+from engines.torch_engine import TorchEngine
+
+
+class SnapshotEngine:
+    """TorchEngine over a deep copy of `model`, refreshed from it at each `sync`."""
+
+    shares_weights = False
+    syncs_from_checkpoint = False
+
+    def __init__(self, model: nn.Module, policy_version: int = 0, dtype: torch.dtype | None = None) -> None:
+        self._trainer = model
+        snapshot = copy.deepcopy(model)
+        snapshot.requires_grad_(False)
+        self._engine = TorchEngine(snapshot, dtype=dtype, policy_version=policy_version)
+        self._lock = threading.Lock()  # a sync waits for the generate in flight, and back
+        self.name = "snapshot"
+
+    @property
+    def policy_version(self) -> int:
+        return self._engine.policy_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        with self._lock:
+            return self._engine.generate(prompts, params)
+
+    def sync(self, checkpoint_path: str | None, policy_version: int) -> None:
+        """Copy the trainer's current weights (or a checkpoint's, given a path) into the snapshot."""
+        with self._lock:
+            if checkpoint_path is None:
+                with torch.no_grad():
+                    for mine, theirs in zip(self._engine.model.parameters(), self._trainer.parameters(),
+                                            strict=True):
+                        mine.copy_(theirs)
+            self._engine.sync(checkpoint_path, policy_version)
+
+    def close(self) -> None:
+        self._engine.close()

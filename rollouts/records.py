@@ -1,0 +1,66 @@
+"""Typed rows passed between the RL stages; their columnar form is the Arrow schema of the table
+they are written to (storage/schemas.py; tests/unit/test_records.py keeps the two in step).
+
+    rollout = Rollout.from_row(row)     # a `rollouts` table row (dict) -> typed record
+    persist(run_dir, "rollouts", step, [r.row() for r in rollouts], run_id)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class _Row:
+    """`row()` / `from_row()` between a dataclass and a table row dict."""
+
+    @classmethod
+    def columns(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+
+    def row(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.columns()}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]):
+        return cls(**{name: row[name] for name in cls.columns()})
+
+
+@dataclass(frozen=True)
+class Rollout(_Row):
+    """One sampled completion (a `rollouts` row)."""
+
+    run_id: str
+    step: int
+    policy_version: int
+    """Optimizer steps applied to the weights that sampled it."""
+    env: str
+    example_id: str
+    group_id: str
+    sample_id: str
+    attempt: int
+    """Sampling round of its step (1-based)."""
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    completion_logprobs: list[float]
+    """The engine's log-prob of each completion token (the behaviour policy)."""
+    finish_reason: str
+    prompt_text: str
+    completion_text: str
+    n_prompt_tokens: int
+    n_completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Score(_Row):
+    """The reward of one completion (a `scores` row)."""
+
+    run_id: str
+    step: int
+    sample_id: str
+    group_id: str
+    reward: float
+    components: Any
+    """Reward components by name (a dict when computed; as Arrow returns a map when read back)."""
+    error: str | None
+    """None, or why the reward function failed (the reward is then 0)."""

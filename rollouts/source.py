@@ -1,0 +1,219 @@
+"""The rollout source: one call per training step returns that step's batch of scored, selected
+rollouts with their advantages.
+
+    source = RolloutSource(rl, prompts, buffer, stages, start_step=0)
+    with source:
+        batch = source.batch(step)       # StepBatch: samples to pack, metrics, data_state
+        ...train...
+        source.publish(version)          # the engines now sample from `version`
+
+Behind it: sampling rounds (generate and score stages, injected as `RolloutStages`), the
+over-sampling buffer (training.oversampling: zero-variance filter, carry-over, max-attempts guard,
+partial batches) and the filter/advantages stage.
+
+`rl.max_off_policy_steps = k`:
+- k = 0: `batch(step)` fills the step's batch inline from the current weights (on-policy).
+- k >= 1: a producer thread fills the batches of the next steps while the trainer trains. It fills
+  step t only once the engines sample from a policy version >= t - 1 - k (`publish`), so every
+  fresh sample trained at step t lags at most k versions; carried groups are bounded by the buffer
+  (training.oversampling.staleness_limit). The producer writes its tables (rollouts, scores,
+  groups, advantages) for steps ahead of the trainer; after a kill, resume replays those steps
+  from the checkpoint's data_state and reads the sampled rounds back from the tables.
+
+Nothing here imports Prefect: the stages come in as plain callables.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rollouts.records import Rollout, Score
+from training import metric_names as m
+from training.advantages import Group, make_groups
+from training.oversampling import GroupBuffer, GroupDecision
+from training.timing import Stopwatch
+
+if TYPE_CHECKING:
+    from envs.base import Example
+    from envs.prompts import PromptSource
+    from flows.config import RLConfig
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One selected completion, ready to pack: its rollout row, reward and advantage."""
+
+    rollout: Rollout
+    reward: float
+    advantage: float
+
+    @property
+    def sample_id(self) -> str:
+        return self.rollout.sample_id
+
+
+@dataclass
+class StepBatch:
+    """What a training step gets from the source."""
+
+    step: int
+    samples: list[TrainSample]
+    """The completions to train on (groups taken from the buffer), in order."""
+    metrics: dict[str, float]
+    """rollout/* metrics of the batch (names from training.metric_names)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds of the generate, score and filter stages that filled it."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """Prompt order and buffer right after this batch: the checkpoint's data_state."""
+
+
+class RolloutStages(Protocol):
+    """The stages a sampling round and the selection run (tasks/, bound to the run)."""
+
+    def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
+                 previous: list[Rollout]) -> list[Rollout]: ...
+
+    def score(self, examples: dict[str, Example], rollouts: list[Rollout], *, step: int,
+              previous: list[Score]) -> list[Score]: ...
+
+    def rows_of(self, groups: list[Group], rows: dict[str, Rollout]) -> None:
+        """Add the rollout rows of `groups` missing from `rows` (carried across a resume)."""
+
+    def select(self, batch: list[Group], decisions: list[GroupDecision], carried: list[Group],
+               samples: list[TrainSample], *, step: int, empty: bool) -> None:
+        """Record the step's groups (with their fate) and advantages."""
+
+
+class RolloutSource:
+    """Fills each step's batch (see the module docstring); `with` starts and stops the producer."""
+
+    def __init__(self, rl: RLConfig, prompts: PromptSource, buffer: GroupBuffer, stages: RolloutStages,
+                 *, start_step: int, published_version: int) -> None:
+        self.rl, self.prompts, self.buffer, self.stages = rl, prompts, buffer, stages
+        self.ahead = rl.max_off_policy_steps
+        self._examples: dict[str, Example] = {}
+        self._rows: dict[str, Rollout] = {}
+        self._next = start_step + 1
+        self._ready: dict[int, StepBatch | BaseException] = {}
+        self._published = published_version
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the consumer side
+    def __enter__(self) -> RolloutSource:
+        if self.ahead > 0:
+            run = contextvars.copy_context().run  # stages see the flow's writer and task-run choice
+            self._thread = threading.Thread(target=run, args=(self._produce_ahead,), name="rollouts",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def batch(self, step: int) -> StepBatch:
+        """The batch that trains `step` (blocks until the producer has it when running ahead)."""
+        if self._thread is None:
+            return self._produce(step, self._published)
+        with self._cond:
+            self._cond.wait_for(lambda: step in self._ready)
+            result = self._ready.pop(step)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def publish(self, version: int) -> None:
+        """The engines now sample from `version` (after a sync)."""
+        with self._cond:
+            self._published = version
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the producer side
+    def _produce_ahead(self) -> None:
+        step = self._next
+        while step <= self.rl.steps:
+            with self._cond:
+                # at most `ahead` batches waiting, and weights recent enough for the bound
+                self._cond.wait_for(lambda: self._stop or (
+                    len(self._ready) <= self.ahead and self._published >= step - 1 - self.ahead))  # noqa: B023
+                if self._stop:
+                    return
+                version = self._published
+            try:
+                result: StepBatch | BaseException = self._produce(step, version)
+            except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it
+                result = error
+            with self._cond:
+                self._ready[step] = result
+                self._cond.notify_all()
+            if isinstance(result, BaseException):
+                return
+            step += 1
+
+    def _produce(self, step: int, version: int) -> StepBatch:
+        """Fill the batch of `step` from engines at `version` (the one fill path, both modes)."""
+        watch = Stopwatch()
+        sampled: list[Rollout] = []
+        scored: list[Score] = []
+
+        def sample_round(attempt: int, n_prompts: int) -> list[Group]:
+            examples = self.prompts.next_batch(n_prompts)
+            self._examples.update({e.example_id: e for e in examples})
+            with watch("generate"):
+                new = self.stages.generate(examples, step=step, attempt=attempt, policy_version=version,
+                                           previous=sampled)
+            with watch("score"):
+                new_scores = self.stages.score(self._examples, new, step=step, previous=scored)
+            sampled.extend(new)
+            scored.extend(new_scores)
+            self._rows.update({r.sample_id: r for r in new})
+            reward = {s.sample_id: s.reward for s in new_scores}
+            return make_groups([{"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
+                                 "policy_version": r.policy_version, "sample_id": r.sample_id,
+                                 "reward": reward[r.sample_id]} for r in new], attempt)
+
+        train_version = (step - 1) * self.rl.ppo_epochs
+        carried = list(self.buffer.pending)
+        decisions = self.buffer.fill(train_version, sample_round)
+        with watch("filter"):
+            batch, metrics = self.buffer.take()
+            self.stages.rows_of(batch, self._rows)
+            samples = _train_samples(batch, self._rows, self.rl)
+            self.stages.select(batch, decisions, carried, samples, step=step, empty=not sampled)
+        keep = {sid for group in self.buffer.pending for sid in group.sample_ids}
+        self._rows = {sid: row for sid, row in self._rows.items() if sid in keep}
+        metrics |= _sampling_metrics(sampled, scored, batch, train_version)
+        return StepBatch(step=step, samples=samples, metrics=metrics, seconds=watch.seconds,
+                         state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
+
+
+def _train_samples(batch: list[Group], rows: dict[str, Rollout], rl: RLConfig) -> list[TrainSample]:
+    from training.advantages import group_advantages
+
+    advantages = group_advantages(batch, rl)
+    return [TrainSample(rows[sid], reward, advantages[sid]) for g in batch
+            for sid, reward in zip(g.sample_ids, g.rewards, strict=True)]
+
+
+def _sampling_metrics(sampled: list[Rollout], scored: list[Score], batch: list[Group],
+                      train_version: int) -> dict[str, float]:
+    out: dict[str, float] = {m.KEPT_GROUPS: float(len(batch))}
+    rewards = [r for g in batch for r in g.rewards]
+    out[m.REWARD_MEAN] = sum(rewards) / max(len(rewards), 1)
+    lags = [train_version - g.policy_version for g in batch]
+    out[m.LAG_MEAN] = sum(lags) / max(len(lags), 1)
+    out[m.LAG_MAX] = float(max(lags, default=0))
+    if sampled:
+        out[m.COMPLETION_LENGTH] = sum(r.n_completion_tokens for r in sampled) / len(sampled)
+        out[m.REWARD_MEAN_ALL] = sum(s.reward for s in scored) / len(scored)
+        out[m.REWARD_ERRORS] = float(sum(s.error is not None for s in scored))
+    return out
+

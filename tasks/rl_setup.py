@@ -1,0 +1,183 @@
+"""Building an RL run's state once, before its first step: model, optimizer, loss, engines, the
+rollout source, and what a resume restores and repairs.
+
+Not a stage (nothing is persisted but the repairs): flows/rl.py calls `open_rl` and keeps the
+result for the whole run; `close` releases the engines.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.base import Engine, SamplingParams
+from envs.base import Environment, Example
+from rollouts.source import RolloutSource
+from tasks.checkpoint import repair_checkpoint_row
+from tasks.evaluate import eval_step
+from tasks.rollout_stages import RunStages
+from tasks.setup import (
+    engine_dtype,
+    make_env,
+    make_model_and_tokenizer,
+    make_optimizer,
+    max_context,
+    place_model,
+    stop_token_ids,
+)
+from tasks.sync import sync_task
+from training.advantages import overlong_penalty
+from training.checkpoint import latest_checkpoint, load_checkpoint
+from training.kl import frozen_copy
+from training.lora import lora_from_config
+from training.oversampling import GroupBuffer
+from training.rl_loss import loss_normaliser
+
+
+@dataclass
+class RLRun:
+    """The trainer's state of one RL run (local to the flow, passed explicitly to stages)."""
+
+    model: Any
+    tokenizer: Any
+    optimizer: Any
+    scheduler: Any
+    loss_fn: Any
+    env: Environment
+    engines: list[Engine]
+    eval_engine: Engine
+    eval_examples: list[Example]
+    source: RolloutSource
+    start_step: int
+    stop_token_ids: tuple[int, ...]
+    max_context: int
+    max_new_tokens: int
+    train_options: dict[str, Any] = field(default_factory=dict)
+    closing: list[Engine] = field(default_factory=list)
+    ref_model: Any = None
+    """The frozen starting policy of the KL penalty (rl.kl_coef > 0), else None."""
+    ref_options: dict[str, Any] = field(default_factory=dict)
+
+    def step_loss(self, batches: list):
+        """The loss of one step: loss_fn, with the reference's log-probs of `batches` bound when
+        there is a KL penalty (computed once per batch, training/kl.py)."""
+        if self.ref_model is None or not batches:
+            return self.loss_fn
+        from training.kl import reference_logprobs
+        from training.rl_loss import bind_batch_inputs
+
+        ref = reference_logprobs(self.ref_model, batches, **self.ref_options)
+        return bind_batch_inputs(self.loss_fn, batches, ref_logprobs=ref)
+
+    def evaluate(self, step: int, *, run_dir: Path, run_id: str) -> dict[str, float]:
+        """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table)."""
+        return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
+                         run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
+                         stop_token_ids=self.stop_token_ids, max_context=self.max_context)
+
+    @property
+    def needs_checkpoint_to_sync(self) -> bool:
+        return any(e.syncs_from_checkpoint for e in self.engines)
+
+    def close(self) -> None:
+        for engine in self.closing:
+            engine.close()
+
+
+def make_engines(config, model) -> list[Engine]:
+    """The rollout engines of `config.engine`; in-process async RL samples from a weights snapshot."""
+    if config.engine.type == "http":
+        from engines.http import engines_from_config
+
+        return engines_from_config(config.engine)
+    if config.engine.type == "vllm":
+        from engines.vllm_engine import VllmEngine  # optional extra, needs a GPU
+
+        return [VllmEngine(model)]
+    dtype = engine_dtype(model, config.model.bf16_autocast)
+    if config.rl.max_off_policy_steps > 0:
+        from engines.snapshot import SnapshotEngine
+
+        return [SnapshotEngine(model, dtype=dtype)]
+    from engines.torch_engine import TorchEngine
+
+    return [TorchEngine(model, dtype=dtype)]
+
+
+def loss_for(rl):
+    """The policy loss; async RL (k >= 1) gets truncated importance weights by default, the
+    sequence mask of rl.off_policy_sequence_mask, and the mismatch metrics."""
+    from training.off_policy import with_sequence_mask
+    from training.rl_loss import build_rl_loss
+
+    tis_cap = rl.tis_cap
+    if rl.max_off_policy_steps > 0 and tis_cap == 0 and rl.loss == "reinforce":
+        tis_cap = rl.off_policy_tis_cap
+    loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high, tis_cap=tis_cap,
+                            cispo_cap=rl.cispo_cap, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
+    if rl.max_off_policy_steps > 0 or rl.off_policy_sequence_mask > 0:
+        loss_fn = with_sequence_mask(loss_fn, rl.off_policy_sequence_mask)
+    return loss_fn
+
+
+def overlong_penalty_fn(rl):
+    """DAPO's soft overlong penalty as a function of the completion length, or None when off."""
+    if rl.overlong_buffer == 0:
+        return None
+    return functools.partial(overlong_penalty, max_length=rl.sampling.max_new_tokens,
+                             buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
+
+
+def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, model_name: str) -> RLRun:
+    """Build (or restore, from the run's newest checkpoint) everything the RL loop needs."""
+    from engines.torch_engine import TorchEngine
+    from envs.prompts import PromptSource
+
+    rl = config.rl
+    env = make_env(config.task.env, config.task.options)
+    model, tokenizer = make_model_and_tokenizer(
+        config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
+    model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
+    optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
+    ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
+    prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
+    buffer = GroupBuffer(rl)
+    start_step, resume_from = 0, latest_checkpoint(run_dir)
+    if resume_from is not None:
+        loaded = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        start_step = int(loaded.metadata["step"])
+        prompts.load_state_dict(loaded.data_state["prompts"])
+        buffer.load_state_dict(loaded.data_state["buffer"])
+        repair_checkpoint_row(run_dir, run_id, start_step, resume_from, model_name)
+    engines = make_engines(config, model)
+    version = start_step * rl.ppo_epochs
+    if resume_from is not None:  # servers restart from the checkpoint; its syncs rows are repaired
+        sync_task(engines, str(resume_from), version, run_dir=run_dir, run_id=run_id, step=start_step,
+                  retries=config.engine.retries, only_missing=True)
+    # evals read the trainer's weights in-process: other engines may lag a sync behind
+    eval_engine = engines[0] if engines[0].shares_weights else \
+        TorchEngine(model, dtype=engine_dtype(model, config.model.bf16_autocast))
+    stops, context = stop_token_ids(tokenizer), max_context(model)
+    sampling = SamplingParams(n=rl.group_size, temperature=rl.sampling.temperature, top_p=rl.sampling.top_p,
+                              top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
+                              stop_token_ids=stops)
+    stages = RunStages(engines=engines, tokenizer=tokenizer, env=env, sampling=sampling, seed=config.seed,
+                       max_context=context, max_error_fraction=rl.max_reward_error_fraction,
+                       run_dir=run_dir, run_id=run_id, length_penalty=overlong_penalty_fn(rl))
+    source = RolloutSource(rl, prompts, buffer, stages, start_step=start_step, published_version=version)
+    # gspo normalises per sequence, dr_grpo by a constant (training/rl_loss.py, loss_normaliser)
+    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
+                                           rl.sampling.max_new_tokens)
+    return RLRun(model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                 loss_fn=loss_for(rl), env=env, engines=engines, eval_engine=eval_engine,
+                 eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
+                 source=source, start_step=start_step, stop_token_ids=stops, max_context=context,
+                 max_new_tokens=rl.sampling.max_new_tokens,
+                 train_options=dict(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
+                                    autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
+                                    temperature=rl.sampling.temperature),
+                 closing=list(dict.fromkeys([*engines, eval_engine])), ref_model=ref_model,
+                 ref_options=dict(temperature=rl.sampling.temperature, autocast=config.model.bf16_autocast))

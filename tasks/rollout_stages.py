@@ -1,0 +1,59 @@
+"""The stages the rollout source runs (generate, score, filter/advantages), bound to one run.
+
+rollouts/source.py drives sampling rounds and the group buffer without knowing Prefect or the
+run directory; `RunStages` is what it calls: each method is one stage (a Prefect task run or a
+plain call, see tasks/_prefect.py) that writes its own table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.base import Engine, SamplingParams
+from envs.base import Environment, Example
+from tasks.advantages import load_group_rows, select_task
+from tasks.generate import generate_stage
+from tasks.record import persist
+from tasks.score import score_stage
+
+
+@dataclass(frozen=True)
+class RunStages:
+    """generate → score for a sampling round, and the filter/advantages record of a step."""
+
+    engines: list[Engine]
+    tokenizer: Any
+    env: Environment
+    sampling: SamplingParams
+    seed: int
+    max_context: int
+    max_error_fraction: float
+    run_dir: Path
+    run_id: str
+    length_penalty: Callable[[int], float] | None = None
+    """DAPO's overlong penalty on the reward (rl.overlong_buffer), or None."""
+
+    def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
+                 previous: list[dict]) -> list[dict]:
+        return generate_stage(self.engines, self.tokenizer, self.env, examples, self.sampling,
+                              previous=previous, seed=self.seed, step=step, attempt=attempt,
+                              policy_version=policy_version, max_context=self.max_context,
+                              run_dir=self.run_dir, run_id=self.run_id)
+
+    def score(self, examples: dict[str, Example], rollouts: list[dict], *, step: int,
+              previous: list[dict]) -> list[dict]:
+        return score_stage(self.env, examples, rollouts, previous=previous, step=step,
+                           max_error_fraction=self.max_error_fraction, run_dir=self.run_dir,
+                           run_id=self.run_id, length_penalty=self.length_penalty)
+
+    def rows_of(self, groups, rows: dict[str, dict]) -> None:
+        load_group_rows(groups, rows, self.run_dir)
+
+    def select(self, batch, decisions, carried, samples, *, step: int, empty: bool) -> None:
+        if empty:  # carried-over groups alone fed this step: its sampling tables are empty
+            persist(self.run_dir, "rollouts", step, [], self.run_id)
+            persist(self.run_dir, "scores", step, [], self.run_id)
+        select_task(batch, decisions, carried, samples, run_dir=self.run_dir, run_id=self.run_id, step=step)

@@ -1,0 +1,164 @@
+"""Data parallelism on the CPU (gloo, 2 ranks): the same weights as one process after 3 steps."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from models.presets import build_model
+from training.batch import Sequence, pack
+from training.distributed import (
+    data_parallel,
+    follow,
+    is_filler,
+    lead_step,
+    shard_micro_batches,
+    stop_followers,
+)
+from training.rl_loss import build_rl_loss
+from training.step import build_optimizer, forward_backward, optim_step
+
+VOCAB = 64
+STEPS = 3
+
+
+def _steps(seed: int = 0) -> list[list[Sequence]]:
+    """Three steps of RL-like sequences (advantage weights, shared prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        seqs = []
+        for _ in range(6):
+            prompt = torch.randint(1, VOCAB, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(4):
+                n = int(torch.randint(2, 12, (1,), generator=g))
+                completion = torch.randint(1, VOCAB, (n,), generator=g).tolist()
+                adv = float(torch.randn(1, generator=g))
+                seqs.append(Sequence(tokens=prompt + completion, weights=[0.0] * len(prompt) + [adv] * n,
+                                     prefix_len=len(prompt), loss_mask=[False] * len(prompt) + [True] * n))
+        out.append(seqs)
+    return out
+
+
+def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=None) -> list[float]:
+    optimizer = build_optimizer(model, lr=1e-3)
+    losses = []
+    for seqs in steps:
+        metrics = forward_backward(model, micro_batches_of(seqs), loss_fn, normaliser=normaliser, data_parallel=dp)
+        optim_step(model, optimizer, None, max_grad_norm=1.0)
+        losses.append(metrics["loss"])
+    return losses
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+        dp = data_parallel(model, kind, torch.device("cpu"))
+        losses = _train(model, _steps(), build_rl_loss("reinforce"), normaliser,
+                        lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp)
+        state = _full_state(model)
+        if rank == 0:
+            torch.save({"losses": losses, "state": state}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_two_ranks_equal_one_process(tmp_path, preset, kind):
+    normaliser = "token" if preset == "tiny-dense" else "sequence"
+    torch.set_num_threads(1)
+    single = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+    # the same micro-batches as the two ranks together: the MoE router's balancing loss is per
+    # micro-batch, so a different packing would be a different objective
+    def both_ranks(seqs):
+        return [b for rank in (0, 1) for b in shard_micro_batches(seqs, 96, rank, 2) if not is_filler(b)]
+
+    single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks)
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_rank, args=(2, _free_port(), preset, kind, normaliser, out), nprocs=2, join=True)
+    result = torch.load(out)
+    assert result["losses"] == pytest.approx(single_losses, rel=1e-5)
+    expected = single.state_dict()
+    worst = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
+    # AdamW steps every weight by ~lr = 1e-3 whatever the gradient's size, so float-order noise
+    # in a gradient shows up at ~1e-6 after 3 steps; a wrong normaliser or a missed rank's
+    # gradient moves weights by ~1e-3. (At lr 1e-2 that noise flipped one MoE token's top-2
+    # experts by step 3: routing is discrete.)
+    assert worst < 1e-5, sorted(((result["state"][k] - expected[k]).abs().max().item(), k) for k in expected)[-3:]
+
+
+def test_shards_are_balanced_by_tokens_and_equal_in_count():
+    seqs = _steps()[0]
+    shards = [shard_micro_batches(seqs, 64, rank, 3) for rank in range(3)]
+    assert len({len(s) for s in shards}) == 1  # every rank runs as many micro-batches
+    real = [[b for b in shard if not is_filler(b)] for shard in shards]
+    loads = [sum(b.n_tokens for b in shard) for shard in real]
+    assert sum(loads) == sum(b.n_tokens for b in pack(seqs, max(64, max(len(s.tokens) for s in seqs))))
+    assert max(loads) - min(loads) <= max(b.n_tokens for shard in real for b in shard)
+    # fillers carry no loss
+    for shard, kept in zip(shards, real, strict=True):
+        for filler in shard[len(kept):]:
+            assert float(filler.token_weights.abs().sum()) == 0.0
+
+
+def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+        dp = data_parallel(model, "ddp", torch.device("cpu"))
+        optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce")
+        if rank == 0:  # only rank 0 knows the data, as in a flow
+            losses = [lead_step(dp, model, optimizer, None, seqs, loss_fn, 96, 1.0)["loss"] for seqs in _steps()]
+            stop_followers(dp)
+            torch.save({"losses": losses, "state": model.state_dict()}, out)
+        else:  # DDP replicas hold whole tensors
+            torch.save({"steps": follow(dp, model, optimizer, None, loss_fn), "state": model.state_dict()},
+                       out + ".rank1")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_rank_zero_leads_and_the_others_follow(tmp_path):
+    out = str(tmp_path / "lead.pt")
+    mp.spawn(_lead_or_follow, args=(2, _free_port(), out), nprocs=2, join=True)
+    lead, follower = torch.load(out), torch.load(out + ".rank1")
+    assert follower["steps"] == STEPS
+    single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+
+    def both_ranks(seqs):
+        return [b for rank in (0, 1) for b in shard_micro_batches(seqs, 96, rank, 2) if not is_filler(b)]
+
+    assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks),
+                                           rel=1e-5)
+    for name, value in single.state_dict().items():  # replicas stay equal, and equal to one process
+        assert torch.equal(lead["state"][name], follower["state"][name]), name
+        assert (lead["state"][name] - value).abs().max().item() < 1e-5, name

@@ -1,0 +1,39 @@
+"""Metric names, in one place: what the loop logs to MLflow and what the report, the progress
+bar and the CLI summary read back. Prefixes: `train/*`, `rollout/*`, `perf/*`, `eval/*`."""
+
+from storage.schemas import PHASES  # noqa: F401 - the phases of a step, named once
+
+# rollout/*: the batch filling of one step (training/oversampling.py, rollouts/source.py)
+ZERO_VAR_GROUPS = "rollout/zero_var_groups"
+VALID_GROUPS = "rollout/valid_groups"
+SAMPLED_GROUPS = "rollout/sampled_groups"
+STALE_DROPPED = "rollout/stale_dropped"
+ZERO_VAR_FRACTION = "rollout/zero_var_fraction"
+ATTEMPTS = "rollout/attempts_per_batch"
+CARRIED_GROUPS = "rollout/carried_groups"
+BATCH_GROUPS = "rollout/batch_groups"
+KEPT_GROUPS = "rollout/kept_groups"
+REWARD_MEAN = "rollout/reward_mean"
+REWARD_MEAN_ALL = "rollout/reward_mean_all"
+REWARD_ERRORS = "rollout/reward_errors"
+COMPLETION_LENGTH = "rollout/completion_length_mean"
+LAG_MEAN = "rollout/policy_lag_mean"
+LAG_MAX = "rollout/policy_lag_max"
+
+# eval/*: greedy evaluation on held-out prompts
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_REWARD = "eval/reward_mean"
+
+# perf/*
+TOKENS_PER_SECOND = "perf/tokens_per_second"
+SECONDS_TOTAL = "perf/seconds_total"
+
+
+def seconds(phase: str) -> str:
+    """perf/seconds_<phase>: wall-clock of one phase of the step."""
+    return f"perf/seconds_{phase}"
+
+
+def train(name: str) -> str:
+    """train/<name>: a metric of the optimizer step (loss, grad_norm, lr, ratio_mean, ...)."""
+    return f"train/{name}"
