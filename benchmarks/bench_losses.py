@@ -98,25 +98,57 @@ def greedy_accuracy(model, tokenizer, env, max_new_tokens: int, n: int = 400) ->
     return statistics.mean(float(r["correct"]) for r in rows)
 
 
+class MemoryStages:
+    """The rollout source's stages without tables: sampling rounds straight from the engine, the
+    rewards of every round kept per step."""
+
+    def __init__(self, engine, tokenizer, env, params):
+        self.engine, self.tokenizer, self.env, self.params = engine, tokenizer, env, params
+        self.rewards: dict[int, list[float]] = {}
+        self.env_examples: dict = {}  # example_id → Example, of every round scored
+
+    def generate(self, examples, *, step, attempt, policy_version, previous):
+        from engines.base import SamplingParams
+        from tasks.generate import generate_rollouts
+
+        params = SamplingParams(**{**self.params.__dict__, "seed": self.params.seed * 10_000 + step * 10 + attempt})
+        return generate_rollouts(self.engine, self.tokenizer, self.env, examples, params, run_id="b", step=step,
+                                 attempt=attempt, policy_version=policy_version, max_context=4096)
+
+    def score(self, examples, rollouts, *, step, previous):
+        from tasks.score import score_rollouts
+
+        self.env_examples.update(examples)
+        scores = score_rollouts(self.env, examples, rollouts, max_error_fraction=0.0)
+        self.rewards.setdefault(step, []).extend(s.reward for s in scores)
+        return scores
+
+    def rows_of(self, groups, rows):
+        pass
+
+    def select(self, batch, decisions, carried, samples, *, step, empty):
+        pass
+
+
 def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digits", start: str = "",
                  prompts: int = 8, group: int = 8) -> dict:
     """One RL run of `variant` (a VARIANTS key) on `task`: mean reward and entropy per step, the
-    gain, and for arithmetic the greedy accuracy before and after."""
+    gain, and for arithmetic the greedy accuracy before and after. The loss comes from the run
+    config's [rl] section (`tasks.rl_setup.loss_for`), as in the `rl` flow."""
     import torch
 
     from engines.base import SamplingParams
     from engines.torch_engine import TorchEngine
     from envs.prompts import PromptSource
-    from tasks.advantages import filter_and_advantages, scored_groups
-    from tasks.generate import generate_rollouts
+    from flows.config import RLConfig
+    from rollouts.source import RolloutSource
     from tasks.pack import pack_rollouts
-    from tasks.score import score_rollouts
+    from tasks.rl_setup import loss_for
     from tasks.setup import stop_token_ids
     from tasks.train import train_on_batches
-    from training.advantages import AdvantageConfig
     from training.kl import frozen_copy, reference_logprobs
-    from training.oversampling import BufferConfig, GroupBuffer
-    from training.rl_loss import bind_batch_inputs, build_rl_loss, loss_normaliser
+    from training.oversampling import GroupBuffer
+    from training.rl_loss import bind_batch_inputs, loss_normaliser
     from training.step import build_optimizer, build_scheduler
 
     name, options = VARIANTS[variant]
@@ -124,42 +156,33 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     torch.manual_seed(seed)
     model, tokenizer, env = make_start(task, seed, start)
     accuracy_start = greedy_accuracy(model, tokenizer, env, max_new_tokens) if task != "digits" else None
-    ref = frozen_copy(model) if options.get("kl_coef") else None
+    rl = RLConfig(steps=steps, prompts_per_step=prompts, group_size=group, drop_zero_variance=False, loss=name,
+                  **options)
+    ref = frozen_copy(model) if rl.kl_coef else None
     engine = TorchEngine(model)
     optimizer = build_optimizer(model, lr=lr)
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=steps, min_lr_ratio=0.1)
-    loss_fn = build_rl_loss(name, **options)
+    loss_fn = loss_for(rl)
     normaliser, constant = loss_normaliser(name, "token", prompts * group, max_new_tokens)
-    buffer = GroupBuffer(BufferConfig(groups_per_batch=prompts, drop_zero_variance=False))
-    source = PromptSource(env.examples("train", seed=seed), seed=seed)
-    by_id: dict = {}
-    stops = stop_token_ids(tokenizer)
-    with tempfile.TemporaryDirectory() as tmp:
-        rewards, entropies, started = [], [], time.perf_counter()
+    params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
+                            seed=seed)
+    stages = MemoryStages(engine, tokenizer, env, params)
+    source = RolloutSource(rl, PromptSource(env.examples("train", seed=seed), seed=seed), GroupBuffer(rl), stages,
+                           start_step=0, published_version=0)
+    rewards, entropies, started = [], [], time.perf_counter()
+    with source:
         for step in range(1, steps + 1):
-            buffer.start_batch(step - 1)
-            attempt = buffer.begin_attempt()
-            batch_examples = source.next_batch(prompts)
-            by_id.update({e.example_id: e for e in batch_examples})
-            params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                                    seed=seed * 10_000 + step)
-            rollouts = generate_rollouts(engine, tokenizer, env, batch_examples, params, run_id="b", step=step,
-                                         attempt=attempt, policy_version=step - 1, max_context=4096)
-            scores = score_rollouts(env, by_id, rollouts, max_error_fraction=0.0)
-            rows = {r["sample_id"]: r for r in rollouts}
-            decisions = buffer.add(scored_groups(rollouts, scores, attempt))
-            selected, advantages, _, _, _ = filter_and_advantages(
-                buffer, decisions, AdvantageConfig(estimator="grpo"), rows, run_dir=Path(tmp), run_id="b",
-                step=step)
-            batches, _ = pack_rollouts(selected, advantages, 8192, "b", step)
+            batch = source.batch(step)
+            batches, _ = pack_rollouts(batch.samples, 8192, "b", step)
             step_loss = loss_fn
             if ref is not None:
                 step_loss = bind_batch_inputs(loss_fn, batches, ref_logprobs=reference_logprobs(ref, batches))
             metrics = train_on_batches(model, optimizer, scheduler, batches, step_loss, normaliser=normaliser,
                                        constant=constant, max_grad_norm=1.0, autocast=False, step=step)
-            rewards.append(statistics.mean(s["reward"] for s in scores))
+            source.publish(step)
+            rewards.append(statistics.mean(stages.rewards.get(step) or [0.0]))
             entropies.append(metrics.get("entropy"))
-        seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started
     first, last = statistics.mean(rewards[:TAIL]), statistics.mean(rewards[-TAIL:])
     out = {"variant": variant, "loss": name, "options": options, "task": task, "seed": seed,
            "reward_first": first, "reward_last": last, "gain": last - first, "rewards": rewards,

@@ -42,12 +42,12 @@ def grad_vector(model) -> torch.Tensor:  # noqa: F821
     return torch.cat([p.grad.detach().flatten().double() for p in model.parameters() if p.grad is not None])
 
 
-def trl_inputs(rollouts: list[dict], advantages: dict[str, float], pad_id: int) -> dict:
-    """The batch dict TRL's `_compute_loss` reads, from rlpipe's rollout rows."""
+def trl_inputs(samples: list, pad_id: int) -> dict:
+    """The batch dict TRL's `_compute_loss` reads, from the step's selected samples."""
     import torch
 
-    prompts = [list(r["prompt_tokens"]) for r in rollouts]
-    completions = [list(r["completion_tokens"]) for r in rollouts]
+    prompts = [list(s.rollout.prompt_tokens) for s in samples]
+    completions = [list(s.rollout.completion_tokens) for s in samples]
     p_len, c_len = max(map(len, prompts)), max(map(len, completions))
     prompt_ids = torch.tensor([[pad_id] * (p_len - len(p)) + p for p in prompts])
     prompt_mask = torch.tensor([[0] * (p_len - len(p)) + [1] * len(p) for p in prompts])
@@ -55,7 +55,7 @@ def trl_inputs(rollouts: list[dict], advantages: dict[str, float], pad_id: int) 
     completion_mask = torch.tensor([[1] * len(c) + [0] * (c_len - len(c)) for c in completions])
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "advantages": torch.tensor([advantages[r["sample_id"]] for r in rollouts], dtype=torch.float32),
+            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
             "num_items_in_batch": completion_mask.sum().float()}
 
 
@@ -88,20 +88,17 @@ def make_trainer(start: str, env, root: Path, steps: int, dtype):
 def compare(args: argparse.Namespace) -> dict:
     import torch
 
-    from benchmarks.bench_losses import arithmetic_env
+    from benchmarks.bench_losses import MemoryStages, arithmetic_env
     from engines.base import SamplingParams
     from engines.torch_engine import TorchEngine
     from envs.prompts import PromptSource
-    from flows.config import OptimConfig
+    from flows.config import OptimConfig, RLConfig
     from models.loading import load_model
     from models.tokenizer import load_tokenizer
-    from tasks.advantages import filter_and_advantages, scored_groups
-    from tasks.generate import generate_rollouts
+    from rollouts.source import RolloutSource
     from tasks.pack import pack_rollouts
-    from tasks.score import score_rollouts
     from tasks.setup import make_optimizer, stop_token_ids
-    from training.advantages import AdvantageConfig
-    from training.oversampling import BufferConfig, GroupBuffer
+    from training.oversampling import GroupBuffer
     from training.rl_loss import build_rl_loss
     from training.step import forward_backward, optim_step
 
@@ -116,33 +113,28 @@ def compare(args: argparse.Namespace) -> dict:
         optim = OptimConfig(lr=LR, warmup_steps=2, min_lr_ratio=0.1, token_budget=8192, max_grad_norm=1.0)
         optimizer, scheduler = make_optimizer(model, optim, args.steps)
         engine, stops = TorchEngine(model), stop_token_ids(tokenizer)
-        source = PromptSource(env.examples("train", seed=0), seed=0)
-        buffer = GroupBuffer(BufferConfig(groups_per_batch=PROMPTS, drop_zero_variance=False))
-        loss_fn, by_id, rows = build_rl_loss("reinforce"), {}, []
+        rl = RLConfig(steps=args.steps, prompts_per_step=PROMPTS, group_size=GROUP, drop_zero_variance=False)
+        stages = MemoryStages(engine, tokenizer, env, SamplingParams(n=GROUP, max_new_tokens=16,
+                                                                     stop_token_ids=stops, seed=0))
+        source = RolloutSource(rl, PromptSource(env.examples("train", seed=0), seed=0), GroupBuffer(rl), stages,
+                               start_step=0, published_version=0)
+        loss_fn, rows = build_rl_loss("reinforce"), []
         trl_model = trainer.model
+        source.__enter__()
         for step in range(1, args.steps + 1):
-            buffer.start_batch(step - 1)
-            attempt = buffer.begin_attempt()
-            examples = source.next_batch(PROMPTS)
-            by_id.update({e.example_id: e for e in examples})
-            params = SamplingParams(n=GROUP, max_new_tokens=16, stop_token_ids=stops, seed=step)
-            rollouts = generate_rollouts(engine, tokenizer, env, examples, params, run_id="g", step=step,
-                                         attempt=attempt, policy_version=step - 1, max_context=4096)
-            scores = score_rollouts(env, by_id, rollouts, max_error_fraction=0.0)
-            decisions = buffer.add(scored_groups(rollouts, scores, attempt))
-            selected, advantages, _, _, _ = filter_and_advantages(
-                buffer, decisions, AdvantageConfig(estimator="grpo"), {r["sample_id"]: r for r in rollouts},
-                run_dir=root, run_id="g", step=step)
-            batches, _ = pack_rollouts(selected, advantages, 8192, "g", step)
+            batch = source.batch(step)
+            selected = batch.samples
+            batches, _ = pack_rollouts(selected, 8192, "g", step)
             if step == 1:  # do both sides put the same prompt tokens in front of the model?
+                examples = [stages.env_examples[s.rollout.example_id] for s in selected[::GROUP]]
                 trl_prompts = trainer._tokenize_prompts([env.reset(e) for e in examples])[0]
-                ours_prompts = [list(r["prompt_tokens"]) for r in rollouts[::GROUP]]
+                ours_prompts = [list(s.rollout.prompt_tokens) for s in selected[::GROUP]]
                 same_prompt_tokens = [list(t) for t in trl_prompts] == ours_prompts
             model.train()
             ours = forward_backward(model, batches, loss_fn, normaliser="token", entropy=True)
             g_ours = grad_vector(model)
             trl_model.train()
-            loss = trainer._compute_loss(trl_model, trl_inputs(selected, advantages, tokenizer.pad_token_id))
+            loss = trainer._compute_loss(trl_model, trl_inputs(selected, tokenizer.pad_token_id))
             loss.backward()
             g_trl = grad_vector(trl_model)
             cosine = float(torch.nn.functional.cosine_similarity(g_ours, g_trl, dim=0))
@@ -166,9 +158,11 @@ def compare(args: argparse.Namespace) -> dict:
                          "grad_max_abs_diff": float((g_ours - g_trl).abs().max()),
                          "weight_max_abs_diff_after_step": drift, "update_rel_diff": update_rel_diff,
                          "lr": ours_step["lr"],
-                         "reward_mean": sum(s["reward"] for s in scores) / len(scores),
-                         "completion_tokens": int(sum(len(r["completion_tokens"]) for r in selected))})
+                         "reward_mean": sum(s.reward for s in selected) / len(selected),
+                         "completion_tokens": int(sum(len(s.rollout.completion_tokens) for s in selected))})
+            source.publish(step)
             print(json.dumps(rows[-1]))
+        source.__exit__(None, None, None)
         sampling = {"trl_eos_token_ids": getattr(trainer, "eos_token_ids", None),
                     "trl_generation_config": {k: v for k, v in trainer.generation_config.to_dict().items()
                                               if k in ("do_sample", "temperature", "top_p", "top_k", "min_p",
