@@ -8,6 +8,8 @@ Endpoints (all need `Authorization: Bearer <token>` when the server has a token;
                                   (list[int]) or a batch of token ids (list[list[int]]).
                                   Sampling: n, max_tokens, temperature (0 = greedy), top_p, top_k
                                   (0 or -1 = off), seed, stop_token_ids, logprobs.
+    POST /v1/chat/completions     OpenAI chat completions with vLLM's token ids and log-probs
+                                  (engines/chat_api.py)
     GET  /health                  {"status": "ok", "policy_version": k, "checkpoint": path}
     GET  /v1/models               the served model (id = the first checkpoint's path)
     POST /update_weights_from_disk {"model_path": DIR} (SGLang's shape): load a checkpoint and
@@ -371,6 +373,10 @@ def build_app(
             },
             "policy_version": served.policy_version,
         }
+
+    from engines.chat_api import add_chat_completions  # here: chat_api imports this module
+
+    add_chat_completions(app, state)  # POST /v1/chat/completions
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):

@@ -26,7 +26,9 @@ Contract:
   message list. Returns a `RewardResult`; it never raises for a bad completion, and a reward
   function that raises is caught and recorded in `RewardResult.error` (see `envs.rewards`).
 
-`build_env(name, **options)` builds a registered environment: `arithmetic`, `countdown`, `dataset`.
+`build_env(name, **options)` builds a registered environment: `arithmetic`, `calculator` (multi-turn
+tool use), `countdown`, `dataset`, `verifiers` (a verifiers taskset; envs/verifiers_env.py). A multi-turn environment has a `max_turns` attribute above 1
+(and optionally `rollout_context`, "tokens" or "template"); envs/multiturn.py runs its episodes.
 Unknown options raise `ValueError` naming them.
 """
 
@@ -64,10 +66,13 @@ class StepResult:
 
     messages_to_append: environment turns (tool/user replies) to add to the transcript; loss weight 0
     done:               True when the episode is over (always True for single-turn tasks)
+    reward:             optional per-turn reward for the assistant turn just taken; the episode's
+                        reward adds these to `reward()` (envs/multiturn.py)
     """
 
     messages_to_append: list[dict[str, Any]]
     done: bool
+    reward: float | None = None
 
 
 @dataclass(frozen=True)
@@ -179,17 +184,25 @@ def check_split(split: str) -> Split:
 def _env_factories() -> dict[str, Callable[..., Environment]]:
     # Imported here: the env modules import this one.
     from envs.arithmetic import ArithmeticEnv
+    from envs.calculator import CalculatorEnv
     from envs.countdown import CountdownEnv
     from envs.dataset import DatasetEnv
 
+    def verifiers_env(**options: Any) -> Environment:
+        from envs.verifiers_env import VerifiersEnv  # the optional `verifiers` extra
+
+        return VerifiersEnv.from_options(**options)
+
     return {
         "arithmetic": ArithmeticEnv.from_options,
+        "calculator": CalculatorEnv.from_options,
         "countdown": CountdownEnv.from_options,
         "dataset": DatasetEnv.from_options,
+        "verifiers": verifiers_env,
     }
 
 
-ENV_NAMES = ("arithmetic", "countdown", "dataset")
+ENV_NAMES = ("arithmetic", "calculator", "countdown", "dataset", "verifiers")
 
 
 def build_env(name: str, **options: Any) -> Environment:

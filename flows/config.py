@@ -58,13 +58,35 @@ class TrainConfig(Section):
     much less memory for long packs, about a third more compute."""
 
 
+class RewardModelConfig(Section):
+    name: str
+    """Component name in scores.components (e.g. "rm", "judge")."""
+    type: Literal["classifier", "judge"]
+    """classifier: a sequence-classification reward model; judge: an LLM judge (torch engine)."""
+    path: str
+    """classifier: a Hugging Face AutoModelForSequenceClassification directory; judge: a causal
+    LM checkpoint directory."""
+    weight: float = 1.0
+    """Weight of this score in the reward (reward = env_reward_weight * env reward + sum)."""
+    label: int | str | None = None
+    """classifier with several labels: the label whose probability is the score (default: the last)."""
+    batch_size: int = Field(16, ge=1)
+    """classifier: sequences per forward pass."""
+    prompt: str = ""
+    """judge: prompt with a {conversation} field; '' = envs.reward_models.JUDGE_PROMPT."""
+
+
 class TaskConfig(Section):
     env: str = "arithmetic"
-    """Environment name: arithmetic | countdown | dataset."""
+    """Environment name: arithmetic | calculator | countdown | dataset | verifiers."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Environment options (e.g. digits, operators, path, prompt_column); checked by the env."""
     eval_examples: int = Field(200, ge=1)
     """Held-out prompts used for greedy evaluation."""
+    reward_models: list[RewardModelConfig] = Field(default_factory=list)
+    """Model rewards added to the environment's (envs/reward_models.py), each a scores component."""
+    env_reward_weight: float = 1.0
+    """Weight of the environment's own reward when reward_models are set."""
 
 
 class OptimConfig(Section):

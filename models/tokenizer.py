@@ -28,11 +28,11 @@ SPECIAL_TOKENS = (EOS, IM_START, IM_END, UNK)
 DEFAULT_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 assert set(string.digits + string.ascii_letters + string.punctuation + " \n") <= set(DEFAULT_ALPHABET)
 
-# Qwen-style ChatML. The {% generation %} markers let transformers return the assistant mask
+# Qwen-style ChatML (roles system, user, assistant and tool: a tool's reply is its own turn). The {% generation %} markers let transformers return the assistant mask
 # (`return_assistant_tokens_mask=True`): assistant content and its <|im_end|> are trained on.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}"
     "{%- endif -%}"
     "{%- if message['role'] == 'assistant' -%}"

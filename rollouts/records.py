@@ -49,6 +49,12 @@ class Rollout(_Row):
     completion_text: str
     n_prompt_tokens: int
     n_completion_tokens: int
+    # multi-turn episodes (envs/multiturn.py); None for single-turn rollouts
+    n_turns: int | None = None
+    turns: list[dict] | None = None
+    """Spans of completion_tokens: turn, producer (model | env | context), start, length, reward."""
+    messages: str | None = None
+    """The transcript as JSON chat messages."""
 
 
 @dataclass(frozen=True)

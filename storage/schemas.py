@@ -37,6 +37,12 @@ def _opt(name: str, type_: pa.DataType) -> pa.Field:
     return pa.field(name, type_, nullable=True)
 
 
+# one span of a multi-turn completion: turn index, "model" (sampled, trained) or "env" (weight 0),
+# offset and length in completion_tokens, and the per-turn reward an env span carries
+_TURN = pa.struct([_f("turn", pa.int32()), _f("producer", pa.string()), _f("start", pa.int32()),
+                   _f("length", pa.int32()), pa.field("reward", pa.float32(), nullable=True)])
+
+
 _KEY = [_f("run_id", pa.string()), _f("step", pa.int64())]
 # the phases of an RL step, in order: the seconds_* columns of train_steps, the report's plots
 PHASES: tuple[str, ...] = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
@@ -60,6 +66,10 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("completion_text", pa.string()),
         _f("n_prompt_tokens", pa.int32()),
         _f("n_completion_tokens", pa.int32()),
+        # multi-turn episodes (envs/multiturn.py); null for single-turn rollouts
+        _opt("n_turns", pa.int32()),
+        _opt("turns", pa.list_(_TURN)),  # spans of completion_tokens: who produced which
+        _opt("messages", pa.string()),  # the transcript as JSON chat messages
     ],
     # one row per completion (score)
     "scores": _KEY

@@ -66,6 +66,10 @@ def synthetic_step(
             "completion_text": [f"answer {k}" for k in n_completion],
             "n_prompt_tokens": n_prompt,
             "n_completion_tokens": n_completion,
+            # single-turn rollouts: no episode columns
+            "n_turns": [None] * n,
+            "turns": [None] * n,
+            "messages": [None] * n,
         },
         schema=schema_for("rollouts"),
     )

@@ -22,6 +22,8 @@ def evaluate_greedy(
 ) -> tuple[list[dict], dict[str, float]]:
     params = SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens,
                             stop_token_ids=stop_token_ids, seed=0)
+    if getattr(env, "max_turns", 1) > 1:
+        return _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, max_context)
     prompts = encode_prompts(tokenizer, env, examples, max_context, max_new_tokens)
     completions = engine.generate(prompts, params)
     rows = []
@@ -34,6 +36,25 @@ def evaluate_greedy(
             "reward": float(result.reward), "correct": bool(correct >= 1.0),
             "prompt_text": tokenizer.decode(prompt, skip_special_tokens=False),
             "completion_text": text,
+        })
+    return rows, eval_metrics(rows)
+
+
+def _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, max_context):
+    """Greedy multi-turn episodes (envs/multiturn.py), judged on their transcripts."""
+    from envs.multiturn import episode_fields, run_episodes, with_turn_rewards
+
+    groups = run_episodes(engine, tokenizer, env, examples, params, max_turns=env.max_turns,
+                          max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
+    rows = []
+    for example, (episode,) in zip(examples, groups, strict=True):
+        result = with_turn_rewards(reward_of(env, example, episode.messages), [t.reward for t in episode.turns])
+        correct = result.components.get("correct", 1.0 if result.reward >= 1.0 else 0.0)
+        fields = episode_fields(episode, tokenizer)
+        rows.append({
+            "run_id": run_id, "step": step, "env": example.env, "example_id": example.example_id,
+            "reward": float(result.reward), "correct": bool(correct >= 1.0),
+            "prompt_text": fields["prompt_text"], "completion_text": fields["completion_text"],
         })
     return rows, eval_metrics(rows)
 

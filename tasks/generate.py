@@ -73,7 +73,11 @@ def generate_rollouts(
     max_context: int,
     first_group_index: int = 0,
 ) -> list[Rollout]:
-    """Sample `params.n` completions per example; one row per completion."""
+    """Sample `params.n` completions per example; one row per completion (per episode when the
+    environment is multi-turn: envs/multiturn.py)."""
+    if getattr(env, "max_turns", 1) > 1:
+        return _episode_rows(engine, tokenizer, env, examples, params, max_context,
+                             ids=(run_id, step, attempt, policy_version, first_group_index))
     prompts = encode_prompts(tokenizer, env, examples, max_context, params.max_new_tokens)
     completions = generate_spread(engine if isinstance(engine, list) else [engine], prompts, params)
     rows = []
@@ -92,6 +96,31 @@ def generate_rollouts(
                     n_prompt_tokens=len(prompt), n_completion_tokens=len(completion.tokens),
                 )
             )
+    return rows
+
+
+def _episode_rows(engine, tokenizer, env, examples, params, max_context, ids) -> list[Rollout]:
+    from envs.multiturn import episode_fields, run_episodes
+
+    run_id, step, attempt, policy_version, first_group_index = ids
+    engines = engine if isinstance(engine, list) else [engine]
+    share = -(-len(examples) // len(engines))  # contiguous shares, as generate_spread
+    chunks = [examples[i:i + share] for i in range(0, len(examples), share)]
+
+    def episodes(one: Engine, chunk: list[Example]):
+        return run_episodes(one, tokenizer, env, chunk, params, max_turns=env.max_turns,
+                            max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
+
+    with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
+        groups = [g for part in pool.map(episodes, engines, chunks) for g in part]
+    rows = []
+    for index, (example, group) in enumerate(zip(examples, groups, strict=True)):
+        group_id = group_id_for(run_id, step, attempt, first_group_index + index)
+        for j, episode in enumerate(group):
+            rows.append(Rollout(run_id=run_id, step=step, policy_version=policy_version, env=example.env,
+                                example_id=example.example_id, group_id=group_id,
+                                sample_id=sample_id_for(group_id, j), attempt=attempt,
+                                **episode_fields(episode, tokenizer)))
     return rows
 
 

@@ -1,7 +1,8 @@
 """Stage `pack`: the step's selected rollouts and advantages → PackedBatch micro-batches
 and the `batches` table.
 
-RL token weights: the sequence's advantage on completion tokens, 0 on prompt tokens; the
+RL token weights: the sequence's advantage on completion tokens, 0 on prompt tokens and on the
+environment's tokens of a multi-turn episode (its `turns` spans, envs/multiturn.py); the
 generator's log-probs ride along for ratio-based losses. The prompt is declared a shared prefix,
 so a group's completions carry it once per micro-batch (training.batch, "Shared prefixes").
 """
@@ -10,25 +11,47 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from envs.multiturn import model_token_mask, segment_bounds
 from rollouts.source import TrainSample
 from tasks._prefect import stage
 from tasks.record import persist
 from training.batch import PackedBatch, Sequence, pack
 
 
-def rollout_sequence(sample: TrainSample) -> Sequence:
+def rollout_sequences(sample: TrainSample) -> list[Sequence]:
+    """The rollout as training sequences: one, or one per segment of a multi-turn episode whose
+    context was re-rendered by the chat template (envs/multiturn.py); segments after the first
+    carry the sample_id `<sample_id>#<k>`."""
     rollout, advantage = sample.rollout, sample.advantage
     prompt, completion = list(rollout.prompt_tokens), list(rollout.completion_tokens)
-    return Sequence(
-        tokens=prompt + completion,
-        weights=[0.0] * len(prompt) + [float(advantage)] * len(completion),
-        logprobs=[0.0] * len(prompt) + [float(x) for x in rollout.completion_logprobs],
-        reward=sample.reward,
-        sample_id=rollout.sample_id,
-        prefix_len=len(prompt),
-        # every completion token counts in the normaliser, a zero advantage included
-        loss_mask=[False] * len(prompt) + [True] * len(completion),
-    )
+    logprobs = [float(x) for x in rollout.completion_logprobs]
+    # multi-turn: only the sampled spans are trained; environment tokens carry weight 0
+    sampled = model_token_mask(rollout.turns, len(completion))
+    out = []
+    for k, (start, end) in enumerate(segment_bounds(rollout.turns, len(completion))):
+        head = prompt if k == 0 else []
+        mask = sampled[start:end]
+        # a later segment starts with its re-rendered context: its prompt, shared like one
+        shared = len(head) if k == 0 else next((i for i, m in enumerate(mask) if m), len(mask))
+        out.append(Sequence(
+            tokens=head + completion[start:end],
+            weights=[0.0] * len(head) + [float(advantage) if m else 0.0 for m in mask],
+            logprobs=[0.0] * len(head) + logprobs[start:end],
+            reward=sample.reward,
+            sample_id=rollout.sample_id if k == 0 else f"{rollout.sample_id}#{k}",
+            prefix_len=shared,
+            # every completion token counts in the normaliser, a zero advantage included
+            loss_mask=[False] * len(head) + mask,
+        ))
+    return out
+
+
+def rollout_sequence(sample: TrainSample) -> Sequence:
+    """The single training sequence of a rollout (ValueError for a multi-segment episode)."""
+    sequences = rollout_sequences(sample)
+    if len(sequences) != 1:
+        raise ValueError(f"rollout {sample.sample_id!r} has {len(sequences)} segments")
+    return sequences[0]
 
 
 def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]:
@@ -54,8 +77,10 @@ def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]
 
 def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int
                   ) -> tuple[list[PackedBatch], list[dict]]:
-    """Micro-batches of the selected samples, and their `batches` rows."""
-    batches = pack([rollout_sequence(s) for s in samples], token_budget) if samples else []
+    """Micro-batches of the selected samples (a multi-turn episode may give several sequences),
+    and their `batches` rows."""
+    sequences = [seq for s in samples for seq in rollout_sequences(s)]
+    batches = pack(sequences, token_budget) if sequences else []
     return batches, batch_rows(batches, run_id, step)
 
 

@@ -136,7 +136,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     from envs.prompts import PromptSource
 
     rl = config.rl
-    env = make_env(config.task.env, config.task.options)
+    env = make_env(config.task.env, config.task.options, config.task.reward_models,
+                   config.task.env_reward_weight)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)

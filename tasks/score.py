@@ -10,17 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from envs.base import Environment, Example, RewardResult
+from envs.multiturn import transcript_of, with_turn_rewards
 from envs.rewards import RewardError, format_traceback
 from rollouts.records import Rollout, Score
 from tasks._prefect import stage
 from tasks.record import load_rows_beyond, persist
 
 
-def reward_of(env: Environment, example: Example, completion_text: str) -> RewardResult:
-    """The env's reward of one completion; an env whose own reward() raises is recorded as an
-    error with reward 0 (the one scoring path of training rollouts and evals)."""
+def reward_of(env: Environment, example: Example, transcript: str | list[dict]) -> RewardResult:
+    """The env's reward of one completion (or an episode's messages); an env whose own reward()
+    raises is recorded as an error with reward 0 (the one scoring path of training rollouts and evals)."""
     try:
-        return env.reward(example, completion_text)
+        return env.reward(example, transcript)
     except Exception as exc:  # noqa: BLE001 - recorded, and counted against max_error_fraction
         return RewardResult(0.0, {}, format_traceback(exc))
 
@@ -32,8 +33,7 @@ def score_rollouts(
     """One `scores` row per rollout row, in the same order. `length_penalty(completion tokens)` is
     added to the reward and kept as the `overlong_penalty` component (DAPO)."""
     rows, errors = [], []
-    for rollout in rollouts:
-        result = reward_of(env, examples[rollout.example_id], rollout.completion_text)
+    for rollout, result in zip(rollouts, _rewards(env, examples, rollouts), strict=True):
         if result.error is not None:
             errors.append((rollout.sample_id, result.error))
         components = {k: float(v) for k, v in result.components.items()}
@@ -50,6 +50,22 @@ def score_rollouts(
             f"{max_error_fraction:.0%}); first, for sample {sample_id}:\n{first}"
         )
     return rows
+
+
+def _rewards(env: Environment, examples: dict[str, Example], rollouts: list[Rollout]) -> list[RewardResult]:
+    """One result per rollout: batched where the env scores batches (model rewards,
+    envs/reward_models.py), else one reward_of each; per-turn rewards of episodes added."""
+    batch = [examples[r.example_id] for r in rollouts]
+    transcripts = [transcript_of(r.messages, r.completion_text) for r in rollouts]
+    if callable(getattr(env, "reward_batch", None)):
+        try:
+            results = env.reward_batch(batch, transcripts)
+        except Exception as exc:  # noqa: BLE001 - a batch scorer that raises fails every row, recorded
+            results = [RewardResult(0.0, {}, format_traceback(exc))] * len(rollouts)
+    else:
+        results = [reward_of(env, e, t) for e, t in zip(batch, transcripts, strict=True)]
+    return [with_turn_rewards(result, [t["reward"] for t in r.turns or []])
+            for r, result in zip(rollouts, results, strict=True)]
 
 
 @stage("score")

@@ -20,8 +20,16 @@ from training.data import sft_sequences
 from training.step import build_optimizer, build_scheduler
 
 
-def make_env(env_name: str, options: dict[str, Any]) -> Environment:
-    return build_env(env_name, **options)
+def make_env(env_name: str, options: dict[str, Any], reward_models: list[Any] | tuple = (),
+             env_reward_weight: float = 1.0) -> Environment:
+    """The environment, its reward composed with `task.reward_models` when any are configured."""
+    env = build_env(env_name, **options)
+    if not reward_models:
+        return env
+    from envs.reward_models import WithModelRewards, build_scorer
+
+    scorers = {rm.name: (build_scorer(rm), rm.weight) for rm in reward_models}
+    return WithModelRewards(env, scorers, env_weight=env_reward_weight)
 
 
 def make_model_and_tokenizer(preset: str, path: str, overrides: dict[str, Any], seed: int):
@@ -99,8 +107,12 @@ def env_conversations(env: Environment, n_examples: int, seed: int) -> list[list
         raise ValueError(f"environment {getattr(env, 'name', env)!r} has no train examples")
     rng = random.Random(f"sft/{seed}")
     chats = []
+    whole = getattr(env, "demonstration_messages", None)  # a multi-turn env's teacher episodes
     for index in range(n_examples):
         example = examples[index % len(examples)]
+        if callable(whole):
+            chats.append(whole(example, rng))
+            continue
         chats.append(env.reset(example) + [{"role": "assistant",
                                             "content": demonstration(env, example, rng)}])
     return chats

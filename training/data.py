@@ -1,9 +1,11 @@
 """Data sources for pretraining and SFT, as `Sequence` records ready for `pack`.
 
 - `pretrain_sequences`: token documents → windows of at most seq_len tokens, weight 1.
-- `sft_sequences`: chat conversations → ChatML tokens with the assistant mask as weights,
-  found by incremental chat-template tokenisation (messages[:1], [:2], ...), so the mask is
-  exactly what the template renders, whatever the template.
+- `sft_sequences`: chat conversations → chat-template tokens with the assistant mask as weights,
+  found by incremental chat-template tokenisation (training/chat.py), so the mask is exactly what
+  the template renders, whatever the template. Templates that are not prefix-stable (Qwen3 drops
+  earlier `<think>` blocks) give one sequence per context the template renders, sharing their
+  common prefix in packing.
 - `batches_for_step`: the micro-batches of one optimizer step.
 
 Index convention (training/batch.py): weights[i] is the weight of the loss on predicting
@@ -12,16 +14,15 @@ tokens[i]; `pack` shifts it onto labels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
 from training.batch import PackedBatch, Sequence, pack
+from training.chat import chat_segments, shared_prefix_len
 
 Overflow = Literal["error", "truncate", "drop"]
-END_OF_TURN = "<|im_end|>"
 
 
 def pretrain_sequences(
@@ -53,57 +54,6 @@ def pretrain_sequences(
     return out
 
 
-def _template_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False
-) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
-    )
-    if isinstance(ids, Mapping):  # older/newer transformers may still return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def _check_prefix(prefix: list[int], ids: list[int], what: str, conv: int) -> None:
-    if ids[: len(prefix)] != prefix:
-        at = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), len(ids))  # noqa: B905
-        raise ValueError(
-            f"conversation {conv}: the chat template is not prefix-stable ({what} changes the "
-            f"tokens before it, first at position {at}); cannot derive the assistant mask "
-            "by incremental tokenisation"
-        )
-
-
-def chat_tokens_and_weights(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], conv: int = 0
-) -> tuple[list[int], list[float]]:
-    """ChatML tokens of `messages` and their weights: 1 on the tokens an assistant message adds
-    after its header (its content and the end-of-turn token), 0 elsewhere (system/user turns,
-    the `<|im_start|>assistant\\n` header, anything after the end-of-turn token)."""
-    vocab = tokenizer.get_vocab()
-    end_id = vocab.get(END_OF_TURN, tokenizer.eos_token_id)
-    tokens: list[int] = []
-    weights: list[float] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ValueError(f"conversation {conv}, message {i}: need a dict with 'role' and 'content'")
-        ids = _template_ids(tokenizer, list(messages[: i + 1]))
-        if message["role"] == "assistant":
-            header = _template_ids(tokenizer, list(messages[:i]), add_generation_prompt=True)
-            _check_prefix(tokens, header, "the generation prompt", conv)
-            _check_prefix(header, ids, f"assistant message {i}", conv)
-            added = ids[len(header) :]
-            body = len(added)
-            if end_id is not None and end_id in added:
-                body = added.index(end_id) + 1  # train on the end-of-turn token, not after it
-            weights += [0.0] * (len(header) - len(tokens)) + [1.0] * body + [0.0] * (len(added) - body)
-        else:
-            _check_prefix(tokens, ids, f"message {i} ({message['role']})", conv)
-            weights += [0.0] * (len(ids) - len(tokens))
-        tokens = ids
-    return tokens, weights
-
-
 def sft_sequences(
     conversations: SequenceABC[list[dict]],
     tokenizer: PreTrainedTokenizerBase,
@@ -112,7 +62,9 @@ def sft_sequences(
 ) -> list[Sequence]:
     """Chat conversations ([{role, content}, ...] each) → sequences weighted by the assistant mask.
 
-    A conversation longer than max_len tokens raises ValueError naming it (overflow="error"),
+    One sequence per conversation when its template is prefix-stable; otherwise one per context the
+    template renders for its assistant turns (training/chat.py), sharing their common prefix.
+    A sequence longer than max_len tokens raises ValueError naming it (overflow="error"),
     is cut to max_len ("truncate"), or is left out ("drop"). A conversation whose assistant
     tokens are all cut or absent is left out. Raises ValueError if nothing remains.
     """
@@ -124,18 +76,25 @@ def sft_sequences(
         raise ValueError("sft_sequences: no conversations (empty dataset)")
     out: list[Sequence] = []
     for c, messages in enumerate(conversations):
-        tokens, weights = chat_tokens_and_weights(tokenizer, list(messages), conv=c)
-        if len(tokens) > max_len:
-            if overflow == "error":
-                raise ValueError(
-                    f"conversation {c} has {len(tokens)} tokens, more than max_len={max_len} "
-                    "(use overflow='truncate' or 'drop')"
-                )
-            if overflow == "drop":
-                continue
-            tokens, weights = tokens[:max_len], weights[:max_len]
-        if any(weights[1:]):
-            out.append(Sequence(tokens=tokens, weights=weights))
+        pieces = []
+        segments = chat_segments(tokenizer, list(messages), conv=c)
+        for segment in segments:
+            tokens, weights = segment.tokens, segment.weights
+            if len(tokens) > max_len:
+                if overflow == "error":
+                    where = f" (context of assistant message {segment.turns[0]})" if len(segments) > 1 else ""
+                    raise ValueError(
+                        f"conversation {c} has {len(tokens)} tokens{where}, more than max_len={max_len} "
+                        "(use overflow='truncate' or 'drop')"
+                    )
+                if overflow == "drop":
+                    continue
+                tokens, weights = tokens[:max_len], weights[:max_len]
+            if any(weights[1:]):
+                pieces.append((tokens, weights))
+        # the segments of one conversation repeat its opening: packing holds it once
+        prefix = shared_prefix_len([t for t, _ in pieces], [w for _, w in pieces])
+        out += [Sequence(tokens=t, weights=w, prefix_len=prefix) for t, w in pieces]
     if not out:
         raise ValueError("sft_sequences: no conversation left with assistant tokens to train on")
     return out

@@ -34,6 +34,9 @@ EXAMPLE_ROWS: dict[str, dict] = {
         completion_text="3",
         n_prompt_tokens=3,
         n_completion_tokens=2,
+        n_turns=1,
+        turns=[{"turn": 0, "producer": "model", "start": 0, "length": 2, "reward": None}],
+        messages='[{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]',
     ),
     "scores": dict(
         sample_id="g1-0",

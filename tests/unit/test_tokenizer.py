@@ -73,8 +73,11 @@ def test_chat_template_assistant_mask():
 
 def test_chat_template_rejects_unknown_role():
     tok = build_tokenizer()
-    with pytest.raises(Exception, match="unknown chat role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="unknown chat role: function"):
+        tok.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+    # a tool's reply is a turn of its own
+    text = tok.apply_chat_template([{"role": "tool", "content": "42"}], tokenize=False)
+    assert text == "<|im_start|>tool\n42<|im_end|>\n"
 
 
 def test_save_and_reload_identically(tmp_path):

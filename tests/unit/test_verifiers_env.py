@@ -1,0 +1,97 @@
+"""The verifiers adapter: a vf.Taskset defined here (no hub download) becomes an rlpipe
+environment; completions sampled by rlpipe are judged by the task's own @vf.reward functions."""
+
+from __future__ import annotations
+
+import pytest
+
+vf = pytest.importorskip("verifiers.v1", reason="the optional `verifiers` extra is not installed")
+
+from engines.base import SamplingParams  # noqa: E402
+from envs.base import build_env  # noqa: E402
+from envs.multiturn import run_episodes  # noqa: E402
+from envs.verifiers_env import VerifiersEnv  # noqa: E402
+from tasks.score import score_rollouts  # noqa: E402
+from tests.rollout_rows import rollout  # noqa: E402
+from tests.scripted_engine import ScriptedEngine  # noqa: E402
+
+
+class AddData(vf.TaskData):
+    answer: int
+
+
+class AddTask(vf.Task[AddData]):
+    @vf.reward
+    async def correct(self, task: AddData, trace: vf.Trace) -> float:
+        return float(trace.last_reply == str(task.answer))
+
+    @vf.reward(weight=0.1)
+    async def short(self, trace: vf.Trace) -> float:
+        return float(len(trace.last_reply) <= 2)
+
+    @vf.metric
+    async def turns(self, trace: vf.Trace) -> float:
+        return float(trace.num_turns)
+
+
+class AddTaskset(vf.Taskset[AddTask]):
+    def load(self):
+        for i in range(12):
+            yield AddTask(AddData(prompt=f"{i}+{i}=", system_prompt="Add.", answer=2 * i, id=f"add{i}"))
+
+
+def test_taskset_becomes_examples_and_rewards():
+    env = build_env("verifiers", taskset=f"{__name__}:AddTaskset", eval_size=4)
+    train, evals = env.examples("train"), env.examples("eval")
+    assert [e.example_id for e in evals] == ["add8", "add9", "add10", "add11"] and len(train) == 8
+    assert env.reset(train[3]) == [{"role": "system", "content": "Add."}, {"role": "user", "content": "3+3="}]
+    right = env.reward(train[3], "6")
+    assert right.reward == pytest.approx(1.1) and right.error is None
+    assert right.components == {"correct": 1.0, "short": 1.0, "metric/turns": 1.0}
+    assert env.reward(train[3], "seven").reward == 0.0
+
+
+def test_score_stage_batches_sampled_completions_through_the_tasks():
+    env = VerifiersEnv(AddTaskset(vf.TasksetConfig()), eval_size=2)
+    from models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    answers = iter(["0", "2", "5", "6"])
+
+    def play(prompt):
+        return [tok.convert_tokens_to_ids(c) for c in next(answers)] + [end]
+
+    examples = list(env.examples("train"))[:4]
+    groups = run_episodes(ScriptedEngine(play, end), tok, env, examples, SamplingParams(), max_turns=1,
+                          max_tokens=256)
+    rollouts = [rollout(sample_id=f"s{i}", example_id=e.example.example_id,
+                        completion_text=tok.decode(e.completion_tokens, skip_special_tokens=True))
+                for i, (e,) in enumerate(groups)]
+    rows = score_rollouts(env, {e.example_id: e for e in examples}, rollouts, max_error_fraction=0.0)
+    assert [r.components["correct"] for r in rows] == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_a_raising_reward_is_recorded_not_raised():
+    class Broken(AddTask):
+        @vf.reward
+        async def correct(self, task, trace) -> float:
+            raise RuntimeError("grader crashed")
+
+    class BrokenSet(vf.Taskset[Broken]):
+        def load(self):
+            for i in range(3):
+                yield Broken(AddData(prompt="1+1=", answer=2, id=f"b{i}"))
+
+    env = VerifiersEnv(BrokenSet(vf.TasksetConfig()), eval_size=1)
+    result = env.reward(env.examples("train")[0], "2")
+    assert result.reward == 0.0 and "grader crashed" in result.error
+
+
+def test_bad_options_name_the_problem():
+    with pytest.raises(ValueError, match="module:attribute"):
+        build_env("verifiers", taskset="nothing")
+    with pytest.raises(ValueError, match="cannot import taskset"):
+        build_env("verifiers", taskset="no_such_module:X")
+    with pytest.raises(ValueError, match="too few"):
+        VerifiersEnv(AddTaskset(vf.TasksetConfig()), eval_size=12)
