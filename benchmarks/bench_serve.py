@@ -7,8 +7,10 @@ prompts (64 by default, lengths 16-32 of the character vocabulary), same samplin
 
 - `in_process`:  TorchEngine.generate on the loaded checkpoint, all prompts in one call;
 - `1_server`:    one `rlpipe serve` process, all prompts in one HTTP request;
-- `2_servers`:   two processes, half of the prompts each, requested in parallel (each server
-                 gets half the torch threads, so the two do not oversubscribe the cores);
+- `2_servers`:   two processes, half of the prompts each, requested in parallel, each with
+                 max(1, threads // 2) torch threads: with the default --threads 1 that is one
+                 thread EACH, two in all, against one in-process, so this row also has twice the
+                 cores (`threads_total` in the JSON says how many each scenario used);
 - `1_server_concurrent`: one server, every prompt its own request (16 client threads, no seed):
                  the server's batcher merges them into few engine calls.
 
@@ -180,8 +182,11 @@ def run(args: argparse.Namespace) -> dict:
         for name, ts in times.items()
     }
     base = results["in_process"]["tokens_per_s"]
-    for r in results.values():
+    two = max(1, cores // 2)
+    threads_total = {"in_process": cores, "1_server": cores, "2_servers": 2 * two, "1_server_concurrent": cores}
+    for name, r in results.items():
         r["vs_in_process"] = r["tokens_per_s"] / base
+        r["threads_total"] = threads_total[name]
     return {
         "benchmark": "serve",
         "preset": args.preset,

@@ -12,6 +12,8 @@
 --   clip_fraction      DOUBLE   share of tokens whose ratio was clipped (RL with clipping, else NULL)
 --   ratio_mean         DOUBLE   mean importance ratio (RL, else NULL)
 --   logprob_gap        DOUBLE   mean |trainer - generator| log-prob (RL, else NULL)
+--   entropy            DOUBLE   mean policy entropy over loss tokens, nats (NULL if not measured)
+--   kl                 DOUBLE   mean KL estimate to the reference policy (RL with rl.kl_coef > 0, else NULL)
 SELECT
     run_id,
     step,
@@ -23,6 +25,8 @@ SELECT
     tokens_per_second,
     clip_fraction,
     ratio_mean,
-    logprob_gap
+    logprob_gap,
+    entropy,
+    kl
 FROM train_steps
 ORDER BY run_id, step

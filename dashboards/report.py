@@ -300,6 +300,10 @@ def _optim_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
              y_label="mean ratio", optional=True),
         plot("logprob_gap", "Trainer–generator log-prob gap", "loss_by_step",
              series(rows, order, "logprob_gap"), y_label="mean |Δ log-prob|", optional=True),
+        plot("entropy", "Policy entropy", "loss_by_step", series(rows, order, "entropy"),
+             y_label="nats", subtitle="mean over loss tokens; a fall to ~0 = collapse", optional=True),
+        plot("kl", "KL to the reference policy", "loss_by_step", series(rows, order, "kl"),
+             y_label="mean per-token estimate", optional=True),
     ])
 
 

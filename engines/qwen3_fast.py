@@ -157,6 +157,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     """None if `forward` can run `model`; otherwise why not (the engine then uses HF forward)."""
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
+    if getattr(model, "peft_config", None):  # `.weight` of a LoRA layer is its base weight alone
+        return "LoRA adapters are injected (training/lora.py): the fast path would read base weights only"
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
     if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):

@@ -25,6 +25,18 @@ class Section(BaseModel):
                               allow_inf_nan=False)
 
 
+class LoraSection(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA adapter rank (0 = off: every weight trains). Needs the `lora` extra (peft)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scale numerator: the update is alpha / rank x B.A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input."""
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+    """Linear modules that get adapters."""
+
+
 class ModelConfig(Section):
     preset: str = "tiny-dense"
     """Named model preset (models/presets.py) used when `path` is empty."""
@@ -38,6 +50,8 @@ class ModelConfig(Section):
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights and optimizer state. bfloat16 = pure bf16 (half the memory, no fp32
     master copy; small updates can round away); float32 is the default (with bf16_autocast)."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA: train low-rank adapters only; checkpoints hold merged weights plus a PEFT adapter/."""
 
 
 class TrainConfig(Section):
@@ -162,12 +176,27 @@ class RLConfig(Section):
     """Clamp advantages at 0 (learn from successes only)."""
     drop_zero_variance: bool = True
     """Drop groups whose rewards all match (they carry no signal)."""
-    loss: Literal["reinforce", "ppo_clip"] = "reinforce"
-    """Policy loss: on-policy REINFORCE, or PPO clipped ratio against the engine's log-probs."""
+    loss: Literal["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"] = "reinforce"
+    """Policy loss (training/rl_loss.py): on-policy REINFORCE; PPO clipped token ratio against the
+    engine's log-probs; GSPO sequence ratio (normalised per sequence); CISPO clipped, detached IS
+    weight; Dr. GRPO (PPO clip normalised by prompts_per_step x group_size x max_new_tokens, no
+    std scaling)."""
     epsilon_low: float = Field(0.2, ge=0, lt=1)
-    """PPO clip below 1 (the ratio's floor 1 - epsilon_low must stay positive)."""
+    """ppo_clip / gspo / dr_grpo: clip below 1; below 1 so the ratio's floor stays positive (the
+    GSPO paper uses 3e-4)."""
     epsilon_high: float = Field(0.28, ge=0)
-    """PPO clip above 1 (asymmetric)."""
+    """ppo_clip / gspo / dr_grpo: clip above 1, asymmetric (the GSPO paper uses 4e-4)."""
+    cispo_cap: float = Field(5.0, gt=0)
+    """cispo: truncate the importance weight at this value (epsilon_max)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a KL penalty to the starting policy (a frozen copy kept in memory; 0 = off)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator: k1 = log ratio, k2 = squared / 2, k3 = exp(r) - r - 1 (TRL's)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong penalty: over the last N tokens before sampling.max_new_tokens the
+    reward ramps down by up to overlong_penalty (0 = off)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """DAPO: the penalty at max_new_tokens (the ramp's depth)."""
     ppo_epochs: int = Field(1, ge=1)
     """Optimizer steps per rollout batch (PPO)."""
     tis_cap: float = Field(0.0, ge=0)
@@ -273,6 +302,10 @@ class RunConfig(Section):
         if self.rl.loss == "ppo_clip" and self.rl.tis_cap > 0:
             raise ValueError("rl.tis_cap with rl.loss = 'ppo_clip' is not supported: the PPO ratio "
                              "against the engine's log-probs already absorbs the mismatch")
+        _check_rl_loss(self.rl)
+        if self.model.lora.rank and self.engine.type == "vllm":
+            raise ValueError("model.lora with engine.type = 'vllm' is not supported yet (the in-process "
+                             "vLLM sync reads the unadapted weights); use the torch or http engine")
         k = self.rl.max_off_policy_steps
         if self.engine.sync_every > k + 1:
             raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "
@@ -309,6 +342,22 @@ def non_finite_keys(data: Any, prefix: str = "") -> list[str]:
         return []
     return [key for name, value in items
             for key in non_finite_keys(value, f"{prefix}.{name}" if prefix else str(name))]
+
+
+def _check_rl_loss(rl: RLConfig) -> None:
+    """Combinations the chosen loss does not define."""
+    if rl.tis_cap > 0 and rl.loss in ("gspo", "cispo", "dr_grpo"):
+        raise ValueError(f"rl.tis_cap is for reinforce and ppo_clip; rl.loss = {rl.loss!r} weights "
+                         "tokens by its own importance ratio")
+    if rl.loss == "dr_grpo" and rl.normalize_std:
+        raise ValueError("rl.loss = 'dr_grpo' removes the std normalisation: set rl.normalize_std = false")
+    own = {"gspo": "sequence", "dr_grpo": "constant"}.get(rl.loss)
+    if own and "normaliser" in rl.optim.model_fields_set and rl.optim.normaliser != own:
+        raise ValueError(f"rl.loss = {rl.loss!r} is normalised per {own}; rl.optim.normaliser = "
+                         f"{rl.optim.normaliser!r} contradicts it (leave it unset)")
+    if rl.overlong_buffer > rl.sampling.max_new_tokens:
+        raise ValueError(f"rl.overlong_buffer ({rl.overlong_buffer}) exceeds rl.sampling.max_new_tokens "
+                         f"({rl.sampling.max_new_tokens})")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

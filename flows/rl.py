@@ -82,7 +82,7 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         with watch("pack"):
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, **io)
         with watch("train"):
-            train = train_task(run.model, run.optimizer, run.scheduler, batches, run.loss_fn, step=step,
+            train = train_task(run.model, run.optimizer, run.scheduler, batches, run.step_loss(batches), step=step,
                                **run.train_options)
         if due(step, rl.eval_every, rl.steps):
             with watch("eval"):

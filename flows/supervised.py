@@ -34,6 +34,7 @@ from tasks.setup import (
 from tasks.supervised import supervised_train_task
 from training import metric_names as m
 from training.checkpoint import latest_checkpoint, load_checkpoint
+from training.lora import lora_from_config
 from training.losses import nll_loss
 
 
@@ -65,6 +66,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
+    model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     optimizer, scheduler = make_optimizer(model, section.optim, section.steps)
     start_step = 0
     if resume_from is not None:

@@ -126,6 +126,8 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("clip_fraction", pa.float64()),
         _opt("ratio_mean", pa.float64()),
         _opt("logprob_gap", pa.float64()),
+        _opt("entropy", pa.float64()),  # mean policy entropy over loss tokens (nats)
+        _opt("kl", pa.float64()),  # mean KL estimate to the reference policy (rl.kl_coef > 0)
     ],
     # one row per saved checkpoint (checkpoint)
     "checkpoints": _KEY

@@ -101,6 +101,7 @@ def train_step_row(run_id: str, step: int, mode: str, metrics: dict, seconds: di
         "tokens_per_second": metrics.get("tokens_per_second"),
         "clip_fraction": metrics.get("clip_fraction"), "ratio_mean": metrics.get("ratio_mean"),
         "logprob_gap": metrics.get("logprob_gap"),
+        "entropy": metrics.get("entropy"), "kl": metrics.get("kl"),
     }
     for phase in m.PHASES:
         row[f"seconds_{phase}"] = seconds.get(phase)

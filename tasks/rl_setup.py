@@ -7,6 +7,7 @@ result for the whole run; `close` releases the engines.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,12 @@ from tasks.setup import (
     stop_token_ids,
 )
 from tasks.sync import sync_task
+from training.advantages import overlong_penalty
 from training.checkpoint import latest_checkpoint, load_checkpoint
+from training.kl import frozen_copy
+from training.lora import lora_from_config
 from training.oversampling import GroupBuffer
+from training.rl_loss import loss_normaliser
 
 
 @dataclass
@@ -52,6 +57,20 @@ class RLRun:
     max_new_tokens: int
     train_options: dict[str, Any] = field(default_factory=dict)
     closing: list[Engine] = field(default_factory=list)
+    ref_model: Any = None
+    """The frozen starting policy of the KL penalty (rl.kl_coef > 0), else None."""
+    ref_options: dict[str, Any] = field(default_factory=dict)
+
+    def step_loss(self, batches: list):
+        """The loss of one step: loss_fn, with the reference's log-probs of `batches` bound when
+        there is a KL penalty (computed once per batch, training/kl.py)."""
+        if self.ref_model is None or not batches:
+            return self.loss_fn
+        from training.kl import reference_logprobs
+        from training.rl_loss import bind_batch_inputs
+
+        ref = reference_logprobs(self.ref_model, batches, **self.ref_options)
+        return bind_batch_inputs(self.loss_fn, batches, ref_logprobs=ref)
 
     def evaluate(self, step: int, *, run_dir: Path, run_id: str) -> dict[str, float]:
         """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table)."""
@@ -97,10 +116,19 @@ def loss_for(rl):
     tis_cap = rl.tis_cap
     if rl.max_off_policy_steps > 0 and tis_cap == 0 and rl.loss == "reinforce":
         tis_cap = rl.off_policy_tis_cap
-    loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high, tis_cap=tis_cap)
+    loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high, tis_cap=tis_cap,
+                            cispo_cap=rl.cispo_cap, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
     if rl.max_off_policy_steps > 0 or rl.off_policy_sequence_mask > 0:
         loss_fn = with_sequence_mask(loss_fn, rl.off_policy_sequence_mask)
     return loss_fn
+
+
+def overlong_penalty_fn(rl):
+    """DAPO's soft overlong penalty as a function of the completion length, or None when off."""
+    if rl.overlong_buffer == 0:
+        return None
+    return functools.partial(overlong_penalty, max_length=rl.sampling.max_new_tokens,
+                             buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
 
 
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, model_name: str) -> RLRun:
@@ -114,7 +142,9 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
+    model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
+    ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
     buffer = GroupBuffer(rl)
     start_step, resume_from = 0, latest_checkpoint(run_dir)
@@ -138,14 +168,18 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
                               stop_token_ids=stops)
     stages = RunStages(engines=engines, tokenizer=tokenizer, env=env, sampling=sampling, seed=config.seed,
                        max_context=context, max_error_fraction=rl.max_reward_error_fraction,
-                       run_dir=run_dir, run_id=run_id)
+                       run_dir=run_dir, run_id=run_id, length_penalty=overlong_penalty_fn(rl))
     source = RolloutSource(rl, prompts, buffer, stages, start_step=start_step, published_version=version)
+    # gspo normalises per sequence, dr_grpo by a constant (training/rl_loss.py, loss_normaliser)
+    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
+                                           rl.sampling.max_new_tokens)
     return RLRun(model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                  loss_fn=loss_for(rl), env=env, engines=engines, eval_engine=eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=start_step, stop_token_ids=stops, max_context=context,
                  max_new_tokens=rl.sampling.max_new_tokens,
-                 train_options=dict(normaliser=rl.optim.normaliser, max_grad_norm=rl.optim.max_grad_norm,
+                 train_options=dict(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
                                     autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
                                     temperature=rl.sampling.temperature),
-                 closing=list(dict.fromkeys([*engines, eval_engine])))
+                 closing=list(dict.fromkeys([*engines, eval_engine])), ref_model=ref_model,
+                 ref_options=dict(temperature=rl.sampling.temperature, autocast=config.model.bf16_autocast))

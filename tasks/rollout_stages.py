@@ -7,6 +7,7 @@ plain call, see tasks/_prefect.py) that writes its own table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ class RunStages:
     max_error_fraction: float
     run_dir: Path
     run_id: str
+    length_penalty: Callable[[int], float] | None = None
+    """DAPO's overlong penalty on the reward (rl.overlong_buffer), or None."""
 
     def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
                  previous: list[dict]) -> list[dict]:
@@ -44,7 +47,7 @@ class RunStages:
               previous: list[dict]) -> list[dict]:
         return score_stage(self.env, examples, rollouts, previous=previous, step=step,
                            max_error_fraction=self.max_error_fraction, run_dir=self.run_dir,
-                           run_id=self.run_id)
+                           run_id=self.run_id, length_penalty=self.length_penalty)
 
     def rows_of(self, groups, rows: dict[str, dict]) -> None:
         load_group_rows(groups, rows, self.run_dir)

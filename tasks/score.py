@@ -6,6 +6,7 @@ A reward function that raises is recorded in `scores.error` with reward 0; once 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from envs.base import Environment, Example, RewardResult
@@ -26,16 +27,22 @@ def reward_of(env: Environment, example: Example, transcript: str | list[dict]) 
 
 
 def score_rollouts(
-    env: Environment, examples: dict[str, Example], rollouts: list[Rollout], max_error_fraction: float
+    env: Environment, examples: dict[str, Example], rollouts: list[Rollout], max_error_fraction: float,
+    length_penalty: Callable[[int], float] | None = None,
 ) -> list[Score]:
-    """One `scores` row per rollout row, in the same order."""
+    """One `scores` row per rollout row, in the same order. `length_penalty(completion tokens)` is
+    added to the reward and kept as the `overlong_penalty` component (DAPO)."""
     rows, errors = [], []
     for rollout, result in zip(rollouts, _rewards(env, examples, rollouts), strict=True):
         if result.error is not None:
             errors.append((rollout.sample_id, result.error))
+        components = {k: float(v) for k, v in result.components.items()}
+        reward = float(result.reward)
+        if length_penalty is not None:
+            components["overlong_penalty"] = length_penalty(len(rollout.completion_tokens))
+            reward += components["overlong_penalty"]
         rows.append(Score(run_id=rollout.run_id, step=rollout.step, sample_id=rollout.sample_id,
-                          group_id=rollout.group_id, reward=float(result.reward),
-                          components={k: float(v) for k, v in result.components.items()}, error=result.error))
+                          group_id=rollout.group_id, reward=reward, components=components, error=result.error))
     if rollouts and len(errors) / len(rollouts) > max_error_fraction:
         sample_id, first = errors[0]
         raise RewardError(
@@ -64,13 +71,13 @@ def _rewards(env: Environment, examples: dict[str, Example], rollouts: list[Roll
 @stage("score")
 def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[Rollout], *,
                 previous: list[Score], run_dir: Path, run_id: str, step: int,
-                max_error_fraction: float) -> list[Score]:
+                max_error_fraction: float, length_penalty: Callable[[int], float] | None = None) -> list[Score]:
     """Scores of one sampling round; read back when a resumed step already scored them."""
     wanted = {r.sample_id for r in rollouts}
     stored = load_rows_beyond(run_dir, "scores", step, known=len(previous)) or []
     existing = {row["sample_id"]: Score.from_row(row) for row in stored if row["sample_id"] in wanted}
     if len(existing) == len(wanted):
         return [existing[r.sample_id] for r in rollouts]
-    rows = score_rollouts(env, examples, rollouts, max_error_fraction)
+    rows = score_rollouts(env, examples, rollouts, max_error_fraction, length_penalty)
     persist(run_dir, "scores", step, [r.row() for r in previous + rows], run_id)
     return rows

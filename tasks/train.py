@@ -31,8 +31,11 @@ def train_on_batches(
     epochs: int = 1,
     step: int,
     temperature: float = 1.0,
+    constant: float | None = None,
+    entropy: bool = True,
 ) -> dict[str, float]:
-    """`epochs` optimizer steps over the same micro-batches (1 = on-policy)."""
+    """`epochs` optimizer steps over the same micro-batches (1 = on-policy); `constant` is the
+    'constant' normaliser's divisor; `entropy` logs the policy's mean entropy (training/entropy.py)."""
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     if not any(bool((b.token_weights != 0).any()) for b in batches):
@@ -42,8 +45,8 @@ def train_on_batches(
     model.train()
     for _ in range(epochs):
         try:
-            metrics = dict(forward_backward(model, batches, loss_fn, normaliser=normaliser,
-                                            autocast=autocast, temperature=temperature))
+            metrics = dict(forward_backward(model, batches, loss_fn, normaliser=normaliser, constant=constant,
+                                            autocast=autocast, temperature=temperature, entropy=entropy))
             metrics.update(optim_step(model, optimizer, scheduler, max_grad_norm))
         except FloatingPointError as error:
             optimizer.zero_grad(set_to_none=True)

@@ -79,6 +79,22 @@ def compute_advantages(
     return adv
 
 
+def overlong_penalty(length: int, max_length: int, buffer_length: int, factor: float = 1.0) -> float:
+    """DAPO soft overlong penalty, added to the reward: 0 up to max_length − buffer_length, then a
+    linear ramp down to −factor at max_length, and −factor beyond (Yu et al. 2025, arXiv
+    2503.14476, eq. 13; verl's `overlong_buffer.penalty_factor`)."""
+    if not 0 <= buffer_length <= max_length:
+        raise ValueError(
+            f"need 0 <= buffer_length <= max_length, got {buffer_length}, {max_length}"
+        )
+    start = max_length - buffer_length
+    if length <= start:
+        return 0.0
+    if length > max_length:
+        return -factor
+    return factor * (start - length) / buffer_length
+
+
 # ---------------------------------------------------------------------------- groups
 
 

@@ -1,7 +1,8 @@
 """Checkpoints: Hugging Face folders plus everything needed to resume exactly.
 
     <run_dir>/checkpoints/step_<NNNNNN>/
-        config.json, model.safetensors, generation_config.json   (model.save_pretrained)
+        config.json, model.safetensors, generation_config.json   (model.save_pretrained;
+                         with LoRA the merged weights, plus adapter/: training/lora.py)
         tokenizer.json, tokenizer_config.json, ...                (tokenizer.save_pretrained)
         optimizer.pt     optimizer + scheduler state dicts
         data_state.json  the caller's data position (epoch, offset, seed, buffers, ...)
@@ -37,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from models.loading import load_model
 from models.tokenizer import load_tokenizer
+from training.lora import ADAPTER_DIR, has_lora, load_adapter, save_model_files
 
 CHECKPOINTS = "checkpoints"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -168,7 +170,7 @@ def save_checkpoint(
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp)
+        save_model_files(model, tmp)  # merged weights + a PEFT adapter/ folder for a LoRA model
         _portable_config(tmp)
         tokenizer.save_pretrained(tmp)
         if optimizer is not None or scheduler is not None:
@@ -262,6 +264,8 @@ def load_checkpoint(
     metadata = _verify(path)
     if model is None:
         model = load_model(path, dtype=dtype or torch.float32)
+    elif has_lora(model):  # the frozen base is the run's start: only the adapters change
+        load_adapter(model, path / ADAPTER_DIR)
     else:
         # Load through transformers (it maps on-disk names, e.g. per-expert MoE weights, back to
         # the in-memory layout), then copy into the caller's model, keeping its dtype/device.

@@ -2,7 +2,8 @@
 
 The advantage arrives as the token weight (RL packing puts each sequence's advantage on its
 completion tokens and 0 on prompt tokens), so the losses never see groups or rewards. They return
-UNNORMALISED per-token losses; `training.losses.reduce_loss` normalises over the optimizer step.
+UNNORMALISED per-token losses; `training.losses.reduce_loss` normalises over the optimizer step
+(`loss_normaliser` says with which normaliser each loss is meant to run).
 
 Three log-probs of the same label tokens appear here; keep them apart:
 
@@ -11,24 +12,40 @@ Three log-probs of the same label tokens appear here; keep them apart:
     old_logprobs   [T]  the trainer's under the weights that sampled the batch, no gradient
                         (optional; on the first update of an on-policy batch = logprobs.detach())
 
-Losses (`build_rl_loss(name, **options)`):
+Losses (`build_rl_loss(name, **options)`), A = advantage, r = exp(logprobs − old) per token,
+old = old_logprobs when given, else the engine's batch.log_probs (then r also absorbs the
+engine/trainer mismatch); log-ratios are clamped to ±20 so that a wild token cannot give inf:
 
-- `reinforce` (default): on-policy REINFORCE with the group baseline already in the advantage:
-  per_token = −A · logprobs. No ratio, no clip, no KL. With a group baseline this is what
-  "GRPO" reduces to when each batch gets one optimizer step.
-- `ppo_clip`: r = exp(logprobs − old), per_token = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), for
-  several optimizer steps per rollout batch. `old` = old_logprobs when given, else the engine's
-  batch.log_probs (then the ratio also absorbs engine/trainer mismatch). Log-ratios are clamped
-  to ±20 so that a wild token cannot produce inf.
-- Truncated importance sampling (`tis_cap` > 0, either loss): multiply by the detached weight
-  min(exp(old_trainer − engine), tis_cap), correcting for the engine sampling from a slightly
-  different distribution than the trainer computes (other kernels, bf16). For `reinforce`,
-  old_trainer = old_logprobs or logprobs.detach(); `ppo_clip` needs old_logprobs for it (else
-  the weight would double-count the mismatch already in its ratio).
+- `reinforce` (default): per_token = −A · logprobs. On-policy REINFORCE with the group baseline in
+  A; what "GRPO" reduces to with one optimizer step per batch (nanochat's chat_rl, TRL at
+  num_iterations=1).
+- `ppo_clip`: per_token = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) (Schulman et al. 2017, PPO;
+  asymmetric "clip-higher" from DAPO, Yu et al. 2025, arXiv 2503.14476).
+- `gspo`: one ratio per sequence, s = exp(mean over its completion tokens of (logprobs − old)),
+  per_token = −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A) on each of its tokens, the gradient flowing
+  through the mean; normalised per sequence (Zheng et al. 2025, "Group Sequence Policy
+  Optimization", arXiv 2507.18071, eq. 5-7; TRL `importance_sampling_level="sequence"` with
+  `loss_type="grpo"`). The paper clips at ε = 3e-4 / 4e-4: set rl.epsilon_low/high accordingly.
+- `cispo`: per_token = −sg(min(r, cispo_cap)) · A · logprobs: REINFORCE with a clipped, detached
+  importance weight, so no token loses its gradient (MiniMax-M1, arXiv 2506.13585, eq. 4-5, no
+  lower bound; cap ε_max = 5 as in ScaleRL, arXiv 2510.13786; TRL `loss_type="cispo"`).
+- `dr_grpo`: the `ppo_clip` per-token loss, normalised by a constant (sequences per step × max new
+  tokens) instead of by each sequence's length, with advantages not divided by the group std
+  (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783, eq. 3; TRL
+  `loss_type="dr_grpo"`, which divides by batch size × max_completion_length).
+- Truncated importance sampling (`tis_cap` > 0, reinforce and ppo_clip): multiply by the detached
+  weight min(exp(old_trainer − engine), tis_cap), correcting for the engine sampling from a
+  slightly different distribution than the trainer computes (other kernels, bf16). For
+  `reinforce`, old_trainer = old_logprobs or logprobs.detach(); `ppo_clip` needs old_logprobs for
+  it (else the weight would double-count the mismatch already in its ratio).
+- KL to a reference policy (`kl_coef` > 0, any loss): + kl_coef · k(logprobs, ref_logprobs) per
+  loss token, k one of training/kl.py's estimators; the reference log-probs are bound per
+  micro-batch with `bind_batch_inputs`.
 
 Metrics (means over this micro-batch's loss tokens, `training.losses.loss_token_mask`):
-`logprob_gap` = mean |trainer − engine| log-prob, `ratio_mean`, `clip_fraction` (ppo_clip: share of
-tokens whose clipped branch is active), `tis_weight_mean` and `tis_clip_fraction` (with tis_cap).
+`logprob_gap` = mean |trainer − engine| log-prob, `ratio_mean`, `clip_fraction` (share of
+tokens whose clipped branch is active; cispo: whose weight hit the cap), `tis_weight_mean` and
+`tis_clip_fraction` (with tis_cap), `kl` (with kl_coef).
 """
 
 from __future__ import annotations
@@ -41,9 +58,12 @@ from typing import Any, Literal
 import torch
 
 from training.batch import PackedBatch
-from training.losses import LossFn, loss_token_mask
+from training.kl import KL_ESTIMATORS, kl_estimate
+from training.losses import LossFn, Normaliser, loss_token_mask, sequence_index
 
-LOSSES = ("reinforce", "ppo_clip")
+LOSSES = ("reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo")
+# the normaliser each loss's objective is defined with; the others follow optim.normaliser
+LOSS_NORMALISERS: dict[str, Normaliser] = {"gspo": "sequence", "dr_grpo": "constant"}
 _MAX_LOG_RATIO = 20.0
 
 
@@ -51,14 +71,20 @@ _MAX_LOG_RATIO = 20.0
 class RLLossConfig:
     """Options of the policy loss (rl.loss, rl.epsilon_low, ... in a run config)."""
 
-    name: Literal["reinforce", "ppo_clip"] = "reinforce"
+    name: Literal["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"] = "reinforce"
     """Which loss."""
     epsilon_low: float = 0.2
-    """PPO: the ratio is clipped below at 1 − epsilon_low."""
+    """ppo_clip, gspo, dr_grpo: the ratio is clipped below at 1 − epsilon_low."""
     epsilon_high: float = 0.28
-    """PPO: the ratio is clipped above at 1 + epsilon_high (asymmetric, 'clip-higher')."""
+    """ppo_clip, gspo, dr_grpo: the ratio is clipped above at 1 + epsilon_high ('clip-higher')."""
     tis_cap: float = 0.0
     """Truncated importance weight cap C for engine/trainer mismatch (0 = off)."""
+    cispo_cap: float = 5.0
+    """cispo: the importance weight is truncated at this value (ε_max)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy (0 = off, no reference needed)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (training/kl.py)."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSSES:
@@ -69,6 +95,24 @@ class RLLossConfig:
             raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
         if self.tis_cap < 0:
             raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
+        if self.tis_cap > 0 and self.name not in ("reinforce", "ppo_clip"):
+            raise ValueError(f"tis_cap is for reinforce and ppo_clip; {self.name!r} weights its "
+                             "tokens by its own importance ratio")
+        if not self.cispo_cap > 0:
+            raise ValueError(f"cispo_cap must be > 0, got {self.cispo_cap}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+
+
+def loss_normaliser(name: str, configured: Normaliser, sequences_per_step: int,
+                    max_new_tokens: int) -> tuple[Normaliser, float]:
+    """(normaliser, constant) for loss `name`: its own (gspo: per sequence; dr_grpo: the constant
+    sequences_per_step × max_new_tokens), else `configured`. The constant also serves a
+    configured 'constant' normaliser: the most completion tokens a step can hold."""
+    mode = LOSS_NORMALISERS.get(name, configured)
+    return mode, float(sequences_per_step * max_new_tokens)
 
 
 def _loss_mask(batch: PackedBatch, device: torch.device) -> torch.Tensor:
@@ -167,11 +211,93 @@ def ppo_clip_loss(
     return per_token, metrics
 
 
-_LOSS_FNS = {"reinforce": reinforce_loss, "ppo_clip": ppo_clip_loss}
+def _old_logprobs(logprobs: torch.Tensor, batch: PackedBatch, old_logprobs: torch.Tensor | None,
+                  loss: str) -> torch.Tensor:
+    """The detached log-probs the ratio is taken against: old_logprobs, else the engine's."""
+    if old_logprobs is not None:
+        return old_logprobs.to(logprobs.device, logprobs.dtype).detach()
+    return _engine_logprobs(batch, logprobs, loss).detach()
+
+
+def _gap_metric(logprobs: torch.Tensor, batch: PackedBatch, mask: torch.Tensor) -> dict[str, float]:
+    if batch.log_probs is None:
+        return {}
+    gap = torch.where(mask, logprobs.detach() - batch.log_probs.to(logprobs.device, logprobs.dtype),
+                      torch.zeros_like(logprobs))
+    return {"logprob_gap": _masked_mean(gap.abs(), mask)}
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    batch: PackedBatch,
+    *,
+    config: RLLossConfig = RLLossConfig(name="gspo"),
+    old_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: s_i = exp(mean_t (logprobs − old)) per sequence; per_token = −min(s·A, clip(s)·A)
+    on each of the sequence's loss tokens (gradient through the mean). [T] → [T]."""
+    mask = _loss_mask(batch, logprobs.device)
+    old = _old_logprobs(logprobs, batch, old_logprobs, "gspo")
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(mask, logprobs - old, zeros)
+    seq = sequence_index(batch).to(logprobs.device)
+    n = batch.n_sequences
+    seq_sum = torch.zeros(n, dtype=logprobs.dtype, device=logprobs.device).index_add(0, seq, log_ratio)
+    seq_len = torch.zeros(n, dtype=logprobs.dtype, device=logprobs.device).index_add(
+        0, seq, mask.to(logprobs.dtype))
+    seq_log_ratio = (seq_sum / seq_len.clamp(min=1)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(seq_log_ratio)[seq]  # [T]: each token carries its sequence's ratio
+    adv = batch.token_weights.to(logprobs.device, logprobs.dtype)
+    clipped = ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+    per_token = torch.where(mask, -torch.minimum(ratio * adv, clipped * adv), zeros)
+    r = ratio.detach()
+    clip_active = ((adv > 0) & (r > 1.0 + config.epsilon_high)) | (
+        (adv < 0) & (r < 1.0 - config.epsilon_low))
+    metrics = {"clip_fraction": _masked_mean(clip_active.float(), mask), "ratio_mean": _masked_mean(r, mask)}
+    return per_token, metrics | _gap_metric(logprobs, batch, mask)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    batch: PackedBatch,
+    *,
+    config: RLLossConfig = RLLossConfig(name="cispo"),
+    old_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO: per_token = −sg(min(r, cispo_cap)) · A · logprobs, r = exp(logprobs − old). [T] → [T]."""
+    mask = _loss_mask(batch, logprobs.device)
+    old = _old_logprobs(logprobs, batch, old_logprobs, "cispo")
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(mask, logprobs.detach() - old, zeros).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(max=config.cispo_cap)  # detached: logprobs entered through .detach()
+    adv = batch.token_weights.to(logprobs.device, logprobs.dtype)
+    per_token = torch.where(mask, -weight * adv * logprobs, zeros)
+    metrics = {"clip_fraction": _masked_mean((ratio > config.cispo_cap).float(), mask),
+               "ratio_mean": _masked_mean(ratio, mask)}
+    return per_token, metrics | _gap_metric(logprobs, batch, mask)
+
+
+def dr_grpo_loss(
+    logprobs: torch.Tensor,
+    batch: PackedBatch,
+    *,
+    config: RLLossConfig = RLLossConfig(name="dr_grpo"),
+    old_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr. GRPO: the ppo_clip per-token loss; what differs is the normaliser (LOSS_NORMALISERS:
+    a constant, not the sequence's length) and advantages without std scaling (the config checks)."""
+    return ppo_clip_loss(logprobs, batch, config=config, old_logprobs=old_logprobs)
+
+
+_LOSS_FNS = {"reinforce": reinforce_loss, "ppo_clip": ppo_clip_loss, "gspo": gspo_loss,
+             "cispo": cispo_loss, "dr_grpo": dr_grpo_loss}
 
 
 def build_rl_loss(name: str = "reinforce", **options: Any) -> LossFn:
-    """A loss_fn(logprobs, batch) for `name` with RLLossConfig options (unknown ones raise)."""
+    """A loss_fn(logprobs, batch, *, old_logprobs=None, ref_logprobs=None) for `name` with
+    RLLossConfig options (unknown ones raise). With kl_coef > 0 it needs ref_logprobs
+    (`bind_batch_inputs`)."""
     known = {f.name for f in fields(RLLossConfig)} - {"name"}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -179,7 +305,22 @@ def build_rl_loss(name: str = "reinforce", **options: Any) -> LossFn:
             f"unknown option(s) for RL loss {name!r}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
     config = RLLossConfig(name=name, **options)  # validates name
-    return functools.partial(_LOSS_FNS[name], config=config)
+    policy_loss = functools.partial(_LOSS_FNS[name], config=config)
+    if config.kl_coef == 0:
+        return policy_loss
+
+    def with_kl(logprobs: torch.Tensor, batch: PackedBatch, *, old_logprobs: torch.Tensor | None = None,
+                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        if ref_logprobs is None:
+            raise ValueError(f"RL loss {name!r} with kl_coef > 0 needs ref_logprobs (the reference "
+                             "policy's log-probs; bind them with bind_batch_inputs)")
+        per_token, metrics = policy_loss(logprobs, batch, old_logprobs=old_logprobs)
+        mask = _loss_mask(batch, logprobs.device)
+        kl = kl_estimate(logprobs, ref_logprobs.to(logprobs.device), config.kl_estimator)
+        per_token = per_token + torch.where(mask, config.kl_coef * kl, torch.zeros_like(kl))
+        return per_token, metrics | {"kl": _masked_mean(kl, mask)}
+
+    return with_kl
 
 
 def _batch_key(batch: PackedBatch) -> tuple[str, ...]:
@@ -187,38 +328,41 @@ def _batch_key(batch: PackedBatch) -> tuple[str, ...]:
     return tuple(s for s in batch.sample_ids if s)
 
 
-def bind_old_logprobs(
-    loss_fn: LossFn, batches: Sequence[PackedBatch], old_logprobs: Sequence[torch.Tensor]
-) -> LossFn:
-    """A loss_fn that passes each micro-batch its `old_logprobs` (matched by its sample_ids).
+def bind_batch_inputs(loss_fn: LossFn, batches: Sequence[PackedBatch], **per_batch: Sequence[torch.Tensor]) -> LossFn:
+    """A loss_fn that passes each micro-batch its own tensors (e.g. old_logprobs=[...],
+    ref_logprobs=[...], one [T] tensor per micro-batch, in the order of `batches`).
 
-    For PPO epochs / TIS: compute the trainer's log-probs of every micro-batch once, under
-    no_grad, before the first update; then train with the bound loss_fn. Micro-batches are
-    matched by their sample_ids (unique within a run), which survive `batch.to(device)`.
+    For PPO epochs / TIS / KL: compute them once per batch, under no_grad, before the first
+    update; then train with the bound loss_fn. Micro-batches are matched by their sample_ids
+    (unique within a run), which survive `batch.to(device)`.
     """
-    if len(batches) != len(old_logprobs):
-        raise ValueError(
-            f"{len(batches)} micro-batches for {len(old_logprobs)} old_logprobs tensors"
-        )
-    table: dict[tuple[str, ...], torch.Tensor] = {}
-    for b, lp in zip(batches, old_logprobs, strict=True):
+    table: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+    for name, tensors in per_batch.items():
+        if len(batches) != len(tensors):
+            raise ValueError(f"{len(batches)} micro-batches for {len(tensors)} {name} tensors")
+    for i, b in enumerate(batches):
         key = _batch_key(b)
         if not key or key in table:
-            raise ValueError(
-                "bind_old_logprobs needs micro-batches with unique, non-empty sample_ids"
-            )
-        if lp.shape != b.tokens.shape:
-            raise ValueError(
-                f"old_logprobs shape {tuple(lp.shape)} != tokens shape {tuple(b.tokens.shape)}"
-            )
-        table[key] = lp.detach()
+            raise ValueError("bind_batch_inputs needs micro-batches with unique, non-empty sample_ids")
+        table[key] = {}
+        for name, tensors in per_batch.items():
+            if tensors[i].shape != b.tokens.shape:
+                raise ValueError(
+                    f"{name} shape {tuple(tensors[i].shape)} != tokens shape {tuple(b.tokens.shape)}")
+            table[key][name] = tensors[i].detach()
 
     def bound(logprobs: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         key = _batch_key(batch)
         if key not in table:
-            raise ValueError(
-                f"no old_logprobs bound for micro-batch with sample_ids {list(key)[:3]}..."
-            )
-        return loss_fn(logprobs, batch, old_logprobs=table[key])  # type: ignore[call-arg]
+            names = " / ".join(per_batch)
+            raise ValueError(f"no {names} bound for micro-batch with sample_ids {list(key)[:3]}...")
+        return loss_fn(logprobs, batch, **table[key])  # type: ignore[call-arg]
 
     return bound
+
+
+def bind_old_logprobs(
+    loss_fn: LossFn, batches: Sequence[PackedBatch], old_logprobs: Sequence[torch.Tensor]
+) -> LossFn:
+    """`bind_batch_inputs(loss_fn, batches, old_logprobs=old_logprobs)`."""
+    return bind_batch_inputs(loss_fn, batches, old_logprobs=old_logprobs)

@@ -23,8 +23,16 @@ from models.device import model_device
 from models.loading import autocast_context
 from training.batch import PackedBatch
 from training.distributed import DataParallel, is_filler
+from training.entropy import token_logprobs_and_entropy
 from training.logprobs import token_logprobs
-from training.losses import LossFn, Normaliser, batch_counts, normaliser_totals, reduce_loss
+from training.losses import (
+    LossFn,
+    Normaliser,
+    batch_counts,
+    loss_token_mask,
+    normaliser_totals,
+    reduce_loss,
+)
 
 
 def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -> FloatingPointError:
@@ -47,6 +55,7 @@ def forward_backward(
     aux_loss_coef: float | None = None,
     chunk_size: int = 1024,
     data_parallel: DataParallel | None = None,
+    entropy: bool = False,
 ) -> dict[str, float]:
     """Accumulate the gradients of one optimizer step over `batches` (its micro-batches).
 
@@ -55,8 +64,9 @@ def forward_backward(
     `router_aux_loss_coef` (0 if absent).
     Returns metrics: loss (the step's objective, without aux), aux_loss (if any), tokens,
     loss_tokens, sequences, seconds, and loss_fn's metrics averaged over micro-batches weighted
-    by their loss tokens. Raises FloatingPointError on a NaN/inf loss, after clearing the
-    gradients (the caller must not step).
+    by their loss tokens; with `entropy` (single process), also the policy's mean entropy over the
+    loss tokens (training/entropy.py, one more LM-head matmul per token). Raises FloatingPointError
+    on a NaN/inf loss, after clearing the gradients (the caller must not step).
     data_parallel: this rank's share of a step run on several ranks (training.distributed):
     `batches` are this rank's micro-batches, the normaliser counts and the returned loss cover
     every rank, and the gradients equal one process's over all ranks' batches.
@@ -85,11 +95,19 @@ def forward_backward(
         sync = contextlib.nullcontext() if dp is None else dp.sync(last=i == len(batches) - 1)
         with sync:  # forward and backward: DDP decides in its forward whether to reduce
             with autocast_context(device, autocast):
-                if dp is None:
-                    logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
-                else:
+                token_entropy = None
+                if dp is not None:
                     logprobs, aux = dp.module(batch, temperature=temperature, chunk_size=chunk_size)
+                elif entropy:
+                    logprobs, aux, token_entropy = token_logprobs_and_entropy(
+                        model, batch, temperature=temperature, chunk_size=chunk_size)
+                else:
+                    logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
                 per_token, fn_metrics = loss_fn(logprobs, batch)
+                if token_entropy is not None:
+                    mask = loss_token_mask(batch).to(token_entropy.device)
+                    fn_metrics = {**fn_metrics,
+                                  "entropy": float(token_entropy[mask].sum() / max(int(mask.sum()), 1))}
                 loss = reduce_loss(per_token, batch, normaliser, totals, constant)
             _backward_after_checks(model, loss, aux, i, batch, counts, totals, aux_loss_coef, grad_scale)
         if aux is not None:

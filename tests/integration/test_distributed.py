@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: 
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
         dp = data_parallel(model, kind, torch.device("cpu"))
@@ -130,7 +131,7 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         model = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
         dp = data_parallel(model, "ddp", torch.device("cpu"))

@@ -86,6 +86,8 @@ EXAMPLE_ROWS: dict[str, dict] = {
         clip_fraction=0.0625,
         ratio_mean=1.0,
         logprob_gap=0.001,
+        entropy=1.25,
+        kl=0.002,
     ),
     "checkpoints": dict(
         policy_version=3,
