@@ -158,11 +158,12 @@ def chat_choice(index: int, completion, tokenizer: Any, req: ChatRequest) -> dic
 
 def add_chat_completions(app: FastAPI, state: Any) -> None:
     """Register POST /v1/chat/completions on `app` (engines/server.py's state and helpers)."""
-    from engines.server import RequestError, _json_body, _max_len, _validation_message
+    from engines.protocol import RequestError, check_request_limits, read_json_body
+    from engines.server import _max_len, _validation_message, until_answered
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json_body(request)
+        body = await read_json_body(request, state.limits)
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         current = state.slot.current
@@ -185,8 +186,10 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
             params = replace(params, max_new_tokens=max(1, limit - len(prompt)))
             if len(prompt) >= limit:
                 raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
+        check_request_limits([prompt], params, state.limits, limit)
         try:
-            (group,), served = await state.batcher.submit([prompt], params)
+            (group,), served = await until_answered(
+                request, state.batcher.submit([prompt], params), state.limits.request_timeout_s)
         except ValueError as err:
             raise RequestError(str(err)) from err
         choices = [chat_choice(j, c, served.tokenizer, req) for j, c in enumerate(group)]

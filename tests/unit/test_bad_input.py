@@ -63,10 +63,9 @@ class Hangs:
 
 
 def rollouts(texts: list[str]) -> list:
-    from types import SimpleNamespace
+    from tests.rollout_rows import rollout
 
-    return [SimpleNamespace(run_id="r", step=1, sample_id=f"s{i}", group_id="g", example_id="e",
-                            completion_text=text) for i, text in enumerate(texts)]
+    return [rollout(sample_id=f"s{i}", example_id="e", completion_text=text) for i, text in enumerate(texts)]
 
 
 def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():

@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture()
 def client(checkpoint):
-    with TestClient(build_app(checkpoint)) as c:
+    with TestClient(build_app(checkpoint), base_url="http://localhost") as c:
         yield c
 
 
@@ -76,7 +76,7 @@ def test_chat_content_parts_greedy_and_refusals(client):
 
 def test_openai_client_drives_the_server(client):
     openai = pytest.importorskip("openai")  # installed with the `verifiers` extra
-    api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    api = openai.OpenAI(base_url="http://localhost/v1", api_key="none", http_client=client)
     out = api.chat.completions.create(model=api.models.list().data[0].id, messages=MESSAGES, max_tokens=4,
                                       temperature=0, logprobs=True, extra_body={"return_token_ids": True})
     choice = out.choices[0]
