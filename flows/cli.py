@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "sql": ("storage.sqlcli", "main", "query a run's tables with DuckDB"),
     "report": ("dashboards.report", "main", "write the HTML run report"),
     "serve": ("engines.serve_cli", "main", "serve a checkpoint over HTTP (torch engine)"),
+    "replay": ("flows.replay", "main", "recompute an RL step from the tables and compare"),
 }
 
 

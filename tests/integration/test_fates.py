@@ -1,4 +1,4 @@
-"""Every sampled completion's fate after a tiny RL run that exercises several of them: carried
+"""Every sampled completion's fate, and the tokens view, after a tiny RL run that exercises several of them: carried
 surplus (over-sampling x2), zero-variance groups, a reward function that raises for some samples,
 truncation at max_new_tokens with rl.drop_truncated. One `fates` row per `rollouts` row, and the
 logged rollout/fate_* counters equal the counts of those rows."""
@@ -54,6 +54,15 @@ def test_every_rollout_has_one_fate_and_the_counters_match(sft_checkpoint, tmp_p
     assert one("select count(*) from fates where status = 'reward_error' and reward is not null") == 0
     assert one("""select count(*) from fates f join scores s using (run_id, sample_id)
                   where (s.error is not null) <> (f.status = 'reward_error')""") == 0
+
+    # the tokens view: every completion token of every trained sample, once, as the rollout has it
+    assert one("select count(*) from tokens") == one(
+        "select sum(n_completion_tokens) from fates where status = 'trained'") > 0
+    assert one("select count(*) - count(distinct (sample_id, position)) from tokens") == 0
+    assert one("""select count(*) from tokens t join rollouts r using (run_id, sample_id) join fates f using (sample_id)
+                  where t.step <> f.trained_step or t.token_id <> r.completion_tokens[t.position + 1]
+                     or t.generator_logprob <> r.completion_logprobs[t.position + 1]
+                     or t.weight <> t.advantage or t.trainer_logprob is null or t.trainer_logprob > 0""") == 0
 
     logged = [metrics for step, metrics in tracker.metrics if step >= 1 and "rollout/fate_trained" in metrics]
     assert len(logged) == 4
