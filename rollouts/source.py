@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollouts.fates import decision_rows, drop_rows, fate_metrics, over_cap, sample_drop
+from rollouts.fates import decision_rows, drop_rows, fate_metrics, over_cap, sample_drop, user_filter
 from rollouts.records import Rollout, Score
 from training import metric_names as m
 from training.advantages import Group, make_groups
@@ -95,6 +95,8 @@ class RolloutSource:
     def __init__(self, rl: RLConfig, prompts: PromptSource, buffer: GroupBuffer, stages: RolloutStages,
                  *, start_step: int, published_version: int) -> None:
         self.rl, self.prompts, self.buffer, self.stages = rl, prompts, buffer, stages
+        if rl.sample_filter:
+            user_filter(rl.sample_filter)  # a bad spec fails here, before any sampling
         self.ahead = rl.max_off_policy_steps
         self._examples: dict[str, Example] = {}
         self._rows: dict[str, Rollout] = {}
