@@ -30,7 +30,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollouts.fates import decision_rows, drop_rows, fate_metrics, over_cap, sample_drop, user_filter
+from rollouts.fates import (
+    decision_rows,
+    drop_rows,
+    fate_metrics,
+    over_cap,
+    sample_drop,
+    user_filter,
+)
 from rollouts.records import Rollout, Score
 from training import metric_names as m
 from training.advantages import Group, make_groups

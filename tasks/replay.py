@@ -190,12 +190,12 @@ def compare(step: int, logged: dict, metrics: dict, rows: list[dict], seen: list
         return check
     n = sum(len(s or []) for s in stored)
     if len(replayed) != len(stored) or any(s is None for s in stored):
-        check.rows.append(("trainer_logprobs", f"{n} tokens", f"{sum(t.numel() for t in replayed)} tokens", False))
+        check.rows.append(("trainer_logprobs", f"{n} packed tokens", f"{sum(t.numel() for t in replayed)} packed tokens", False))
         return check
     diffs = [torch.tensor(s, dtype=torch.float32) - t for s, t in zip(stored, replayed, strict=True)]
     unequal = sum(int((d != 0).sum()) for d in diffs)
     worst = max((float(d.abs().max()) for d in diffs if d.numel()), default=0.0)
-    check.rows.append(("trainer_logprobs", f"{n} tokens", f"{n - unequal} equal, max |diff| {worst:.3g}",
+    check.rows.append(("trainer_logprobs", f"{n} packed tokens", f"{n - unequal} equal, max |diff| {worst:.3g}",
                        unequal == 0))
     return check
 
