@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from storage.layout import partition_file, tables_root
+from storage.layout import tables_root
 from storage.writer import read_table
 from tasks.tokens import capture_logprobs, packed_batch
 from tasks.train import train_on_batches
@@ -93,9 +93,11 @@ def start_weights(run_dir: Path, config, start: str | None) -> str:
     '' for the seeded preset. A pipeline's RL phase without a recorded origin is refused."""
     if start:
         return start
-    origin = partition_file(run_dir, "origins", 0) if (tables_root(run_dir) / "origins").is_dir() else None
-    if origin is not None and origin.is_file():
-        return str(pq.read_table(origin).column("parent_checkpoint")[0].as_py())
+    # read by path: the origins table (issue 17's lineage) may be newer than this module's schemas
+    for origin in sorted((tables_root(run_dir) / "origins").glob("step=*/part-*.parquet")):
+        rows = pq.read_table(origin, columns=["parent_checkpoint"]).column(0).to_pylist()
+        if rows and rows[0]:
+            return str(rows[0])
     if config.model.path:
         return config.model.path
     if config.flow == "pipeline":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from flows.config import validate_config
@@ -39,3 +41,7 @@ def test_the_starting_weights_come_from_the_flag_the_origin_or_the_config(tmp_pa
     pipeline = validate_config({"flow": "pipeline", "run_name": "r"})
     with pytest.raises(ReplayError, match="--start SFT_CHECKPOINT"):
         start_weights(run, pipeline, None)
+    origin = run / "tables" / "origins" / "step=0" / "part-0.parquet"  # as the lineage stage writes it
+    origin.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"run_id": ["r"], "step": [0], "parent_checkpoint": ["/sft/step_000040"]}), origin)
+    assert start_weights(run, pipeline, None) == "/sft/step_000040"
