@@ -32,6 +32,7 @@ from typing import Any
 import duckdb
 import pyarrow.parquet as pq
 
+from dashboards import report_rollouts as rollouts
 from storage.catalog import connect, run_dirs_list
 from storage.layout import partition_files
 from storage.queries import canned_sql
@@ -44,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 QUERIES = (
     "reward_by_step", "zero_variance_by_step", "completion_length_by_step", "length_vs_reward",
     "loss_by_step", "throughput_by_step", "eval_by_step", "samples_by_step", "hardest_prompts",
+    "fates_by_step", "rollout_browser",
 )
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#7f7f7f", "#bcbd22")
@@ -126,11 +128,15 @@ def _run_id_of(run_dir: Path, tables: tuple[str, ...]) -> str:
 
 
 def query_results(run_dirs: list[Path]) -> dict[str, Rows]:
-    """Rows of every canned query in QUERIES over the runs (non-finite floats as None)."""
+    """Rows of every canned query in QUERIES over the runs (non-finite floats as None).
+
+    Plus "fates_stand_in": one row {"stand_in": bool}, whether `fates` had to be derived from groups.
+    """
     con = connect(run_dirs)
     try:
+        stand_in = rollouts.ensure_fates(con)
         return {name: [_clean_row(row) for row in con.sql(canned_sql(name)).to_arrow_table().to_pylist()]
-                for name in QUERIES}
+                for name in QUERIES} | {"fates_stand_in": [{"stand_in": stand_in}]}
     finally:
         con.close()
 
@@ -173,6 +179,8 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
     samples["rows"] = _sample_rows(r["samples_by_step"], order)
     hardest = _section("hardest", "Hardest prompts", ("rollouts", "scores"), runs, lambda: [])
     hardest["rows"] = [_trim(row) for row in r["hardest_prompts"] if row["rank"] <= HARDEST_PER_RUN]
+    fate_notes = _section("fates", "", ("rollouts",), runs, lambda: [])["notes"]
+    fate_notes += [rollouts.STAND_IN_NOTE] if r["fates_stand_in"][0]["stand_in"] else []
     return {
         "title": "rlpipe report: " + ", ".join(order),
         "generated_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -182,6 +190,8 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
         "sections": sections,
         "samples": samples,
         "hardest": hardest,
+        "fates": rollouts.fates_section(r["fates_by_step"], order, fate_notes),
+        "rollouts": rollouts.browser_section(r["rollout_browser"], fate_notes),
     }
 
 
@@ -424,7 +434,7 @@ def _overview(r: dict[str, Rows], runs: list[RunInfo]) -> list[dict[str, Any]]:
 def render_html(data: dict[str, Any]) -> str:
     """report.html with the data (JSON) and report.js inlined: one file that needs no network."""
     template = (HERE / "report.html").read_text()
-    script = (HERE / "report.js").read_text()
+    script = (HERE / "report_rollouts.js").read_text() + "\n" + (HERE / "report.js").read_text()
     # "<" escaped: no "</script>" or "<!--" inside the data can end its script element early
     payload = json.dumps(data, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
     values = {"TITLE": html.escape(data["title"]), "DATA": payload, "SCRIPT": script}
