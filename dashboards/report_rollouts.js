@@ -156,25 +156,30 @@
     }
 
     // the columnar data back into per-row accessors
+    // (the encodings: report_rollouts.py's dict_encode, affix_encode and numbers)
     function decode(sec) {
       const G = sec.groups, S = sec.rows;
       const col = (enc) => enc.index.map((k) => enc.values[k]);
-      const runOf = col(G.run_id), envOf = col(G.env), prompts = G.prompt;
+      const nums = (text) => text.split(",").map((v) => (v === "" ? null : Number(v)));
+      const affix = (enc) => enc.values.map((v) => (v === null ? null : enc.prefix + v + enc.suffix));
+      let at = 0;
+      const g = nums(S.g).map((delta) => (at += delta));
+      const groupId = affix(G.group_id), exampleId = affix(G.example_id), step = nums(G.step), version = nums(G.policy_version);
+      const runOf = col(G.run_id), envOf = col(G.env), prompts = { index: G.prompt.index, values: affix(G.prompt.values) };
       const full = new Set(sec.full_ids);
       const R = {
-        n: sec.n, status: col(S.status), reason: S.reason, finish: S.finish, g: S.g,
-        reward: S.reward, advantage: S.advantage, tokens: S.tokens, trained: S.trained_step, completion: S.completion,
-        step: (i) => G.step[S.g[i]], version: (i) => G.policy_version[S.g[i]], run: (i) => runOf[S.g[i]],
-        env: (i) => envOf[S.g[i]], example: (i) => G.example_id[S.g[i]], group: (i) => G.group_id[S.g[i]],
-        prompt: (i) => prompts.values[prompts.index[S.g[i]]],
-        sampleId: (i) => (full.has(i) ? S.sid[i] : G.group_id[S.g[i]] + S.sid[i]),
+        n: sec.n, status: col(S.status), reason: S.reason, finish: S.finish, g: g,
+        reward: nums(S.reward), advantage: nums(S.advantage), tokens: nums(S.tokens), trained: nums(S.trained_step),
+        completion: S.completion,
+        step: (i) => step[g[i]], version: (i) => version[g[i]], run: (i) => runOf[g[i]],
+        env: (i) => envOf[g[i]], example: (i) => exampleId[g[i]], group: (i) => groupId[g[i]],
+        prompt: (i) => prompts.values[prompts.index[g[i]]],
+        sampleId: (i) => (full.has(i) ? S.sid[i] : groupId[g[i]] + S.sid[i]),
         reasonOf: (i) => S.reason.values[S.reason.index[i]], finishOf: (i) => S.finish.values[S.finish.index[i]],
         episode: (i) => sec.episodes[String(i)] || null,
         promptIndex: prompts.index, lowerPrompt: prompts.values.map((text) => (text || "").toLowerCase()), lowerCompletion: [],
         rowOf: (id) => { for (let i = 0; i < sec.n; i++) if (R.sampleId(i) === id) return i; return -1; },
-        steps: null,
       };
-      R.steps = [...new Set(G.step)].sort((a, b) => a - b);
       return R;
     }
 

@@ -14,6 +14,7 @@ so that all texts together stay within TEXT_BUDGET characters (short texts are n
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -154,11 +155,17 @@ def browser_section(rows: Rows, notes: list[str], *, max_rows: int = MAX_BROWSER
             episodes[str(i)] = episode(row, limit)
     for column in ("status", "reason", "finish"):
         sample[column] = dict_encode(sample[column])
-    group = {column: [row[key] for row in group_rows] for column, key in
-             (("run_id", "run_id"), ("group_id", "group_id"), ("step", "step"), ("policy_version", "policy_version"),
-              ("example_id", "example_id"))}
-    group["run_id"], group["env"] = dict_encode(group["run_id"]), dict_encode([row["env"] for row in group_rows])
-    group["prompt"] = dict_encode([cut(row["prompt_text"], limit) for row in group_rows])
+    sample["g"] = numbers([g - previous for previous, g in zip([0, *sample["g"]], sample["g"])])  # rows come by group
+    for column in ("trained_step", "reward", "advantage", "tokens"):
+        sample[column] = numbers(sample[column])
+    group = {"run_id": dict_encode([row["run_id"] for row in group_rows]),
+             "group_id": affix_encode([row["group_id"] for row in group_rows]),
+             "step": numbers([row["step"] for row in group_rows]),
+             "policy_version": numbers([row["policy_version"] for row in group_rows]),
+             "env": dict_encode([row["env"] for row in group_rows]),
+             "example_id": affix_encode([row["example_id"] for row in group_rows]),
+             "prompt": dict_encode([cut(row["prompt_text"], limit) for row in group_rows])}
+    group["prompt"]["values"] = affix_encode(group["prompt"]["values"])
     return {"id": "rollouts", "title": "Rollout browser", "notes": notes, "n": len(rows), "n_all": n_all,
             "text_limit": limit, "statuses": status_order(row["status"] for row in rows),
             "groups": group, "rows": sample, "full_ids": full_ids, "episodes": episodes}
@@ -236,6 +243,22 @@ def dict_encode(values: list) -> dict[str, list]:
     at: dict[Any, int] = {}
     index = [at.setdefault(value, len(at)) for value in values]
     return {"values": list(at), "index": index}
+
+
+def numbers(values: list[float | int | None]) -> str:
+    """A numeric column as one comma-separated string, null as nothing: "1,,0.5" (no "null" per row)."""
+    return ",".join("" if value is None else str(value) for value in values)
+
+
+def affix_encode(values: list[str | None]) -> dict[str, Any]:
+    """Strings without the prefix and suffix they all share (a chat template's, a run's id) and those once."""
+    present = [value for value in values if value is not None]
+    if not present:
+        return {"prefix": "", "suffix": "", "values": values}
+    prefix = os.path.commonprefix(present)
+    suffix = os.path.commonprefix([value[len(prefix):][::-1] for value in present])[::-1]  # never overlaps prefix
+    inner = [None if value is None else value[len(prefix):len(value) - len(suffix)] for value in values]
+    return {"prefix": prefix, "suffix": suffix, "values": inner}
 
 
 def _round(value: float | None, digits: int) -> float | None:
