@@ -1,6 +1,7 @@
 """Read a run's tables — one run or several — as DuckDB relations or polars LazyFrames.
 
     con = connect(["runs/a", "runs/b"])      # in-memory DuckDB, one view per table (with run_id)
+                                             # and the derived views of storage/views.py (fates)
     con.sql("select run_id, step, avg(reward) from scores group by all")
     relation(["runs/a"], "groups")           # DuckDBPyRelation
     lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
@@ -44,6 +45,7 @@ from storage.layout import (
     tables_root,
 )
 from storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
+from storage.views import VIEWS
 
 if TYPE_CHECKING:
     import polars as pl
@@ -128,6 +130,8 @@ def _create_views(path: Path, run_dir: Path, union_by_name: bool) -> None:
                 [str(tables_root(run_dir) / table / "**" / "*.parquet")], union_by_name
             )
             con.execute(f'CREATE OR REPLACE VIEW "{table}" AS SELECT * FROM {source}')
+        for name, select in VIEWS.items():
+            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {select}')
     finally:
         con.close()
 
@@ -155,6 +159,8 @@ def connect(
         else:
             con.register(f"_empty_{table}", schema_for(table).empty_table())
             con.execute(f'CREATE OR REPLACE TEMP VIEW "{table}" AS SELECT * FROM "_empty_{table}"')
+    for name, select in VIEWS.items():
+        con.execute(f'CREATE OR REPLACE TEMP VIEW "{name}" AS {select}')
     return con
 
 
