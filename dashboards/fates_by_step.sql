@@ -4,9 +4,10 @@
 -- columns:
 --   run_id   VARCHAR  run
 --   step     BIGINT   the step that sampled the completions
---   status   VARCHAR  trained | zero_variance | stale | carried | over_cap | reward_error | truncated | filtered
+--   status   VARCHAR  trained | zero_variance | stale | carried | over_cap | reward_error | truncated | filtered,
+--                     or pending: no decision yet (the run stopped while that step was being filled)
 --   n        BIGINT   completions of that step with that final status
-SELECT run_id, CAST(step AS BIGINT) AS step, status, count(*) AS n
+SELECT run_id, CAST(step AS BIGINT) AS step, coalesce(status, 'pending') AS status, count(*) AS n
 FROM fates
 GROUP BY ALL
 ORDER BY run_id, step, status

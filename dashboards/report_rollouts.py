@@ -22,6 +22,7 @@ import duckdb
 
 Rows = list[dict[str, Any]]
 
+PENDING = "pending"  # the queries' status of a completion without a decision yet (its step was being filled)
 # the fates in the order they stack, each with its colour (DESIGN.md, "Steps and versions")
 FATES: tuple[tuple[str, str], ...] = (
     ("trained", "#2ca02c"),
@@ -32,6 +33,7 @@ FATES: tuple[tuple[str, str], ...] = (
     ("reward_error", "#d62728"),
     ("truncated", "#ff7f0e"),
     ("filtered", "#e377c2"),
+    (PENDING, "#d9dde3"),
 )
 OTHER_COLOR = "#4d4d4d"  # a status outside FATES (a newer rlpipe): still drawn, never dropped
 MAX_BROWSER_ROWS = 100_000  # more: whole steps are left out, evenly spread, with a note
@@ -62,20 +64,25 @@ FROM rollouts AS r
 LEFT JOIN scores AS s ON s.run_id = r.run_id AND s.sample_id = r.sample_id
 LEFT JOIN last AS l ON l.run_id = r.run_id AND l.group_id = r.group_id
 """
-STAND_IN_NOTE = ("These runs have no recorded fates (written before rlpipe recorded them): the statuses "
-                 "here are derived from groups.status (trained, carried, zero_variance, stale) and scores.error.")
+STAND_IN_NOTE = ("These runs have no recorded fates (no `decisions` rows: written before rlpipe recorded them): "
+                 "the statuses here are derived from groups.status (trained, carried, zero_variance, stale) "
+                 "and scores.error.")
 
 
 def ensure_fates(con: duckdb.DuckDBPyConnection) -> bool:
-    """Make `fates` answer on `con`; True when it had to be derived from groups (the stand-in)."""
+    """Make `fates` answer on `con`; True when it had to be derived from groups (the stand-in).
+
+    The stand-in replaces a `fates` view without a single decided row (a run written before
+    decisions were recorded), or a missing one.
+    """
     try:
-        n_fates = con.sql("SELECT count(*) FROM fates").fetchall()[0][0]
+        decided = con.sql("SELECT count(status) FROM fates").fetchall()[0][0]
     except duckdb.CatalogException:
-        n_fates = None
-    if n_fates:
+        decided = None
+    if decided:
         return False
     sampled = con.sql("SELECT count(*) FROM rollouts").fetchall()[0][0] > 0
-    if sampled or n_fates is None:  # no rollouts, no fates view: an empty stand-in keeps the queries valid
+    if sampled or decided is None:  # no rollouts, no fates view: an empty stand-in keeps the queries valid
         con.execute(FATES_FROM_GROUPS)
     return sampled
 
@@ -126,7 +133,7 @@ def browser_section(rows: Rows, notes: list[str], *, max_rows: int = MAX_BROWSER
     limit = text_limit(_text_lengths(rows), text_budget)
     n_cut = sum(len(row[key] or "") > limit for row in rows for key in ("prompt_text", "completion_text"))
     if n_cut:
-        notes.append(f"{n_cut:,} texts longer than {limit:,} characters are cut here, each with a note of "
+        notes.append(f"{n_cut:,} text(s) longer than {limit:,} characters are cut here, each with a note of "
                      "how much; the tables hold them whole.")
     groups: dict[Hashable, int] = {}
     group_rows: Rows = []

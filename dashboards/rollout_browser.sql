@@ -9,7 +9,7 @@
 --   sample_id            VARCHAR  the completion's id
 --   env                  VARCHAR  environment
 --   example_id           VARCHAR  example (prompt) id
---   status               VARCHAR  its fate (fates.status)
+--   status               VARCHAR  its fate (fates.status; 'pending' when not decided yet)
 --   reason               VARCHAR  why (fates.reason)
 --   trained_step         BIGINT   the step that trained it (NULL unless trained)
 --   reward               DOUBLE   its reward (NULL on reward_error)
@@ -34,7 +34,7 @@ SELECT
     f.sample_id,
     r.env,
     r.example_id,
-    f.status,
+    coalesce(f.status, 'pending') AS status,
     f.reason,
     CAST(f.trained_step AS BIGINT) AS trained_step,
     CAST(f.reward AS DOUBLE) AS reward,

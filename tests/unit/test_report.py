@@ -18,6 +18,7 @@ from storage.catalog import connect
 from storage.queries import canned_queries, canned_sql, run_canned, run_sql
 from storage.synthetic import synthetic_step
 from storage.writer import write_table
+from tests.report_runs import write_fated_run
 
 RL_STEPS = (0, 1, 2, 3)
 SFT_STEPS = (0, 1, 2)
@@ -433,3 +434,37 @@ def test_report_of_a_demo_sized_run_stays_small(tmp_path):
     n = 40 * 60 * 8
     assert _embedded(out.read_text())["rollouts"]["n"] == n
     assert size < 60 * n, f"{size:,} bytes for {n:,} completions"
+
+
+@pytest.fixture(scope="module")
+def decided(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("decided") / "rl"
+    write_fated_run(run_dir, "decided/rl")
+    return run_dir
+
+
+def test_report_reads_the_recorded_fates(decided):
+    data = report.report_data([decided])
+    view = run_sql([decided], "select step, coalesce(status, 'pending') as status, count(*) as n from fates "
+                              "group by all").to_pylist()
+    (run,) = data["fates"]["runs"]
+    assert data["fates"]["notes"] == [] and report_rollouts.STAND_IN_NOTE not in data["rollouts"]["notes"]
+    counted = collections.Counter()
+    for row in view:
+        counted[row["status"]] += row["n"]
+        assert run["counts"][row["status"]][run["steps"].index(row["step"])] == row["n"]
+    assert run["totals"] == dict(counted)
+    assert set(counted) == {"trained", "zero_variance", "reward_error", "stale", "truncated", "pending"}
+    assert run["total"] == run_sql([decided], "select count(*) as n from rollouts").to_pylist()[0]["n"]
+
+    got = {row["sample_id"]: row for row in decode_browser(data["rollouts"])}
+    fates = run_sql([decided], "select * from fates").to_pylist()
+    assert len(got) == len(fates)
+    for fate in fates:
+        row = got[fate["sample_id"]]
+        assert (row["status"], row["reason"]) == (fate["status"] or "pending", fate["reason"])
+        assert row["trained_step"] == fate["trained_step"]
+    carried_then_trained = [row for row in got.values() if row["status"] == "trained" and row["trained_step"] == row["step"] + 1]
+    assert carried_then_trained and all(row["advantage"] is not None for row in carried_then_trained)
+    error = next(row for row in got.values() if row["status"] == "reward_error")
+    assert error["reward"] is None and error["reason"] == "reward function raised: ZeroDivisionError: division by zero"
