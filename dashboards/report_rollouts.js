@@ -35,13 +35,14 @@
       h("div", { class: "sub", text: "per step that sampled them; hover for counts" })]);
       const n = run.steps.length;
       const stepTotals = run.steps.map((_, i) => names.reduce((sum, name) => sum + run.counts[name][i], 0));
-      const y1 = Math.max(1, ...stepTotals);
+      const yTicks = ui.ticks(0, Math.max(1, ...stepTotals), 5, true);
+      const last = yTicks[yTicks.length - 1], y1 = last < Math.max(...stepTotals) ? last + (yTicks[1] - yTicks[0]) : last;
       const band = (W - M.l - M.r) / n, bar = Math.max(1, band * 0.84);
       const bx = (i) => M.l + i * band + (band - bar) / 2;
       const sy = (y) => H - M.b - y / y1 * (H - M.t - M.b);
       const svg = s("svg", { class: "fate-chart", viewBox: `0 0 ${W} ${H}`, "data-run-id": run.run_id,
         "data-total": run.total }, card);
-      for (const y of ui.ticks(0, y1, 5, true)) {
+      for (const y of ui.ticks(0, y1, 5, true)) {  // y1 is a tick: the tallest bar stays under the top line
         s("line", { class: "grid-line", x1: M.l, x2: W - M.r, y1: sy(y), y2: sy(y) }, svg);
         s("text", { x: M.l - 6, y: sy(y) + 3.5, "text-anchor": "end", text: fmt(y) }, svg);
       }

@@ -13,6 +13,7 @@ so that all texts together stay within TEXT_BUDGET characters (short texts are n
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Hashable, Iterable
@@ -162,7 +163,7 @@ def browser_section(rows: Rows, notes: list[str], *, max_rows: int = MAX_BROWSER
             episodes[str(i)] = episode(row, limit)
     for column in ("status", "reason", "finish"):
         sample[column] = dict_encode(sample[column])
-    sample["g"] = numbers([g - previous for previous, g in zip([0, *sample["g"]], sample["g"])])  # rows come by group
+    sample["g"] = numbers([g - previous for previous, g in itertools.pairwise([0, *sample["g"]])])  # rows come by group
     for column in ("trained_step", "reward", "advantage", "tokens"):
         sample[column] = numbers(sample[column])
     group = {"run_id": dict_encode([row["run_id"] for row in group_rows]),
