@@ -3,7 +3,7 @@
 -- scores / groups / advantages the counterfactual ones:
 --   rlpipe sql runs/demo/rl/rescore/NAME --query rescore_compare
 -- Groups are counted at the step that decided them; rewards at the step that sampled them.
--- Output columns (stable):
+-- columns:
 --   run_id                   run (its sample ids are the run's)
 --   step                     training step
 --   groups_trained           groups the run trained at this step
