@@ -1,6 +1,7 @@
 """Read a run's tables — one run or several — as DuckDB relations or polars LazyFrames.
 
     con = connect(["runs/a", "runs/b"])      # in-memory DuckDB, one view per table (with run_id)
+                                             # and the derived views of storage/views.py (fates)
     con.sql("select run_id, step, avg(reward) from scores group by all")
     relation(["runs/a"], "groups")           # DuckDBPyRelation
     lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
@@ -45,6 +46,7 @@ from storage.layout import (
     tables_root,
 )
 from storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
+from storage.views import VIEWS
 
 if TYPE_CHECKING:
     import polars as pl
@@ -168,6 +170,8 @@ def _create_views(path: Path, run_dir: Path, union_by_name: bool) -> None:
         for name, home, table in _views(run_dir):
             source = _source([str(tables_root(home) / table / "**" / "*.parquet")], union_by_name)
             con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM {source}')
+        for name, select in VIEWS.items():
+            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {select}')
     finally:
         con.close()
 
@@ -212,6 +216,11 @@ def connect(
         else:
             con.register(f"_empty_{table}", schema_for(table).empty_table())
             select = f'SELECT {_columns(None, labels)} FROM "_empty_{table}"'
+        con.execute(f'CREATE OR REPLACE TEMP VIEW "{name}" AS {select}')
+    for name, select in VIEWS.items():
+        if labels is not None:  # the derived views name their columns: add `run` from the runs' rollouts
+            select = (f"SELECT v.run_id, n.run, v.* EXCLUDE (run_id) FROM ({select}) v LEFT JOIN "
+                      "(SELECT DISTINCT run_id, run FROM rollouts) n ON n.run_id = v.run_id")
         con.execute(f'CREATE OR REPLACE TEMP VIEW "{name}" AS {select}')
     return con
 

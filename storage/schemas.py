@@ -93,7 +93,7 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _f("zero_variance", pa.bool_()),
         _f("kept", pa.bool_()),
         _f("attempts", pa.int32()),
-        # the group's fate at this step: trained | carried | zero_variance | stale
+        # the group's fate at this step: trained | carried | zero_variance | stale | over_cap
         _opt("status", pa.string()),
     ],
     # one row per kept completion (filter/advantages)
@@ -158,6 +158,16 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("correct", pa.bool_()),
         _opt("prompt_text", pa.string()),
         _opt("completion_text", pa.string()),
+    ],
+    # one row per completion and step that decided its fate (rollouts/fates.py); a carried
+    # completion gets a later row, so its newest row is its fate (the `fates` view)
+    "decisions": _KEY
+    + [
+        _f("sample_id", pa.string()),
+        _f("group_id", pa.string()),
+        # trained | zero_variance | stale | carried | over_cap | reward_error | truncated | filtered
+        _f("status", pa.string()),
+        _f("reason", pa.string()),
     ],
 }
 

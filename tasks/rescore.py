@@ -1,5 +1,5 @@
 """Re-scoring a run's stored rollouts with another reward function, without regenerating them:
-counterfactual `scores`, `groups` and `advantages` tables beside the originals.
+counterfactual `scores`, `groups`, `advantages` and `decisions` tables beside the originals.
 
     rlpipe rescore runs/demo/rl --reward mypkg.rewards:strict      # → runs/demo/rl/rescore/strict/
     rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare
@@ -7,18 +7,20 @@ counterfactual `scores`, `groups` and `advantages` tables beside the originals.
 The rollouts go through training's own scoring path (tasks/score.py `score_rollouts`, with the
 run's `task.reward_timeout_s` and DAPO overlong penalty); a reward function that raises or times
 out is recorded in `scores.error` with reward 0, as in training, but never stops the re-scoring.
-Groups are rebuilt as the run built them (`make_groups` per step and sampling round) and their
-advantages recomputed with the run's `[rl]` section (training/advantages.py).
+Groups are rebuilt as the run built them (rollouts/source.py: completions whose new reward raised
+left out as `reward_error`, then `make_groups` per step and sampling round) and their advantages
+recomputed with the run's `[rl]` section (training/advantages.py).
 
 What stays fixed is the run's batches. Each row of the run's `groups` table is replayed with the
 new rewards: a group that was trained (or carried) stays so unless its rewards now have zero
 variance (then `zero_variance`, and its later rows go); a group dropped for zero variance that
 now has variance becomes `carried` (valid, but re-sampling and the batch cap are not replayed, so
-it is not trained); `stale` stays stale. `advantages` holds the new advantages of trained groups.
+it is not trained); `stale` and `over_cap` stay. `advantages` holds the new advantages of trained
+groups, `decisions` each completion's new fate (so the folder's `fates` view is the counterfactual's).
 
-The rescore folder holds `rescore.json` (source run, reward), `tables/{scores,groups,advantages}`
-and a `catalog.duckdb` whose other tables are the source run's, plus `original_scores`,
-`original_groups` and `original_advantages` (storage/catalog.py).
+The rescore folder holds `rescore.json` (source run, reward), `tables/{scores,groups,advantages,
+decisions}` and a `catalog.duckdb` whose other tables are the source run's, plus `original_<table>`
+views of the run's own four (storage/catalog.py).
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
 from storage.layout import partition_files
 from storage.writer import read_table, write_table
 from tasks.score import score_rollouts
-from training.advantages import Group, group_advantages, group_row, make_groups
+from rollouts.fates import decision_rows, drop_rows, sample_drop
+from training.advantages import ZERO_VARIANCE_EPS, Group, group_advantages, group_row, make_groups
+from training.oversampling import GroupDecision
 
-TABLES = ("scores", "groups", "advantages")
+TABLES = ("scores", "groups", "advantages", "decisions")
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -97,44 +101,68 @@ def find_examples(train: Sequence[Example], ids: Iterable[str], known: dict[str,
                          "the env's train examples: was the run's task config changed?")
 
 
-def round_groups(rollouts: Sequence[Rollout], rewards: dict[str, float]) -> list[Group]:
-    """The groups a step's sampling rounds formed (rollouts.source: make_groups per round)."""
+def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], rl: Any) -> tuple[list[Group], list[dict]]:
+    """The groups a step's sampling rounds formed (rollouts/source.py: completions whose reward
+    raised, or truncated ones with rl.drop_truncated, left out, then make_groups per round), and
+    the `decisions` rows of those left out."""
+    score_of = {s.sample_id: s for s in scores}
     groups: list[Group] = []
+    drops: list[tuple[Rollout, str, str]] = []
     for attempt in sorted({r.attempt for r in rollouts}):
-        groups += make_groups([{"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
-                                "policy_version": r.policy_version, "sample_id": r.sample_id,
-                                "reward": rewards[r.sample_id]} for r in rollouts if r.attempt == attempt],
-                              attempt)
-    return groups
+        kept = []
+        for r in (r for r in rollouts if r.attempt == attempt):
+            drop = sample_drop(r, score_of[r.sample_id], rl)
+            if drop is None:
+                kept.append({"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
+                             "policy_version": r.policy_version, "sample_id": r.sample_id,
+                             "reward": score_of[r.sample_id].reward})
+            else:
+                drops.append((r, *drop))
+        groups += make_groups(kept, attempt)
+    return groups, drop_rows(drops)
 
 
-def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any) -> tuple[list[dict], list[dict]]:
-    """The run's `groups` rows replayed with new rewards (module docstring), and the advantages of
-    the trained ones: (groups rows, advantages rows), each with run_id and step."""
-    group_rows, advantage_rows, dropped = [], [], set()
-    for row in sorted(original, key=lambda r: r["step"]):
-        group_id = row["group_id"]
-        if group_id in dropped:
-            continue
-        if group_id not in groups:
-            raise ValueError(f"group {group_id!r} of the groups table has no rollouts in the run's tables")
-        group = groups[group_id]
-        status = row["status"] or ("trained" if row["kept"] else "zero_variance" if row["zero_variance"] else "carried")
-        stats = group.stats()
-        if status != "stale":
-            if stats.zero_variance and rl.drop_zero_variance:
-                status = "zero_variance"
-                dropped.add(group_id)
+def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any
+                   ) -> tuple[list[dict], list[dict], list[dict]]:
+    """The run's `groups` rows replayed with new rewards (module docstring): (groups rows,
+    advantages rows of the trained groups, `decisions` rows of their completions), each row with
+    run_id and step. A group whose every completion's reward now raised has no row left."""
+    group_rows, advantage_rows, decisions, gone = [], [], [], set()
+    by_step: dict[int, list[dict]] = {}
+    for row in original:
+        by_step.setdefault(row["step"], []).append(row)
+    for step in sorted(by_step):
+        batch, step_decisions = [], []
+        for row in by_step[step]:
+            group_id, status = row["group_id"], row["status"] or ("trained" if row["kept"] else "carried")
+            if group_id in gone or group_id not in groups:
+                continue
+            group = groups[group_id]
+            stats = group.stats(ZERO_VARIANCE_EPS)
+            reason = ""
+            if status == "stale":
+                reason = "stale in the run (a group's age does not depend on its reward)"
+            elif stats.zero_variance and rl.drop_zero_variance:
+                status, reason = "zero_variance", f"re-scored: group reward std {stats.std:.3g} <= eps {ZERO_VARIANCE_EPS:g}"
+                gone.add(group_id)
             elif status == "zero_variance":
                 status = "carried"
-        key = {"run_id": row["run_id"], "step": row["step"]}
-        group_rows.append({**key, **group_row(group), "attempts": row["attempts"], "kept": status == "trained",
-                           "status": status})
-        if status == "trained":
-            advantages = group_advantages([group], rl)
-            advantage_rows += [{**key, "sample_id": sid, "group_id": group_id, "advantage": advantages[sid]}
-                               for sid in group.sample_ids]
-    return group_rows, advantage_rows
+            elif status == "over_cap":
+                reason = "the run's step used up rl.max_attempts without filling its batch and failed"
+            key = {"run_id": row["run_id"], "step": step}
+            group_rows.append({**key, **group_row(group), "attempts": row["attempts"], "kept": status == "trained",
+                               "status": status})
+            if status == "trained":
+                batch.append(group)
+                advantages = group_advantages([group], rl)
+                advantage_rows += [{**key, "sample_id": sid, "group_id": group_id, "advantage": advantages[sid]}
+                                   for sid in group.sample_ids]
+            else:
+                step_decisions.append(GroupDecision(group, stats, "valid" if status == "carried" else status, reason))
+        run_id = by_step[step][0]["run_id"]
+        decisions += [{"run_id": run_id, "step": step, **row}
+                      for row in decision_rows(batch, step_decisions, step=step)]
+    return group_rows, advantage_rows, decisions
 
 
 def prepare_out(run_dir: Path, out_dir: Path, reward: str) -> None:
@@ -168,6 +196,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     prepare_out(run_dir, out_dir, reward)
     train, examples = env.examples("train", seed=seed), {}
     groups: dict[str, Group] = {}
+    drops: dict[int, list[dict]] = {}
     counts = {"rollouts": 0, "errors": 0}
     for step in steps:
         rollouts = [Rollout.from_row(row) for row in read_table(run_dir, "rollouts", step).to_pylist()]
@@ -175,18 +204,19 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
         scores: list[Score] = score_rollouts(scorer, examples, rollouts, 1.0, length_penalty)
         write_table(out_dir, "scores", step, [s.row() for s in scores], run_id=_run_id(rollouts, run_dir),
                     durable=False)
-        groups.update({g.group_id: g for g in round_groups(rollouts, {s.sample_id: s.reward for s in scores})})
+        step_groups, drops[step] = round_groups(rollouts, scores, rl)
+        groups.update({g.group_id: g for g in step_groups})
         counts["rollouts"] += len(rollouts)
         counts["errors"] += sum(s.error is not None for s in scores)
         tick(len(rollouts))
     original = read_table(run_dir, "groups").to_pylist()
-    group_rows, advantage_rows = counterfactual(original, groups, rl)
-    for step in sorted({step for step, _ in partition_files(run_dir, "groups")}):
-        run_id = _run_id(original, run_dir)
-        write_table(out_dir, "groups", step, [r for r in group_rows if r["step"] == step], run_id=run_id,
-                    durable=False)
-        write_table(out_dir, "advantages", step, [r for r in advantage_rows if r["step"] == step], run_id=run_id,
-                    durable=False)
+    group_rows, advantage_rows, decisions = counterfactual(original, groups, rl)
+    run_id = _run_id(original, run_dir)
+    for step in sorted({step for step, _ in partition_files(run_dir, "groups")} | set(drops)):
+        dropped = [{"run_id": run_id, "step": step, **row} for row in drops.get(step, [])]
+        for table, rows in (("groups", group_rows), ("advantages", advantage_rows), ("decisions", decisions)):
+            rows = [r for r in rows if r["step"] == step] + (dropped if table == "decisions" else [])
+            write_table(out_dir, table, step, rows, run_id=run_id, durable=False)
     ensure_catalog(out_dir)
     return counts
 

@@ -159,6 +159,8 @@ def test_a_constant_reward_drops_every_group_and_a_carried_group_leaves_no_later
     rows = compare(out)
     assert (rows[1]["groups_dropped"], rows[2]["groups_dropped"]) == (1, 2)
     assert (rows[1]["samples_dropped"], rows[2]["samples_dropped"]) == (2, 4)
+    # the folder's fates view is the counterfactual's: every completion dropped for zero variance
+    assert connect([out]).sql("select status, count(*) from fates group by 1").fetchall() == [("zero_variance", 8)]
 
 
 def test_a_group_that_gains_variance_becomes_carried_not_trained(tmp_path):
@@ -175,6 +177,13 @@ def test_a_reward_that_raises_or_hangs_is_recorded_not_fatal(tmp_path):
     errors = [s for s in scores if s["error"]]
     assert errors and all("RuntimeError: odd length" in s["error"] and s["reward"] == 0 for s in errors)
     assert compare(out)[1]["reward_errors_rescored"] == sum(s["step"] == 1 for s in errors)
+    # as in training, a completion whose reward raised leaves its group: its fate is reward_error
+    con = connect([out])
+    fates = dict(con.sql("select sample_id, status from fates").fetchall())
+    assert {sid for sid, status in fates.items() if status == "reward_error"} == {s["sample_id"] for s in errors}
+    sizes = dict(con.sql("select group_id, max(n) from groups group by 1").fetchall())
+    for group_id, n in sizes.items():
+        assert n == sum(s["group_id"] == group_id and not s["error"] for s in scores)
 
     def slow(text, answer, example):
         if text.endswith("x"):

@@ -43,6 +43,7 @@ def test_views_over_a_root_have_a_run_column_after_run_id(root):
     assert rows == [("demo/rl", 2, 1.0), ("other", 1, 1.0)]
     # a table no run has: an empty view that still has the column
     assert con.sql("select run, step from evals").fetchall() == []
+    assert con.sql("select * from fates limit 0").columns[:2] == ["run_id", "run"]  # derived views too
 
 
 def test_a_run_dir_given_itself_keeps_its_columns(root):
