@@ -10,7 +10,7 @@ How versions link to data: every registered checkpoint carries the tags `run_dir
 `parent_checkpoint`, `parent_model_name`, `parent_model_version`, ... (tasks/origin.py, also on
 the MLflow run as `rlpipe.parent_*` and in the run's `origins` table). The samples that trained
 version v of a run at step s are the run's trained samples at steps <= s (`fates` where the run's
-catalog has it, else the `advantages` rows: one per trained sample). The canned query
+run recorded them, else the `advantages` rows: one per trained sample). The canned query
 `lineage_by_version` gives the same per checkpoint in SQL.
 """
 
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
-from storage.catalog import connect
+from storage.catalog import connect, has_data
+from storage.schemas import TABLES
 
 PROG = "rlpipe lineage"
 _MAX_DEPTH = 8  # a chain longer than this is a cycle in hand-made tags
@@ -52,7 +54,7 @@ def checkpoint_origin(checkpoint: str | Path) -> dict[str, Any]:
 def trained_by_step(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
     """Per step <= `step`: samples and groups trained, their mean reward and advantage."""
     con = connect([run_dir])
-    if _has_view(con, "fates"):
+    if _has_fates(run_dir):
         sql = """select trained_step as step, count(*) as samples, count(distinct group_id) as groups,
                         avg(reward) as reward_mean, null::double as advantage_mean
                  from fates where status = 'trained' and trained_step <= ? group by 1 order by 1"""
@@ -68,7 +70,7 @@ def sampled_counts(run_dir: str | Path, step: int) -> dict[str, int]:
     """Rollouts sampled for steps <= `step`, and their fates when the catalog has them."""
     con = connect([run_dir])
     counts = {"sampled": con.execute("select count(*) from rollouts where step <= ?", [step]).fetchone()[0]}
-    if _has_view(con, "fates"):
+    if _has_fates(run_dir):
         counts |= dict(con.execute("select status, count(*) from fates where step <= ? group by 1 order by 1",
                                    [step]).fetchall())
     return counts
@@ -93,8 +95,9 @@ def train_steps(run_dir: str | Path, step: int) -> dict[str, Any]:
     return {"steps": found[0], "mode": found[1], "tokens": found[2]}
 
 
-def _has_view(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return bool(con.execute("select count(*) from duckdb_views() where view_name = ?", [name]).fetchone()[0])
+def _has_fates(run_dir: str | Path) -> bool:
+    """Whether the run recorded fates (`decisions`, behind the `fates` view); older runs did not."""
+    return "decisions" in TABLES and has_data([run_dir], "decisions")
 
 
 def _rows(result: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
@@ -159,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     from mlflow import MlflowClient
 
-    from storage.tracking import default_tracking_uri
-
-    uri = args.tracking_uri or default_tracking_uri(args.runs_root)
-    if uri.startswith("sqlite:///") and not args.tracking_uri and not Path(uri.removeprefix("sqlite:///")).is_file():
-        print(f"{PROG}: no MLflow database at {uri} (give --runs-root or --tracking-uri)", file=sys.stderr)
-        return 2
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        database = Path(args.runs_root).resolve() / "mlflow.db"
+        if not database.is_file():
+            print(f"{PROG}: no MLflow database at {database} (give --runs-root or --tracking-uri)", file=sys.stderr)
+            return 2
+        uri = f"sqlite:///{database}"
     try:
         chain = version_lineage(MlflowClient(tracking_uri=uri, registry_uri=uri), args.model_uri, args.samples)
     except ValueError as error:

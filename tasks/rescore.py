@@ -36,12 +36,12 @@ from typing import Any
 from envs.base import Environment, Example, Messages, RewardResult, completion_text_of
 from envs.rewards import RewardFn, evaluate_reward, get_reward
 from envs.timeout import with_reward_timeout
+from rollouts.fates import decision_rows, drop_rows, sample_drop
 from rollouts.records import Rollout, Score
 from storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
 from storage.layout import partition_files
 from storage.writer import read_table, write_table
 from tasks.score import score_rollouts
-from rollouts.fates import decision_rows, drop_rows, sample_drop
 from training.advantages import ZERO_VARIANCE_EPS, Group, group_advantages, group_row, make_groups
 from training.oversampling import GroupDecision
 
