@@ -67,12 +67,14 @@ def trained_by_step(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
 
 
 def sampled_counts(run_dir: str | Path, step: int) -> dict[str, int]:
-    """Rollouts sampled for steps <= `step`, and their fates when the catalog has them."""
+    """Rollouts sampled for steps <= `step`, and (where the run recorded fates) their fates as of
+    that step: a fate decided later was still `carried` then."""
     con = connect([run_dir])
     counts = {"sampled": con.execute("select count(*) from rollouts where step <= ?", [step]).fetchone()[0]}
     if _has_fates(run_dir):
-        counts |= dict(con.execute("select status, count(*) from fates where step <= ? group by 1 order by 1",
-                                   [step]).fetchall())
+        counts |= dict(con.execute(
+            "select case when decided_step > ? then 'carried' else coalesce(status, 'undecided') end, count(*) "
+            "from fates where step <= ? group by 1 order by 1", [step, step]).fetchall())
     return counts
 
 
