@@ -53,9 +53,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {counts['errors']} reward call(s) raised or timed out: recorded in scores.error "
               f"(reward 0); see `rlpipe sql {out_dir} \"select sample_id, error from scores where error is not null\"`",
               file=sys.stderr)
+    from storage.queries import run_canned
     from storage.sqlcli import main as sql_main
 
+    print(summary(run_canned([out_dir], "rescore_compare").to_pylist()))
     return sql_main([str(out_dir), "--query", "rescore_compare"])
+
+
+def summary(rows: list[dict]) -> str:
+    """The comparison's totals in two lines (rows of the canned query rescore_compare)."""
+    total = {key: sum(row[key] for row in rows) for key in rows[0] if key.startswith(("groups_", "samples_"))} \
+        if rows else {}
+    if not total:
+        return "nothing was trained in the run: no comparison"
+    return (f"groups trained {total['groups_trained']}: {total['groups_kept']} kept, {total['groups_dropped']} "
+            f"dropped (zero variance), {total['groups_gained']} dropped groups would now pass\n"
+            f"samples trained {total['samples_trained']}: {total['samples_kept']} kept, {total['samples_flipped']} "
+            f"with their advantage's sign flipped, {total['samples_zeroed']} zeroed")
 
 
 def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tuple[Path, dict[str, int]]:

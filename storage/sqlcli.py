@@ -131,7 +131,9 @@ def _one_line(message: str) -> str:
         if line.strip():
             lines.append(line.strip())
     text = " ".join(lines)
-    if "Catalog Error" in text and "Table" in text:
+    if "Catalog Error" in text and "original_" in text:
+        text += " (original_* tables exist in a rescore folder: rlpipe rescore RUN_DIR --reward ...)"
+    elif "Catalog Error" in text and "Table" in text:
         text += f" (tables: {', '.join(TABLES)})"
     return text
 

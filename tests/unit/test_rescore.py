@@ -237,6 +237,7 @@ def test_cli_rescores_and_prints_the_comparison(tmp_path, monkeypatch, capsys):
     assert main([str(run_dir), "--reward", "cli_rewards:reversed_reward"]) == 0
     out = capsys.readouterr().out
     assert "re-scored 8 rollouts" in out and "2 row(s)" in out
+    assert "samples trained 6: 6 kept, 6 with their advantage's sign flipped" in out
     assert (run_dir / "rescore" / "reversed_reward" / "catalog.duckdb").is_file()
     assert main([str(run_dir), "--reward", "cli_rewards:missing"]) == 2
     assert "has no function 'missing'" in capsys.readouterr().err
