@@ -7,6 +7,8 @@ counterfactual `scores`, `groups`, `advantages` and `decisions` tables beside th
 The rollouts go through training's own scoring path (tasks/score.py `score_rollouts`, with the
 run's `task.reward_timeout_s` and DAPO overlong penalty); a reward function that raises or times
 out is recorded in `scores.error` with reward 0, as in training, but never stops the re-scoring.
+The function replaces the env's whole reward (and any `task.reward_models`); the per-turn rewards
+an episode's environment steps gave (multi-turn) are still added, as in training.
 Groups are rebuilt as the run built them (rollouts/source.py: completions whose new reward raised
 left out as `reward_error`, then `make_groups` per step and sampling round) and their advantages
 recomputed with the run's `[rl]` section (training/advantages.py).
