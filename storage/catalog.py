@@ -150,9 +150,8 @@ def ensure_catalog(
     warn and return instead of raising — a run must not fail over its catalog.
     """
     run_dir = Path(run_dir).resolve()
-    for table in TABLES:
-        if _table_home(run_dir, table) == run_dir:
-            ensure_schema_file(run_dir, table)
+    for _, home, table in _views(run_dir):  # a rescore folder's views also read its source run
+        ensure_schema_file(home, table)
     path = run_dir / CATALOG_NAME
     try:
         with _CATALOG_LOCK:

@@ -244,3 +244,18 @@ def test_cli_rescores_and_prints_the_comparison(tmp_path, monkeypatch, capsys):
     assert main([str(tmp_path / "nowhere"), "--reward", "exact_match"]) == 2
     assert "no config.json" in capsys.readouterr().err
     del sys.modules["cli_rewards"]
+
+
+def test_a_run_older_than_some_tables_gets_a_working_rescore_catalog(tmp_path):
+    import shutil
+
+    import duckdb
+
+    run_dir = make_run(tmp_path / "run")
+    for table in ("decisions", "origins"):  # tables added after the run was written
+        shutil.rmtree(run_dir / "tables" / table, ignore_errors=True)
+    out = rescore(run_dir, wrong_is_right, "reversed")
+    con = duckdb.connect(str(out / "catalog.duckdb"), read_only=True)
+    assert con.sql("select count(*) from rollouts").fetchall() == [(8,)]
+    assert con.sql("select count(*) from original_decisions").fetchall() == [(0,)]
+    assert dict(con.sql("select status, count(*) from fates group by 1").fetchall())["trained"] == 6
