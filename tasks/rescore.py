@@ -124,12 +124,13 @@ def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], rl: Any) 
     return groups, drop_rows(drops)
 
 
-def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any
+def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any, emptied: Iterable[str] = ()
                    ) -> tuple[list[dict], list[dict], list[dict]]:
     """The run's `groups` rows replayed with new rewards (module docstring): (groups rows,
     advantages rows of the trained groups, `decisions` rows of their completions), each row with
-    run_id and step. A group whose every completion's reward now raised has no row left."""
-    group_rows, advantage_rows, decisions, gone = [], [], [], set()
+    run_id and step. `emptied`: groups whose every completion was left out (their reward now
+    raised): they have no row left."""
+    group_rows, advantage_rows, decisions, gone = [], [], [], set(emptied)
     by_step: dict[int, list[dict]] = {}
     for row in original:
         by_step.setdefault(row["step"], []).append(row)
@@ -137,8 +138,10 @@ def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any
         batch, step_decisions = [], []
         for row in by_step[step]:
             group_id, status = row["group_id"], row["status"] or ("trained" if row["kept"] else "carried")
-            if group_id in gone or group_id not in groups:
+            if group_id in gone:
                 continue
+            if group_id not in groups:
+                raise ValueError(f"group {group_id!r} of the groups table has no rollouts in the run's tables")
             group = groups[group_id]
             stats = group.stats(ZERO_VARIANCE_EPS)
             reason = ""
@@ -212,15 +215,24 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
         counts["errors"] += sum(s.error is not None for s in scores)
         tick(len(rollouts))
     original = read_table(run_dir, "groups").to_pylist()
-    group_rows, advantage_rows, decisions = counterfactual(original, groups, rl)
+    emptied = {row["group_id"] for rows in drops.values() for row in rows} - set(groups)
     run_id = _run_id(original, run_dir)
+    tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, rl, emptied),
+                      strict=True))
+    tables["decisions"] += [{"run_id": run_id, "step": step, **row} for step, rows in drops.items() for row in rows]
+    by_step = {table: _by_step(rows) for table, rows in tables.items()}
     for step in sorted({step for step, _ in partition_files(run_dir, "groups")} | set(drops)):
-        dropped = [{"run_id": run_id, "step": step, **row} for row in drops.get(step, [])]
-        for table, rows in (("groups", group_rows), ("advantages", advantage_rows), ("decisions", decisions)):
-            rows = [r for r in rows if r["step"] == step] + (dropped if table == "decisions" else [])
-            write_table(out_dir, table, step, rows, run_id=run_id, durable=False)
+        for table, rows in by_step.items():
+            write_table(out_dir, table, step, rows.get(step, []), run_id=run_id, durable=False)
     ensure_catalog(out_dir)
     return counts
+
+
+def _by_step(rows: list[dict]) -> dict[int, list[dict]]:
+    grouped: dict[int, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(row["step"], []).append(row)
+    return grouped
 
 
 def _run_id(rows: Sequence[Any], run_dir: Path) -> str:

@@ -259,3 +259,17 @@ def test_a_run_older_than_some_tables_gets_a_working_rescore_catalog(tmp_path):
     assert con.sql("select count(*) from rollouts").fetchall() == [(8,)]
     assert con.sql("select count(*) from original_decisions").fetchall() == [(0,)]
     assert dict(con.sql("select status, count(*) from fates group by 1").fetchall())["trained"] == 6
+
+
+def always_raises(text, answer, example):
+    raise KeyError("no verifier")
+
+
+def test_a_group_whose_every_reward_raised_has_no_row_left(tmp_path):
+    out = rescore(make_run(tmp_path / "run"), always_raises, "raises_all")
+    assert read_table(out, "groups").num_rows == 0 and read_table(out, "advantages").num_rows == 0
+    con = connect([out])
+    assert con.sql("select status, count(*) from fates group by 1").fetchall() == [("reward_error", 8)]
+    rows = compare(out)
+    assert (rows[1]["samples_dropped"], rows[2]["samples_dropped"]) == (2, 4)
+    assert rows[1]["reward_errors_rescored"] == 6
