@@ -1,5 +1,5 @@
-"""Lineage pieces without MLflow: what is known of a starting checkpoint, the `origins` row, and
-clear errors (tests/integration/test_lineage.py runs the whole chain on a real MLflow store)."""
+"""Lineage pieces without MLflow (storage/lineage.py, tasks/origin.py): what is known of a
+starting checkpoint, the `origins` row, and clear errors (tests/integration/test_lineage.py runs the whole chain on a real MLflow store)."""
 
 from __future__ import annotations
 
