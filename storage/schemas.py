@@ -208,3 +208,17 @@ def schema_for(table: str) -> pa.Schema:
     if table not in SCHEMAS:
         raise ValueError(f"unknown table {table!r}; known tables: {', '.join(TABLES)}")
     return SCHEMAS[table]
+
+
+# one row per run that started from a checkpoint (step 0): where its weights came from, so
+# `rlpipe lineage` and SQL follow an RL version back to the SFT checkpoint and version it started from
+_FIELDS["origins"] = _KEY + [
+    _f("parent_checkpoint", pa.string()),  # absolute path of the starting checkpoint folder
+    _opt("parent_run_dir", pa.string()),  # the run folder that wrote it, when it is an rlpipe run
+    _opt("parent_run_id", pa.string()),
+    _opt("parent_step", pa.int64()),
+    _opt("parent_model_name", pa.string()),  # its registered model version, if it was registered
+    _opt("parent_model_version", pa.string()),
+]
+SCHEMAS["origins"] = _with_meta("origins", _FIELDS["origins"])
+TABLES = tuple(SCHEMAS)

@@ -131,6 +131,14 @@ EXAMPLE_ROWS: dict[str, dict] = {
         prompt_text="2+2=",
         completion_text="4",
     ),
+    "origins": dict(
+        parent_checkpoint="/runs/demo/sft/checkpoints/step_000040",
+        parent_run_dir="/runs/demo/sft",
+        parent_run_id="demo/sft",
+        parent_step=40,
+        parent_model_name="demo-sft",
+        parent_model_version="1",
+    ),
 }
 
 
