@@ -41,7 +41,7 @@ def test_every_rollout_has_one_fate_and_the_counters_match(sft_checkpoint, tmp_p
     config = validate_config(config_dict(tmp_path, "fates", {
         "steps": 4, "drop_truncated": True, "max_reward_error_fraction": 1.0, "max_attempts": 20,
         "sampling": {"max_new_tokens": 2},
-        "sample_filter": "tests.integration.test_fates:no_nines"}))
+        "sample_filter": "tests.integration.test_fates_run:no_nines"}))
     flows.rl.run_rl(config, start_checkpoint=sft_checkpoint)
     con = connect(config.run_dir / "rl")
 
