@@ -85,7 +85,7 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         with watch("pack"):
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, **io)
         with watch("train"):
-            seen: list = []  # the trainer's per-token log-probs, for train_tokens (replay, the tokens view)
+            seen: dict = {}  # the trainer's per-token log-probs, for train_tokens (replay, the tokens view)
             train = train_task(run.model, run.optimizer, run.scheduler, batches,
                                capture_logprobs(run.step_loss(batches), seen), step=step, **run.train_options)
             record_train_tokens(batch.samples, batches, seen, step=step, **io)

@@ -179,20 +179,23 @@ def _same(a: float | None, b: float | None) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def compare(step: int, logged: dict, metrics: dict, rows: list[dict], seen: list[torch.Tensor]) -> StepCheck:
+def compare(step: int, logged: dict, metrics: dict, rows: list[dict],
+            seen: dict[tuple[str, ...], torch.Tensor]) -> StepCheck:
     check = StepCheck(step)
     for name in ("loss", "grad_norm", "lr"):
         a, b = logged.get(name), metrics.get(name)
         b = None if b is None else float(b)
         check.rows.append((name, repr(a), repr(b), _same(a, b)))
     stored = [r["trainer_logprobs"] for r in rows]
-    replayed = seen[-len(rows):] if rows and len(seen) >= len(rows) else []
-    if all(s is None for s in stored) and not replayed:  # a step that ran no forward pass
+    replayed = [seen.get(tuple(r["sample_ids"])) for r in rows]
+    if all(s is None for s in stored) and not seen:  # a step that ran no forward pass
         check.rows.append(("trainer_logprobs", "none (no forward pass)", "none", True))
         return check
     n = sum(len(s or []) for s in stored)
-    if len(replayed) != len(stored) or any(s is None for s in stored):
-        check.rows.append(("trainer_logprobs", f"{n} packed tokens", f"{sum(t.numel() for t in replayed)} packed tokens", False))
+    if any(s is None for s in stored) or any(t is None or t.numel() != len(s) for s, t in zip(stored, replayed,
+                                                                                             strict=True)):
+        have = sum(t.numel() for t in replayed if t is not None)
+        check.rows.append(("trainer_logprobs", f"{n} packed tokens", f"{have} packed tokens", False))
         return check
     diffs = [torch.tensor(s, dtype=torch.float32) - t for s, t in zip(stored, replayed, strict=True)]
     unequal = sum(int((d != 0).sum()) for d in diffs)
@@ -222,7 +225,7 @@ def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Rep
     for s in range(from_step + 1, step + 1):
         rows, logged = stored_step(run_dir, s)
         batches = [packed_batch(row) for row in rows]
-        seen: list[torch.Tensor] = []
+        seen: dict[tuple[str, ...], torch.Tensor] = {}
         metrics = train_on_batches(model, optimizer, scheduler, batches,
                                    capture_logprobs(step_loss(loss_fn, ref, batches, config), seen), step=s,
                                    **options)

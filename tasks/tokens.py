@@ -2,13 +2,15 @@
 per-token log-probs, as the `train_tokens` table — what `rlpipe replay` rebuilds the step from,
 and what the `tokens` view (storage/views.py) unnests to one row per trained completion token.
 
-    sink = []
+    sink = {}
     train = train_task(..., capture_logprobs(loss_fn, sink), ...)   # the loss sees the log-probs
     record_train_tokens(samples, batches, sink, run_dir=..., run_id=..., step=...)
 
 The trainer's log-probs are taken where the loss receives them (a pass-through wrapper, so the
-step is computed exactly as without it); with several epochs the last epoch's are kept, the one
-whose loss and grad norm are logged. A plain function, not a Prefect task: it only queues a write
+step is computed exactly as without it), keyed by the micro-batch's sample_ids (unique in a run,
+and they survive `batch.to(device)`); with several epochs the last epoch's are kept, the one whose
+loss and grad norm are logged. A micro-batch whose loss this process never saw (another rank's
+share of a `train.parallel` step, a skipped step) gets null trainer log-probs. A plain function, not a Prefect task: it only queues a write
 (~10 ms of Prefect per step saved).
 """
 
@@ -25,10 +27,11 @@ from training.batch import PackedBatch
 from training.losses import loss_token_mask, sequence_index
 
 
-def capture_logprobs(loss_fn, sink: list[torch.Tensor]):
-    """`loss_fn` that first appends the trainer's log-probs it is given (detached, CPU float32)."""
+def capture_logprobs(loss_fn, sink: dict[tuple[str, ...], torch.Tensor]):
+    """`loss_fn` that first keeps the trainer's log-probs it is given (detached, CPU float32) in
+    `sink`, under the micro-batch's sample_ids."""
     def loss(logprobs: torch.Tensor, batch: PackedBatch, **kwargs):
-        sink.append(logprobs.detach().to("cpu", torch.float32))
+        sink[tuple(batch.sample_ids)] = logprobs.detach().to("cpu", torch.float32)
         return loss_fn(logprobs, batch, **kwargs)
     return loss
 
@@ -62,11 +65,10 @@ def _list(t: torch.Tensor | None) -> list | None:
 
 
 def train_token_rows(samples: list[TrainSample], batches: list[PackedBatch],
-                     trainer_logprobs: list[torch.Tensor]) -> list[dict]:
-    """One `train_tokens` row per micro-batch; trainer log-probs only when the loss saw every
-    micro-batch in this process (not for a skipped step, nor a step shared out over ranks)."""
+                     trainer_logprobs: dict[tuple[str, ...], torch.Tensor]) -> list[dict]:
+    """One `train_tokens` row per micro-batch, with the trainer's log-probs `capture_logprobs`
+    kept for it (null where the loss never saw it here)."""
     ends = completion_ends(samples)
-    last = trainer_logprobs[-len(batches):] if batches and len(trainer_logprobs) % len(batches) == 0 else []
     rows = []
     for i, batch in enumerate(batches):
         token_sample, token_position = token_map(batch, ends)
@@ -76,7 +78,7 @@ def train_token_rows(samples: list[TrainSample], batches: list[PackedBatch],
             "labels": _list(batch.labels), "token_weights": _list(batch.token_weights),
             "log_probs": _list(batch.log_probs), "rewards": _list(batch.rewards),
             "prefix_index": _list(batch.prefix_index), "loss_mask": _list(batch.loss_mask),
-            "trainer_logprobs": _list(last[i]) if last else None,
+            "trainer_logprobs": _list(trainer_logprobs.get(tuple(batch.sample_ids))),
             "token_sample": token_sample, "token_position": token_position,
         })
     return rows
@@ -96,6 +98,6 @@ def packed_batch(row: dict) -> PackedBatch:
     )
 
 
-def record_train_tokens(samples: list[TrainSample], batches: list[PackedBatch], trainer_logprobs: list,
+def record_train_tokens(samples: list[TrainSample], batches: list[PackedBatch], trainer_logprobs: dict,
                         *, run_dir: Path, run_id: str, step: int) -> None:
     persist(run_dir, "train_tokens", step, train_token_rows(samples, batches, trainer_logprobs), run_id)

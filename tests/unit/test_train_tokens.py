@@ -43,12 +43,13 @@ def test_rows_rebuild_the_batches_and_map_every_completion_token():
     samples += [sample(2, 0, [3, 4], [50, 51, 52, 53, 54, 55, 56, 57], -1.0, turns)]
     batches, _ = pack_rollouts(samples, token_budget=14, run_id="r", step=1)
     assert len(batches) > 1 and any(b.prefix_index is not None for b in batches)
-    seen: list = []
+    seen: dict = {}
     loss = capture_logprobs(lambda logprobs, batch: (logprobs * 2, {}), seen)
     for b in batches:
         lp = -torch.arange(b.n_tokens, dtype=torch.float32) / 7
         assert torch.equal(loss(lp, b)[0], lp * 2)  # a pass-through
     rows = train_token_rows(samples, batches, seen)
+    assert train_token_rows(samples, batches, {k: v for k, v in list(seen.items())[1:]})[0]["trainer_logprobs"] is None
     assert all(same(packed_batch(row), b) for row, b in zip(rows, batches, strict=True))
     found = {}
     for row in rows:
@@ -66,5 +67,5 @@ def test_rows_rebuild_the_batches_and_map_every_completion_token():
 def test_a_skipped_step_keeps_the_batches_without_trainer_logprobs():
     samples = [sample(0, j, [5, 6], [10, 11], 0.0) for j in range(2)]
     batches, _ = pack_rollouts(samples, token_budget=64, run_id="r", step=1)
-    rows = train_token_rows(samples, batches, [])
+    rows = train_token_rows(samples, batches, {})
     assert [r["trainer_logprobs"] for r in rows] == [None] and same(packed_batch(rows[0]), batches[0])
