@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exit_:  # argparse already printed its message
         return int(exit_.code or 0)
     if args.list:

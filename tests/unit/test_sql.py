@@ -287,6 +287,9 @@ def test_cli_formats(runs, capsys, tmp_path):
     assert pq.read_table(out).num_rows == 2 * len(RUNS) * len(STEPS)
     assert sql_main([dirs[0], "select step, count(*) as n from scores group by 1 order by 1"]) == 0
     assert "step" in capsys.readouterr().out
+    # options between the run folder and the SQL, as people type them
+    assert sql_main([dirs[0], "--format", "csv", "select count(*) as n from scores"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == '"n"'
     assert sql_main(["--list"]) == 0
     listing = capsys.readouterr().out
     assert all(name in listing for name in REQUIRED)
