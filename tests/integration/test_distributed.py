@@ -11,13 +11,15 @@ import torch
 import torch.multiprocessing as mp
 
 from models.presets import build_model
-from training.batch import Sequence, pack
+from training.batch import PackedBatch, Sequence, pack
 from training.distributed import (
+    balanced_budget,
     data_parallel,
     follow,
     is_filler,
     lead_step,
     shard_micro_batches,
+    share_of,
     stop_followers,
 )
 from training.rl_loss import build_rl_loss
@@ -126,6 +128,11 @@ def test_shards_are_balanced_by_tokens_and_equal_in_count():
             assert float(filler.token_weights.abs().sum()) == 0.0
 
 
+def _packed(seqs: list[Sequence]) -> list[PackedBatch]:
+    """A step's micro-batches as the flows pack them for 2 ranks."""
+    return pack(seqs, balanced_budget(sum(len(s.tokens) for s in seqs), max(len(s.tokens) for s in seqs), 96, 2))
+
+
 def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -137,11 +144,11 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
         dp = data_parallel(model, "ddp", torch.device("cpu"))
         optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce")
         if rank == 0:  # only rank 0 knows the data, as in a flow
-            losses = [lead_step(dp, model, optimizer, None, seqs, loss_fn, 96, 1.0)["loss"] for seqs in _steps()]
+            losses = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, 1.0)["loss"] for seqs in _steps()]
             stop_followers(dp)
             torch.save({"losses": losses, "state": model.state_dict()}, out)
         else:  # DDP replicas hold whole tensors
-            torch.save({"steps": follow(dp, model, optimizer, None, loss_fn), "state": model.state_dict()},
+            torch.save({"steps": follow(dp, optimizer, None, loss_fn), "state": model.state_dict()},
                        out + ".rank1")
     finally:
         dist.destroy_process_group()
@@ -156,7 +163,7 @@ def test_rank_zero_leads_and_the_others_follow(tmp_path):
     single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
 
     def both_ranks(seqs):
-        return [b for rank in (0, 1) for b in shard_micro_batches(seqs, 96, rank, 2) if not is_filler(b)]
+        return [b for rank in (0, 1) for b in share_of(_packed(seqs), rank, 2) if not is_filler(b)]
 
     assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks),
                                            rel=1e-5)
