@@ -93,19 +93,24 @@ def launch_config(args: argparse.Namespace):
 
 
 def failure_message(error) -> str:
-    """One line per failed rank of a ChildFailedError (global rank, exit code or signal)."""
+    """The failed ranks of a ChildFailedError, the cause first: ranks the launcher stopped with
+    SIGTERM because another failed (exit 143 from rlpipe, or -15) come last."""
     import signal
 
+    def order(item):
+        rank, failure = item
+        return (failure.exitcode in (143, -signal.SIGTERM), failure.timestamp, rank)
+
     lines = []
-    for rank, failure in sorted(error.failures.items()):
+    for rank, failure in sorted(error.failures.items(), key=order):
         how = f"exit code {failure.exitcode}"
         if failure.exitcode < 0:
             try:
                 how = f"killed by {signal.Signals(-failure.exitcode).name}"
             except ValueError:
                 pass
-        lines.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed: {how}")
-    return "; ".join(lines)
+        lines.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}")
+    return "; then ".join(lines)
 
 
 def launch(args: argparse.Namespace, rank_argv: list[str], run_dir: Path) -> int:
