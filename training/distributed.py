@@ -186,14 +186,13 @@ def _whole(value):
 
     if isinstance(value, DTensor):
         value = value.full_tensor()
-    return value.detach().cpu() if torch.is_tensor(value) else value
+    # a copy: the caller keeps it while the optimizer goes on stepping in place
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict | None) -> None:
     """Collective: load rank 0's whole `state` (from `full_optimizer_state` or a single-process
     checkpoint) into every rank's optimizer, sharded like each parameter."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     message = [state]
     dist.broadcast_object_list(message, src=0)
     state = message[0]
@@ -204,10 +203,20 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict | No
     local = {}
     for index, entry in state["state"].items():
         param = params[int(index)]
-        local[index] = {key: distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
-                        if isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0 else value
-                        for key, value in entry.items()}
+        local[index] = {key: _local(value, param) for key, value in entry.items()}
     optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
+
+
+def _local(value, param):
+    """An optimizer state value for this rank: sharded like `param` (a copy: never shared with
+    the caller's state, which another optimizer may hold)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not torch.is_tensor(value):
+        return value
+    if isinstance(param, DTensor) and value.dim() > 0:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value.to(param.device if value.dim() > 0 else value.device, copy=True)
 
 
 class GatheredOptimizer:
