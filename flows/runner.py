@@ -13,6 +13,7 @@ flow (tables, MLflow, engines, checkpoints), the others only train (tasks/ranks.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import signal
@@ -24,7 +25,13 @@ from pathlib import Path
 
 from flows.common import quiet_defaults
 from flows.config import ConfigError, RunConfig, describe_fields, load_config, validate_config
-from flows.launch import add_launch_arguments, check_launch_arguments, launch, launched_rank, strip_launch_flags
+from flows.launch import (
+    add_launch_arguments,
+    check_launch_arguments,
+    launch,
+    launched_rank,
+    strip_launch_flags,
+)
 from storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
 from training import metric_names as m
 
@@ -185,6 +192,9 @@ def _rank_config(config: RunConfig) -> RunConfig | str:
             return (f"train.parallel = {config.train.parallel!r} needs a distributed launch: add "
                     "--nproc-per-node N (1 is fine), or set train.parallel = 'none'")
         return config
+    if config.device.startswith("cuda:") and launched_rank()[1] > 1:
+        return (f"device = {config.device!r} would put every rank on one GPU; use 'cuda' or 'auto' "
+                "(each rank takes the GPU of its LOCAL_RANK)")
     if config.train.parallel == "none":
         train = config.train.model_copy(update={"parallel": "ddp"})
         return config.model_copy(update={"train": train})
@@ -209,6 +219,8 @@ def _run_rank(config: RunConfig, run) -> int:
             end_run()
         return code
     finally:
+        # wrapped models first: a DDP reducer freed after its process group can hang the exit
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -19,8 +19,8 @@ from flows.common import (
 from flows.config import RunConfig
 from flows.progress import progress
 from tasks.checkpoint import checkpoint_task
-from tasks.ranks import make_trainer
 from tasks.evaluate import eval_metrics, eval_step
+from tasks.ranks import make_trainer
 from tasks.record import load_rows, step_metrics, train_step_row
 from tasks.setup import (
     engine_dtype,

@@ -142,7 +142,9 @@ def data_parallel(model: nn.Module, kind: Parallel, device: torch.device) -> Dat
     policy = PackedPolicy(model)
     view: nn.Module | None = model if rank == 0 else None
     if kind == "ddp":
-        ids = [device.index or 0] if device.type == "cuda" else None
+        # "cuda" means this rank's GPU (init_from_environment set it from LOCAL_RANK)
+        ids = [torch.cuda.current_device() if device.index is None else device.index] \
+            if device.type == "cuda" else None
         module: nn.Module = nn.parallel.DistributedDataParallel(policy, device_ids=ids)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

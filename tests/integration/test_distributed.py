@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -83,6 +84,8 @@ def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: 
         if rank == 0:
             torch.save({"losses": losses, "state": state}, out)
     finally:
+        dp = None  # DDP before its group (else its destructor can hang at exit)
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -155,6 +158,8 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
             torch.save({"steps": follow(dp, optimizer, None, loss_fn), "state": model.state_dict()},
                        out + ".rank1")
     finally:
+        dp = None  # DDP before its group (else its destructor can hang at exit)
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -212,6 +217,8 @@ def _restore_rank(rank: int, world: int, port: int, preset: str, out: str) -> No
             torch.save({"weights": weights, "optimizer": state, "continued": continued, "restored": restored,
                         "view": dp.view.state_dict()}, out)
     finally:
+        dp = fresh_dp = None  # DDP before its group (else its destructor can hang at exit)
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -141,3 +141,16 @@ def test_small_steps_get_smaller_micro_batches_so_every_rank_has_work():
     assert balanced_budget(n_tokens=10_000, longest=30, token_budget=2048, world_size=2) == 2048
     assert balanced_budget(n_tokens=100, longest=30, token_budget=2048, world_size=1) == 100
     assert torch.equal(pack(_sequences([3]), 3)[0].tokens, torch.tensor([1, 2, 3]))
+
+
+def test_a_launched_rank_trains_with_ddp_by_default_and_each_rank_on_its_own_gpu(monkeypatch):
+    from flows.runner import _rank_config
+
+    config = validate_config({})
+    assert _rank_config(config) is config  # a single process
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert _rank_config(config).train.parallel == "ddp"  # torchrun on a 'none' config
+    assert _rank_config(validate_config({"train": {"parallel": "fsdp2"}})).train.parallel == "fsdp2"
+    assert "every rank on one GPU" in _rank_config(validate_config({"device": "cuda:1"}))
