@@ -380,14 +380,16 @@ def headline_distributed(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     runs = {r["setting"]: r for r in results["runs"]}
     rows = [[r["setting"], f"{r['tokens_per_second']:,.0f}", f"{r['vs_1_process_1_thread']:.2f}×",
              " ".join(f"{x:,.0f}" for x in r["all"])] for r in results["runs"]]
-    ddp, two = runs["2 ranks DDP, 1 thread each"], runs["1 process, 2 threads"]
-    summary = (f"2 DDP ranks {ddp['vs_1_process_1_thread']:.2f}× one 1-thread process, "
-               f"{ddp['tokens_per_second'] / two['tokens_per_second']:.2f}× one 2-thread process")
+    ddp, fsdp = runs["2 ranks DDP, 1 thread each"], runs["2 ranks FSDP2, 1 thread each"]
+    summary = (f"2 ranks ×{ddp['vs_1_process_1_thread']:.2f} (DDP), ×{fsdp['vs_1_process_1_thread']:.2f} (FSDP2) "
+               "the real tok/s of one 1-thread process (medians on 2 shared cores: see the spread)")
     load = results["machine"].get("loadavg")
     note = ("Two ranks share the machine's 2 cores (other work ran beside them"
             + (f"; load average {load[0]:.1f} at the end" if load else "") + "): they can at best match one "
             "process using both cores, so this measures the distributed path's overhead (batch broadcast, "
-            "gradient all-reduce over gloo, filler micro-batches), not the scaling of one GPU per rank. "
+            "gradient all-reduce over gloo, filler micro-batches), not the scaling of one GPU per rank. A "
+            "2-thread process suffers most when other processes take a core (its threads wait for each "
+            "other). "
             f"{results['settings']['sequences']} sequences (lengths 32-256) per step, {results['settings']['preset']}, "
             f"micro-batches of at most {results['settings']['budget']} tokens.")
     return summary, table(["setting", "real tok/s (median)", "× 1 process, 1 thread", "each repeat"], rows) + \
