@@ -154,11 +154,15 @@
         tip.append(h("div", {}, [h("span", { class: "chip", style: "background:" + color[line.run_id] }),
           document.createTextNode(`${line.run_id}${label}: ${fmt(line.y[i], plot.percent)}`)]));
       }
-      tip.hidden = false;
-      tip.style.left = Math.min(event.clientX + 14, window.innerWidth - tip.offsetWidth - 8) + "px";
-      tip.style.top = event.clientY + 12 + "px";
+      showTip(event);
     });
     svg.addEventListener("mouseleave", () => { tip.hidden = true; guide.setAttribute("visibility", "hidden"); });
+  }
+
+  function showTip(event) {
+    tip.hidden = false;
+    tip.style.left = Math.min(event.clientX + 14, window.innerWidth - tip.offsetWidth - 8) + "px";
+    tip.style.top = event.clientY + 12 + "px";
   }
 
   function notes(list) {
@@ -232,7 +236,10 @@
   }
 
   function render() {
-    const sections = [{ id: "overview", title: "Overview" }].concat(data.sections, [data.samples, data.hardest]);
+    // fate chart and rollout browser: report_rollouts.js, inlined before this script
+    const rollouts = window.rlpipeRollouts(data, { h, s, fmt, ticks, notes, tip, showTip });
+    const sections = [{ id: "overview", title: "Overview" }].concat(data.sections,
+      [data.fates, data.rollouts, data.samples, data.hardest]);
     document.getElementById("top").append(
       h("h1", { text: data.title }),
       h("div", { class: "meta", text: `${data.runs.length} run folder(s) · generated ${data.generated_at}` +
@@ -240,8 +247,8 @@
       legend([...new Set(data.runs.map((run) => run.run_id))]),
       h("nav", {}, sections.map((sec) => h("a", { href: "#" + sec.id, text: sec.title }))));
     const main = document.getElementById("report");
-    main.replaceChildren(overview(), ...data.sections.map(plotSection), samplesSection(data.samples),
-      hardestSection(data.hardest));
+    main.replaceChildren(overview(), ...data.sections.map(plotSection), rollouts.fates, rollouts.rollouts,
+      samplesSection(data.samples), hardestSection(data.hardest));
     document.documentElement.setAttribute("data-rlpipe-report", `ok:${count.plots}:${count.points}`);
   }
 

@@ -7,7 +7,9 @@
 Every plot's data is the result of a canned query, dashboards/<name>.sql, the same files
 `rlpipe sql --query NAME` runs: the report and the SQL cannot disagree. The results go into the
 page as JSON next to a small hand-written SVG plotting script (report.js), so the file opens
-offline with no CDN. A table a run never wrote (an SFT run has no rollouts, scores or groups)
+offline with no CDN. The plots are built in report_plots.py; the fate of sampled completions per step and the rollout
+browser (every completion, filterable, from the `fates` view) in report_rollouts.py/.js.
+A table a run never wrote (an SFT run has no rollouts, scores or groups)
 leaves its plots out with a visible note. In the browser, `<html data-rlpipe-report>` becomes
 `ok:<plots>:<points>` once everything is drawn, or `error:<message>` (the browser test reads it).
 """
@@ -17,25 +19,27 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import math
 import os
 import re
 import sys
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import pyarrow.parquet as pq
 
+from dashboards import report_plots as plots
+from dashboards import report_rollouts as rollouts
+from dashboards.report_plots import by_run, pooled
+from dashboards.report_plots import clean as _clean
 from storage.catalog import connect, run_dirs_list
 from storage.layout import partition_files
 from storage.queries import canned_sql
-from storage.schemas import PHASES, TABLES
+from storage.schemas import TABLES
 from storage.writer import default_run_id
 
 PROG = "rlpipe report"
@@ -44,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 QUERIES = (
     "reward_by_step", "zero_variance_by_step", "completion_length_by_step", "length_vs_reward",
     "loss_by_step", "throughput_by_step", "eval_by_step", "samples_by_step", "hardest_prompts",
+    "fates_by_step", "rollout_browser",
 )
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#7f7f7f", "#bcbd22")
@@ -126,26 +131,21 @@ def _run_id_of(run_dir: Path, tables: tuple[str, ...]) -> str:
 
 
 def query_results(run_dirs: list[Path]) -> dict[str, Rows]:
-    """Rows of every canned query in QUERIES over the runs (non-finite floats as None)."""
+    """Rows of every canned query in QUERIES over the runs (non-finite floats as None).
+
+    Plus "fates_stand_in": one row {"stand_in": bool}, whether `fates` had to be derived from groups.
+    """
     con = connect(run_dirs)
     try:
+        stand_in = rollouts.ensure_fates(con)
         return {name: [_clean_row(row) for row in con.sql(canned_sql(name)).to_arrow_table().to_pylist()]
-                for name in QUERIES}
+                for name in QUERIES} | {"fates_stand_in": [{"stand_in": stand_in}]}
     finally:
         con.close()
 
 
 def _clean_row(row: dict[str, Any]) -> dict[str, Any]:
     return {key: _clean(value) for key, value in row.items()}
-
-
-def _clean(value: Any) -> Any:
-    """A JSON-ready cell: NaN/inf -> None, floats to 6 significant digits (the page stays small)."""
-    if isinstance(value, Decimal):
-        value = float(value)
-    if isinstance(value, float):
-        return float(f"{value:.6g}") if math.isfinite(value) else None
-    return value
 
 
 # ---------------------------------------------------------------- assembling the page's data
@@ -162,17 +162,19 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
              for run_id in order if sum(run.run_id == run_id for run in runs) > 1]
     r = results
     sections = [
-        _section("reward", "Reward", ("scores",), runs, lambda: _reward_plots(r, order)),
-        _section("groups", "Groups and sampling", ("groups",), runs, lambda: _group_plots(r, order)),
-        _section("completions", "Completions", ("rollouts",), runs, lambda: _completion_plots(r, order)),
-        _section("optim", "Optimisation", ("train_steps",), runs, lambda: _optim_plots(r, order)),
-        _section("time", "Throughput and time", ("train_steps",), runs, lambda: _time_plots(r, order)),
-        _section("eval", "Evaluation", ("evals",), runs, lambda: _eval_plots(r, order)),
+        _section("reward", "Reward", ("scores",), runs, lambda: plots.reward_plots(r, order)),
+        _section("groups", "Groups and sampling", ("groups",), runs, lambda: plots.group_plots(r, order)),
+        _section("completions", "Completions", ("rollouts",), runs, lambda: plots.completion_plots(r, order)),
+        _section("optim", "Optimisation", ("train_steps",), runs, lambda: plots.optim_plots(r, order)),
+        _section("time", "Throughput and time", ("train_steps",), runs, lambda: plots.time_plots(r, order)),
+        _section("eval", "Evaluation", ("evals",), runs, lambda: plots.eval_plots(r, order)),
     ]
     samples = _section("samples", "Sample completions", ("rollouts", "scores"), runs, lambda: [])
     samples["rows"] = _sample_rows(r["samples_by_step"], order)
     hardest = _section("hardest", "Hardest prompts", ("rollouts", "scores"), runs, lambda: [])
     hardest["rows"] = [_trim(row) for row in r["hardest_prompts"] if row["rank"] <= HARDEST_PER_RUN]
+    fate_notes = _section("fates", "", ("rollouts",), runs, lambda: [])["notes"]
+    fate_notes += [rollouts.STAND_IN_NOTE] if r["fates_stand_in"][0]["stand_in"] else []
     return {
         "title": "rlpipe report: " + ", ".join(order),
         "generated_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -182,6 +184,8 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
         "sections": sections,
         "samples": samples,
         "hardest": hardest,
+        "fates": rollouts.fates_section(r["fates_by_step"], order, fate_notes),
+        "rollouts": rollouts.browser_section(r["rollout_browser"], fate_notes),
     }
 
 
@@ -203,170 +207,10 @@ def _section(key: str, title: str, needs: tuple[str, ...], runs: list[RunInfo],
     return {"id": key, "title": title, "notes": notes, "plots": build()}
 
 
-def _by_run(rows: Rows, order: list[str]) -> list[tuple[str, Rows]]:
-    """Rows grouped by run_id, in the runs' order."""
-    grouped: dict[str, Rows] = {}
-    for row in rows:
-        grouped.setdefault(row["run_id"], []).append(row)
-    return [(run_id, grouped[run_id]) for run_id in order if run_id in grouped]
-
-
-def _values(rows: Rows, column: str | Callable[[dict], Any]) -> list[Any]:
-    get = column if callable(column) else (lambda row: row.get(column))
-    return [_clean(get(row)) for row in rows]
-
-
-def series(rows: Rows, order: list[str], y: str | Callable, *, style: str = "solid",
-           bands: Iterable[tuple[str | Callable, str | Callable]] = ()) -> list[dict]:
-    """One line per run with a value: x = step, y = the column (or function of the row), bands (lo, hi)."""
-    bands = list(bands)
-    lines = [{"run_id": run_id, "style": style, "x": [row["step"] for row in run_rows],
-              "y": _values(run_rows, y),
-              "bands": [{"lo": _values(run_rows, lo), "hi": _values(run_rows, hi)} for lo, hi in bands]}
-             for run_id, run_rows in _by_run(rows, order)]
-    return [line for line in lines if any(value is not None for value in line["y"])]
-
-
-def plot(key: str, title: str, query: str, lines: list[dict], *, y_label: str, subtitle: str = "",
-         y_range: tuple[float, float] | None = None, percent: bool = False, optional: bool = False,
-         small: bool = False) -> dict | None:
-    """A plot's dict; a note instead when no line has a value (None when `optional`: left out)."""
-    if not any(line["style"] == "solid" for line in lines):
-        if optional:
-            return None
-        return {"id": key, "title": title, "query": query, "note": "No values in these runs."}
-    return {"id": key, "title": title, "query": query, "subtitle": subtitle, "y_label": y_label,
-            "series": lines, "y_range": y_range, "percent": percent, "small": small}
-
-
-def _present(plots: Iterable[dict | None]) -> list[dict]:
-    return [item for item in plots if item is not None]
-
-
-def _reward_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
-    rows = r["reward_by_step"]
-    band = (lambda row: _minus(row["reward_mean"], row["reward_std"]),
-            lambda row: _plus(row["reward_mean"], row["reward_std"]))
-    return _present([
-        plot("reward", "Reward", "reward_by_step",
-             series(rows, order, "reward_mean", bands=[band]) + series(rows, order, "reward_min", style="dotted")
-             + series(rows, order, "reward_max", style="dotted"),
-             y_label="reward", subtitle="mean; band ±1 std; dotted: min and max"),
-        plot("reward_errors", "Reward function errors", "reward_by_step",
-             series(rows, order, lambda row: row["n_errors"] / row["n"] if row["n"] else None),
-             y_label="share of completions", percent=True, optional=not any(row["n_errors"] for row in rows)),
-    ])
-
-
-def _group_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
-    rows = r["zero_variance_by_step"]
-    return _present([
-        plot("zero_variance", "Zero-variance groups", "zero_variance_by_step",
-             series(rows, order, "zero_variance_fraction"), y_label="share of groups", y_range=(0, 1),
-             percent=True, subtitle="groups whose completions all got one reward: no learning signal"),
-        plot("attempts", "Sampling attempts per step", "zero_variance_by_step",
-             series(rows, order, "attempts_total") + series(rows, order, "n_kept", style="dashed")
-             + series(rows, order, "n_groups", style="dotted"),
-             y_label="count", subtitle="solid: attempts; dashed: groups kept; dotted: groups"),
-    ])
-
-
-def _completion_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
-    rows = r["completion_length_by_step"]
-    return _present([
-        plot("completion_length", "Completion length", "completion_length_by_step",
-             series(rows, order, "tokens_mean", bands=[("tokens_p10", "tokens_p90"), ("tokens_p25", "tokens_p75")])
-             + series(rows, order, "tokens_max", style="dotted"),
-             y_label="tokens", subtitle="mean; bands p10–p90 and p25–p75; dotted: max"),
-        plot("truncated", "Truncated completions", "completion_length_by_step",
-             series(rows, order, "truncated_fraction"), y_label="share of completions",
-             y_range=(0, 1), percent=True, subtitle="finish_reason = 'length': cut at the token limit"),
-        plot("length_reward_corr", "Length–reward correlation", "length_vs_reward",
-             series(r["length_vs_reward"], order, "length_reward_corr"), y_label="Pearson r", y_range=(-1, 1),
-             subtitle="per step, over all scored completions"),
-    ])
-
-
-def _optim_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
-    rows = r["loss_by_step"]
-    return _present([
-        plot("loss", "Loss", "loss_by_step", series(rows, order, "loss"), y_label="loss"),
-        plot("grad_norm", "Gradient norm", "loss_by_step", series(rows, order, "grad_norm"),
-             y_label="norm", subtitle="before clipping"),
-        plot("lr", "Learning rate", "loss_by_step", series(rows, order, "lr"), y_label="lr"),
-        plot("clip_fraction", "Clipped tokens", "loss_by_step", series(rows, order, "clip_fraction"),
-             y_label="share of tokens", percent=True, optional=True),
-        plot("ratio_mean", "Importance ratio", "loss_by_step", series(rows, order, "ratio_mean"),
-             y_label="mean ratio", optional=True),
-        plot("logprob_gap", "Trainer–generator log-prob gap", "loss_by_step",
-             series(rows, order, "logprob_gap"), y_label="mean |Δ log-prob|", optional=True),
-        plot("entropy", "Policy entropy", "loss_by_step", series(rows, order, "entropy"),
-             y_label="nats", subtitle="mean over loss tokens; a fall to ~0 = collapse", optional=True),
-        plot("kl", "KL to the reference policy", "loss_by_step", series(rows, order, "kl"),
-             y_label="mean per-token estimate", optional=True),
-    ])
-
-
-def _time_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
-    rows = r["throughput_by_step"]
-    phases = [plot(f"seconds_{phase}", f"Seconds: {phase}", "throughput_by_step",
-                   series(rows, order, f"seconds_{phase}"), y_label="s", optional=True, small=True)
-              for phase in PHASES]
-    return _present([
-        plot("train_tps", "Training tokens/s", "throughput_by_step",
-             series(rows, order, "train_tokens_per_second"), y_label="tokens/s"),
-        plot("generate_tps", "Generation tokens/s", "throughput_by_step",
-             series(rows, order, "generate_tokens_per_second"), y_label="tokens/s", optional=True,
-             subtitle="completion tokens / generate seconds"),
-        plot("seconds_total", "Seconds per step", "throughput_by_step",
-             series(rows, order, "seconds_total"), y_label="s", subtitle="all phases; per phase below"),
-        *phases,
-    ])
-
-
-def _eval_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
-    rows = r["eval_by_step"]
-    envs = sorted({row["env"] for row in rows})
-    plots = []
-    if len(envs) > 1:
-        plots.append(plot("eval_all", "Eval accuracy, all environments", "eval_by_step",
-                          series(_pooled(rows), order, "accuracy"), y_label="accuracy", y_range=(0, 1),
-                          percent=True, subtitle="mean over environments, weighted by samples"))
-    for env in envs:
-        env_rows = [row for row in rows if row["env"] == env]
-        if any(row["accuracy"] is not None for row in env_rows):
-            plots.append(plot(f"eval_{env}", f"Eval accuracy: {env}", "eval_by_step",
-                              series(env_rows, order, "accuracy"), y_label="accuracy", y_range=(0, 1), percent=True))
-        else:  # an environment without a notion of correct: its mean reward
-            plots.append(plot(f"eval_{env}", f"Eval reward: {env}", "eval_by_step",
-                              series(env_rows, order, "reward_mean"), y_label="mean reward"))
-    return _present(plots)
-
-
-def _pooled(rows: Rows) -> Rows:
-    """eval_by_step rows pooled over environments: accuracy weighted by n, per (run_id, step)."""
-    pooled: dict[tuple[str, int], list[float]] = {}
-    for row in rows:
-        if row["accuracy"] is not None:
-            total = pooled.setdefault((row["run_id"], row["step"]), [0.0, 0.0])
-            total[0] += row["accuracy"] * row["n"]
-            total[1] += row["n"]
-    return [{"run_id": run_id, "step": step, "accuracy": hits / n}
-            for (run_id, step), (hits, n) in sorted(pooled.items()) if n]
-
-
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
-def _plus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a + b
-
-
 def _sample_rows(rows: Rows, order: list[str]) -> Rows:
     """samples_by_step rows of at most MAX_SAMPLE_STEPS steps per run (evenly spread, last kept)."""
     kept = []
-    for _, run_rows in _by_run(rows, order):
+    for _, run_rows in by_run(rows, order):
         steps = sorted({row["step"] for row in run_rows})
         chosen = set(_spread(steps, MAX_SAMPLE_STEPS))
         kept += [_trim(row) | {"components": _components(row["components"])}
@@ -402,7 +246,7 @@ def _overview(r: dict[str, Rows], runs: list[RunInfo]) -> list[dict[str, Any]]:
     for run in runs:
         optim = [row for row in r["loss_by_step"] if row["run_id"] == run.run_id]
         reward = [row for row in r["reward_by_step"] if row["run_id"] == run.run_id]
-        pooled = [row for row in _pooled(r["eval_by_step"]) if row["run_id"] == run.run_id]
+        accuracy = [row for row in pooled(r["eval_by_step"]) if row["run_id"] == run.run_id]
         out.append({
             "run_id": run.run_id,
             "run_dir": run.run_dir,
@@ -411,8 +255,8 @@ def _overview(r: dict[str, Rows], runs: list[RunInfo]) -> list[dict[str, Any]]:
             "last_step": max((row["step"] for row in optim), default=None),
             "last_loss": optim[-1]["loss"] if optim else None,
             "last_reward": reward[-1]["reward_mean"] if reward else None,
-            "first_accuracy": pooled[0]["accuracy"] if pooled else None,
-            "last_accuracy": pooled[-1]["accuracy"] if pooled else None,
+            "first_accuracy": accuracy[0]["accuracy"] if accuracy else None,
+            "last_accuracy": accuracy[-1]["accuracy"] if accuracy else None,
             "tables": ", ".join(run.tables) or "none",
         })
     return out
@@ -424,7 +268,7 @@ def _overview(r: dict[str, Rows], runs: list[RunInfo]) -> list[dict[str, Any]]:
 def render_html(data: dict[str, Any]) -> str:
     """report.html with the data (JSON) and report.js inlined: one file that needs no network."""
     template = (HERE / "report.html").read_text()
-    script = (HERE / "report.js").read_text()
+    script = (HERE / "report_rollouts.js").read_text() + "\n" + (HERE / "report.js").read_text()
     # "<" escaped: no "</script>" or "<!--" inside the data can end its script element early
     payload = json.dumps(data, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
     values = {"TITLE": html.escape(data["title"]), "DATA": payload, "SCRIPT": script}

@@ -27,51 +27,26 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import ValidationError, field_validator
 
 from engines.base import SamplingParams
+from engines.protocol import OpenAIRequest, sampling_params
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(OpenAIRequest):
     """The accepted fields of POST /v1/chat/completions (unknown fields are refused by name)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     messages: list[dict[str, Any]]
-    model: str | None = None
-    n: int = 1
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    return_token_ids: bool = True
-    return_tokens_as_token_ids: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    stream: bool = False
-    stop: str | list[str] | None = None
-    user: str | None = None
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("stream=true is not supported by rlpipe serve")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _no_stop_strings(cls, value):
-        if value:
-            raise ValueError("stop strings are not supported; pass stop_token_ids")
-        return value
 
     @field_validator("messages")
     @classmethod
@@ -84,19 +59,15 @@ class ChatRequest(BaseModel):
         return [_plain_message(m, i) for i, m in enumerate(value)]
 
     def sampling_params(self, end_of_turn: tuple[int, ...], default_max: int) -> SamplingParams:
-        """Our SamplingParams (ValueError names the bad field)."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        """Our SamplingParams (ValueError names the bad field); stops at the end-of-turn tokens
+        unless ignore_eos."""
         if self.top_logprobs:
             raise ValueError("top_logprobs is not supported (only the sampled token's log-prob)")
-        greedy = self.temperature == 0
         stops = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else end_of_turn)
-        return SamplingParams(
-            n=self.n, temperature=1.0 if greedy else float(self.temperature), top_p=float(self.top_p),
-            top_k=max(self.top_k, 0), max_new_tokens=self.max_completion_tokens or self.max_tokens or default_max,
-            stop_token_ids=tuple(dict.fromkeys(stops)), seed=self.seed, greedy=greedy,
+        return sampling_params(
+            n=self.n, max_tokens=self.max_completion_tokens or self.max_tokens or default_max,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop_token_ids=list(dict.fromkeys(stops)),
         )
 
 

@@ -115,30 +115,24 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
         raise RequestError("request body is nested too deeply") from None
 
 
-class CompletionRequest(BaseModel):
-    """The accepted fields of POST /v1/completions (unknown fields are refused by name)."""
+class OpenAIRequest(BaseModel):
+    """Fields and refusals both OpenAI routes share: unknown fields and the unsupported
+    streaming / echo / stop-string options are refused by name, not ignored."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
 
-    prompt: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     n: int = 1
-    max_tokens: int = 16
-    temperature: float | int = 1.0
-    top_p: float | int = 1.0
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list[int] | None = None
-    logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = True
-    ignore_eos: bool = True
     stream: bool = False
-    echo: bool = False
     stop: str | list[str] | None = None
     user: str | None = None
 
-    @field_validator("stream", "echo")
+    @field_validator("stream", "echo", check_fields=False)
     @classmethod
     def _not_supported(cls, value: bool, info) -> bool:
         if value:
@@ -151,6 +145,20 @@ class CompletionRequest(BaseModel):
         if value:
             raise ValueError("stop strings are not supported; pass stop_token_ids")
         return value
+
+
+class CompletionRequest(OpenAIRequest):
+    """The accepted fields of POST /v1/completions (unknown fields are refused by name)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16
+    temperature: float | int = 1.0
+    top_p: float | int = 1.0
+    logprobs: int | None = None
+    ignore_eos: bool = True
+    echo: bool = False
 
     @field_validator("logprobs")
     @classmethod

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,19 @@ def read_utf8(path: str | Path) -> str:
                          f"{column}); save the file as UTF-8") from None
 
 
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line of a UTF-8 JSONL file; ValueError
+    naming the file and line that is not JSON."""
+    # split on "\n" only: str.splitlines would also cut at U+2028 inside a JSON string
+    for lineno, line in enumerate(read_utf8(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from None
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a .parquet, .jsonl or .json file as dicts (FileNotFoundError/ValueError naming it)."""
     p = Path(path)
@@ -80,14 +93,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         return pq.read_table(p).to_pylist()
     if suffix == ".jsonl":
         rows = []
-        # split on "\n" only: str.splitlines would also cut at U+2028 inside a JSON string
-        for lineno, line in enumerate(read_utf8(p).split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{p}: line {lineno} is not valid JSON ({exc.msg})") from None
+        for lineno, row in jsonl_records(p):
             if not isinstance(row, dict):
                 raise ValueError(f"{p}: line {lineno} is not a JSON object")
             rows.append(row)

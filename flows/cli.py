@@ -18,6 +18,8 @@ SUBCOMMANDS = {
     "run": ("flows.runner", "main_run", "run the flow a TOML config names"),
     "resume": ("flows.runner", "main_resume", "continue a stopped run where it stopped"),
     "sql": ("storage.sqlcli", "main", "query a run's tables with DuckDB"),
+    "rescore": ("flows.rescore", "main", "re-score stored rollouts with another reward function"),
+    "lineage": ("storage.lineage", "main", "the run, steps and rollouts behind a registered model version"),
     "report": ("dashboards.report", "main", "write the HTML run report"),
     "serve": ("engines.serve_cli", "main", "serve a checkpoint over HTTP (torch engine)"),
 }

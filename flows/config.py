@@ -184,6 +184,9 @@ class RLConfig(Section):
     """Clamp advantages at 0 (learn from successes only)."""
     drop_zero_variance: bool = True
     """Drop groups whose rewards all match (they carry no signal)."""
+    drop_truncated: bool = False
+    """Leave completions cut at sampling.max_new_tokens out of their group (DAPO's overlong
+    filtering); their fate is `truncated`. Off: they are trained like any other."""
     loss: Literal["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"] = "reinforce"
     """Policy loss (training/rl_loss.py): on-policy REINFORCE; PPO clipped token ratio against the
     engine's log-probs; GSPO sequence ratio (normalised per sequence); CISPO clipped, detached IS

@@ -33,6 +33,7 @@ from flows.progress import progress
 from flows.supervised import due
 from tasks.checkpoint import checkpoint_task, promote_best
 from tasks.evaluate import best_accuracy_before
+from tasks.origin import record_origin
 from tasks.pack import pack_task
 from tasks.record import step_metrics, train_step_row
 from tasks.rl_setup import RLRun, open_rl
@@ -58,6 +59,7 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     tracker = make_tracker(config, state, parent_mlflow_run_id)
 
     def body() -> dict:
+        record_origin(state.run_dir, state.run_id, start_checkpoint or config.model.path, tracker)
         # leaving stage_io drains the table writer: a phase is marked done only with its tables
         with stage_io(config), ExitStack() as stack:
             run = open_rl(config, state.run_dir, state.run_id, start_checkpoint, registered_model_name(config))

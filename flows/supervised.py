@@ -20,6 +20,7 @@ from flows.config import RunConfig
 from flows.progress import progress
 from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_metrics, eval_step
+from tasks.origin import record_origin
 from tasks.ranks import make_trainer
 from tasks.record import load_rows, step_metrics, train_step_row
 from tasks.setup import (
@@ -52,6 +53,7 @@ def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | No
     tracker = make_tracker(config, state, parent_mlflow_run_id)
 
     def body() -> dict:
+        record_origin(state.run_dir, state.run_id, start_checkpoint or config.model.path, tracker)
         # tables on one ordered background thread, drained before checkpoints and at the end
         with stage_io(config):
             return _train(config, phase, section, state, tracker, start_checkpoint, TorchEngine)

@@ -30,10 +30,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rollouts.fates import decision_rows, drop_rows, fate_metrics, over_cap, sample_drop
 from rollouts.records import Rollout, Score
 from training import metric_names as m
 from training.advantages import Group, make_groups
-from training.oversampling import GroupBuffer, GroupDecision
+from training.oversampling import BatchFillError, GroupBuffer, GroupDecision
 from training.timing import Stopwatch
 
 if TYPE_CHECKING:
@@ -83,8 +84,9 @@ class RolloutStages(Protocol):
         """Add the rollout rows of `groups` missing from `rows` (carried across a resume)."""
 
     def select(self, batch: list[Group], decisions: list[GroupDecision], carried: list[Group],
-               samples: list[TrainSample], *, step: int, empty: bool) -> None:
-        """Record the step's groups (with their fate) and advantages."""
+               samples: list[TrainSample], *, step: int, empty: bool, fates: list[dict]) -> None:
+        """Record the step's groups (with their fate), advantages and per-completion `fates` rows
+        (the `decisions` table, rollouts/fates.py)."""
 
 
 class RolloutSource:
@@ -163,6 +165,7 @@ class RolloutSource:
         watch = Stopwatch()
         sampled: list[Rollout] = []
         scored: list[Score] = []
+        drops: list[tuple[Rollout, str, str]] = []  # left out before grouping: (rollout, status, reason)
 
         def sample_round(attempt: int, n_prompts: int) -> list[Group]:
             examples = self.prompts.next_batch(n_prompts)
@@ -175,19 +178,35 @@ class RolloutSource:
             sampled.extend(new)
             scored.extend(new_scores)
             self._rows.update({r.sample_id: r for r in new})
-            reward = {s.sample_id: s.reward for s in new_scores}
-            return make_groups([{"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
+            kept = []
+            for r, score in zip(new, new_scores, strict=True):
+                drop = sample_drop(r, score, self.rl)
+                if drop is None:
+                    kept.append({"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
                                  "policy_version": r.policy_version, "sample_id": r.sample_id,
-                                 "reward": reward[r.sample_id]} for r in new], attempt)
+                                 "reward": score.reward})
+                else:
+                    drops.append((r, *drop))
+            return make_groups(kept, attempt)
 
         train_version = (step - 1) * self.rl.ppo_epochs
         carried = list(self.buffer.pending)
-        decisions = self.buffer.fill(train_version, sample_round)
+        try:
+            decisions = self.buffer.fill(train_version, sample_round)
+        except BatchFillError as error:  # record what the failed rounds sampled, then fail the step
+            failed = over_cap(getattr(error, "decisions", []),
+                              f"step {step} used rl.max_attempts={self.rl.max_attempts} sampling rounds without "
+                              f"filling its batch of {self.rl.prompts_per_step} groups; the run stopped")
+            self.stages.select([], failed, carried, [], step=step, empty=not sampled,
+                               fates=drop_rows(drops) + decision_rows([], failed, step=step))
+            raise
         with watch("filter"):
             batch, metrics = self.buffer.take()
             self.stages.rows_of(batch, self._rows)
             samples = _train_samples(batch, self._rows, self.rl)
-            self.stages.select(batch, decisions, carried, samples, step=step, empty=not sampled)
+            fates = drop_rows(drops) + decision_rows(batch, decisions, step=step)
+            metrics |= fate_metrics(fates, self.buffer.pending)
+            self.stages.select(batch, decisions, carried, samples, step=step, empty=not sampled, fates=fates)
         keep = {sid for group in self.buffer.pending for sid in group.sample_ids}
         self._rows = {sid: row for sid, row in self._rows.items() if sid in keep}
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)

@@ -1,6 +1,7 @@
 """Read a run's tables — one run or several — as DuckDB relations or polars LazyFrames.
 
     con = connect(["runs/a", "runs/b"])      # in-memory DuckDB, one view per table (with run_id)
+                                             # and the derived views of storage/views.py (fates)
     con.sql("select run_id, step, avg(reward) from scores group by all")
     relation(["runs/a"], "groups")           # DuckDBPyRelation
     lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
@@ -26,10 +27,11 @@ readers here use in-memory connections, so a run that is writing never conflicts
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,10 +46,13 @@ from storage.layout import (
     tables_root,
 )
 from storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
+from storage.views import VIEWS
 
 if TYPE_CHECKING:
     import polars as pl
 
+RESCORE_MARKER = "rescore.json"
+_NOT_RUNS = frozenset({"tables", "checkpoints", "mlartifacts"})
 RunDirs = str | os.PathLike | Iterable[str | os.PathLike]
 # Serialises catalog refreshes of this process: concurrent CREATE VIEWs on one DuckDB file from
 # threads fail with a write-write conflict. (Across processes DuckDB's file lock decides.)
@@ -67,6 +72,43 @@ def run_dirs_list(run_dirs: RunDirs) -> list[Path]:
         if not (tables_root(path).is_dir() or (path / CATALOG_NAME).is_file()):
             raise ValueError(f"not a run directory: {path} has no tables/ folder")
     return paths
+
+
+def rescore_source(run_dir: Path) -> tuple[Path, tuple[str, ...]] | None:
+    """(the run it re-scores, the tables it holds) of a rescore folder (`rescore.json`,
+    tasks/rescore.py), or None for a run folder. Its other tables are the source run's."""
+    marker = Path(run_dir) / RESCORE_MARKER
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text())
+    return Path(info["source_run_dir"]), tuple(info["tables"])
+
+
+def _table_home(run_dir: Path, table: str) -> Path:
+    """The folder whose tables/<table> a run's view reads: its own, or a rescore's source run's."""
+    source = rescore_source(run_dir)
+    return run_dir if source is None or table in source[1] else source[0]
+
+
+def discover_runs(root: str | os.PathLike) -> dict[Path, str]:
+    """Every run folder (one with tables/) at or under `root` → its path relative to root
+    ("." for root itself), sorted. Rescore folders are left out: their rows re-state a run's.
+    Does not look inside tables/, checkpoints/ or hidden folders."""
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise ValueError(f"not a runs root: {root} does not exist")
+    found: dict[Path, str] = {}
+    for folder, subfolders, _ in os.walk(root):
+        path = Path(folder)
+        if (path / RESCORE_MARKER).is_file():
+            subfolders.clear()
+            continue
+        if tables_root(path).is_dir():
+            found[path] = path.relative_to(root).as_posix()
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and d not in _NOT_RUNS)
+    if not found:
+        raise ValueError(f"no run folders (folders with tables/) under {root}")
+    return found
 
 
 def ensure_schema_file(run_dir: str | os.PathLike, table: str) -> Path:
@@ -91,6 +133,7 @@ def _source(patterns: list[str], union_by_name: bool) -> str:
 
 def _run_pattern(run_dir: Path, table: str) -> str | None:
     """A glob for one run's files of `table` that matches at least one file, or None."""
+    run_dir = _table_home(run_dir, table)
     if schema_file(run_dir, table).is_file():
         return str(tables_root(run_dir) / table / "**" / "*.parquet")
     if partition_files(run_dir, table):
@@ -107,8 +150,8 @@ def ensure_catalog(
     warn and return instead of raising — a run must not fail over its catalog.
     """
     run_dir = Path(run_dir).resolve()
-    for table in TABLES:
-        ensure_schema_file(run_dir, table)
+    for _, home, table in _views(run_dir):  # a rescore folder's views also read its source run
+        ensure_schema_file(home, table)
     path = run_dir / CATALOG_NAME
     try:
         with _CATALOG_LOCK:
@@ -123,13 +166,23 @@ def ensure_catalog(
 def _create_views(path: Path, run_dir: Path, union_by_name: bool) -> None:
     con = duckdb.connect(str(path))
     try:
-        for table in TABLES:
-            source = _source(
-                [str(tables_root(run_dir) / table / "**" / "*.parquet")], union_by_name
-            )
-            con.execute(f'CREATE OR REPLACE VIEW "{table}" AS SELECT * FROM {source}')
+        for name, home, table in _views(run_dir):
+            source = _source([str(tables_root(home) / table / "**" / "*.parquet")], union_by_name)
+            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM {source}')
+        for name, select in VIEWS.items():
+            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {select}')
     finally:
         con.close()
+
+
+def _views(run_dir: Path) -> list[tuple[str, Path, str]]:
+    """(view name, folder, table) of a run's catalog; a rescore folder adds `original_<table>`
+    over its source run for each table it re-states."""
+    views = [(table, _table_home(run_dir, table), table) for table in TABLES]
+    source = rescore_source(run_dir)
+    if source is not None:
+        views += [(f"original_{table}", source[0], table) for table in source[1]]
+    return views
 
 
 def has_data(run_dirs: RunDirs, table: str) -> bool:
@@ -138,24 +191,55 @@ def has_data(run_dirs: RunDirs, table: str) -> bool:
 
 
 def connect(
-    run_dirs: RunDirs, con: duckdb.DuckDBPyConnection | None = None, *, union_by_name: bool = False
+    run_dirs: RunDirs, con: duckdb.DuckDBPyConnection | None = None, *, union_by_name: bool = False,
+    labels: Mapping[Path, str] | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection (new, in-memory, unless given) with one view per table over all runs.
 
     Each view is the union by column name of the runs' partitions; `run_id` tells rows apart.
     A table with no data in any run is an empty view with the table's columns.
+    labels: a name per run folder (`discover_runs`): every view then has a `run` column after
+    `run_id`. Rescore folders among the runs also get `original_<table>` views (their source's).
     """
     runs = run_dirs_list(run_dirs)
     con = duckdb.connect() if con is None else con
-    for table in TABLES:
-        patterns = [pattern for run in runs if (pattern := _run_pattern(run, table))]
-        if patterns:
-            source = _source(patterns, union_by_name)
-            con.execute(f'CREATE OR REPLACE TEMP VIEW "{table}" AS SELECT * FROM {source}')
+    sources = {run: source for run in runs if (source := rescore_source(run)) is not None}
+    views = [(table, table, {run: run for run in runs}) for table in TABLES]
+    for table in sorted({t for _, tables in sources.values() for t in tables}):
+        homes = {run: src for run, (src, tables) in sources.items() if table in tables}
+        views.append((f"original_{table}", table, homes))
+    for name, table, homes in views:
+        parts = [(run, pattern) for run, home in homes.items() if (pattern := _run_pattern(home, table))]
+        if parts:
+            select = _select(parts, union_by_name, labels)
         else:
             con.register(f"_empty_{table}", schema_for(table).empty_table())
-            con.execute(f'CREATE OR REPLACE TEMP VIEW "{table}" AS SELECT * FROM "_empty_{table}"')
+            select = f'SELECT {_columns(None, labels)} FROM "_empty_{table}"'
+        con.execute(f'CREATE OR REPLACE TEMP VIEW "{name}" AS {select}')
+    for name, select in VIEWS.items():
+        if labels is not None:  # the derived views name their columns: add `run` from the runs' rollouts
+            select = (f"SELECT v.run_id, n.run, v.* EXCLUDE (run_id) FROM ({select}) v LEFT JOIN "
+                      "(SELECT DISTINCT run_id, run FROM rollouts) n ON n.run_id = v.run_id")
+        con.execute(f'CREATE OR REPLACE TEMP VIEW "{name}" AS {select}')
     return con
+
+
+def _columns(label: str | None, labels: Mapping[Path, str] | None) -> str:
+    """`*`, or with labels the run's name as a `run` column right after run_id."""
+    if labels is None:
+        return "*"
+    value = "NULL::VARCHAR" if label is None else _quote(label)
+    return f"run_id, {value} AS run, * EXCLUDE (run_id)"
+
+
+def _select(parts: list[tuple[Path, str]], union_by_name: bool, labels: Mapping[Path, str] | None) -> str:
+    """One SELECT over the runs' files; with labels, one per run tagged with its `run` name."""
+    if labels is None:
+        return f"SELECT * FROM {_source([pattern for _, pattern in parts], union_by_name)}"
+    return " UNION ALL BY NAME ".join(
+        f"SELECT {_columns(labels[run], labels)} FROM {_source([pattern], union_by_name)}"
+        for run, pattern in parts
+    )
 
 
 def relation(

@@ -93,7 +93,7 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _f("zero_variance", pa.bool_()),
         _f("kept", pa.bool_()),
         _f("attempts", pa.int32()),
-        # the group's fate at this step: trained | carried | zero_variance | stale
+        # the group's fate at this step: trained | carried | zero_variance | stale | over_cap
         _opt("status", pa.string()),
     ],
     # one row per kept completion (filter/advantages)
@@ -159,6 +159,16 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("prompt_text", pa.string()),
         _opt("completion_text", pa.string()),
     ],
+    # one row per completion and step that decided its fate (rollouts/fates.py); a carried
+    # completion gets a later row, so its newest row is its fate (the `fates` view)
+    "decisions": _KEY
+    + [
+        _f("sample_id", pa.string()),
+        _f("group_id", pa.string()),
+        # trained | zero_variance | stale | carried | over_cap | reward_error | truncated | filtered
+        _f("status", pa.string()),
+        _f("reason", pa.string()),
+    ],
 }
 
 
@@ -177,3 +187,17 @@ def schema_for(table: str) -> pa.Schema:
     if table not in SCHEMAS:
         raise ValueError(f"unknown table {table!r}; known tables: {', '.join(TABLES)}")
     return SCHEMAS[table]
+
+
+# one row per run that started from a checkpoint (step 0): where its weights came from, so
+# `rlpipe lineage` and SQL follow an RL version back to the SFT checkpoint and version it started from
+_FIELDS["origins"] = _KEY + [
+    _f("parent_checkpoint", pa.string()),  # absolute path of the starting checkpoint folder
+    _opt("parent_run_dir", pa.string()),  # the run folder that wrote it, when it is an rlpipe run
+    _opt("parent_run_id", pa.string()),
+    _opt("parent_step", pa.int64()),
+    _opt("parent_model_name", pa.string()),  # its registered model version, if it was registered
+    _opt("parent_model_version", pa.string()),
+]
+SCHEMAS["origins"] = _with_meta("origins", _FIELDS["origins"])
+TABLES = tuple(SCHEMAS)

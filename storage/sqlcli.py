@@ -3,9 +3,12 @@
     rlpipe sql runs/demo "select step, avg(reward) from scores group by 1 order by 1"
     rlpipe sql runs/a runs/b --query reward_by_step --format csv
     rlpipe sql runs/a --query samples_by_step --format parquet --out samples.parquet
+    rlpipe sql runs "select run, step, avg(reward) from scores group by all"   # every run under runs/
     rlpipe sql --list
 
-Each table name is the union over the given runs, with a `run_id` column. Output is a table on
+Each table name is the union over the given runs, with a `run_id` column. A folder that is not a
+run itself is a runs root: every run folder below it (one with tables/) joins the union, and the
+views get a `run` column after run_id, the run's path relative to the root (e.g. `demo/rl`). Output is a table on
 the terminal, or csv / json (an array of objects) / parquet on stdout or in --out. Nested values
 (token lists, reward components) become JSON text in csv. Exit status 2, with a one-line message
 on stderr, for a bad run folder, an unknown query name, and any SQL error (DuckDB's message).
@@ -26,7 +29,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from storage.catalog import connect, has_data, run_dirs_list
+from storage.catalog import connect, discover_runs, has_data, run_dirs_list
 from storage.queries import canned_queries, canned_sql
 from storage.schemas import TABLES
 
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "args",
         nargs="*",
         metavar="RUN_DIR... [SQL]",
-        help="run folders, then the SQL (unless --query or --list)",
+        help="run folders or runs roots, then the SQL (unless --query or --list)",
     )
     parser.add_argument(
         "--query", "-q", metavar="NAME", help="run the canned query NAME (see --list)"
@@ -73,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run_dirs, sql = _split_args(args)
-        runs = run_dirs_list(run_dirs)
+        runs, labels = expand_runs(run_dirs)
         if args.format == "parquet" and not args.out:
             raise ValueError("--format parquet needs --out FILE")
     except ValueError as error:
         return _fail(str(error))
-    con = connect(runs)
+    con = connect(runs, labels=labels)
     try:
         result = con.sql(sql)
         table = pa.table({}) if result is None else result.to_arrow_table()
@@ -99,6 +102,21 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
     return positional[:-1], positional[-1]
 
 
+def expand_runs(paths: list[str]) -> tuple[list[Path], dict[Path, str] | None]:
+    """Run folders of `paths` (a runs root stands for every run under it) and, when a root was
+    given, each run's `run` label: its path relative to that root (a run given itself: as given)."""
+    runs: dict[Path, str] = {}
+    rooted = False
+    for path in paths or [""]:
+        folder = Path(path).resolve()
+        if folder.is_dir() and not (folder / "tables").is_dir() and not (folder / "catalog.duckdb").is_file():
+            rooted = True
+            runs.update({run: label for run, label in discover_runs(folder).items() if run not in runs})
+        else:
+            runs.setdefault(run_dirs_list([path])[0], path)
+    return list(runs), (runs if rooted else None)
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: {message}", file=sys.stderr)
     return 2
@@ -113,7 +131,9 @@ def _one_line(message: str) -> str:
         if line.strip():
             lines.append(line.strip())
     text = " ".join(lines)
-    if "Catalog Error" in text and "Table" in text:
+    if "Catalog Error" in text and "original_" in text:
+        text += " (original_* tables exist in a rescore folder: rlpipe rescore RUN_DIR --reward ...)"
+    elif "Catalog Error" in text and "Table" in text:
         text += f" (tables: {', '.join(TABLES)})"
     return text
 

@@ -88,6 +88,8 @@ class Tracker(Protocol):
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None: ...
 
+    def set_lineage_tags(self, tags: Mapping[str, str]) -> None: ...
+
     def end(self, status: str = "FINISHED") -> None: ...
 
     def __enter__(self) -> Tracker: ...
@@ -138,6 +140,9 @@ class NullTracker(_EndOnExit):
     def set_alias(self, model_name, alias, version) -> None:
         _check_alias(alias)
 
+    def set_lineage_tags(self, tags) -> None:
+        pass
+
     def end(self, status="FINISHED") -> None:
         self.status = status
 
@@ -154,6 +159,7 @@ class MlflowTracker(_EndOnExit):
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.run_id: str | None = None
         self._pending: list[Any] = []  # async log operations to wait for
+        self.lineage_tags: dict[str, str] = {}  # given to every model version it registers
 
     @classmethod
     def for_runs_root(cls, runs_root: str | os.PathLike) -> MlflowTracker:
@@ -227,9 +233,16 @@ class MlflowTracker(_EndOnExit):
             self.client.create_registered_model(model_name)
         source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
         version = self.client.create_model_version(
-            model_name, source=source, run_id=run_id, tags=dict(tags or {})
+            model_name, source=source, run_id=run_id, tags={**self.lineage_tags, **dict(tags or {})}
         )
         return str(version.version)
+
+    def set_lineage_tags(self, tags) -> None:
+        """Tag the run with where it started (`parent_*`: checkpoint, model version) and give the
+        same tags to every model version it registers from now on (`rlpipe lineage` reads them)."""
+        self.lineage_tags = {key: str(value) for key, value in tags.items() if value is not None}
+        for key, value in self.lineage_tags.items():
+            self.client.set_tag(self._active(), f"rlpipe.{key}", value)
 
     def set_alias(self, model_name, alias, version) -> None:
         _check_alias(alias)
@@ -269,25 +282,37 @@ def download_model(
     import mlflow.artifacts
     from mlflow import MlflowClient
 
-    if not model_uri.startswith("models:/"):
-        raise ValueError(
-            f"model_uri must look like models:/NAME@alias or models:/NAME/VERSION, got {model_uri!r}"
-        )
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    name, sep, alias = model_uri.removeprefix("models:/").partition("@")
-    if sep and alias == "latest":
-        versions = client.search_model_versions(f"name = '{name}'")
-        if not versions:
-            raise ValueError(f"registered model {name!r} has no versions")
-        version = max(versions, key=lambda v: int(v.version))
-    elif sep:
-        version = client.get_model_version_by_alias(name, alias)
-    else:
-        name, _, number = name.partition("/")
-        version = client.get_model_version(name, number)
+    version = resolve_model_version(client, model_uri)
     path = mlflow.artifacts.download_artifacts(
         artifact_uri=version.source,
         dst_path=None if dst_path is None else str(dst_path),
         tracking_uri=tracking_uri,
     )
     return Path(path)
+
+
+def resolve_model_version(client: Any, model_uri: str) -> Any:
+    """The ModelVersion of `models:/NAME/VERSION`, `models:/NAME@alias` or `models:/NAME@latest`
+    (the newest); ValueError naming the URI when it does not resolve."""
+    from mlflow.exceptions import MlflowException
+
+    if not model_uri.startswith("models:/"):
+        raise ValueError(
+            f"model_uri must look like models:/NAME@alias or models:/NAME/VERSION, got {model_uri!r}"
+        )
+    name, sep, alias = model_uri.removeprefix("models:/").partition("@")
+    try:
+        if sep and alias == "latest":
+            versions = client.search_model_versions(f"name = '{name}'")
+            if not versions:
+                raise ValueError(f"registered model {name!r} has no versions")
+            return max(versions, key=lambda v: int(v.version))
+        if sep:
+            return client.get_model_version_by_alias(name, alias)
+        name, _, number = name.partition("/")
+        if not number.isdigit():
+            raise ValueError(f"{model_uri!r}: want models:/NAME/VERSION (a number) or models:/NAME@alias")
+        return client.get_model_version(name, number)
+    except MlflowException as error:
+        raise ValueError(f"{model_uri} does not resolve: {str(error).splitlines()[0]}") from None

@@ -3,9 +3,11 @@ every other group) → the `groups` and `advantages` tables.
 
 The selection itself (zero-variance filter, carry-over, staleness) is training/oversampling.py,
 driven by rollouts/source.py; this stage records its decisions. `groups.status` is each group's
-fate at that step: trained, carried (valid, waits for a later step), zero_variance, or stale
-(dropped for age). A carried group gets a second row at the step that trains or drops it, so a
-group's last row is its final fate.
+fate at that step: trained, carried (valid, waits for a later step), zero_variance, stale
+(dropped for age), or over_cap (the step failed at rl.max_attempts). A carried group gets a second
+row at the step that trains or drops it, so a group's last row is its final fate. The per-completion form, with a reason and the completions
+dropped before grouping (reward errors, truncation), is the `decisions` table behind the `fates`
+view (rollouts/fates.py).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def group_rows(batch: list[Group], decisions: list[GroupDecision], carried: list
         return {"run_id": run_id, "step": step, **group_row(group), "kept": status == "trained",
                 "status": status}
 
+    last = {d.group.group_id: d for d in decisions}  # decided twice in a step (added, replaced): the last
     rows = []
-    for d in decisions:
+    for d in last.values():
         status = d.status if d.status != "valid" else "trained" if d.group.group_id in taken else "carried"
         rows.append(row(d.group, status))
     decided = {d.group.group_id for d in decisions}
@@ -54,8 +57,10 @@ def group_rows(batch: list[Group], decisions: list[GroupDecision], carried: list
 
 
 @stage("filter")
-def select_task(batch, decisions, carried, samples, *, run_dir: Path, run_id: str, step: int) -> None:
+def select_task(batch, decisions, carried, samples, fates: list[dict], *, run_dir: Path, run_id: str,
+                step: int) -> None:
     persist(run_dir, "groups", step, group_rows(batch, decisions, carried, run_id=run_id, step=step), run_id)
+    persist(run_dir, "decisions", step, fates, run_id)
     advantage_rows = [{"run_id": run_id, "step": step, "sample_id": s.sample_id,
                        "group_id": s.rollout.group_id, "advantage": s.advantage} for s in samples]
     persist(run_dir, "advantages", step, advantage_rows, run_id)

@@ -52,8 +52,8 @@ class RunStages:
     def rows_of(self, groups, rows: dict[str, dict]) -> None:
         load_group_rows(groups, rows, self.run_dir)
 
-    def select(self, batch, decisions, carried, samples, *, step: int, empty: bool) -> None:
+    def select(self, batch, decisions, carried, samples, *, step: int, empty: bool, fates: list[dict]) -> None:
         if empty:  # carried-over groups alone fed this step: its sampling tables are empty
             persist(self.run_dir, "rollouts", step, [], self.run_id)
             persist(self.run_dir, "scores", step, [], self.run_id)
-        select_task(batch, decisions, carried, samples, run_dir=self.run_dir, run_id=self.run_id, step=step)
+        select_task(batch, decisions, carried, samples, fates, run_dir=self.run_dir, run_id=self.run_id, step=step)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import Environment, Example, build_env
-from envs.dataset import read_utf8
+from envs.dataset import jsonl_records, read_utf8
 from models.device import resolve_device
 from models.loading import load_model
 from models.presets import build_model
@@ -121,18 +121,10 @@ def env_conversations(env: Environment, n_examples: int, seed: int) -> list[list
 
 def read_chat_jsonl(path: Path) -> list[list[dict]]:
     """Chats from a JSONL file: one `{"messages": [{role, content}, ...]}` (or a bare list) per line."""
-    import json
-
     if not path.is_file():
         raise ValueError(f"SFT data file not found: {path}")
     chats = []
-    for number, line in enumerate(read_utf8(path).split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
+    for number, record in jsonl_records(path):
         messages = record.get("messages") if isinstance(record, dict) else record
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"{path}:{number}: expected {{'messages': [{{'role', 'content'}}, ...]}}")
@@ -154,27 +146,18 @@ def sft_data(env: Environment, tokenizer, n_examples: int, seed: int, max_len: i
 
 def read_documents(path: Path) -> list[str]:
     """Documents of a text file (one per line) or a JSONL file with a `text` field."""
-    import json
-
     if not path.is_file():
         raise ValueError(f"pretrain data file not found: {path}")
-    text = read_utf8(path)
     if path.suffix == ".jsonl":
         docs = []
-        for number, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
+        for number, record in jsonl_records(path):
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: JSONL record is not an object")
             if "text" not in record:
                 raise ValueError(f"{path}:{number}: JSONL record has no 'text' field")
             docs.append(str(record["text"]))
         return docs
-    return [line for line in text.splitlines() if line.strip()]
+    return [line for line in read_utf8(path).splitlines() if line.strip()]
 
 
 def pretrain_data(env: Environment, tokenizer, section, seed: int) -> list[Sequence]:

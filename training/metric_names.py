@@ -29,6 +29,11 @@ TOKENS_PER_SECOND = "perf/tokens_per_second"
 SECONDS_TOTAL = "perf/seconds_total"
 
 
+def fate(status: str) -> str:
+    """rollout/fate_<status>: completions given that fate at the step (rollouts/fates.py)."""
+    return f"rollout/fate_{status}"
+
+
 def seconds(phase: str) -> str:
     """perf/seconds_<phase>: wall-clock of one phase of the step."""
     return f"perf/seconds_{phase}"

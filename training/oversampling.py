@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 
 
 class BatchFillError(RuntimeError):
-    """The buffer could not collect enough valid groups within max_attempts sampling rounds."""
+    """The buffer could not collect enough valid groups within max_attempts sampling rounds;
+    `decisions` holds what the rounds of the failed batch decided (their groups' fate rows)."""
+
+    decisions: list[GroupDecision]
 
 
 def staleness_limit(rl: RLConfig) -> int:
@@ -45,11 +48,13 @@ _COUNTERS = ("sampled_groups", "zero_var_groups", "valid_groups", "stale_dropped
 @dataclass
 class GroupDecision:
     """What the buffer did with one group: status is 'valid', 'zero_variance' or 'stale'
-    (dropped for age; `kept` in the groups table says whether a valid group was trained)."""
+    (dropped for age; `kept` in the groups table says whether a valid group was trained), and
+    `reason`, the human text of a drop (the `fates` view, rollouts/fates.py)."""
 
     group: Group
     stats: GroupStats
     status: str
+    reason: str = ""
 
 
 @dataclass
@@ -77,7 +82,9 @@ class GroupBuffer:
         stale = [g for g in self.pending if policy_version - g.policy_version > limit]
         self._count("stale_dropped", len(stale))
         self.pending = [g for g in self.pending if policy_version - g.policy_version <= limit]
-        return [GroupDecision(g, g.stats(ZERO_VARIANCE_EPS), "stale") for g in stale]
+        return [GroupDecision(g, g.stats(ZERO_VARIANCE_EPS), "stale",
+                              f"policy version {g.policy_version} lags training version {policy_version} by "
+                              f"more than the staleness limit {limit}") for g in stale]
 
     def need(self) -> int:
         """Valid groups still missing for a full batch."""
@@ -116,25 +123,30 @@ class GroupBuffer:
             self._count("sampled_groups")
             if stats.zero_variance and self.rl.drop_zero_variance:
                 self._count("zero_var_groups")
-                status = "zero_variance"
+                decisions.append(GroupDecision(g, stats, "zero_variance", f"group reward std {stats.std:.3g} <= "
+                                               f"eps {ZERO_VARIANCE_EPS:g} (all {stats.n} rewards equal)"))
             else:
                 self._count("valid_groups")
-                status = "valid" if self._insert(g) else "stale"
-            decisions.append(GroupDecision(group=g, stats=stats, status=status))
+                decisions += self._insert(g, stats)
         return decisions
 
-    def _insert(self, group: Group) -> bool:
-        """Keep only the latest policy version of each example; False when `group` is older."""
+    def _insert(self, group: Group, stats: GroupStats) -> list[GroupDecision]:
+        """Keep only the latest policy version of each example: `group` is 'valid', or 'stale'
+        when a newer one waits; older waiting groups it replaces are evicted as 'stale'."""
         same = [p for p in self.pending if (p.env, p.example_id) == (group.env, group.example_id)]
-        if any(p.policy_version > group.policy_version for p in same):
+        newer = [p for p in same if p.policy_version > group.policy_version]
+        if newer:
             self._count("stale_dropped")
-            return False
-        older = {id(p) for p in same if p.policy_version < group.policy_version}
+            return [GroupDecision(group, stats, "stale", f"group {newer[0].group_id} of the same example from "
+                                  f"newer policy version {newer[0].policy_version} is waiting")]
+        older = [p for p in same if p.policy_version < group.policy_version]
         if older:
             self._count("stale_dropped", len(older))
-            self.pending = [p for p in self.pending if id(p) not in older]
+            self.pending = [p for p in self.pending if all(p is not o for o in older)]
         self.pending.append(group)
-        return True
+        return [GroupDecision(p, p.stats(ZERO_VARIANCE_EPS), "stale", f"replaced by group {group.group_id} of the "
+                              f"same example from newer policy version {group.policy_version}") for p in older
+                ] + [GroupDecision(group, stats, "valid")]
 
     def fill(self, policy_version: int, sample_round: Callable[[int, int], Sequence[Group]]
              ) -> list[GroupDecision]:
@@ -145,7 +157,11 @@ class GroupBuffer:
         while self.need() > 0:
             if self.rl.partial_batches and self.attempts >= self.rl.max_attempts:
                 break  # train on what the rounds found
-            attempt = self.begin_attempt()
+            try:
+                attempt = self.begin_attempt()
+            except BatchFillError as error:
+                error.decisions = decisions  # the fate of what the failed rounds sampled
+                raise
             decisions += self.add(sample_round(attempt, self.prompts_to_sample()))
         return decisions
 

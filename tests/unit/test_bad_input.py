@@ -34,6 +34,17 @@ def test_non_utf8_data_names_the_file_and_line(tmp_path, reader, name, good):
     assert len(reader(path)) == 2
 
 
+@pytest.mark.parametrize("reader, name, good", [
+    (read_rows, "data.jsonl", json.dumps({"prompt": "1+1", "answer": 2}).encode()),
+    (read_chat_jsonl, "chats.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()),
+    (read_documents, "docs.jsonl", json.dumps({"text": "a document"}).encode()),
+])
+def test_a_jsonl_line_that_is_not_json_names_the_file_and_line(tmp_path, reader, name, good):
+    path = write_lines(tmp_path / name, [good, b"", b'{"text": "unterminated', good])
+    with pytest.raises(ValueError, match=rf"{name}: line 3 is not valid JSON"):
+        reader(path)
+
+
 def test_a_json_dataset_that_is_not_utf8_names_its_line(tmp_path):
     path = tmp_path / "rows.json"
     path.write_bytes(b'[\n{"prompt": "x", "answer": 1},\n{"prompt": "' + LATIN1 + b'", "answer": 2}\n]\n')

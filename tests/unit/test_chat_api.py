@@ -69,7 +69,11 @@ def test_chat_content_parts_greedy_and_refusals(client):
                          ({"messages": MESSAGES, "stop": ["\n"]}, "stop strings are not supported"),
                          ({"messages": MESSAGES, "response_format": {}}, "response_format"),
                          ({"messages": [{"role": "robot", "content": "x"}]}, "unknown chat role"),
-                         ({"messages": MESSAGES, "model": "other"}, "does not exist")]:
+                         ({"messages": MESSAGES, "model": "other"}, "does not exist"),
+                         # the same sampling checks as /v1/completions (engines.protocol.sampling_params)
+                         ({"messages": MESSAGES, "temperature": 1e-6}, "smaller ones overflow"),
+                         ({"messages": MESSAGES, "seed": 2**64}, "seed must be in"),
+                         ({"messages": MESSAGES, "echo": True}, "echo")]:
         response = client.post("/v1/chat/completions", json=bad)
         assert response.status_code in (400, 404) and message in response.text, (bad, response.text)
 

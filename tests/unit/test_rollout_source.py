@@ -37,7 +37,7 @@ class FakeStages:
     def rows_of(self, groups, rows):
         pass
 
-    def select(self, batch, decisions, carried, samples, *, step, empty):
+    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
         pass
 
 

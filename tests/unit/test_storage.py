@@ -15,6 +15,7 @@ import pytest
 from storage import catalog
 from storage.layout import partition_file, schema_file
 from storage.schemas import META_TABLE, META_VERSION, SCHEMA_VERSION, SCHEMAS, TABLES, schema_for
+from storage.views import VIEWS
 from storage.writer import conform, is_complete, read_table, write_table
 
 # One full row per table (run_id and step left to the writer), values exact in float32.
@@ -105,6 +106,7 @@ EXAMPLE_ROWS: dict[str, dict] = {
         ok=True,
         error=None,
     ),
+    "decisions": dict(sample_id="g1-0", group_id="g1", status="trained", reason="trained at step 1"),
     "evals": dict(
         env="arithmetic",
         example_id="5",
@@ -112,6 +114,14 @@ EXAMPLE_ROWS: dict[str, dict] = {
         correct=True,
         prompt_text="2+2=",
         completion_text="4",
+    ),
+    "origins": dict(
+        parent_checkpoint="/runs/demo/sft/checkpoints/step_000040",
+        parent_run_dir="/runs/demo/sft",
+        parent_run_id="demo/sft",
+        parent_step=40,
+        parent_model_name="demo-sft",
+        parent_model_version="1",
     ),
 }
 
@@ -237,7 +247,7 @@ def test_catalog_file_has_every_view_and_sees_new_partitions(tmp_path):
         name
         for (name,) in con.sql("select view_name from duckdb_views() where not internal").fetchall()
     }
-    assert views == set(TABLES)
+    assert views == set(TABLES) | set(VIEWS)
     assert con.sql("select count(*) from evals").fetchall() == [(0,)]  # a view before any data
     assert con.sql("select count(*) from scores").fetchall() == [(1,)]
     con.close()

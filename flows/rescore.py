@@ -1,0 +1,100 @@
+"""`rlpipe rescore RUN_DIR --reward module:function [--name NAME | --out DIR]`: re-score a run's
+stored rollouts with another reward function and recompute their advantages (tasks/rescore.py),
+then print the per-step comparison (canned query `rescore_compare`).
+
+    rlpipe rescore runs/demo/rl --reward envs.rewards:exact_match
+    rlpipe sql runs/demo/rl/rescore/exact_match --query rescore_compare
+
+No Prefect flow: a command over finished tables. Exit status 2 with a one-line message for a bad
+run folder, a --reward that does not import, or an output folder that holds something else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+PROG = "rlpipe rescore"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Re-score a run's stored rollouts with another "
+                                     "reward function; write counterfactual scores, groups and advantages.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="an RL run folder (e.g. runs/demo/rl)")
+    parser.add_argument("--reward", required=True, metavar="MODULE:FUNCTION",
+                        help="fn(completion_text, answer, example) -> float | (float, components), "
+                             "or a registered reward name")
+    parser.add_argument("--name", help="folder name under RUN_DIR/rescore/ (default: the function's name)")
+    parser.add_argument("--out", metavar="DIR", help="write the rescore folder here instead")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    from flows.common import quiet_defaults
+
+    quiet_defaults()
+    try:
+        out_dir, counts = rescore(Path(args.run_dir), args.reward, args.name, args.out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
+    print(f"re-scored {counts['rollouts']} rollouts of {Path(args.run_dir).resolve()} with {args.reward} "
+          f"into {out_dir}")
+    if counts["errors"]:
+        print(f"{PROG}: {counts['errors']} reward call(s) raised or timed out: recorded in scores.error "
+              f"(reward 0); see `rlpipe sql {out_dir} \"select sample_id, error from scores where error is not null\"`",
+              file=sys.stderr)
+    from storage.queries import run_canned
+    from storage.sqlcli import main as sql_main
+
+    print(summary(run_canned([out_dir], "rescore_compare").to_pylist()))
+    return sql_main([str(out_dir), "--query", "rescore_compare"])
+
+
+def summary(rows: list[dict]) -> str:
+    """The comparison's totals in two lines (rows of the canned query rescore_compare)."""
+    total = {key: sum(row[key] for row in rows) for key in rows[0] if key.startswith(("groups_", "samples_"))} \
+        if rows else {}
+    if not total:
+        return "nothing was trained in the run: no comparison"
+    return (f"groups trained {total['groups_trained']}: {total['groups_kept']} kept, {total['groups_dropped']} "
+            f"dropped (zero variance), {total['groups_gained']} dropped groups would now pass\n"
+            f"samples trained {total['samples_trained']}: {total['samples_kept']} kept, {total['samples_flipped']} "
+            f"with their advantage's sign flipped, {total['samples_zeroed']} zeroed")
+
+
+def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tuple[Path, dict[str, int]]:
+    """Load the run's config and the reward, re-score into the rescore folder; (folder, counts)."""
+    from envs.base import build_env
+    from flows.config import validate_config
+    from flows.progress import progress
+    from storage.layout import partition_files
+    from tasks.rescore import load_reward, rescore_run, scoring_env
+    from tasks.rl_setup import overlong_penalty_fn
+
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"not a run directory: {run_dir} has no config.json")
+    config = validate_config(json.loads(config_path.read_text()), str(config_path))
+    fn = load_reward(reward)
+    name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", reward.rpartition(":")[2]) or "rescore"
+    out_dir = Path(out) if out else run_dir / "rescore" / name
+    env = build_env(config.task.env, **config.task.options)
+    total = sum(pq.read_metadata(path).num_rows for _, path in partition_files(run_dir, "rollouts"))
+    bar = progress(total=total, desc="rescore", unit="rollout")
+    try:
+        counts = rescore_run(run_dir, out_dir, reward=reward, env=env,
+                             scorer=scoring_env(env, fn, config.task.reward_timeout_s), rl=config.rl,
+                             seed=config.seed, length_penalty=overlong_penalty_fn(config.rl), tick=bar.update)
+    finally:
+        bar.close()
+    return out_dir.resolve(), counts

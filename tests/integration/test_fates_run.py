@@ -1,0 +1,63 @@
+"""Every sampled completion's fate after a tiny RL run that exercises several of them: carried
+surplus (over-sampling x2), zero-variance groups, a reward function that raises for some samples,
+truncation at max_new_tokens with rl.drop_truncated. One `fates` row per `rollouts` row, and the
+logged rollout/fate_* counters equal the counts of those rows."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from tests.integration.test_rl_loop_regression import config_dict, sft_checkpoint  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+
+def flaky_score(original):
+    """The arithmetic reward, raising for about one completion in five (deterministically)."""
+    def score(self, example, completion_text):
+        if zlib.crc32(f"{example.example_id}|{completion_text}".encode()) % 5 == 0:
+            raise ValueError(f"flaky reward on {completion_text!r}")
+        return original(self, example, completion_text)
+    return score
+
+
+def test_every_rollout_has_one_fate_and_the_counters_match(sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
+    import flows.rl
+    from envs.arithmetic import ArithmeticEnv
+    from flows.config import validate_config
+    from storage.catalog import connect
+    from storage.tracking import NullTracker
+
+    tracker = NullTracker()
+    monkeypatch.setattr(flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
+    monkeypatch.setattr(ArithmeticEnv, "score", flaky_score(ArithmeticEnv.score))
+    config = validate_config(config_dict(tmp_path, "fates", {
+        "steps": 4, "drop_truncated": True, "max_reward_error_fraction": 1.0, "max_attempts": 20,
+        "sampling": {"max_new_tokens": 2}}))
+    flows.rl.run_rl(config, start_checkpoint=sft_checkpoint)
+    con = connect(config.run_dir / "rl")
+
+    def one(sql: str):
+        return con.sql(sql).fetchall()[0][0]
+
+    assert one("select count(*) from rollouts") == one("select count(*) from fates") > 0
+    assert one("select count(*) - count(distinct sample_id) from fates") == 0
+    assert one("select count(*) from fates where status is null or reason is null") == 0
+    counts = dict(con.sql("select status, count(*) from fates group by 1").fetchall())
+    for status in ("trained", "carried", "zero_variance", "reward_error", "truncated"):
+        assert counts.get(status, 0) > 0, (status, counts)
+    # trained fates are exactly the advantages rows, at their step
+    assert one("""select count(*) from fates f full join advantages a using (run_id, sample_id)
+                  where (f.status = 'trained' or a.step is not null) and f.trained_step is distinct from a.step""") == 0
+    assert one("select count(*) from fates where status = 'reward_error' and reward is not null") == 0
+    assert one("""select count(*) from fates f join scores s using (run_id, sample_id)
+                  where (s.error is not null) <> (f.status = 'reward_error')""") == 0
+
+    logged = [metrics for step, metrics in tracker.metrics if step >= 1 and "rollout/fate_trained" in metrics]
+    assert len(logged) == 4
+    for status in ("trained", "zero_variance", "stale", "reward_error", "truncated", "filtered", "over_cap"):
+        assert sum(m[f"rollout/fate_{status}"] for m in logged) == counts.get(status, 0), status
+    assert logged[-1]["rollout/fate_carried"] == counts["carried"]
+    assert sum(m["rollout/reward_errors"] for m in logged) == counts["reward_error"]

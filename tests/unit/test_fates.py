@@ -1,0 +1,134 @@
+"""Per-completion fates (rollouts/fates.py): what the buffer and the source decide, as rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from envs.base import Example
+from envs.prompts import PromptSource
+from flows.config import RLConfig
+from rollouts.fates import STATUSES, decision_rows, fate_metrics, sample_drop
+from rollouts.records import Rollout, Score
+from rollouts.source import RolloutSource
+from training.advantages import Group
+from training.oversampling import BatchFillError, GroupBuffer
+
+
+def group(gid: str, example: str, version: int, rewards: list[float]) -> Group:
+    return Group(gid, "e", example, version, [f"{gid}:{j}" for j in range(len(rewards))], rewards)
+
+
+def rollout(sid: str, finish_reason: str = "stop") -> Rollout:
+    return Rollout(run_id="r", step=1, policy_version=0, env="e", example_id="x", group_id=sid[:-2], sample_id=sid,
+                   attempt=1, prompt_tokens=[1], completion_tokens=[2], completion_logprobs=[-1.0],
+                   finish_reason=finish_reason, prompt_text="", completion_text="", n_prompt_tokens=1,
+                   n_completion_tokens=1)
+
+
+def test_a_replaced_group_is_recorded_stale_not_left_carried():
+    buffer = GroupBuffer(RLConfig(prompts_per_step=2, max_staleness=5))
+    buffer.start_batch(0)
+    buffer.add([group("old", "a", 0, [0, 1])])
+    buffer.start_batch(1)
+    decisions = buffer.add([group("new", "a", 1, [0, 1]), group("older", "a", 0, [1, 0])])
+    assert [(d.group.group_id, d.status) for d in decisions] == [("old", "stale"), ("new", "valid"),
+                                                                ("older", "stale")]
+    assert "replaced by group new" in decisions[0].reason and "newer policy version 1" in decisions[2].reason
+    rows = decision_rows([], decisions, step=2)
+    assert {(r["sample_id"], r["status"]) for r in rows} == {
+        ("old:0", "stale"), ("old:1", "stale"), ("new:0", "carried"), ("new:1", "carried"),
+        ("older:0", "stale"), ("older:1", "stale")}
+
+
+def test_a_group_decided_twice_in_a_step_keeps_its_last_decision_and_the_batch_is_trained():
+    buffer = GroupBuffer(RLConfig(prompts_per_step=1, max_staleness=5))
+    buffer.start_batch(0)
+    decisions = buffer.add([group("a0", "a", 0, [0, 1]), group("a1", "a", 1, [0, 1]), group("z", "b", 1, [1, 1])])
+    batch, _ = buffer.take()
+    rows = decision_rows(batch, decisions, step=1)
+    by_sample = {r["sample_id"]: r for r in rows}
+    assert len(rows) == len(by_sample) == 6  # one row per completion
+    assert by_sample["a0:0"]["status"] == "stale"
+    assert by_sample["a1:0"]["status"] == "trained" and "trained at step 1" in by_sample["a1:0"]["reason"]
+    assert by_sample["z:1"]["status"] == "zero_variance" and "std 0 <= eps 1e-06" in by_sample["z:1"]["reason"]
+    metrics = fate_metrics(rows, buffer.pending)
+    assert metrics["rollout/fate_trained"] == 2 and metrics["rollout/fate_stale"] == 2
+    assert metrics["rollout/fate_zero_variance"] == 2 and metrics["rollout/fate_carried"] == 0
+    assert set(metrics) == {f"rollout/fate_{s}" for s in STATUSES}
+
+
+def test_sample_drops_name_the_reason():
+    rl = RLConfig(drop_truncated=True, sampling={"max_new_tokens": 7})
+    ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
+    assert sample_drop(rollout("g:0"), ok, rl) is None
+    assert sample_drop(rollout("g:0", "length"), ok, rl) == (
+        "truncated", "cut at rl.sampling.max_new_tokens=7 (finish_reason 'length') and rl.drop_truncated is on")
+    assert sample_drop(rollout("g:0", "length"), ok, RLConfig()) is None  # trained by default
+    failed = Score("r", 1, "g:0", "g", 0.0, {}, "ZeroDivisionError: boom\nTraceback ...")
+    assert sample_drop(rollout("g:0"), failed, rl) == ("reward_error", "reward function raised: ZeroDivisionError: boom")
+
+
+class Stages:
+    """Four completions per prompt (rewards 0, 1, 1, 1), the first one's reward raising; with
+    `flat`, only the first group of round 1 has unequal rewards. Records the source's fate rows."""
+
+    def __init__(self, flat: bool = False) -> None:
+        self.flat, self.fates = flat, {}
+
+    def generate(self, examples, *, step, attempt, policy_version, previous):
+        return [Rollout(run_id="r", step=step, policy_version=policy_version, env=e.env, example_id=e.example_id,
+                        group_id=f"s{step}a{attempt}g{i}", sample_id=f"s{step}a{attempt}g{i}:{j}", attempt=attempt,
+                        prompt_tokens=[1], completion_tokens=[2], completion_logprobs=[-1.0], finish_reason="stop",
+                        prompt_text="", completion_text=str(j), n_prompt_tokens=1, n_completion_tokens=1)
+                for i, e in enumerate(examples) for j in range(4)]
+
+    def score(self, examples, rollouts, *, step, previous):
+        def reward(r):
+            return 1.0 if self.flat and not r.group_id.endswith("a1g0") else float(r.completion_text != "1")
+        return [Score("r", step, r.sample_id, r.group_id, reward(r), {},
+                      "ValueError: no" if r.completion_text == "0" else None) for r in rollouts]
+
+    def rows_of(self, groups, rows):
+        pass
+
+    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
+        self.fates[step] = fates
+
+
+def source(rl: RLConfig, stages: Stages) -> RolloutSource:
+    examples = [Example("e", str(i), f"q{i}", None) for i in range(100)]
+    return RolloutSource(rl, PromptSource(examples, seed=0), GroupBuffer(rl), stages, start_step=0,
+                         published_version=0)
+
+
+def test_every_sampled_completion_gets_one_final_fate_and_the_metrics_count_them():
+    stages = Stages()
+    rl = RLConfig(steps=3, prompts_per_step=2, oversample_factor=2.0)
+    logged = []
+    with source(rl, stages) as src:
+        for step in range(1, 4):
+            logged.append(src.batch(step).metrics)
+            src.publish(step)
+    final = {}
+    for step in sorted(stages.fates):
+        final |= {r["sample_id"]: (step, r["status"]) for r in stages.fates[step]}
+    statuses = [status for _, status in final.values()]
+    assert statuses.count("reward_error") == len(final) // 4  # completion 0 of every group
+    assert statuses.count("trained") == 3 * 2 * 3  # 3 steps x 2 groups x 3 scored completions
+    for status in STATUSES:
+        if status != "carried":
+            assert sum(m[f"rollout/fate_{status}"] for m in logged) == statuses.count(status)
+    assert logged[-1]["rollout/fate_carried"] == statuses.count("carried") > 0
+
+
+def test_a_step_that_cannot_fill_its_batch_records_its_samples_before_failing():
+    stages = Stages(flat=True)  # one valid group in two rounds, for a batch of two
+    rl = RLConfig(steps=1, prompts_per_step=2, max_attempts=2)
+    with source(rl, stages) as src, pytest.raises(BatchFillError):
+        src.batch(1)
+    rows = stages.fates[1]
+    assert len(rows) == len({r["sample_id"] for r in rows}) == 4 * (2 + 2)  # round 2: 1 missing / valid share 1/2
+    over = [r for r in rows if r["status"] == "over_cap"]
+    assert [r["sample_id"] for r in over] == ["s1a1g0:1", "s1a1g0:2", "s1a1g0:3"]
+    assert "rl.max_attempts=2" in over[0]["reason"] and "the run stopped" in over[0]["reason"]
+    assert {r["status"] for r in rows} == {"reward_error", "zero_variance", "over_cap"}
