@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "lineage": ("storage.lineage", "main", "the run, steps and rollouts behind a registered model version"),
     "report": ("dashboards.report", "main", "write the HTML run report"),
     "serve": ("engines.serve_cli", "main", "serve a checkpoint over HTTP (torch engine)"),
+    "replay": ("flows.replay", "main", "recompute an RL step from the tables and compare"),
 }
 
 

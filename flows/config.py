@@ -187,6 +187,10 @@ class RLConfig(Section):
     drop_truncated: bool = False
     """Leave completions cut at sampling.max_new_tokens out of their group (DAPO's overlong
     filtering); their fate is `truncated`. Off: they are trained like any other."""
+    sample_filter: str = ""
+    """A user filter "module:function", called as f(rollout, score) on every scored completion
+    (rollouts.records): True keeps it; False or a reason string leaves it out of its group, with
+    the fate `filtered` ("" = none)."""
     loss: Literal["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"] = "reinforce"
     """Policy loss (training/rl_loss.py): on-policy REINFORCE; PPO clipped token ratio against the
     engine's log-probs; GSPO sequence ratio (normalised per sequence); CISPO clipped, detached IS

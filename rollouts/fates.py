@@ -6,7 +6,7 @@ completion and decision step:
 
 - per completion, before grouping (`sample_drop`): `reward_error` (the reward function raised:
   its made-up reward of 0 is not trained on), `truncated` (cut at max_new_tokens, with
-  rl.drop_truncated), `filtered` (reserved for a user filter; nothing drops for it yet);
+  rl.drop_truncated), `filtered` (the user filter rl.sample_filter returned False or a reason);
 - per group, by the over-sampling buffer (`decision_rows`): `trained`, `carried` (valid surplus
   waiting for a later step), `zero_variance`, `stale` (too old, or replaced by a newer group of
   the same example), `over_cap` (sampled by a step that used up rl.max_attempts without filling
@@ -21,7 +21,9 @@ Plain Python, no Prefect and no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import importlib
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,19 @@ if TYPE_CHECKING:
 STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_error", "truncated", "filtered")
 
 
+@functools.cache
+def user_filter(spec: str) -> Callable[[Rollout, Score], bool | str]:
+    """The function a "module:function" spec names; ValueError naming the spec otherwise."""
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name) if module and name else None
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"rl.sample_filter {spec!r}: {error}") from None
+    if not callable(fn):
+        raise ValueError(f"rl.sample_filter must name a function as 'module:function', got {spec!r}")
+    return fn
+
+
 def sample_drop(rollout: Rollout, score: Score, rl: RLConfig) -> tuple[str, str] | None:
     """(status, reason) when the completion is left out of its group before selection, else None."""
     if score.error is not None:
@@ -44,6 +59,11 @@ def sample_drop(rollout: Rollout, score: Score, rl: RLConfig) -> tuple[str, str]
     if rl.drop_truncated and rollout.finish_reason == "length":
         return "truncated", (f"cut at rl.sampling.max_new_tokens={rl.sampling.max_new_tokens} "
                              "(finish_reason 'length') and rl.drop_truncated is on")
+    if rl.sample_filter:
+        verdict = user_filter(rl.sample_filter)(rollout, score)
+        if verdict is not True:
+            why = verdict if isinstance(verdict, str) and verdict else "returned False"
+            return "filtered", f"{rl.sample_filter}: {why}"
     return None
 
 

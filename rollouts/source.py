@@ -9,7 +9,8 @@ rollouts with their advantages.
 
 Behind it: sampling rounds (generate and score stages, injected as `RolloutStages`), the
 over-sampling buffer (training.oversampling: zero-variance filter, carry-over, max-attempts guard,
-partial batches) and the filter/advantages stage.
+partial batches) and the filter/advantages stage, which also records every sampled completion's
+fate (rollouts/fates.py: completions left out before grouping, then each group's decision).
 
 `rl.max_off_policy_steps = k`:
 - k = 0: `batch(step)` fills the step's batch inline from the current weights (on-policy).
@@ -30,7 +31,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollouts.fates import decision_rows, drop_rows, fate_metrics, over_cap, sample_drop
+from rollouts.fates import (
+    decision_rows,
+    drop_rows,
+    fate_metrics,
+    over_cap,
+    sample_drop,
+    user_filter,
+)
 from rollouts.records import Rollout, Score
 from training import metric_names as m
 from training.advantages import Group, make_groups
@@ -95,6 +103,8 @@ class RolloutSource:
     def __init__(self, rl: RLConfig, prompts: PromptSource, buffer: GroupBuffer, stages: RolloutStages,
                  *, start_step: int, published_version: int) -> None:
         self.rl, self.prompts, self.buffer, self.stages = rl, prompts, buffer, stages
+        if rl.sample_filter:
+            user_filter(rl.sample_filter)  # a bad spec fails here, before any sampling
         self.ahead = rl.max_off_policy_steps
         self._examples: dict[str, Example] = {}
         self._rows: dict[str, Rollout] = {}
@@ -178,16 +188,7 @@ class RolloutSource:
             sampled.extend(new)
             scored.extend(new_scores)
             self._rows.update({r.sample_id: r for r in new})
-            kept = []
-            for r, score in zip(new, new_scores, strict=True):
-                drop = sample_drop(r, score, self.rl)
-                if drop is None:
-                    kept.append({"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
-                                 "policy_version": r.policy_version, "sample_id": r.sample_id,
-                                 "reward": score.reward})
-                else:
-                    drops.append((r, *drop))
-            return make_groups(kept, attempt)
+            return _groups(new, new_scores, self.rl, attempt, drops)
 
         train_version = (step - 1) * self.rl.ppo_epochs
         carried = list(self.buffer.pending)
@@ -212,6 +213,21 @@ class RolloutSource:
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)
         return StepBatch(step=step, samples=samples, metrics=metrics, seconds=watch.seconds,
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
+
+
+def _groups(rollouts: list[Rollout], scores: list[Score], rl: RLConfig, attempt: int,
+            drops: list[tuple[Rollout, str, str]]) -> list[Group]:
+    """A round's groups of scored completions; those left out first (reward errors, truncation,
+    the user filter: rollouts/fates.py) are appended to `drops` as (rollout, status, reason)."""
+    kept = []
+    for r, score in zip(rollouts, scores, strict=True):
+        drop = sample_drop(r, score, rl)
+        if drop is not None:
+            drops.append((r, *drop))
+            continue
+        kept.append({"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
+                     "policy_version": r.policy_version, "sample_id": r.sample_id, "reward": score.reward})
+    return make_groups(kept, attempt)
 
 
 def _train_samples(batch: list[Group], rows: dict[str, Rollout], rl: RLConfig) -> list[TrainSample]:

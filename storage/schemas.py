@@ -169,6 +169,27 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _f("status", pa.string()),
         _f("reason", pa.string()),
     ],
+    # one row per packed micro-batch an RL step trained on, exactly (tasks/tokens.py): the
+    # PackedBatch tensors (token lists, int64 ones stored as int32), the trainer's per-token
+    # log-probs of the step's last epoch, and per token the trained completion token it predicts
+    # (token_sample: index into sample_ids, -1 elsewhere; token_position: in the completion)
+    "train_tokens": _KEY
+    + [
+        _f("batch_id", pa.int32()),
+        _f("sample_ids", pa.list_(pa.string())),  # per segment; "" on shared-prefix segments
+        _f("tokens", _TOKENS),
+        _f("position_ids", _TOKENS),
+        _f("cu_seqlens", _TOKENS),
+        _f("labels", _TOKENS),
+        _f("token_weights", _LOGPROBS),
+        _opt("log_probs", _LOGPROBS),  # the generator's
+        _opt("rewards", _LOGPROBS),
+        _opt("prefix_index", _TOKENS),
+        _opt("loss_mask", pa.list_(pa.bool_())),
+        _opt("trainer_logprobs", _LOGPROBS),  # null when the step did not run the model (skipped)
+        _f("token_sample", _TOKENS),
+        _f("token_position", _TOKENS),
+    ],
 }
 
 

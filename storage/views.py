@@ -26,5 +26,18 @@ LEFT JOIN (SELECT * FROM decisions
 LEFT JOIN scores s ON s.run_id = r.run_id AND s.sample_id = r.sample_id
 """
 
-VIEWS: dict[str, str] = {"fates": FATES}
+TOKENS = """
+SELECT t.run_id, t.step, t.batch_id, split_part(t.sample_ids[t.segment + 1], '#', 1) AS sample_id,
+       t.position, t.token_id, t.generator_logprob, t.trainer_logprob, t.weight, a.advantage
+FROM (SELECT run_id, step, batch_id, sample_ids,
+             unnest(token_sample) AS segment, unnest(token_position) AS position, unnest(labels) AS token_id,
+             unnest(log_probs) AS generator_logprob, unnest(trainer_logprobs) AS trainer_logprob,
+             unnest(token_weights) AS weight
+      FROM train_tokens) t
+LEFT JOIN advantages a
+       ON a.run_id = t.run_id AND a.step = t.step AND a.sample_id = split_part(t.sample_ids[t.segment + 1], '#', 1)
+WHERE t.segment >= 0
+"""
+
+VIEWS: dict[str, str] = {"fates": FATES, "tokens": TOKENS}
 """View name -> its SELECT over the table views (created after them, in this order)."""

@@ -68,6 +68,21 @@ def test_sample_drops_name_the_reason():
     assert sample_drop(rollout("g:0"), failed, rl) == ("reward_error", "reward function raised: ZeroDivisionError: boom")
 
 
+def keep_short(rollout, score):
+    """A user filter for the test below: completions over one token are dropped, with a reason."""
+    return True if rollout.n_completion_tokens <= 1 else f"{rollout.n_completion_tokens} tokens"
+
+
+def test_a_user_filter_drops_completions_as_filtered():
+    rl = RLConfig(sample_filter="tests.unit.test_fates:keep_short")
+    ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
+    assert sample_drop(rollout("g:0"), ok, rl) is None
+    long = Rollout(**{**rollout("g:0").row(), "completion_tokens": [2, 3], "n_completion_tokens": 2})
+    assert sample_drop(long, ok, rl) == ("filtered", "tests.unit.test_fates:keep_short: 2 tokens")
+    with pytest.raises(ValueError, match="rl.sample_filter 'tests.unit.test_fates:nothing'"):
+        sample_drop(rollout("g:0"), ok, RLConfig(sample_filter="tests.unit.test_fates:nothing"))
+
+
 class Stages:
     """Four completions per prompt (rewards 0, 1, 1, 1), the first one's reward raising; with
     `flat`, only the first group of round 1 has unequal rewards. Records the source's fate rows."""

@@ -1,0 +1,252 @@
+"""Replay one RL optimizer step from the stored tables and the checkpoint before it, and compare
+its loss, grad norm, lr and per-token trainer log-probs with what the run logged.
+
+    report = replay_step(run_dir, step)        # StepCheck per replayed step; report.ok
+
+How: the trainer state before step N is the checkpoint `step_<N-1>` (weights, optimizer and
+scheduler state). Without one, the nearest earlier checkpoint (or, before any, the run's starting
+weights: `--start`, the `origins` table, `model.path`, else the seeded preset) is loaded and the
+steps in between are replayed forward with their stored micro-batches, so the optimizer state
+evolves exactly as in the run. Each step's micro-batches come back tensor for tensor from
+`train_tokens` (tasks/tokens.py) and go through the run's own `train_on_batches` with the loss and
+options its config.json names. On CPU in fp32 with the run's thread count, every number matches
+bit for bit; a GPU run is replayed on its device but is not bit-exact in general.
+
+Supported: async runs (rl.max_off_policy_steps >= 1: the step trains on stored batches, however
+old the weights that sampled them), ppo_epochs > 1 (the optimizer state comes with the checkpoint;
+the logged figures are the last epoch's), partial batches, a KL penalty (reference = the starting
+weights). Refused, naming why: LoRA runs (checkpoints hold merged weights, the adapters' optimizer
+state is not a plain model's) and runs trained over several ranks (train.parallel).
+Not a Prefect stage: nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from storage.layout import tables_root
+from storage.writer import read_table
+from tasks.tokens import capture_logprobs, packed_batch
+from tasks.train import train_on_batches
+from training.checkpoint import checkpoint_dir, checkpoint_steps, load_checkpoint
+
+
+class ReplayError(ValueError):
+    """The step cannot be replayed from this run folder; the message says why."""
+
+
+@dataclass
+class StepCheck:
+    """One replayed step: logged and replayed values side by side, and what differs."""
+
+    step: int
+    rows: list[tuple[str, str, str, bool]] = field(default_factory=list)
+    """(name, logged, replayed, equal) per compared value."""
+
+    @property
+    def mismatches(self) -> list[str]:
+        return [name for name, _, _, equal in self.rows if not equal]
+
+
+@dataclass
+class Replay:
+    run_dir: Path
+    step: int
+    start: str
+    """Where the trainer state came from (a checkpoint folder or the starting weights)."""
+    checks: list[StepCheck]
+
+    @property
+    def ok(self) -> bool:
+        return not any(check.mismatches for check in self.checks)
+
+
+def load_config(run_dir: Path):
+    from flows.config import validate_config  # the run's own validated config
+
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ReplayError(f"{run_dir} is not a run directory (no config.json)")
+    return validate_config(json.loads(path.read_text()), str(path))
+
+
+def refuse_unsupported(config) -> None:
+    """ReplayError naming the setting that makes a bit-exact replay impossible here."""
+    if config.model.lora.rank:
+        raise ReplayError("model.lora: checkpoints hold merged weights and the optimizer state covers the "
+                          "adapters only, so the trainer state before a step cannot be rebuilt as a plain model")
+    parallel = getattr(getattr(config, "train", None), "parallel", "none")
+    if parallel not in (None, "none"):
+        raise ReplayError(f"train.parallel = {parallel!r}: the step was shared out over ranks (per-rank "
+                          "micro-batches and reductions); replay runs one process")
+
+
+def start_weights(run_dir: Path, config, start: str | None) -> str:
+    """The run's starting weights: `start`, the `origins` table (issue 17 lineage), model.path, or
+    '' for the seeded preset. A pipeline's RL phase without a recorded origin is refused."""
+    if start:
+        return start
+    # read by path: the origins table (issue 17's lineage) may be newer than this module's schemas
+    for origin in sorted((tables_root(run_dir) / "origins").glob("step=*/part-*.parquet")):
+        rows = pq.read_table(origin, columns=["parent_checkpoint"]).column(0).to_pylist()
+        if rows and rows[0]:
+            return str(rows[0])
+    if config.model.path:
+        return config.model.path
+    if config.flow == "pipeline":
+        raise ReplayError("this pipeline RL phase started from the SFT checkpoint, which the run does not record "
+                          "(no origins table): pass --start SFT_CHECKPOINT, or replay a step with a checkpoint "
+                          "before it")
+    return ""
+
+
+def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
+    """(model, optimizer, scheduler, origin text, start path): the trainer state after step
+    `from_step` (its checkpoint; 0: the starting weights and a fresh optimizer)."""
+    from tasks.setup import make_model_and_tokenizer, make_optimizer, place_model
+
+    rl = config.rl
+    # the starting weights only when the replay starts there, or the KL penalty's reference needs them
+    first = start_weights(run_dir, config, start) if not from_step or rl.kl_coef > 0 else None
+    path = str(checkpoint_dir(run_dir, from_step)) if from_step else first
+    model, _ = make_model_and_tokenizer(config.model.preset, path, config.model.overrides, config.seed)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
+    optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
+    if from_step:
+        load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, restore_rng=False)
+    return model, optimizer, scheduler, path or f"the seeded preset {config.model.preset!r}", first
+
+
+def train_options(config) -> dict[str, Any]:
+    """The options flows/rl.py trains with (tasks/rl_setup.open_rl's train_options)."""
+    from training.rl_loss import loss_normaliser
+
+    rl = config.rl
+    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
+                                           rl.sampling.max_new_tokens)
+    return dict(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
+                autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs, temperature=rl.sampling.temperature)
+
+
+def reference_model(config, first: str):
+    """The KL penalty's frozen starting policy (rl.kl_coef > 0), else None."""
+    if config.rl.kl_coef <= 0:
+        return None
+    from tasks.setup import make_model_and_tokenizer, place_model
+    from training.kl import frozen_copy
+
+    model, _ = make_model_and_tokenizer(config.model.preset, first, config.model.overrides, config.seed)
+    place_model(model, config.device, config.model.weights_dtype)
+    return frozen_copy(model)
+
+
+def step_loss(loss_fn, ref, batches, config):
+    """RLRun.step_loss: the reference's log-probs bound per micro-batch when there is a KL penalty."""
+    if ref is None or not batches:
+        return loss_fn
+    from training.kl import reference_logprobs
+    from training.rl_loss import bind_batch_inputs
+
+    logprobs = reference_logprobs(ref, batches, temperature=config.rl.sampling.temperature,
+                                  autocast=config.model.bf16_autocast)
+    return bind_batch_inputs(loss_fn, batches, ref_logprobs=logprobs)
+
+
+def stored_step(run_dir: Path, step: int) -> tuple[list[dict], dict]:
+    """The step's `train_tokens` rows (by batch_id) and its `train_steps` row."""
+    try:
+        logged = read_table(run_dir, "train_steps", step).to_pylist()
+    except FileNotFoundError:
+        raise ReplayError(f"step {step} was not trained in {run_dir} (no train_steps row)") from None
+    try:
+        rows = read_table(run_dir, "train_tokens", step).to_pylist()
+    except FileNotFoundError:
+        raise ReplayError(f"step {step} has no train_tokens rows (a run from before `rlpipe replay` existed, "
+                          "or one whose tables were removed)") from None
+    return sorted(rows, key=lambda r: r["batch_id"]), logged[0]
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def compare(step: int, logged: dict, metrics: dict, rows: list[dict],
+            seen: dict[tuple[str, ...], torch.Tensor]) -> StepCheck:
+    check = StepCheck(step)
+    for name in ("loss", "grad_norm", "lr"):
+        a, b = logged.get(name), metrics.get(name)
+        b = None if b is None else float(b)
+        check.rows.append((name, repr(a), repr(b), _same(a, b)))
+    stored = [r["trainer_logprobs"] for r in rows]
+    replayed = [seen.get(tuple(r["sample_ids"])) for r in rows]
+    if all(s is None for s in stored) and not seen:  # a step that ran no forward pass
+        check.rows.append(("trainer_logprobs", "none (no forward pass)", "none", True))
+        return check
+    n = sum(len(s or []) for s in stored)
+    if any(s is None for s in stored) or any(t is None or t.numel() != len(s) for s, t in zip(stored, replayed,
+                                                                                             strict=True)):
+        have = sum(t.numel() for t in replayed if t is not None)
+        check.rows.append(("trainer_logprobs", f"{n} packed tokens", f"{have} packed tokens", False))
+        return check
+    diffs = [torch.tensor(s, dtype=torch.float32) - t for s, t in zip(stored, replayed, strict=True)]
+    unequal = sum(int((d != 0).sum()) for d in diffs)
+    worst = max((float(d.abs().max()) for d in diffs if d.numel()), default=0.0)
+    check.rows.append(("trainer_logprobs", f"{n} packed tokens", f"{n - unequal} equal, max |diff| {worst:.3g}",
+                       unequal == 0))
+    return check
+
+
+def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Replay:
+    """Replay `step` (and, from an earlier checkpoint, the steps before it); see the module docstring."""
+    from tasks.rl_setup import loss_for
+
+    run_dir = Path(run_dir).resolve()
+    config = load_config(run_dir)
+    refuse_unsupported(config)
+    if not 1 <= step <= config.rl.steps:
+        raise ReplayError(f"--step {step} is outside the run's steps 1..{config.rl.steps}")
+    from_step = max((s for s in checkpoint_steps(run_dir) if s < step), default=0)
+    for s in range(from_step + 1, step + 1):  # fail before loading a model when a step is missing
+        stored_step(run_dir, s)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model, optimizer, scheduler, origin, first = trainer_state(run_dir, config, from_step, start)
+    loss_fn, options, ref = loss_for(config.rl), train_options(config), reference_model(config, first)
+    checks = []
+    for s in range(from_step + 1, step + 1):
+        rows, logged = stored_step(run_dir, s)
+        batches = [packed_batch(row) for row in rows]
+        seen: dict[tuple[str, ...], torch.Tensor] = {}
+        metrics = train_on_batches(model, optimizer, scheduler, batches,
+                                   capture_logprobs(step_loss(loss_fn, ref, batches, config), seen), step=s,
+                                   **options)
+        checks.append(compare(s, logged, metrics, rows, seen))
+    return Replay(run_dir, step, origin, checks)
+
+
+def format_replay(replay: Replay) -> str:
+    """The replay's figures beside the logged ones, and a verdict line naming what differs."""
+    first = replay.checks[0].step if replay.checks else replay.step
+    lines = [f"replay of {replay.run_dir} step {replay.step}, trainer state from {replay.start}"]
+    if first == 1 and replay.step > 1:
+        lines.append(f"no checkpoint before step {replay.step}: replaying steps 1..{replay.step} forward from the "
+                     "starting weights (fresh optimizer and scheduler, as the run began)")
+    elif first < replay.step:
+        lines.append(f"no checkpoint after step {first - 1}: replaying steps {first}..{replay.step} forward "
+                     "(optimizer and scheduler state included)")
+    lines.append(f"{'step':>5}  {'value':<17} {'logged':<28} {'replayed':<28} match")
+    for check in replay.checks:
+        for name, logged, replayed, equal in check.rows:
+            lines.append(f"{check.step:>5}  {name:<17} {logged:<28} {replayed:<28} {'yes' if equal else 'NO'}")
+    bad = [f"step {c.step}: {', '.join(c.mismatches)}" for c in replay.checks if c.mismatches]
+    lines.append("MISMATCH: " + "; ".join(bad) if bad else f"OK: step {replay.step} matches bit for bit")
+    return "\n".join(lines)
