@@ -37,6 +37,7 @@ BENCHMARKS = {
     "trl": "rlpipe vs TRL GRPOTrainer: seconds per optimizer step and reward, same model and task",
     "losses": "RL losses: does each `rl.loss` learn? Reward gain per loss on one task",
     "async": "Async RL: demo task with rl.max_off_policy_steps = 0, 1, 2, in-process and `rlpipe serve` engines",
+    "distributed": "Data parallelism on the CPU: real tokens/s of 1 process vs 2 gloo ranks (DDP, FSDP2)",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -49,6 +50,7 @@ QUICK_ARGS = {
     "trl": ["--steps", "10", "--seeds", "3", "--eval-samples", "2"],
     "losses": ["--steps", "30", "--seeds", "1"],
     "async": ["--rl-steps", "10", "--sft-steps", "100"],
+    "distributed": ["--repeats", "1", "--steps", "2"],
 }
 
 
@@ -374,9 +376,30 @@ def headline_async(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     return summary, table(["engine", "k", "RL seconds", "completion tok/s", "× k=0", "final accuracy"], rows)
 
 
+def headline_distributed(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    runs = {r["setting"]: r for r in results["runs"]}
+    rows = [[r["setting"], f"{r['tokens_per_second']:,.0f}", f"{r['vs_1_process_1_thread']:.2f}×",
+             " ".join(f"{x:,.0f}" for x in r["all"])] for r in results["runs"]]
+    ddp, fsdp = runs["2 ranks DDP, 1 thread each"], runs["2 ranks FSDP2, 1 thread each"]
+    summary = (f"2 ranks ×{ddp['vs_1_process_1_thread']:.2f} (DDP), ×{fsdp['vs_1_process_1_thread']:.2f} (FSDP2) "
+               "the real tok/s of one 1-thread process (medians on 2 shared cores: see the spread)")
+    load = results["machine"].get("loadavg")
+    note = ("Two ranks share the machine's 2 cores (other work ran beside them"
+            + (f"; load average {load[0]:.1f} at the end" if load else "") + "): they can at best match one "
+            "process using both cores, so this measures the distributed path's overhead (batch broadcast, "
+            "gradient all-reduce over gloo, filler micro-batches), not the scaling of one GPU per rank. A "
+            "2-thread process suffers most when other processes take a core (its threads wait for each "
+            "other). "
+            f"{results['settings']['sequences']} sequences (lengths 32-256) per step, {results['settings']['preset']}, "
+            f"micro-batches of at most {results['settings']['budget']} tokens.")
+    return summary, table(["setting", "real tok/s (median)", "× 1 process, 1 thread", "each repeat"], rows) + \
+        ["", note]
+
+
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
-             "trl": headline_trl, "losses": headline_losses, "async": headline_async}
+             "trl": headline_trl, "losses": headline_losses, "async": headline_async,
+             "distributed": headline_distributed}
 
 
 def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:

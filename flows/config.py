@@ -58,6 +58,14 @@ class TrainConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them:
     much less memory for long packs, about a third more compute."""
+    parallel: Literal["none", "ddp", "fsdp2"] = "none"
+    """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
+    replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient
+    reduction on CUDA). NCCL on CUDA, gloo on CPU. Rank 0 runs the flow, tables, MLflow and
+    engines; the other ranks only train. "none" with --nproc-per-node means ddp."""
+    parallel_timeout_s: float = Field(1800.0, gt=0)
+    """Seconds a rank waits in a collective before failing: the other ranks wait while rank 0
+    generates, scores, evaluates and checkpoints, so it must exceed the longest of those."""
 
 
 class RewardModelConfig(Section):
@@ -320,6 +328,10 @@ class RunConfig(Section):
         if k > 0 and self.rl.ppo_epochs > 1:
             raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
                              "count steps, which the staleness bound is stated in)")
+        if self.train.parallel != "none" and (self.model.lora.rank or self.rl.kl_coef > 0):
+            raise ValueError(f"train.parallel = {self.train.parallel!r} does not support "
+                             f"{'model.lora' if self.model.lora.rank else 'rl.kl_coef > 0'} yet; "
+                             "use train.parallel = 'none'")
         check_plain_name(self.run_name, "run_name")
         return self
 

@@ -83,7 +83,7 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         batch = source.batch(step)  # generate → score → filter/advantages, each writing its table
         watch, version, step_evals = Stopwatch(batch.seconds), step * rl.ppo_epochs, {}
         with watch("pack"):
-            batches = pack_task(batch.samples, rl.optim.token_budget, step=step, **io)
+            batches = pack_task(batch.samples, rl.optim.token_budget, step=step, world_size=run.world_size, **io)
         with watch("train"):
             seen: dict = {}  # the trainer's per-token log-probs, for train_tokens (replay, the tokens view)
             train = train_task(run.model, run.optimizer, run.scheduler, batches,
@@ -115,5 +115,7 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         bar.set_postfix(reward=f"{batch.metrics.get(m.REWARD_MEAN, 0):.2f}",
                         **({"acc": f"{step_evals[m.EVAL_ACCURACY]:.2f}"} if step_evals else {}))
     bar.close()
+    if run.finish:
+        run.finish()
     last = last or latest_checkpoint(io["run_dir"])
     return {"checkpoint": str(last) if last else None, "eval": evals, "steps": rl.steps}

@@ -4,11 +4,16 @@ A run directory that already holds a run is never silently reused: `rlpipe run` 
 (resume it, or pass --overwrite to start over). A run directory is locked while a process runs
 it (storage.runlock): a second `rlpipe run --overwrite` or `rlpipe resume` gets a clear error.
 SIGTERM stops a run like Ctrl-C: queued table writes drain, MLflow and run.json say FAILED.
+
+`--nproc-per-node N` (flows/launch.py) starts N ranks of the same command through torch's
+elastic launcher; each rank comes back here with torchrun's environment set: rank 0 runs the
+flow (tables, MLflow, engines, checkpoints), the others only train (tasks/ranks.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import signal
@@ -20,6 +25,13 @@ from pathlib import Path
 
 from flows.common import quiet_defaults
 from flows.config import ConfigError, RunConfig, describe_fields, load_config, validate_config
+from flows.launch import (
+    add_launch_arguments,
+    check_launch_arguments,
+    launch,
+    launched_rank,
+    strip_launch_flags,
+)
 from storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
 from training import metric_names as m
 
@@ -112,7 +124,10 @@ def main_run(argv: list[str]) -> int:
                         help="override a config value, e.g. --set rl.steps=10 (repeatable)")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run directory first")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its doc")
+    add_launch_arguments(parser)
     args = parser.parse_args(argv)
+    if problem := check_launch_arguments(args):
+        parser.error(problem)
     if args.help_config:
         print("\n".join(describe_fields()))
         return 0
@@ -123,17 +138,25 @@ def main_run(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"rlpipe run: {error}", file=sys.stderr)
         return 2
+    if launched_rank() is not None and launched_rank()[0] > 0:
+        return _execute(config)  # a training rank: rank 0 owns the run directory
     if (config.run_dir / "run.json").exists() and not args.overwrite:
         print(f"rlpipe run: {config.run_dir} already holds a run; `rlpipe resume {config.run_dir}` "
               "continues it, --overwrite starts over", file=sys.stderr)
         return 2
+    if args.nproc_per_node is not None:
+        kind = _parallel_kind(config)
+        return launch(args, ["run", *strip_launch_flags(argv), "--set", f"train.parallel={kind}"], config.run_dir)
     return _execute(config, overwrite=args.overwrite)
 
 
 def main_resume(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlpipe resume", description="Continue a stopped run.")
     parser.add_argument("run_dir", help="a run directory (holds config.json)")
+    add_launch_arguments(parser)
     args = parser.parse_args(argv)
+    if problem := check_launch_arguments(args):
+        parser.error(problem)
     path = Path(args.run_dir) / "config.json"
     if not path.is_file():
         print(f"rlpipe resume: {args.run_dir} is not a run directory (no config.json)", file=sys.stderr)
@@ -148,7 +171,57 @@ def main_resume(argv: list[str]) -> int:
         if config.flow != "pipeline":
             config = config.model_copy(update={"runs_root": str(Path(args.run_dir).resolve().parent),
                                                "run_name": Path(args.run_dir).resolve().name})
+    if args.nproc_per_node is not None:  # the ranks see train.parallel 'none' as ddp (_execute)
+        return launch(args, ["resume", *strip_launch_flags(argv)], config.run_dir)
     return _execute(config)
+
+
+def _parallel_kind(config: RunConfig) -> str:
+    """train.parallel of a launched run: 'none' means ddp (said once, so nobody is surprised)."""
+    if config.train.parallel == "none":
+        print("rlpipe: --nproc-per-node with train.parallel = 'none': training with ddp", file=sys.stderr)
+        return "ddp"
+    return config.train.parallel
+
+
+def _rank_config(config: RunConfig) -> RunConfig | str:
+    """The config a process runs with, or why it cannot: a launched rank gets a parallel kind
+    (torchrun may start `rlpipe run` with 'none'); a single process may not ask for one."""
+    if launched_rank() is None:
+        if config.train.parallel != "none":
+            return (f"train.parallel = {config.train.parallel!r} needs a distributed launch: add "
+                    "--nproc-per-node N (1 is fine), or set train.parallel = 'none'")
+        return config
+    if config.device.startswith("cuda:") and launched_rank()[1] > 1:
+        return (f"device = {config.device!r} would put every rank on one GPU; use 'cuda' or 'auto' "
+                "(each rank takes the GPU of its LOCAL_RANK)")
+    if config.train.parallel == "none":
+        train = config.train.model_copy(update={"parallel": "ddp"})
+        return config.model_copy(update={"train": train})
+    return config
+
+
+def _run_rank(config: RunConfig, run) -> int:
+    """Join the process group; rank 0 runs `run()` and then releases the others, which train."""
+    import torch.distributed as dist
+
+    from models.device import resolve_device
+    from tasks.ranks import end_run, follow_ranks
+    from training.distributed import init_from_environment
+
+    env = init_from_environment(resolve_device(config.device).type, config.train.parallel_timeout_s)
+    try:
+        if env.rank > 0:
+            follow_ranks()
+            return 0
+        code = run()
+        if code == 0:
+            end_run()
+        return code
+    finally:
+        # wrapped models first: a DDP reducer freed after its process group can hang the exit
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _execute(config: RunConfig, overwrite: bool = False) -> int:
@@ -159,6 +232,16 @@ def _execute(config: RunConfig, overwrite: bool = False) -> int:
     except ValueError as error:
         print(f"rlpipe: {error}", file=sys.stderr)
         return 2
+    config = _rank_config(config)
+    if isinstance(config, str):
+        print(f"rlpipe: {config}", file=sys.stderr)
+        return 2
+    if launched_rank() is not None:
+        return _run_rank(config, lambda: _execute_flow(config, overwrite))
+    return _execute_flow(config, overwrite)
+
+
+def _execute_flow(config: RunConfig, overwrite: bool) -> int:
     began = time.perf_counter()
     try:
         acquire_run_lock(config.run_dir)

@@ -21,12 +21,12 @@ from flows.progress import progress
 from tasks.checkpoint import checkpoint_task
 from tasks.evaluate import eval_metrics, eval_step
 from tasks.origin import record_origin
+from tasks.ranks import make_trainer
 from tasks.record import load_rows, step_metrics, train_step_row
 from tasks.setup import (
     engine_dtype,
     make_env,
     make_model_and_tokenizer,
-    make_optimizer,
     max_context,
     place_model,
     sft_data,
@@ -69,11 +69,13 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
     model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
-    optimizer, scheduler = make_optimizer(model, section.optim, section.steps)
     start_step = 0
     if resume_from is not None:
-        loaded = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        loaded = load_checkpoint(resume_from, model=model)  # weights, RNG; the optimizer's state below
         start_step = int(loaded.metadata["step"])
+    # optimizer after any data-parallel wrapping; `model` then has whole weights (rank 0's view)
+    trainer = make_trainer(config, model, section.optim, section.steps, ("nll",), resume_from)
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     if phase == "pretrain":
         from tasks.setup import pretrain_data
 
@@ -94,7 +96,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
                 model, optimizer, scheduler, sequences, nll_loss, step=step, seed=config.seed,
                 per_step=section.sequences_per_step, token_budget=section.optim.token_budget,
                 normaliser=section.optim.normaliser, max_grad_norm=section.optim.max_grad_norm,
-                autocast=config.model.bf16_autocast)
+                autocast=config.model.bf16_autocast, parallel=trainer.dp)
         if due(step, section.eval_every, section.steps) and load_rows(run_dir, "evals", step) is None:
             with watch("eval"):
                 eval_metrics = eval_step(engine, tokenizer, env, eval_examples, run_dir=run_dir, run_id=run_id,
@@ -114,6 +116,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"acc": f"{eval_metrics[m.EVAL_ACCURACY]:.2f}"} if eval_metrics else {}))
     bar.close()
+    trainer.finish()
     if last_path is None:  # nothing left to train: the run was already complete
         last = latest_checkpoint(run_dir)
         last_path = str(last) if last else None

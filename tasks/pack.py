@@ -16,6 +16,7 @@ from rollouts.source import TrainSample
 from tasks._prefect import stage
 from tasks.record import persist
 from training.batch import PackedBatch, Sequence, pack
+from training.distributed import balanced_budget
 
 
 def rollout_sequences(sample: TrainSample) -> list[Sequence]:
@@ -75,18 +76,21 @@ def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]
     return rows
 
 
-def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int
+def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int, world_size: int = 1
                   ) -> tuple[list[PackedBatch], list[dict]]:
     """Micro-batches of the selected samples (a multi-turn episode may give several sequences),
-    and their `batches` rows."""
+    and their `batches` rows; with several data-parallel ranks, small enough that each gets work."""
     sequences = [seq for s in samples for seq in rollout_sequences(s)]
+    if sequences and world_size > 1:
+        token_budget = balanced_budget(sum(len(s.tokens) for s in sequences),
+                                       max(len(s.tokens) for s in sequences), token_budget, world_size)
     batches = pack(sequences, token_budget) if sequences else []
     return batches, batch_rows(batches, run_id, step)
 
 
 @stage("pack")
-def pack_task(samples: list[TrainSample], token_budget: int, *, run_dir: Path, run_id: str, step: int
-              ) -> list[PackedBatch]:
-    batches, rows = pack_rollouts(samples, token_budget, run_id, step)
+def pack_task(samples: list[TrainSample], token_budget: int, *, run_dir: Path, run_id: str, step: int,
+              world_size: int = 1) -> list[PackedBatch]:
+    batches, rows = pack_rollouts(samples, token_budget, run_id, step, world_size)
     persist(run_dir, "batches", step, rows, run_id)
     return batches

@@ -18,12 +18,12 @@ from envs.timeout import with_reward_timeout
 from rollouts.source import RolloutSource
 from tasks.checkpoint import repair_checkpoint_row
 from tasks.evaluate import eval_step
+from tasks.ranks import make_trainer
 from tasks.rollout_stages import RunStages
 from tasks.setup import (
     engine_dtype,
     make_env,
     make_model_and_tokenizer,
-    make_optimizer,
     max_context,
     place_model,
     stop_token_ids,
@@ -60,6 +60,10 @@ class RLRun:
     ref_model: Any = None
     """The frozen starting policy of the KL penalty (rl.kl_coef > 0), else None."""
     ref_options: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    """Data-parallel ranks training each step (pack sizes micro-batches so each gets work)."""
+    finish: Any = None
+    """Called once the loop's last step is done: data-parallel ranks stop following (tasks/ranks.py)."""
 
     def step_loss(self, batches: list):
         """The loss of one step: loss_fn, with the reference's log-probs of `batches` bound when
@@ -143,17 +147,19 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
     place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
     model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
-    optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
     ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
     buffer = GroupBuffer(rl)
     start_step, resume_from = 0, latest_checkpoint(run_dir)
     if resume_from is not None:
-        loaded = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        loaded = load_checkpoint(resume_from, model=model)  # weights, data state, RNG
         start_step = int(loaded.metadata["step"])
         prompts.load_state_dict(loaded.data_state["prompts"])
         buffer.load_state_dict(loaded.data_state["buffer"])
         repair_checkpoint_row(run_dir, run_id, start_step, resume_from, model_name)
+    # the optimizer after any data-parallel wrapping; `model` then has whole weights (rank 0's view)
+    trainer = make_trainer(config, model, rl.optim, rl.steps * rl.ppo_epochs, ("rl", rl), resume_from)
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     engines = make_engines(config, model)
     version = start_step * rl.ppo_epochs
     if resume_from is not None:  # servers restart from the checkpoint; its syncs rows are repaired
@@ -180,6 +186,7 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
                  max_new_tokens=rl.sampling.max_new_tokens,
                  train_options=dict(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
                                     autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
-                                    temperature=rl.sampling.temperature),
+                                    temperature=rl.sampling.temperature, parallel=trainer.dp),
                  closing=list(dict.fromkeys([*engines, eval_engine])), ref_model=ref_model,
-                 ref_options=dict(temperature=rl.sampling.temperature, autocast=config.model.bf16_autocast))
+                 ref_options=dict(temperature=rl.sampling.temperature, autocast=config.model.bf16_autocast),
+                 finish=trainer.finish, world_size=trainer.dp.world_size if trainer.dp else 1)

@@ -11,6 +11,7 @@ import random
 from tasks._prefect import stage
 from tasks.train import train_on_batches
 from training.batch import Sequence, pack
+from training.distributed import balanced_budget
 
 
 def step_indices(n_items: int, per_step: int, step: int, seed: int) -> tuple[list[int], dict]:
@@ -32,13 +33,18 @@ def step_indices(n_items: int, per_step: int, step: int, seed: int) -> tuple[lis
 
 def supervised_train_step(
     model, optimizer, scheduler, sequences: list[Sequence], loss_fn, *, step: int, seed: int,
-    per_step: int, token_budget: int, normaliser: str, max_grad_norm: float, autocast: bool,
+    per_step: int, token_budget: int, normaliser: str, max_grad_norm: float, autocast: bool, parallel=None,
 ) -> tuple[dict[str, float], dict]:
-    """One optimizer step of pretrain/SFT; returns metrics and the data cursor."""
+    """One optimizer step of pretrain/SFT; returns metrics and the data cursor. parallel: a
+    DataParallel (tasks/ranks.py): the step is shared out over its ranks by tokens."""
     indices, cursor = step_indices(len(sequences), per_step, step, seed)
-    batches = pack([sequences[i] for i in indices], token_budget)
+    chosen = [sequences[i] for i in indices]
+    if parallel is not None:  # small enough micro-batches that every rank gets work
+        token_budget = balanced_budget(sum(len(s.tokens) for s in chosen), max(len(s.tokens) for s in chosen),
+                                       token_budget, parallel.world_size)
+    batches = pack(chosen, token_budget)
     metrics = train_on_batches(model, optimizer, scheduler, batches, loss_fn, normaliser=normaliser,
-                               max_grad_norm=max_grad_norm, autocast=autocast, step=step)
+                               max_grad_norm=max_grad_norm, autocast=autocast, step=step, parallel=parallel)
     metrics["micro_batches"] = len(batches)
     return metrics, cursor
 

@@ -11,6 +11,7 @@ import time
 
 from tasks._prefect import stage
 from training.batch import PackedBatch
+from training.distributed import lead_step
 from training.step import forward_backward, optim_step
 
 
@@ -33,9 +34,12 @@ def train_on_batches(
     temperature: float = 1.0,
     constant: float | None = None,
     entropy: bool = True,
+    parallel=None,
 ) -> dict[str, float]:
     """`epochs` optimizer steps over the same micro-batches (1 = on-policy); `constant` is the
-    'constant' normaliser's divisor; `entropy` logs the policy's mean entropy (training/entropy.py)."""
+    'constant' normaliser's divisor; `entropy` logs the policy's mean entropy (training/entropy.py).
+    parallel: a DataParallel (tasks/ranks.py): the step runs on every rank, sharing `batches` out
+    by tokens, and trains the wrapped model (`model` is then rank 0's whole-weight view)."""
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     if not any(bool((b.token_weights != 0).any()) for b in batches):
@@ -45,9 +49,14 @@ def train_on_batches(
     model.train()
     for _ in range(epochs):
         try:
-            metrics = dict(forward_backward(model, batches, loss_fn, normaliser=normaliser, constant=constant,
-                                            autocast=autocast, temperature=temperature, entropy=entropy))
-            metrics.update(optim_step(model, optimizer, scheduler, max_grad_norm))
+            if parallel is not None:
+                metrics = dict(lead_step(parallel, optimizer, scheduler, batches, loss_fn, max_grad_norm,
+                                         normaliser=normaliser, constant=constant, autocast=autocast,
+                                         temperature=temperature))
+            else:
+                metrics = dict(forward_backward(model, batches, loss_fn, normaliser=normaliser, constant=constant,
+                                                autocast=autocast, temperature=temperature, entropy=entropy))
+                metrics.update(optim_step(model, optimizer, scheduler, max_grad_norm))
         except FloatingPointError as error:
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"step {step}, stage train: {error}") from error

@@ -293,6 +293,19 @@ def load_checkpoint(
     return Checkpoint(path=path, model=model, tokenizer=tokenizer, data_state=data_state, metadata=metadata)
 
 
+def read_optimizer_state(path: str | Path) -> dict[str, Any]:
+    """The optimizer and scheduler states a checkpoint saved (`{"optimizer", "scheduler"}`), for
+    a trainer built after the weights were loaded (data parallelism builds it after wrapping)."""
+    opt_file = Path(path) / OPTIMIZER_FILE
+    if not opt_file.is_file():
+        raise ValueError(f"checkpoint {str(path)!r} has no {OPTIMIZER_FILE} to restore from")
+    states = _load_safely(opt_file)
+    for key in ("optimizer", "scheduler"):
+        if states.get(key) is None:
+            raise ValueError(f"{str(opt_file)!r} holds no {key} state")
+    return states
+
+
 def checkpoint_steps(run_dir: str | Path) -> set[int]:
     """Steps of the complete checkpoints under `<run_dir>/checkpoints`."""
     return {int(path.name[len("step_"):]) for path in _complete(run_dir)}

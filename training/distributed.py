@@ -21,8 +21,10 @@ log-prob computation.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -62,7 +64,7 @@ class DistEnv:
     local_rank: int
 
 
-def init_from_environment(device_type: str = "cpu") -> DistEnv:
+def init_from_environment(device_type: str = "cpu", timeout_s: float = 1800.0) -> DistEnv:
     """Join the process group torchrun's variables describe (NCCL on CUDA, gloo on the CPU)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -73,18 +75,26 @@ def init_from_environment(device_type: str = "cpu") -> DistEnv:
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(env.local_rank)
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+        # a dead rank must fail the others' collectives, not hang them forever
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
     return env
 
 
 @dataclass
 class DataParallel:
-    """The wrapped policy and how this rank takes part (see the module docstring)."""
+    """The wrapped policy and how this rank takes part (see the module docstring).
+
+    model: the trained module (its parameters sharded under FSDP2). view: rank 0's module with
+    whole weights, which engines, evals and checkpoints read: the model itself under DDP, a
+    copy refreshed after every step under FSDP2 (None on the other ranks)."""
 
     module: nn.Module
     kind: Parallel
     rank: int
     world_size: int
+    model: nn.Module | None = None
+    view: nn.Module | None = None
 
     def global_totals(self, batches, normaliser: Normaliser) -> dict[str, int]:
         """The step's normaliser counts summed over every rank's micro-batches."""
@@ -128,76 +138,181 @@ def data_parallel(model: nn.Module, kind: Parallel, device: torch.device) -> Dat
     `device`). FSDP2 shards every decoder layer, then the rest; DDP replicates."""
     if kind not in ("ddp", "fsdp2"):
         raise ValueError(f"train.parallel must be 'ddp' or 'fsdp2' to wrap a model, got {kind!r}")
+    rank = dist.get_rank()
     policy = PackedPolicy(model)
+    view: nn.Module | None = model if rank == 0 else None
     if kind == "ddp":
-        ids = [device.index or 0] if device.type == "cuda" else None
+        # "cuda" means this rank's GPU (init_from_environment set it from LOCAL_RANK)
+        ids = [torch.cuda.current_device() if device.index is None else device.index] \
+            if device.type == "cuda" else None
         module: nn.Module = nn.parallel.DistributedDataParallel(policy, device_ids=ids)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if rank == 0:  # sharding replaces the parameters in place: keep whole ones for the engines
+            view = copy.deepcopy(model)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if device.type == "cuda" else MixedPrecisionPolicy()
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
         module = fully_shard(policy, mp_policy=mp)
-    return DataParallel(module=module, kind=kind, rank=dist.get_rank(), world_size=dist.get_world_size())
+    return DataParallel(module=module, kind=kind, rank=rank, world_size=dist.get_world_size(),
+                        model=model, view=view)
+
+
+def broadcast_weights(model: nn.Module) -> None:
+    """Every rank's `model` gets rank 0's weights (before wrapping: rank 0 may have loaded a
+    checkpoint, the others hold a fresh init)."""
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor.data, src=0)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the whole weights on CPU on rank 0 (sharded ones gathered), {} elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict | None:
+    """Collective: `optimizer.state_dict()` with whole tensors on CPU on rank 0 (the format a
+    single process saves, so checkpoints do not depend on the world size), None elsewhere."""
+    state = optimizer.state_dict()
+    whole = {index: {key: _whole(value) for key, value in entry.items()}
+             for index, entry in sorted(state["state"].items())}
+    return {"state": whole, "param_groups": state["param_groups"]} if dist.get_rank() == 0 else None
+
+
+def _whole(value):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    # a copy: the caller keeps it while the optimizer goes on stepping in place
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict | None) -> None:
+    """Collective: load rank 0's whole `state` (from `full_optimizer_state` or a single-process
+    checkpoint) into every rank's optimizer, sharded like each parameter."""
+    message = [state]
+    dist.broadcast_object_list(message, src=0)
+    state = message[0]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(params) != sum(len(g["params"]) for g in state["param_groups"]):
+        raise ValueError(f"optimizer state holds {sum(len(g['params']) for g in state['param_groups'])} "
+                         f"parameters, the model has {len(params)}")
+    local = {}
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        local[index] = {key: _local(value, param) for key, value in entry.items()}
+    optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
+
+
+def _local(value, param):
+    """An optimizer state value for this rank: sharded like `param` (a copy: never shared with
+    the caller's state, which another optimizer may hold)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not torch.is_tensor(value):
+        return value
+    if isinstance(param, DTensor) and value.dim() > 0:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value.to(param.device if value.dim() > 0 else value.device, copy=True)
+
+
+class GatheredOptimizer:
+    """Rank 0's optimizer as checkpoints see it: `state_dict()` is the whole state (gathered
+    from every rank under FSDP2); everything else is the optimizer's own."""
+
+    def __init__(self, dp: DataParallel, optimizer: torch.optim.Optimizer) -> None:
+        self._dp, self._optimizer = dp, optimizer
+
+    def state_dict(self) -> dict:
+        if self._dp.kind == "ddp":  # replicas: rank 0 holds it all
+            return self._optimizer.state_dict()
+        dist.broadcast_object_list([("optimizer_state",)], src=0)
+        return full_optimizer_state(self._optimizer)
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+def balanced_budget(n_tokens: int, longest: int, token_budget: int, world_size: int) -> int:
+    """The micro-batch token budget that gives every rank work in a small step: at most
+    `token_budget`, at least the longest sequence."""
+    return max(longest, min(token_budget, -(-n_tokens // world_size)))
+
+
+def share_of(batches: list[PackedBatch], rank: int, world_size: int) -> list[PackedBatch]:
+    """This rank's packed micro-batches of a step, balanced by tokens (longest first to the least
+    loaded rank; the same on every rank), padded with zero-weight fillers to one count."""
+    loads = [0] * world_size
+    mine_by_rank: list[list[PackedBatch]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(batches)), key=lambda i: (-batches[i].n_tokens, i)):
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[target] += batches[index].n_tokens
+        mine_by_rank[target].append(batches[index])
+    count = max(1, max(len(m) for m in mine_by_rank))
+    filler = pack([Sequence(tokens=[0, 0], weights=[0.0, 0.0], sample_id=FILLER_ID)], 2)[0]
+    return mine_by_rank[rank] + [filler] * (count - len(mine_by_rank[rank]))
 
 
 def shard_micro_batches(
     sequences: list[Sequence], token_budget: int, rank: int, world_size: int
 ) -> list[PackedBatch]:
-    """This rank's micro-batches of a step, balanced by tokens across ranks (the same on every
-    rank: deterministic), padded with zero-weight fillers to the same count on every rank."""
+    """This rank's micro-batches of `sequences` (packed with `balanced_budget`, shared out by
+    `share_of`)."""
     total = sum(len(s.tokens) for s in sequences)
     longest = max((len(s.tokens) for s in sequences), default=2)
-    # small steps: smaller packs, so every rank gets work
-    budget = max(longest, min(token_budget, -(-total // world_size)))
-    batches = pack(sequences, budget)
-    loads = [0] * world_size
-    mine_by_rank: list[list[PackedBatch]] = [[] for _ in range(world_size)]
-    for batch in sorted(batches, key=lambda b: -b.n_tokens):  # longest-processing-time first
-        target = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[target] += batch.n_tokens
-        mine_by_rank[target].append(batch)
-    count = max(len(m) for m in mine_by_rank)
-    filler = pack([Sequence(tokens=[0, 0], weights=[0.0, 0.0], sample_id=FILLER_ID)], 2)[0]
-    return mine_by_rank[rank] + [filler] * (count - len(mine_by_rank[rank]))
+    return share_of(pack(sequences, balanced_budget(total, longest, token_budget, world_size)), rank, world_size)
 
 
 # Rank 0 runs the flow (tables, MLflow, engines); the other ranks only train. Each optimizer
-# step, rank 0 broadcasts the step's sequences and settings; every rank then takes its shard
-# and runs the same step. The loss function is built on each rank from the shared config (a
-# closure does not cross processes).
+# step, rank 0 broadcasts the step's packed micro-batches and settings; every rank then takes
+# its share and runs the same step. The loss function is built on each rank (tasks/ranks.py: a
+# closure does not cross processes). Messages: ("train", ...), ("optimizer_state",), ("stop",).
 
 
-def lead_step(dp: DataParallel, model, optimizer, scheduler, sequences: list[Sequence], loss_fn,
-              token_budget: int, max_grad_norm: float | None, **step_options) -> dict[str, float]:
+def lead_step(dp: DataParallel, optimizer, scheduler, batches: list[PackedBatch], loss_fn,
+              max_grad_norm: float | None, **step_options) -> dict[str, float]:
     """Rank 0: send a step to the other ranks, take part in it, return its metrics."""
-    dist.broadcast_object_list([("train", sequences, token_budget, max_grad_norm, step_options)], src=0)
-    return _step(dp, model, optimizer, scheduler, sequences, loss_fn, token_budget, max_grad_norm, step_options)
+    dist.broadcast_object_list([("train", batches, max_grad_norm, step_options)], src=0)
+    return _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, step_options)
 
 
-def stop_followers(dp: DataParallel) -> None:
+def stop_followers(dp: DataParallel | None = None) -> None:
     """Rank 0: let the other ranks' `follow` return."""
     dist.broadcast_object_list([("stop",)], src=0)
 
 
-def follow(dp: DataParallel, model, optimizer, scheduler, loss_fn) -> int:
-    """Ranks > 0: run the steps rank 0 sends until it stops them; returns the steps run."""
+def follow(dp: DataParallel, optimizer, scheduler, loss_fn) -> int:
+    """Ranks > 0: run what rank 0 sends until it stops them; returns the steps run."""
     steps = 0
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0)
-        if message[0][0] == "stop":
+        kind = message[0][0]
+        if kind == "stop":
             return steps
-        _, sequences, token_budget, max_grad_norm, options = message[0]
-        _step(dp, model, optimizer, scheduler, sequences, loss_fn, token_budget, max_grad_norm, options)
+        if kind == "optimizer_state":
+            full_optimizer_state(optimizer)
+            continue
+        if kind != "train":
+            raise RuntimeError(f"rank {dp.rank}: unexpected message {kind!r} from rank 0 while training")
+        _, batches, max_grad_norm, options = message[0]
+        _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options)
         steps += 1
 
 
-def _step(dp, model, optimizer, scheduler, sequences, loss_fn, token_budget, max_grad_norm, options):
+def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options):
     from training.step import forward_backward, optim_step  # step imports this module
 
-    mine = shard_micro_batches(sequences, token_budget, dp.rank, dp.world_size)
-    metrics = forward_backward(model, mine, loss_fn, data_parallel=dp, **options)
-    return metrics | optim_step(model, optimizer, scheduler, max_grad_norm)
+    mine = share_of(batches, dp.rank, dp.world_size)
+    metrics = forward_backward(dp.model, mine, loss_fn, data_parallel=dp, **options)
+    metrics |= optim_step(dp.model, optimizer, scheduler, max_grad_norm)
+    if dp.kind == "fsdp2":  # rank 0's engines and checkpoints read whole weights
+        full = full_model_state(dp.model)
+        if dp.view is not None:
+            dp.view.load_state_dict(full)
+    return metrics

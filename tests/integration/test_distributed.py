@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -11,13 +12,19 @@ import torch
 import torch.multiprocessing as mp
 
 from models.presets import build_model
-from training.batch import Sequence, pack
+from training.batch import PackedBatch, Sequence, pack
 from training.distributed import (
+    balanced_budget,
+    broadcast_weights,
     data_parallel,
     follow,
+    full_model_state,
+    full_optimizer_state,
     is_filler,
     lead_step,
+    load_full_optimizer_state,
     shard_micro_batches,
+    share_of,
     stop_followers,
 )
 from training.rl_loss import build_rl_loss
@@ -77,6 +84,8 @@ def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: 
         if rank == 0:
             torch.save({"losses": losses, "state": state}, out)
     finally:
+        dp = None  # DDP before its group (else its destructor can hang at exit)
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -126,6 +135,11 @@ def test_shards_are_balanced_by_tokens_and_equal_in_count():
             assert float(filler.token_weights.abs().sum()) == 0.0
 
 
+def _packed(seqs: list[Sequence]) -> list[PackedBatch]:
+    """A step's micro-batches as the flows pack them for 2 ranks."""
+    return pack(seqs, balanced_budget(sum(len(s.tokens) for s in seqs), max(len(s.tokens) for s in seqs), 96, 2))
+
+
 def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -137,13 +151,15 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
         dp = data_parallel(model, "ddp", torch.device("cpu"))
         optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce")
         if rank == 0:  # only rank 0 knows the data, as in a flow
-            losses = [lead_step(dp, model, optimizer, None, seqs, loss_fn, 96, 1.0)["loss"] for seqs in _steps()]
+            losses = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, 1.0)["loss"] for seqs in _steps()]
             stop_followers(dp)
             torch.save({"losses": losses, "state": model.state_dict()}, out)
         else:  # DDP replicas hold whole tensors
-            torch.save({"steps": follow(dp, model, optimizer, None, loss_fn), "state": model.state_dict()},
+            torch.save({"steps": follow(dp, optimizer, None, loss_fn), "state": model.state_dict()},
                        out + ".rank1")
     finally:
+        dp = None  # DDP before its group (else its destructor can hang at exit)
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -156,10 +172,72 @@ def test_rank_zero_leads_and_the_others_follow(tmp_path):
     single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
 
     def both_ranks(seqs):
-        return [b for rank in (0, 1) for b in shard_micro_batches(seqs, 96, rank, 2) if not is_filler(b)]
+        return [b for rank in (0, 1) for b in share_of(_packed(seqs), rank, 2) if not is_filler(b)]
 
     assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks),
                                            rel=1e-5)
     for name, value in single.state_dict().items():  # replicas stay equal, and equal to one process
         assert torch.equal(lead["state"][name], follower["state"][name]), name
         assert (lead["state"][name] - value).abs().max().item() < 1e-5, name
+
+
+def _restore_rank(rank: int, world: int, port: int, preset: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        loss_fn, steps, cpu = build_rl_loss("reinforce"), _steps(), torch.device("cpu")
+
+        def step(model, dp, optimizer, seqs):
+            forward_backward(model, shard_micro_batches(seqs, 96, rank, world), loss_fn, normaliser="sequence",
+                             data_parallel=dp)
+            optim_step(model, optimizer, None, max_grad_norm=1.0)
+
+        model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+        dp = data_parallel(model, "fsdp2", cpu)
+        optimizer = build_optimizer(model, lr=1e-3)
+        for seqs in steps[:2]:
+            step(model, dp, optimizer, seqs)
+        weights, state = full_model_state(model), full_optimizer_state(optimizer)
+        # a resume: a fresh trainer gets rank 0's whole weights and optimizer state
+        fresh = build_model(preset, VOCAB, seed=1, pad_token_id=0, eos_token_id=0)
+        if rank == 0:
+            fresh.load_state_dict(weights)
+        broadcast_weights(fresh)
+        fresh_dp = data_parallel(fresh, "fsdp2", cpu)
+        fresh_optimizer = build_optimizer(fresh, lr=1e-3)
+        load_full_optimizer_state(fresh_optimizer, state)
+        step(model, dp, optimizer, steps[2])
+        step(fresh, fresh_dp, fresh_optimizer, steps[2])
+        continued, restored = full_model_state(model), full_model_state(fresh)
+        if rank == 0:
+            assert fresh_dp.view is not None and dp.view is not None
+            torch.save({"weights": weights, "optimizer": state, "continued": continued, "restored": restored,
+                        "view": dp.view.state_dict()}, out)
+    finally:
+        dp = fresh_dp = None  # DDP before its group (else its destructor can hang at exit)
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_state_gathers_to_rank_0_and_restores_on_two_ranks_or_one(tmp_path):
+    """The gathered whole state (what a checkpoint saves) resumes FSDP2 exactly, and also resumes
+    a single process (another world size) to float-order noise."""
+    out = str(tmp_path / "restore.pt")
+    mp.spawn(_restore_rank, args=(2, _free_port(), "tiny-moe", out), nprocs=2, join=True)
+    result = torch.load(out)
+    for name, value in result["continued"].items():
+        assert torch.equal(result["restored"][name], value), name
+    # rank 0's view only follows the trainer through the flows' lead_step; here it is the start
+    single = build_model("tiny-moe", VOCAB, seed=2, pad_token_id=0, eos_token_id=0)
+    single.load_state_dict(result["weights"])
+    optimizer = build_optimizer(single, lr=1e-3)
+    optimizer.load_state_dict(result["optimizer"])  # the single-process format
+    both = [b for rank in (0, 1) for b in shard_micro_batches(_steps()[2], 96, rank, 2) if not is_filler(b)]
+    forward_backward(single, both, build_rl_loss("reinforce"), normaliser="sequence")
+    optim_step(single, optimizer, None, max_grad_norm=1.0)
+    worst = max((single.state_dict()[k] - v).abs().max().item() for k, v in result["continued"].items())
+    assert worst < 1e-5, worst

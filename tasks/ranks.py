@@ -1,0 +1,145 @@
+"""Building the trainer on every rank of a data-parallel run, and what ranks > 0 do.
+
+Rank 0 runs the flow. Where a phase builds its trainer it calls `make_trainer`, which sends the
+other ranks a `TrainerSpec` (what model, optimizer and loss to build) and then runs the same
+collective set-up on every rank: rank 0's weights broadcast, the model wrapped (DDP or FSDP2),
+the optimizer built after wrapping, a resumed optimizer state broadcast. Ranks > 0 run
+`follow_ranks`: build a trainer per spec, train the steps rank 0 sends, until the run ends.
+
+Not a stage: nothing is persisted here (the flows on rank 0 write every table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tasks.setup import make_optimizer, place_model
+from training.distributed import (
+    DataParallel,
+    GatheredOptimizer,
+    broadcast_weights,
+    data_parallel,
+    follow,
+    load_full_optimizer_state,
+    stop_followers,
+)
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What every rank needs to build the same trainer (pickled from rank 0 to the others)."""
+
+    model_class: type
+    model_config: Any
+    dtype: torch.dtype
+    device: str
+    activation_checkpointing: bool
+    parallel: str
+    optim: Any
+    total_steps: int
+    loss: tuple
+    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (each rank builds loss_for(rl))."""
+
+
+@dataclass
+class Trainer:
+    """model: whole weights (rank 0's engines, evals, checkpoints read it); optimizer: checkpoints
+    save its whole state; dp: pass to the train stage (None in a single process)."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    dp: DataParallel | None = None
+
+    def finish(self) -> None:
+        """End of the phase on rank 0: the other ranks stop following (they wait for the next)."""
+        if self.dp is not None:
+            stop_followers(self.dp)
+
+
+def spec_for(config, model, optim, total_steps: int, loss: tuple) -> TrainerSpec:
+    return TrainerSpec(model_class=type(model), model_config=model.config, dtype=next(model.parameters()).dtype,
+                       device=config.device, activation_checkpointing=config.train.activation_checkpointing,
+                       parallel=config.train.parallel, optim=optim, total_steps=total_steps, loss=loss)
+
+
+def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_from: Path | None) -> Trainer:
+    """Rank 0: the optimizer and scheduler of `model` (weights already placed, a resumed
+    checkpoint's already loaded), data-parallel over every rank when train.parallel is set."""
+    from training.checkpoint import read_optimizer_state
+
+    state = read_optimizer_state(resume_from) if resume_from is not None else None
+    if config.train.parallel == "none":
+        optimizer, scheduler = make_optimizer(model, optim, total_steps)
+        if state is not None:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+        return Trainer(model, optimizer, scheduler)
+    if not dist.is_initialized():
+        raise ValueError(f"train.parallel = {config.train.parallel!r} needs a distributed launch: "
+                         "`rlpipe run CONFIG --nproc-per-node N` or torchrun")
+    spec = spec_for(config, model, optim, total_steps, loss)
+    dist.broadcast_object_list([("begin", spec)], src=0)
+    dp, optimizer, scheduler = _collective_setup(spec, model, state)
+    return Trainer(dp.view, GatheredOptimizer(dp, optimizer), scheduler, dp)
+
+
+def _collective_setup(spec: TrainerSpec, model, state: dict | None):
+    """Every rank: rank 0's weights everywhere, wrap, optimizer after wrapping, resumed state."""
+    from models.device import resolve_device
+
+    broadcast_weights(model)
+    dp = data_parallel(model, spec.parallel, resolve_device(spec.device))
+    optimizer, scheduler = make_optimizer(model, spec.optim, spec.total_steps)
+    resumed = [state is not None]
+    dist.broadcast_object_list(resumed, src=0)
+    if resumed[0]:
+        load_full_optimizer_state(optimizer, state["optimizer"] if state else None)
+        schedule = [state["scheduler"] if state else None]
+        dist.broadcast_object_list(schedule, src=0)
+        scheduler.load_state_dict(schedule[0])
+    return dp, optimizer, scheduler
+
+
+def follow_ranks() -> int:
+    """Ranks > 0: build each phase's trainer as rank 0 asks and train its steps, until rank 0
+    ends the run. Returns the optimizer steps taken."""
+    steps = 0
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0][0] == "end":
+            return steps
+        if message[0][0] != "begin":
+            raise RuntimeError(f"rank {dist.get_rank()}: expected a trainer spec from rank 0, got {message[0][0]!r}")
+        spec: TrainerSpec = message[0][1]
+        model = _fresh_model(spec)
+        dp, optimizer, scheduler = _collective_setup(spec, model, None)
+        steps += follow(dp, optimizer, scheduler, _loss(spec.loss))
+
+
+def end_run() -> None:
+    """Rank 0, after the flow: the other ranks' `follow_ranks` returns."""
+    dist.broadcast_object_list([("end",)], src=0)
+
+
+def _fresh_model(spec: TrainerSpec):
+    model = spec.model_class(spec.model_config)  # weights come from rank 0
+    model.to(dtype=spec.dtype)
+    model.train()
+    return place_model(model, spec.device, str(spec.dtype).removeprefix("torch."), spec.activation_checkpointing)
+
+
+def _loss(loss: tuple):
+    if loss[0] == "nll":
+        from training.losses import nll_loss
+
+        return nll_loss
+    from tasks.rl_setup import loss_for
+
+    return loss_for(loss[1])

@@ -1,0 +1,118 @@
+"""`rlpipe run configs/tiny.toml --nproc-per-node 2` end to end (gloo, 2 ranks on the CPU): the
+pipeline completes with every table and Hugging Face checkpoints; a rank SIGKILLed mid-run fails
+the run with an error naming it, and `rlpipe resume --nproc-per-node 2` finishes it with nothing
+lost (every table's row count, and the weights, equal the uninterrupted run's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_resume import env_for, rows  # same folder: pytest puts it on sys.path
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600
+pytestmark = pytest.mark.slow
+# lean: 3 SFT steps, 4 RL steps with a checkpoint every 2
+OVERRIDES = ["--set", "sft.steps=3", "--set", "rl.steps=4", "--set", "rl.checkpoint_every=2", "--set", "threads=1"]
+TABLES = ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals", "checkpoints")
+
+
+def command(runs: Path, name: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--nproc-per-node", "2",
+            "--set", f"runs_root={runs}", "--set", f"run_name={name}", *OVERRIDES]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """An uninterrupted 2-rank run."""
+    tmp = tmp_path_factory.mktemp("straight")
+    done = subprocess.run(command(tmp / "runs", "straight"), env=env_for(tmp), cwd=ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training with ddp" in done.stderr  # train.parallel 'none' + --nproc-per-node
+    return tmp / "runs" / "straight"
+
+
+def test_tiny_pipeline_completes_on_two_ranks(straight):
+    from transformers import AutoModelForCausalLM
+
+    for phase, steps in (("sft", 3), ("rl", 4)):
+        assert json.loads((straight / phase / "run.json").read_text())["status"] == "finished"
+        assert json.loads((straight / phase / "config.json").read_text())["train"]["parallel"] == "ddp"
+        trained = sorted(int(p.name[5:]) for p in (straight / phase / "tables" / "train_steps").glob("step=*"))
+        assert trained == list(range(1, steps + 1)), phase
+    for table in TABLES:
+        assert rows(straight, table) > 0, table
+    last = sorted((straight / "rl" / "checkpoints").glob("step_*"))[-1]
+    assert last.name == "step_000004"
+    model = AutoModelForCausalLM.from_pretrained(last)  # plain transformers, no rlpipe code
+    saved = load_file(last / "model.safetensors")
+    for name, value in model.state_dict().items():
+        if name in saved:
+            assert torch.equal(value, saved[name]), name
+    state = torch.load(last / "optimizer.pt", weights_only=True)  # the single-process format
+    assert len(state["optimizer"]["state"]) == len(list(model.parameters()))
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of `rank`, a child process of the launcher (its environment says RANK=rank)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def test_a_killed_rank_fails_the_run_naming_it_and_resume_loses_nothing(straight, tmp_path):
+    env, runs = env_for(tmp_path), tmp_path / "runs"
+    killed = runs / "killed"
+    trigger = killed / "rl" / "checkpoints" / "step_000002" / "metadata.json"
+    process = subprocess.Popen(command(runs, "killed"), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before the kill point"
+        pid = rank_pid(process.pid, 1)
+        assert pid is not None, "rank 1 not found among the launcher's children"
+        os.kill(pid, signal.SIGKILL)
+        began = time.monotonic()
+        _, stderr = process.communicate(timeout=TIMEOUT_S)
+        failed_in = time.monotonic() - began
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    assert process.returncode == 1
+    assert f"rank 1 (local rank 1, pid {pid}) killed by SIGKILL" in stderr, stderr[-3000:]
+    assert f"rlpipe resume {killed} --nproc-per-node 2" in stderr
+    assert failed_in < 120, f"rank 0 took {failed_in:.0f} s to give up"
+    assert json.loads((killed / "rl" / "run.json").read_text())["status"] == "failed"
+    assert json.loads((killed / "run.json").read_text())["status"] == "failed"
+
+    resumed = subprocess.run([sys.executable, "-m", "flows.cli", "resume", str(killed), "--nproc-per-node", "2"],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((killed / "run.json").read_text())["status"] == "finished"
+    for table in TABLES:
+        assert rows(killed, table) == rows(straight, table), table
+    a = load_file(straight / "rl" / "checkpoints" / "step_000004" / "model.safetensors")
+    b = load_file(killed / "rl" / "checkpoints" / "step_000004" / "model.safetensors")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-6, worst
