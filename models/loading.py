@@ -13,6 +13,7 @@ config.json, a truncated or corrupt safetensors file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -87,6 +88,13 @@ def bf16_autocast_supported(device: torch.device) -> bool:
     return False
 
 
+@functools.cache
+def _warn_no_bf16(device: str) -> None:
+    # once per process: Prefect and MLflow reset the warnings registry (catch_warnings), so the
+    # default once-per-location filter repeated this on every step
+    warnings.warn(f"bf16 autocast not supported on {device}; running in fp32", stacklevel=3)
+
+
 def autocast_context(
     device: torch.device | str, enabled: bool
 ) -> contextlib.AbstractContextManager[None]:
@@ -99,6 +107,6 @@ def autocast_context(
     if not enabled:
         return contextlib.nullcontext()
     if not bf16_autocast_supported(device):
-        warnings.warn(f"bf16 autocast not supported on {device}; running in fp32", stacklevel=2)
+        _warn_no_bf16(str(device))
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
