@@ -42,6 +42,7 @@ from tasks.tokens import capture_logprobs, record_train_tokens
 from tasks.train import train_task
 from training import metric_names as m
 from training.checkpoint import checkpoint_steps, latest_checkpoint
+from training.oversampling import BatchFillError
 
 
 @flow(name="rl", log_prints=True, persist_result=False)
@@ -70,6 +71,16 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     return run_phase(state, tracker, body)
 
 
+def _step_batch(source, step: int, tracker):
+    """The step's rollouts; a step that cannot fill its batch logs its fate counters (over_cap
+    included) before the run stops, so MLflow still equals the fates rows."""
+    try:
+        return source.batch(step)
+    except BatchFillError as error:
+        tracker.log_metrics(getattr(error, "metrics", {}), step=step)
+        raise
+
+
 def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
     evals = run.evaluate(0, **io) if run.start_step == 0 else {}
@@ -80,7 +91,7 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         tracker.log_metrics(evals, step=0)
     bar = progress(total=rl.steps, initial=run.start_step, desc="rl")
     for step in range(run.start_step + 1, rl.steps + 1):
-        batch = source.batch(step)  # generate → score → filter/advantages, each writing its table
+        batch = _step_batch(source, step, tracker)  # generate → score → filter/advantages, each writing its table
         watch, version, step_evals = Stopwatch(batch.seconds), step * rl.ppo_epochs, {}
         with watch("pack"):
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, world_size=run.world_size, **io)

@@ -198,8 +198,9 @@ class RolloutSource:
             failed = over_cap(getattr(error, "decisions", []),
                               f"step {step} used rl.max_attempts={self.rl.max_attempts} sampling rounds without "
                               f"filling its batch of {self.rl.prompts_per_step} groups; the run stopped")
-            self.stages.select([], failed, carried, [], step=step, empty=not sampled,
-                               fates=drop_rows(drops) + decision_rows([], failed, step=step))
+            fates = drop_rows(drops) + decision_rows([], failed, step=step)
+            self.stages.select([], failed, carried, [], step=step, empty=not sampled, fates=fates)
+            error.metrics = fate_metrics(fates, self.buffer.pending)
             raise
         with watch("filter"):
             batch, metrics = self.buffer.take()

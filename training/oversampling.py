@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 class BatchFillError(RuntimeError):
     """The buffer could not collect enough valid groups within max_attempts sampling rounds;
-    `decisions` holds what the rounds of the failed batch decided (their groups' fate rows)."""
+    `decisions` holds what the rounds of the failed batch decided (their groups' fate rows);
+    `metrics` the step's rollout/fate_* counters, so the run can log them before it stops."""
 
     decisions: list[GroupDecision]
+    metrics: dict[str, float]
 
 
 def staleness_limit(rl: RLConfig) -> int:

@@ -139,7 +139,7 @@ def test_every_sampled_completion_gets_one_final_fate_and_the_metrics_count_them
 def test_a_step_that_cannot_fill_its_batch_records_its_samples_before_failing():
     stages = Stages(flat=True)  # one valid group in two rounds, for a batch of two
     rl = RLConfig(steps=1, prompts_per_step=2, max_attempts=2)
-    with source(rl, stages) as src, pytest.raises(BatchFillError):
+    with source(rl, stages) as src, pytest.raises(BatchFillError) as error:
         src.batch(1)
     rows = stages.fates[1]
     assert len(rows) == len({r["sample_id"] for r in rows}) == 4 * (2 + 2)  # round 2: 1 missing / valid share 1/2
@@ -147,3 +147,22 @@ def test_a_step_that_cannot_fill_its_batch_records_its_samples_before_failing():
     assert [r["sample_id"] for r in over] == ["s1a1g0:1", "s1a1g0:2", "s1a1g0:3"]
     assert "rl.max_attempts=2" in over[0]["reason"] and "the run stopped" in over[0]["reason"]
     assert {r["status"] for r in rows} == {"reward_error", "zero_variance", "over_cap"}
+    # the counters the flow logs before the run stops equal those rows
+    assert error.value.metrics["rollout/fate_over_cap"] == len(over)
+    assert error.value.metrics["rollout/fate_zero_variance"] == sum(r["status"] == "zero_variance" for r in rows)
+
+
+def test_the_rl_flow_logs_a_failed_steps_fate_counters_before_stopping():
+    from flows.rl import _step_batch
+    from storage.tracking import NullTracker
+
+    class FailingSource:
+        def batch(self, step):
+            error = BatchFillError("step 3 could not fill its batch")
+            error.metrics = {"rollout/fate_over_cap": 24.0, "rollout/fate_zero_variance": 40.0}
+            raise error
+
+    tracker = NullTracker()
+    with pytest.raises(BatchFillError, match="step 3"):
+        _step_batch(FailingSource(), 3, tracker)
+    assert tracker.metrics == [(3, {"rollout/fate_over_cap": 24.0, "rollout/fate_zero_variance": 40.0})]
