@@ -122,11 +122,13 @@ def stage_io(config: RunConfig) -> Iterator[None]:
 def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
     """Run a phase's body; close its MLflow run and run.json as finished or failed (also on
     SIGTERM, which flows/runner.py turns into an exception); release the run dir's lock."""
+    from flows.termination import sigterm_is_sticky
     from storage.runlock import release_run_lock
 
     try:
         try:
-            result = body()
+            with sigterm_is_sticky():
+                result = body()
         except BaseException:
             tracker.end("FAILED")
             state.status = "failed"

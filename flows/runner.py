@@ -16,11 +16,8 @@ import argparse
 import gc
 import json
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from flows.common import quiet_defaults
@@ -32,29 +29,9 @@ from flows.launch import (
     launched_rank,
     strip_launch_flags,
 )
+from flows.termination import Terminated, sigterm_stops_the_run
 from storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
 from training import metric_names as m
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that no `except Exception`
-    in user code (a reward function's) swallows it, while every `finally` still runs."""
-
-
-@contextmanager
-def sigterm_stops_the_run() -> Iterator[None]:
-    """While the block runs, SIGTERM raises Terminated in the main thread (once: a second one is
-    ignored so the clean-up — draining writes, closing the MLflow run — is not cut short)."""
-
-    def handler(signum, _frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def clear_run_dir(run_dir: Path) -> None:

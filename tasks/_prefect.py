@@ -24,6 +24,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
+from flows.termination import raise_if_terminated
+
 # per flow run (a ContextVar, so concurrent flows in one process do not see each other's choice)
 _TASK_RUNS: ContextVar[bool] = ContextVar("rlpipe_stage_task_runs", default=True)
 
@@ -68,6 +70,7 @@ def stage(name: str, retries: int = 0, retry_delay_seconds: float = 1.0) -> Call
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
+            raise_if_terminated()  # a SIGTERM whose exception was swallowed stops the run here
             if not _TASK_RUNS.get():
                 return call_with_retries(fn, retries, retry_delay_seconds, *args, **kwargs)
             return prefect_task(*(quote(a) for a in args), **{k: quote(v) for k, v in kwargs.items()})
