@@ -148,7 +148,7 @@ def reference_model(config, first: str):
 
 
 def step_loss(loss_fn, ref, batches, config):
-    """RLRun.step_loss: the reference's log-probs bound per micro-batch when there is a KL penalty."""
+    """RLRun.batch_inputs, bound: the reference's log-probs per micro-batch when there is a KL penalty."""
     if ref is None or not batches:
         return loss_fn
     from training.kl import reference_logprobs
