@@ -82,8 +82,10 @@ def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, st
     and their `batches` rows; with several data-parallel ranks, small enough that each gets work."""
     sequences = [seq for s in samples for seq in rollout_sequences(s)]
     if sequences and world_size > 1:
-        token_budget = balanced_budget(sum(len(s.tokens) for s in sequences),
-                                       max(len(s.tokens) for s in sequences), token_budget, world_size)
+        # the packed size, not the sum of lengths: a shared prompt is laid out once per micro-batch,
+        # and counting it per sequence left every rank but one with only a filler on small steps
+        packed = sum(b.n_tokens for b in pack(sequences, token_budget))
+        token_budget = balanced_budget(packed, max(len(s.tokens) for s in sequences), token_budget, world_size)
     batches = pack(sequences, token_budget) if sequences else []
     return batches, batch_rows(batches, run_id, step)
 
