@@ -80,6 +80,8 @@ def test_every_trained_token_has_the_trainer_logprob_one_process_computes(straig
     trained, missing = con.execute("select count(*), count(*) - count(trainer_logprob) from tokens").fetchall()[0]
     assert trained > 0 and missing == 0, (trained, missing)
     assert con.execute("select count(distinct step) from tokens").fetchall()[0][0] == 4
+    # the loss metrics over every rank (their values: tests/integration/test_distributed_extras.py)
+    assert con.execute("select count(*) from train_steps where entropy is null or kl is null").fetchall()[0][0] == 0
     config = json.loads((run / "config.json").read_text())
     model = load_model(run / "checkpoints" / "step_000002")
     rows = read_table(run, "train_tokens", 3).to_pylist()

@@ -78,3 +78,6 @@ def test_a_small_step_with_shared_prompts_gives_every_rank_a_micro_batch():
                for g in range(4) for j in range(8)]
     batches, _ = pack_rollouts(samples, token_budget=2048, run_id="r", step=1, world_size=2)
     assert [b.n_tokens for b in batches] == [108, 108]
+    # one group: its prompt is shared, not split into per-sequence micro-batches (rank 1 idles)
+    batches, _ = pack_rollouts(samples[:8], token_budget=2048, run_id="r", step=1, world_size=2)
+    assert [b.n_tokens for b in batches] == [54]
