@@ -126,7 +126,7 @@ class MemoryStages:
     def rows_of(self, groups, rows):
         pass
 
-    def select(self, batch, decisions, carried, samples, *, step, empty):
+    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
         pass
 
 
