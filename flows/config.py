@@ -27,7 +27,8 @@ class Section(BaseModel):
 
 class LoraSection(Section):
     rank: int = Field(0, ge=0)
-    """LoRA adapter rank (0 = off: every weight trains). Needs the `lora` extra (peft)."""
+    """LoRA adapter rank (0 = off: every weight trains). Needs the `lora` extra (peft). Works
+    under train.parallel (ddp and fsdp2): every rank injects the same adapters."""
     alpha: float = Field(16.0, gt=0)
     """LoRA scale numerator: the update is alpha / rank x B.A."""
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -62,7 +63,8 @@ class TrainConfig(Section):
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient
     reduction on CUDA). NCCL on CUDA, gloo on CPU. Rank 0 runs the flow, tables, MLflow and
-    engines; the other ranks only train. "none" with --nproc-per-node means ddp."""
+    engines; the other ranks only train. "none" with --nproc-per-node means ddp. rl.kl_coef,
+    model.lora and the entropy metric work under both (docs/ARCHITECTURE.md, ranks)."""
     parallel_timeout_s: float = Field(1800.0, gt=0)
     """Seconds a rank waits in a collective before failing: the other ranks wait while rank 0
     generates, scores, evaluates and checkpoints, so it must exceed the longest of those."""
@@ -204,7 +206,9 @@ class RLConfig(Section):
     cispo_cap: float = Field(5.0, gt=0)
     """cispo: truncate the importance weight at this value (epsilon_max)."""
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of a KL penalty to the starting policy (a frozen copy kept in memory; 0 = off)."""
+    """Weight of a KL penalty to the starting policy (a frozen copy kept in memory; 0 = off).
+    Under train.parallel only rank 0 holds the copy: it computes the reference log-probs of every
+    micro-batch and they travel with the step's batches to the rank that trains each."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator: k1 = log ratio, k2 = squared / 2, k3 = exp(r) - r - 1 (TRL's)."""
     overlong_buffer: int = Field(0, ge=0)
@@ -328,10 +332,6 @@ class RunConfig(Section):
         if k > 0 and self.rl.ppo_epochs > 1:
             raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
                              "count steps, which the staleness bound is stated in)")
-        if self.train.parallel != "none" and (self.model.lora.rank or self.rl.kl_coef > 0):
-            raise ValueError(f"train.parallel = {self.train.parallel!r} does not support "
-                             f"{'model.lora' if self.model.lora.rank else 'rl.kl_coef > 0'} yet; "
-                             "use train.parallel = 'none'")
         check_plain_name(self.run_name, "run_name")
         return self
 

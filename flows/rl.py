@@ -38,7 +38,7 @@ from tasks.pack import pack_task
 from tasks.record import step_metrics, train_step_row
 from tasks.rl_setup import RLRun, open_rl
 from tasks.sync import sync_task
-from tasks.tokens import capture_logprobs, record_train_tokens
+from tasks.tokens import record_train_tokens
 from tasks.train import train_task
 from training import metric_names as m
 from training.checkpoint import checkpoint_steps, latest_checkpoint
@@ -97,8 +97,9 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, world_size=run.world_size, **io)
         with watch("train"):
             seen: dict = {}  # the trainer's per-token log-probs, for train_tokens (replay, the tokens view)
-            train = train_task(run.model, run.optimizer, run.scheduler, batches,
-                               capture_logprobs(run.step_loss(batches), seen), step=step, **run.train_options)
+            train = train_task(run.model, run.optimizer, run.scheduler, batches, run.loss_fn,
+                               batch_inputs=run.batch_inputs(batches), trainer_logprobs=seen, step=step,
+                               **run.train_options)
             record_train_tokens(batch.samples, batches, seen, step=step, **io)
         if due(step, rl.eval_every, rl.steps):
             with watch("eval"):

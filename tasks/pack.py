@@ -15,7 +15,7 @@ from envs.multiturn import model_token_mask, segment_bounds
 from rollouts.source import TrainSample
 from tasks._prefect import stage
 from tasks.record import persist
-from training.batch import PackedBatch, Sequence, pack
+from training.batch import PackedBatch, Sequence, pack, shared_prefix_units
 from training.distributed import balanced_budget
 
 
@@ -82,8 +82,11 @@ def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, st
     and their `batches` rows; with several data-parallel ranks, small enough that each gets work."""
     sequences = [seq for s in samples for seq in rollout_sequences(s)]
     if sequences and world_size > 1:
-        token_budget = balanced_budget(sum(len(s.tokens) for s in sequences),
-                                       max(len(s.tokens) for s in sequences), token_budget, world_size)
+        # sized by packing units (a group sharing its prompt, else a sequence), not sequence
+        # lengths: counting a shared prompt per sequence packed small steps into one micro-batch
+        # (the other ranks idle), and a budget under a group's size would split it, repeating its prompt
+        sizes = [unit.size for unit in shared_prefix_units(sequences, token_budget)]
+        token_budget = balanced_budget(sum(sizes), max(sizes), token_budget, world_size)
     batches = pack(sequences, token_budget) if sequences else []
     return batches, batch_rows(batches, run_id, step)
 

@@ -44,6 +44,9 @@ class TrainerSpec:
     total_steps: int
     loss: tuple
     """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (each rank builds loss_for(rl))."""
+    lora: Any = None
+    """The run's `model.lora` section: each rank injects the same adapters before rank 0's
+    weights (adapters included) are broadcast."""
 
 
 @dataclass
@@ -65,7 +68,8 @@ class Trainer:
 def spec_for(config, model, optim, total_steps: int, loss: tuple) -> TrainerSpec:
     return TrainerSpec(model_class=type(model), model_config=model.config, dtype=next(model.parameters()).dtype,
                        device=config.device, activation_checkpointing=config.train.activation_checkpointing,
-                       parallel=config.train.parallel, optim=optim, total_steps=total_steps, loss=loss)
+                       parallel=config.train.parallel, optim=optim, total_steps=total_steps, loss=loss,
+                       lora=config.model.lora)
 
 
 def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_from: Path | None) -> Trainer:
@@ -132,7 +136,12 @@ def _fresh_model(spec: TrainerSpec):
     model = spec.model_class(spec.model_config)  # weights come from rank 0
     model.to(dtype=spec.dtype)
     model.train()
-    return place_model(model, spec.device, str(spec.dtype).removeprefix("torch."), spec.activation_checkpointing)
+    model = place_model(model, spec.device, str(spec.dtype).removeprefix("torch."), spec.activation_checkpointing)
+    if spec.lora is not None:  # the same adapters as rank 0 (open_rl / the supervised setup)
+        from training.lora import lora_from_config
+
+        model = lora_from_config(model, spec.lora)
+    return model
 
 
 def _loss(loss: tuple):

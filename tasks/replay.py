@@ -15,8 +15,11 @@ bit for bit; a GPU run is replayed on its device but is not bit-exact in general
 Supported: async runs (rl.max_off_policy_steps >= 1: the step trains on stored batches, however
 old the weights that sampled them), ppo_epochs > 1 (the optimizer state comes with the checkpoint;
 the logged figures are the last epoch's), partial batches, a KL penalty (reference = the starting
-weights). Refused, naming why: LoRA runs (checkpoints hold merged weights, the adapters' optimizer
-state is not a plain model's) and runs trained over several ranks (train.parallel).
+weights). A step trained over several ranks (train.parallel) is replayed in one process on the
+same micro-batches: the ranks summed gradients, losses and norms in another order, so it is
+compared within a relative (log-probs: absolute) tolerance of `PARALLEL_TOLERANCE`, not bit for
+bit, and the output says so. Refused, naming why: LoRA runs (checkpoints hold merged weights, the
+adapters' optimizer state is not a plain model's).
 Not a Prefect stage: nothing is written.
 """
 
@@ -36,6 +39,13 @@ from storage.writer import read_table
 from tasks.tokens import capture_logprobs, packed_batch
 from tasks.train import train_on_batches
 from training.checkpoint import checkpoint_dir, checkpoint_steps, load_checkpoint
+
+PARALLEL_TOLERANCE = 1e-4
+"""How far a data-parallel step's replay may be from the logged figures. Measured on configs/tiny.toml
+with 2 gloo ranks (ddp, tests/integration/test_distributed_run.py), steps 3-4 replayed from the step-2
+checkpoint: loss within 3e-8 relative, grad norm and lr equal, trainer log-probs equal at step 3 and
+within 5e-7 at step 4 (weights one step apart by float order). 2-rank weights stay within 1e-5 of one
+process after 3 steps (tests/integration/test_distributed.py): a few steps forward stay well inside."""
 
 
 class ReplayError(ValueError):
@@ -62,6 +72,8 @@ class Replay:
     start: str
     """Where the trainer state came from (a checkpoint folder or the starting weights)."""
     checks: list[StepCheck]
+    tolerance: float = 0.0
+    """0: bit for bit; else a train.parallel run's (`PARALLEL_TOLERANCE`)."""
 
     @property
     def ok(self) -> bool:
@@ -82,10 +94,12 @@ def refuse_unsupported(config) -> None:
     if config.model.lora.rank:
         raise ReplayError("model.lora: checkpoints hold merged weights and the optimizer state covers the "
                           "adapters only, so the trainer state before a step cannot be rebuilt as a plain model")
+
+
+def tolerance_for(config) -> float:
+    """0 (bit for bit) for a single-process run; `PARALLEL_TOLERANCE` for one trained over ranks."""
     parallel = getattr(getattr(config, "train", None), "parallel", "none")
-    if parallel not in (None, "none"):
-        raise ReplayError(f"train.parallel = {parallel!r}: the step was shared out over ranks (per-rank "
-                          "micro-batches and reductions); replay runs one process")
+    return 0.0 if parallel in (None, "none") else PARALLEL_TOLERANCE
 
 
 def start_weights(run_dir: Path, config, start: str | None) -> str:
@@ -148,7 +162,7 @@ def reference_model(config, first: str):
 
 
 def step_loss(loss_fn, ref, batches, config):
-    """RLRun.step_loss: the reference's log-probs bound per micro-batch when there is a KL penalty."""
+    """RLRun.batch_inputs, bound: the reference's log-probs per micro-batch when there is a KL penalty."""
     if ref is None or not batches:
         return loss_fn
     from training.kl import reference_logprobs
@@ -173,19 +187,21 @@ def stored_step(run_dir: Path, step: int) -> tuple[list[dict], dict]:
     return sorted(rows, key=lambda r: r["batch_id"]), logged[0]
 
 
-def _same(a: float | None, b: float | None) -> bool:
+def _same(a: float | None, b: float | None, tolerance: float = 0.0) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tolerance * max(abs(a), abs(b))
 
 
 def compare(step: int, logged: dict, metrics: dict, rows: list[dict],
-            seen: dict[tuple[str, ...], torch.Tensor]) -> StepCheck:
+            seen: dict[tuple[str, ...], torch.Tensor], tolerance: float = 0.0) -> StepCheck:
+    """Logged against replayed: equal, or within `tolerance` (relative for the figures, absolute
+    for the log-probs)."""
     check = StepCheck(step)
     for name in ("loss", "grad_norm", "lr"):
         a, b = logged.get(name), metrics.get(name)
         b = None if b is None else float(b)
-        check.rows.append((name, repr(a), repr(b), _same(a, b)))
+        check.rows.append((name, repr(a), repr(b), _same(a, b, tolerance)))
     stored = [r["trainer_logprobs"] for r in rows]
     replayed = [seen.get(tuple(r["sample_ids"])) for r in rows]
     if all(s is None for s in stored) and not seen:  # a step that ran no forward pass
@@ -201,7 +217,7 @@ def compare(step: int, logged: dict, metrics: dict, rows: list[dict],
     unequal = sum(int((d != 0).sum()) for d in diffs)
     worst = max((float(d.abs().max()) for d in diffs if d.numel()), default=0.0)
     check.rows.append(("trainer_logprobs", f"{n} packed tokens", f"{n - unequal} equal, max |diff| {worst:.3g}",
-                       unequal == 0))
+                       unequal == 0 or worst <= tolerance))
     return check
 
 
@@ -229,14 +245,17 @@ def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Rep
         metrics = train_on_batches(model, optimizer, scheduler, batches,
                                    capture_logprobs(step_loss(loss_fn, ref, batches, config), seen), step=s,
                                    **options)
-        checks.append(compare(s, logged, metrics, rows, seen))
-    return Replay(run_dir, step, origin, checks)
+        checks.append(compare(s, logged, metrics, rows, seen, tolerance_for(config)))
+    return Replay(run_dir, step, origin, checks, tolerance_for(config))
 
 
 def format_replay(replay: Replay) -> str:
     """The replay's figures beside the logged ones, and a verdict line naming what differs."""
     first = replay.checks[0].step if replay.checks else replay.step
     lines = [f"replay of {replay.run_dir} step {replay.step}, trainer state from {replay.start}"]
+    if replay.tolerance:
+        lines.append(f"a train.parallel run replayed in one process: the ranks summed in another order, so "
+                     f"values are compared within {replay.tolerance:g} (relative; log-probs absolute), not bit for bit")
     if first == 1 and replay.step > 1:
         lines.append(f"no checkpoint before step {replay.step}: replaying steps 1..{replay.step} forward from the "
                      "starting weights (fresh optimizer and scheduler, as the run began)")
@@ -248,5 +267,6 @@ def format_replay(replay: Replay) -> str:
         for name, logged, replayed, equal in check.rows:
             lines.append(f"{check.step:>5}  {name:<17} {logged:<28} {replayed:<28} {'yes' if equal else 'NO'}")
     bad = [f"step {c.step}: {', '.join(c.mismatches)}" for c in replay.checks if c.mismatches]
-    lines.append("MISMATCH: " + "; ".join(bad) if bad else f"OK: step {replay.step} matches bit for bit")
+    exact = f"within {replay.tolerance:g}" if replay.tolerance else "bit for bit"
+    lines.append("MISMATCH: " + "; ".join(bad) if bad else f"OK: step {replay.step} matches {exact}")
     return "\n".join(lines)

@@ -65,16 +65,15 @@ class RLRun:
     finish: Any = None
     """Called once the loop's last step is done: data-parallel ranks stop following (tasks/ranks.py)."""
 
-    def step_loss(self, batches: list):
-        """The loss of one step: loss_fn, with the reference's log-probs of `batches` bound when
-        there is a KL penalty (computed once per batch, training/kl.py)."""
+    def batch_inputs(self, batches: list) -> dict[str, list]:
+        """The per micro-batch loss inputs of one step: the reference's log-probs of `batches`
+        when there is a KL penalty (computed once per batch on rank 0, training/kl.py; under
+        train.parallel they travel with the batches to the rank that trains each), else {}."""
         if self.ref_model is None or not batches:
-            return self.loss_fn
+            return {}
         from training.kl import reference_logprobs
-        from training.rl_loss import bind_batch_inputs
 
-        ref = reference_logprobs(self.ref_model, batches, **self.ref_options)
-        return bind_batch_inputs(self.loss_fn, batches, ref_logprobs=ref)
+        return {"ref_logprobs": reference_logprobs(self.ref_model, batches, **self.ref_options)}
 
     def evaluate(self, step: int, *, run_dir: Path, run_id: str) -> dict[str, float]:
         """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table)."""

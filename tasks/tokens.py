@@ -3,15 +3,16 @@ per-token log-probs, as the `train_tokens` table — what `rlpipe replay` rebuil
 and what the `tokens` view (storage/views.py) unnests to one row per trained completion token.
 
     sink = {}
-    train = train_task(..., capture_logprobs(loss_fn, sink), ...)   # the loss sees the log-probs
+    train = train_task(..., trainer_logprobs=sink, ...)   # the loss's log-probs, every rank's
     record_train_tokens(samples, batches, sink, run_dir=..., run_id=..., step=...)
 
-The trainer's log-probs are taken where the loss receives them (a pass-through wrapper, so the
-step is computed exactly as without it), keyed by the micro-batch's sample_ids (unique in a run,
-and they survive `batch.to(device)`); with several epochs the last epoch's are kept, the one whose
-loss and grad norm are logged. A micro-batch whose loss this process never saw (another rank's
-share of a `train.parallel` step, a skipped step) gets null trainer log-probs. A plain function, not a Prefect task: it only queues a write
-(~10 ms of Prefect per step saved).
+The trainer's log-probs are taken where the loss receives them (training/distributed.py
+`capture_logprobs`, a pass-through wrapper, so the step is computed exactly as without it), keyed
+by the micro-batch's sample_ids (unique in a run, and they survive `batch.to(device)`); with
+several epochs the last epoch's are kept, the one whose loss and grad norm are logged. Under
+`train.parallel` every rank captures its share and rank 0 gathers them after the step, so every
+trained micro-batch has them; a skipped step (no update) gets null trainer log-probs. A plain
+function, not a Prefect task: it only queues a write (~10 ms of Prefect per step saved).
 """
 
 from __future__ import annotations
@@ -24,16 +25,8 @@ from envs.multiturn import segment_bounds
 from rollouts.source import TrainSample
 from tasks.record import persist
 from training.batch import PackedBatch
+from training.distributed import capture_logprobs  # noqa: F401  (re-exported: replay, tests)
 from training.losses import loss_token_mask, sequence_index
-
-
-def capture_logprobs(loss_fn, sink: dict[tuple[str, ...], torch.Tensor]):
-    """`loss_fn` that first keeps the trainer's log-probs it is given (detached, CPU float32) in
-    `sink`, under the micro-batch's sample_ids."""
-    def loss(logprobs: torch.Tensor, batch: PackedBatch, **kwargs):
-        sink[tuple(batch.sample_ids)] = logprobs.detach().to("cpu", torch.float32)
-        return loss_fn(logprobs, batch, **kwargs)
-    return loss
 
 
 def completion_ends(samples: list[TrainSample]) -> dict[str, int]:

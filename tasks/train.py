@@ -11,7 +11,7 @@ import time
 
 from tasks._prefect import stage
 from training.batch import PackedBatch
-from training.distributed import lead_step
+from training.distributed import capture_logprobs, lead_step, with_batch_inputs
 from training.step import forward_backward, optim_step
 
 
@@ -35,12 +35,21 @@ def train_on_batches(
     constant: float | None = None,
     entropy: bool = True,
     parallel=None,
+    batch_inputs: dict[str, list] | None = None,
+    trainer_logprobs: dict | None = None,
 ) -> dict[str, float]:
     """`epochs` optimizer steps over the same micro-batches (1 = on-policy); `constant` is the
     'constant' normaliser's divisor; `entropy` logs the policy's mean entropy (training/entropy.py).
     parallel: a DataParallel (tasks/ranks.py): the step runs on every rank, sharing `batches` out
-    by tokens, and trains the wrapped model (`model` is then rank 0's whole-weight view)."""
+    by tokens, and trains the wrapped model (`model` is then rank 0's whole-weight view).
+    batch_inputs: per micro-batch loss inputs in the order of `batches` (e.g. the KL reference's
+    `ref_logprobs`), bound to `loss_fn` by sample_ids. trainer_logprobs: filled with the trainer's
+    per-token log-probs of every micro-batch (all ranks'; the last epoch's), by sample_ids."""
     start = time.perf_counter()
+    if parallel is None:
+        loss_fn = with_batch_inputs(loss_fn, batches, batch_inputs or {})
+        if trainer_logprobs is not None:
+            loss_fn = capture_logprobs(loss_fn, trainer_logprobs)
     metrics: dict[str, float] = {}
     if not any(bool((b.token_weights != 0).any()) for b in batches):
         # every weight (advantage) is 0, e.g. all groups zero-variance and kept: no signal, no update
@@ -51,8 +60,9 @@ def train_on_batches(
         try:
             if parallel is not None:
                 metrics = dict(lead_step(parallel, optimizer, scheduler, batches, loss_fn, max_grad_norm,
+                                         batch_inputs=batch_inputs, trainer_logprobs=trainer_logprobs,
                                          normaliser=normaliser, constant=constant, autocast=autocast,
-                                         temperature=temperature))
+                                         temperature=temperature, entropy=entropy))
             else:
                 metrics = dict(forward_backward(model, batches, loss_fn, normaliser=normaliser, constant=constant,
                                                 autocast=autocast, temperature=temperature, entropy=entropy))

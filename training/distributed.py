@@ -32,8 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from training.batch import PackedBatch, Sequence, pack
+from training.entropy import token_logprobs_and_entropy
 from training.logprobs import token_logprobs
 from training.losses import Normaliser, normaliser_totals
+from training.rl_loss import bind_batch_inputs
 
 Parallel = Literal["none", "ddp", "fsdp2"]
 FILLER_ID = "<filler>"
@@ -51,7 +53,11 @@ class PackedPolicy(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: PackedBatch, temperature: float = 1.0, chunk_size: int = 1024):
+    def forward(self, batch: PackedBatch, temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = False):
+        """(logprobs [T], aux loss or None), plus the entropy [T] (no gradient) with `entropy`:
+        inside the forward, where FSDP2 has gathered the LM head."""
+        if entropy:
+            return token_logprobs_and_entropy(self.model, batch, temperature=temperature, chunk_size=chunk_size)
         return token_logprobs(self.model, batch, temperature=temperature, chunk_size=chunk_size)
 
 
@@ -122,6 +128,17 @@ class DataParallel:
         tensor = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(tensor)
         return float(tensor)
+
+    def sum_by_key(self, values: dict[str, float]) -> dict[str, float]:
+        """Every rank's `values` summed key by key (a key some rank lacks counts 0 there): a
+        loss may add metrics only for some micro-batches, so key sets can differ by rank."""
+        parts: list[dict[str, float]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(parts, values)
+        out: dict[str, float] = {}
+        for part in parts:
+            for key, value in part.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
 
 
 @contextlib.contextmanager
@@ -269,16 +286,31 @@ def shard_micro_batches(
 
 
 # Rank 0 runs the flow (tables, MLflow, engines); the other ranks only train. Each optimizer
-# step, rank 0 broadcasts the step's packed micro-batches and settings; every rank then takes
-# its share and runs the same step. The loss function is built on each rank (tasks/ranks.py: a
-# closure does not cross processes). Messages: ("train", ...), ("optimizer_state",), ("stop",).
+# step, rank 0 broadcasts the step's packed micro-batches, their per-batch loss inputs (the KL
+# reference's log-probs, computed on rank 0 where single-process training computes them) and
+# settings; every rank then takes its share and runs the same step, and with `trainer_logprobs`
+# sends rank 0 the per-token log-probs its loss saw. The loss function is built on each rank
+# (tasks/ranks.py: a closure does not cross processes). Messages: ("train", ...),
+# ("optimizer_state",), ("stop",).
 
 
 def lead_step(dp: DataParallel, optimizer, scheduler, batches: list[PackedBatch], loss_fn,
-              max_grad_norm: float | None, **step_options) -> dict[str, float]:
-    """Rank 0: send a step to the other ranks, take part in it, return its metrics."""
-    dist.broadcast_object_list([("train", batches, max_grad_norm, step_options)], src=0)
-    return _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, step_options)
+              max_grad_norm: float | None, *, batch_inputs: dict[str, list[torch.Tensor]] | None = None,
+              trainer_logprobs: dict[tuple[str, ...], torch.Tensor] | None = None,
+              **step_options) -> dict[str, float]:
+    """Rank 0: send a step to the other ranks, take part in it, return its metrics.
+
+    batch_inputs: per micro-batch loss inputs in the order of `batches` (`ref_logprobs=[...]`),
+    bound on every rank (training/rl_loss.bind_batch_inputs). trainer_logprobs: filled with
+    every rank's per-token trainer log-probs (CPU float32 [T]) under each micro-batch's sample_ids."""
+    batch_inputs = batch_inputs or {}
+    gather = trainer_logprobs is not None
+    dist.broadcast_object_list([("train", batches, max_grad_norm, step_options, batch_inputs, gather)], src=0)
+    metrics, seen = _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, step_options,
+                          batch_inputs, gather)
+    if gather:
+        trainer_logprobs.update(seen)
+    return metrics
 
 
 def stop_followers(dp: DataParallel | None = None) -> None:
@@ -300,19 +332,54 @@ def follow(dp: DataParallel, optimizer, scheduler, loss_fn) -> int:
             continue
         if kind != "train":
             raise RuntimeError(f"rank {dp.rank}: unexpected message {kind!r} from rank 0 while training")
-        _, batches, max_grad_norm, options = message[0]
-        _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options)
+        _, batches, max_grad_norm, options, batch_inputs, gather = message[0]
+        _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, batch_inputs, gather)
         steps += 1
 
 
-def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options):
+def with_batch_inputs(loss_fn, batches: list[PackedBatch], inputs: dict[str, list[torch.Tensor]]):
+    """`loss_fn` with each micro-batch's `inputs` bound by sample_ids; a filler (no loss
+    tokens, so no input matters) gets zeros."""
+    if not inputs:
+        return loss_fn
+    bound = bind_batch_inputs(loss_fn, batches, **inputs)
+
+    def loss(logprobs: torch.Tensor, batch: PackedBatch):
+        if is_filler(batch):
+            return loss_fn(logprobs, batch, **{name: torch.zeros_like(logprobs) for name in inputs})
+        return bound(logprobs, batch)
+    return loss
+
+
+def capture_logprobs(loss_fn, sink: dict[tuple[str, ...], torch.Tensor]):
+    """`loss_fn` that first keeps the trainer's log-probs it is given (detached, CPU float32) in
+    `sink`, under the micro-batch's sample_ids (fillers are not kept). A pass-through: the step
+    is computed exactly as without it."""
+    def loss(logprobs: torch.Tensor, batch: PackedBatch, **kwargs):
+        if not is_filler(batch):
+            sink[tuple(batch.sample_ids)] = logprobs.detach().to("cpu", torch.float32)
+        return loss_fn(logprobs, batch, **kwargs)
+    return loss
+
+
+def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, batch_inputs, gather):
+    """This rank's share of a step; returns (metrics, the log-probs of every rank's micro-batches
+    on rank 0 when `gather`, else {})."""
     from training.step import forward_backward, optim_step  # step imports this module
 
     mine = share_of(batches, dp.rank, dp.world_size)
+    seen: dict[tuple[str, ...], torch.Tensor] = {}
+    loss_fn = with_batch_inputs(loss_fn, batches, batch_inputs)
+    if gather:
+        loss_fn = capture_logprobs(loss_fn, seen)
     metrics = forward_backward(dp.model, mine, loss_fn, data_parallel=dp, **options)
     metrics |= optim_step(dp.model, optimizer, scheduler, max_grad_norm)
+    if gather:  # a list of small dicts: every rank's [T] log-probs, once per step
+        parts = [None] * dp.world_size if dp.rank == 0 else None
+        dist.gather_object(seen, parts, dst=0)
+        seen = {key: value for part in (parts or []) for key, value in part.items()}
     if dp.kind == "fsdp2":  # rank 0's engines and checkpoints read whole weights
         full = full_model_state(dp.model)
         if dp.view is not None:
             dp.view.load_state_dict(full)
-    return metrics
+    return metrics, seen

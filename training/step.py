@@ -64,7 +64,7 @@ def forward_backward(
     `router_aux_loss_coef` (0 if absent).
     Returns metrics: loss (the step's objective, without aux), aux_loss (if any), tokens,
     loss_tokens, sequences, seconds, and loss_fn's metrics averaged over micro-batches weighted
-    by their loss tokens; with `entropy` (single process), also the policy's mean entropy over the
+    by their loss tokens; with `entropy`, also the policy's mean entropy over the
     loss tokens (training/entropy.py, one more LM-head matmul per token). Raises FloatingPointError
     on a NaN/inf loss, after clearing the gradients (the caller must not step).
     data_parallel: this rank's share of a step run on several ranks (training.distributed):
@@ -97,7 +97,9 @@ def forward_backward(
             with autocast_context(device, autocast):
                 token_entropy = None
                 if dp is not None:
-                    logprobs, aux = dp.module(batch, temperature=temperature, chunk_size=chunk_size)
+                    logprobs, aux, *rest = dp.module(batch, temperature=temperature, chunk_size=chunk_size,
+                                                     entropy=entropy)
+                    token_entropy = rest[0] if rest else None
                 elif entropy:
                     logprobs, aux, token_entropy = token_logprobs_and_entropy(
                         model, batch, temperature=temperature, chunk_size=chunk_size)
@@ -122,6 +124,8 @@ def forward_backward(
 
     if dp is not None:  # the step's figures over every rank, as one process would report them
         loss_sum, aux_sum = dp.sum(loss_sum), dp.sum(aux_sum) / dp.world_size
+        # loss_fn metrics (entropy, kl, clip fractions): global loss-token-weighted means
+        fn_sums, fn_weights = dp.sum_by_key(fn_sums), dp.sum_by_key(fn_weights)
     metrics: dict[str, float] = {k: fn_sums[k] / fn_weights[k] for k in fn_sums}
     metrics.update(
         loss=loss_sum,

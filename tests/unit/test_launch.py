@@ -111,10 +111,9 @@ def test_a_parallel_config_without_a_launch_is_refused_before_anything_runs(tmp_
 def test_parallel_config_key_is_checked():
     with pytest.raises(ConfigError, match="train.parallel"):
         validate_config({"train": {"parallel": "zero3"}})
-    with pytest.raises(ConfigError, match="does not support model.lora"):
-        validate_config({"train": {"parallel": "ddp"}, "model": {"lora": {"rank": 4}}})
-    with pytest.raises(ConfigError, match="does not support rl.kl_coef"):
-        validate_config({"train": {"parallel": "fsdp2"}, "rl": {"kl_coef": 0.1}})
+    # LoRA and a KL penalty work under data parallelism (tests/integration/test_distributed_extras.py)
+    assert validate_config({"train": {"parallel": "ddp"}, "model": {"lora": {"rank": 4}}}).model.lora.rank == 4
+    assert validate_config({"train": {"parallel": "fsdp2"}, "rl": {"kl_coef": 0.1}}).rl.kl_coef == 0.1
     assert validate_config({"train": {"parallel": "fsdp2"}}).train.parallel == "fsdp2"
 
 

@@ -69,3 +69,15 @@ def test_a_skipped_step_keeps_the_batches_without_trainer_logprobs():
     batches, _ = pack_rollouts(samples, token_budget=64, run_id="r", step=1)
     rows = train_token_rows(samples, batches, {})
     assert [r["trainer_logprobs"] for r in rows] == [None] and same(packed_batch(rows[0]), batches[0])
+
+
+def test_a_small_step_with_shared_prompts_gives_every_rank_a_micro_batch():
+    # 4 groups of 8 sharing a 15-token prompt: 608 tokens as sequences, 216 packed. Sizing the
+    # ranks' budget by the former (304) packed the whole step into one micro-batch: rank 1 idled.
+    samples = [sample(g, j, list(range(20 * g + 1, 20 * g + 16)), [90 + j, 91, 92, 93], 1.0 - j / 4)
+               for g in range(4) for j in range(8)]
+    batches, _ = pack_rollouts(samples, token_budget=2048, run_id="r", step=1, world_size=2)
+    assert [b.n_tokens for b in batches] == [108, 108]
+    # one group: its prompt is shared, not split into per-sequence micro-batches (rank 1 idles)
+    batches, _ = pack_rollouts(samples[:8], token_budget=2048, run_id="r", step=1, world_size=2)
+    assert [b.n_tokens for b in batches] == [54]

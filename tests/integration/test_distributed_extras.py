@@ -1,0 +1,120 @@
+"""Data parallelism (gloo, 2 ranks) with a KL penalty, LoRA adapters, the entropy metric and the
+trainer's log-probs gathered to rank 0: rank 0 leads the steps as the flows do (lead_step with
+the reference's log-probs as batch inputs), and the result equals one process's."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_distributed import STEPS, VOCAB, _free_port, _full_state, _packed, _steps  # same folder
+
+from models.presets import build_model
+from tasks.train import train_on_batches
+from training.distributed import broadcast_weights, data_parallel, follow, lead_step, stop_followers
+from training.kl import frozen_copy, reference_logprobs
+from training.lora import LoraOptions, add_lora
+from training.rl_loss import build_rl_loss
+from training.step import build_optimizer
+
+# a reference far from the policy (another init), so a KL term missing or bound to the wrong
+# micro-batch on any rank moves the weights by ~lr, far above the tolerance
+KL = dict(kl_coef=0.1, kl_estimator="k3")
+METRICS = ("loss", "entropy", "kl")
+
+
+def _named_steps() -> list[list]:
+    """`_steps()` with sample_ids (per-batch inputs and gathered log-probs are keyed by them)."""
+    return [[dataclasses.replace(s, sample_id=f"{k}-{i}") for i, s in enumerate(seqs)]
+            for k, seqs in enumerate(_steps())]
+
+
+def _model(lora: bool):
+    model = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+    if lora:
+        torch.manual_seed(1)  # adapter init; ranks > 0 get rank 0's anyway (broadcast_weights)
+        add_lora(model, LoraOptions(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj")))
+    return model
+
+
+def _reference():
+    return frozen_copy(build_model("tiny-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=0))
+
+
+def _rank(rank: int, world: int, port: int, kind: str, lora: bool, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dp = None
+    try:
+        model = _model(lora)
+        broadcast_weights(model)  # as tasks/ranks.py: rank 0's weights, adapters included
+        dp = data_parallel(model, kind, torch.device("cpu"))
+        optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce", **KL)
+        result = {}
+        if rank == 0:  # only rank 0 holds the reference, as in a flow
+            ref, result["metrics"], result["logprobs"] = _reference(), [], []
+            for seqs in _named_steps():
+                batches, seen = _packed(seqs), {}
+                inputs = {"ref_logprobs": reference_logprobs(ref, batches)}
+                metrics = lead_step(dp, optimizer, None, batches, loss_fn, 1.0, batch_inputs=inputs,
+                                    trainer_logprobs=seen, entropy=True)
+                result["metrics"].append({k: metrics[k] for k in METRICS})
+                result["logprobs"].append(seen)
+            stop_followers(dp)
+        else:
+            result["steps"] = follow(dp, optimizer, None, loss_fn)
+        result["state"] = _full_state(model)  # collective
+        torch.save(result, f"{out}.rank{rank}")
+    finally:
+        dp = None  # DDP before its group (else its destructor can hang at exit)
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _one_process(lora: bool, kl: dict):
+    model, ref = _model(lora), _reference()
+    optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce", **kl)
+    metrics, logprobs = [], []
+    for step, seqs in enumerate(_named_steps(), start=1):
+        batches, seen = _packed(seqs), {}
+        inputs = {"ref_logprobs": reference_logprobs(ref, batches)} if kl else {}
+        m = train_on_batches(model, optimizer, None, batches, loss_fn, normaliser="token", max_grad_norm=1.0,
+                             autocast=False, step=step, batch_inputs=inputs, trainer_logprobs=seen)
+        metrics.append(m)
+        logprobs.append(seen)
+    return model.state_dict(), metrics, logprobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "lora"), [("fsdp2", False), ("ddp", True), ("fsdp2", True)])
+def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, kind, lora):
+    torch.set_num_threads(1)
+    expected, metrics, logprobs = _one_process(lora, KL)
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(2, _free_port(), kind, lora, out), nprocs=2, join=True)
+    lead, follower = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
+    assert follower["steps"] == STEPS
+    for got, want in zip(lead["metrics"], metrics, strict=True):  # global figures, as one process
+        for key in METRICS:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    for got, want in zip(lead["logprobs"], logprobs, strict=True):  # every rank's micro-batches
+        assert set(got) == set(want) and len(want) > 2
+        for key, value in want.items():
+            assert (got[key] - value).abs().max().item() < 1e-5, key
+    assert set(lead["state"]) == set(expected)
+    worst = max((lead["state"][k] - v).abs().max().item() for k, v in expected.items())
+    assert worst < 1e-5, worst
+    if lora:  # only the adapters moved
+        start = _model(lora).state_dict()
+        assert all(torch.equal(lead["state"][k], start[k]) for k in start if "lora_" not in k)
+    # the KL term matters at this tolerance: without it the weights end elsewhere
+    plain, _, _ = _one_process(lora, {})
+    assert max((plain[k] - v).abs().max().item() for k, v in expected.items()) > 1e-4
