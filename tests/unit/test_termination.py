@@ -6,7 +6,12 @@ import weakref
 
 import pytest
 
-from flows.termination import Terminated, raise_if_terminated, sigterm_is_sticky, sigterm_stops_the_run
+from flows.termination import (
+    Terminated,
+    raise_if_terminated,
+    sigterm_is_sticky,
+    sigterm_stops_the_run,
+)
 from tasks._prefect import stage, stage_task_runs
 
 
