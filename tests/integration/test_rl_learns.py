@@ -10,64 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.bench_losses import MemoryStages, digits_env
 from engines.base import SamplingParams
 from engines.snapshot import SnapshotEngine
 from engines.torch_engine import TorchEngine
-from envs.base import Example, LazyExamples, SingleTurnEnv
 from envs.prompts import PromptSource
 from flows.config import RLConfig
 from rollouts.source import RolloutSource
-from tasks.generate import generate_rollouts
 from tasks.pack import pack_rollouts
 from tasks.rl_setup import loss_for
-from tasks.score import score_rollouts
 from tasks.setup import make_model_and_tokenizer, stop_token_ids
 from tasks.train import train_on_batches
 from training.oversampling import GroupBuffer
 from training.step import build_optimizer, build_scheduler
 
 
-class LetterEnv(SingleTurnEnv):
-    """Write digits: reward = share of digits among the completion's characters."""
-
-    name = "letters"
-
-    def examples(self, split, seed=0):
-        return LazyExamples(1000, lambda i: Example(self.name, f"{split}/{i}", f"{i % 10}:", None))
-
-    def score(self, example, completion_text):
-        text = completion_text or " "
-        return sum(c.isdigit() for c in text) / len(text)
-
-
-class MemoryStages:
-    """The rollout source's stages without tables: sampling rounds straight from the engine."""
-
-    def __init__(self, engine, tokenizer, env, params):
-        self.engine, self.tokenizer, self.env, self.params = engine, tokenizer, env, params
-        self.rewards: dict[int, list[float]] = {}
-
-    def generate(self, examples, *, step, attempt, policy_version, previous):
-        params = SamplingParams(**{**self.params.__dict__, "seed": step * 10 + attempt})
-        return generate_rollouts(self.engine, self.tokenizer, self.env, examples, params, run_id="t", step=step,
-                                 attempt=attempt, policy_version=policy_version, max_context=4096)
-
-    def score(self, examples, rollouts, *, step, previous):
-        scores = score_rollouts(self.env, examples, rollouts, max_error_fraction=0.0)
-        self.rewards.setdefault(step, []).extend(s.reward for s in scores)
-        return scores
-
-    def rows_of(self, groups, rows):
-        pass
-
-    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
-        pass
-
-
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_reinforce_raises_reward_on_a_learnable_env(ahead):
     torch.manual_seed(0)
-    env = LetterEnv()
+    env = digits_env()
     model, tokenizer = make_model_and_tokenizer("tiny-dense", "", {}, seed=0)
     engine = SnapshotEngine(model) if ahead else TorchEngine(model)
     optimizer = build_optimizer(model, lr=3e-3)
@@ -75,7 +36,7 @@ def test_reinforce_raises_reward_on_a_learnable_env(ahead):
     rl = RLConfig(steps=40, prompts_per_step=8, group_size=8, drop_zero_variance=False,
                   max_off_policy_steps=ahead)
     loss_fn = loss_for(rl)
-    params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer))
+    params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer), seed=0)
     stages = MemoryStages(engine, tokenizer, env, params)
     source = RolloutSource(rl, PromptSource(env.examples("train"), seed=0), GroupBuffer(rl), stages,
                            start_step=0, published_version=0)
