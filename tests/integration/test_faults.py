@@ -108,7 +108,11 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path):
         while len(kills) < 10:
             pending = [p for p in pending if not partition(killed_dir, p).exists()]
             assert pending, f"ran out of kill points after {kills}"
-            point = rng.choice(pending[:4])  # one of the next few: spread over the run
+            # one of the next few, to spread the kills over the run, but never so far ahead that
+            # the points left cannot hold the kills still to come (a run may also pass a point or
+            # two between a poll and the kill, hence the slack of 3 per skipped point)
+            slack = len(pending) - (10 - len(kills))
+            point = rng.choice(pending[:1 + min(3, max(0, slack) // 3)])
             process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, start_new_session=True)
             try:
