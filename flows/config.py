@@ -59,6 +59,11 @@ class TrainConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them:
     much less memory for long packs, about a third more compute."""
+    compile: bool = False
+    """torch.compile each decoder layer of the trained model (one shared graph, dynamic shapes;
+    the packed attention stays eager): fuses the norms, rotary, SwiGLU and autocast casts that
+    dominate an eager GPU train step. Costs a compile at the first step (tens of seconds) and
+    gains nothing on a CPU, hence off by default (models/compile.py, docs/BENCHMARKS.md)."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient
@@ -322,6 +327,9 @@ class RunConfig(Section):
             raise ValueError("rl.tis_cap with rl.loss = 'ppo_clip' is not supported: the PPO ratio "
                              "against the engine's log-probs already absorbs the mismatch")
         _check_rl_loss(self.rl)
+        if self.train.compile and self.train.activation_checkpointing:
+            raise ValueError("train.compile with train.activation_checkpointing is not supported: the "
+                             "checkpointed layers would run uncompiled (models/compile.py); turn one off")
         if self.model.lora.rank and self.engine.type == "vllm":
             raise ValueError("model.lora with engine.type = 'vllm' is not supported yet (the in-process "
                              "vLLM sync reads the unadapted weights); use the torch or http engine")

@@ -67,7 +67,8 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
     resume_from = latest_checkpoint(run_dir)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
-    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing,
+                config.train.compile)
     model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     start_step = 0
     if resume_from is not None:

@@ -245,8 +245,12 @@ def varlen_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
 
 def register() -> None:
-    """Register VARLEN_ATTENTION with transformers (idempotent; done at import)."""
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    """Register VARLEN_ATTENTION with transformers (idempotent; done at import).
+
+    The attention function is kept out of torch.compile graphs (models/compile.py): it plans
+    buckets from cu_seqlens on the host (`.tolist()`), which would break the graph or recompile
+    per batch; the compiled layer calls it eagerly between its compiled parts."""
+    AttentionInterface.register(VARLEN_ATTENTION, torch.compiler.disable(varlen_attention_forward))
     AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
 
 

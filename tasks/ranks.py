@@ -44,6 +44,8 @@ class TrainerSpec:
     total_steps: int
     loss: tuple
     """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (each rank builds loss_for(rl))."""
+    compile: bool = False
+    """train.compile: each rank compiles its decoder layers (models/compile.py)."""
     lora: Any = None
     """The run's `model.lora` section: each rank injects the same adapters before rank 0's
     weights (adapters included) are broadcast."""
@@ -69,7 +71,7 @@ def spec_for(config, model, optim, total_steps: int, loss: tuple) -> TrainerSpec
     return TrainerSpec(model_class=type(model), model_config=model.config, dtype=next(model.parameters()).dtype,
                        device=config.device, activation_checkpointing=config.train.activation_checkpointing,
                        parallel=config.train.parallel, optim=optim, total_steps=total_steps, loss=loss,
-                       lora=config.model.lora)
+                       lora=config.model.lora, compile=config.train.compile)
 
 
 def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_from: Path | None) -> Trainer:
@@ -136,7 +138,8 @@ def _fresh_model(spec: TrainerSpec):
     model = spec.model_class(spec.model_config)  # weights come from rank 0
     model.to(dtype=spec.dtype)
     model.train()
-    model = place_model(model, spec.device, str(spec.dtype).removeprefix("torch."), spec.activation_checkpointing)
+    model = place_model(model, spec.device, str(spec.dtype).removeprefix("torch."), spec.activation_checkpointing,
+                        spec.compile)
     if spec.lora is not None:  # the same adapters as rank 0 (open_rl / the supervised setup)
         from training.lora import lora_from_config
 

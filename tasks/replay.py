@@ -131,7 +131,8 @@ def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
     first = start_weights(run_dir, config, start) if not from_step or rl.kl_coef > 0 else None
     path = str(checkpoint_dir(run_dir, from_step)) if from_step else first
     model, _ = make_model_and_tokenizer(config.model.preset, path, config.model.overrides, config.seed)
-    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing,
+                config.train.compile)
     optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
     if from_step:
         load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, restore_rng=False)

@@ -144,7 +144,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
                                        config.task.env_reward_weight), config.task.reward_timeout_s)
     model, tokenizer = make_model_and_tokenizer(
         config.model.preset, start_checkpoint or config.model.path, config.model.overrides, config.seed)
-    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing)
+    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing,
+                config.train.compile)
     model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)

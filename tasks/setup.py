@@ -48,9 +48,10 @@ def make_model_and_tokenizer(preset: str, path: str, overrides: dict[str, Any], 
 
 
 def place_model(model, device: str, weights_dtype: str = "float32",
-                activation_checkpointing: bool = False):
+                activation_checkpointing: bool = False, compile: bool = False):
     """The model on the configured device and dtype (in place), with activation checkpointing
-    switched on if asked. Call before building the optimizer: its state follows the parameters."""
+    and regional compilation (`train.compile`, models/compile.py) switched on if asked. Call
+    before building the optimizer: its state follows the parameters."""
     import torch
 
     model.to(device=resolve_device(device), dtype=getattr(torch, weights_dtype))
@@ -62,6 +63,10 @@ def place_model(model, device: str, weights_dtype: str = "float32",
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    if compile:
+        from models.compile import compile_layers
+
+        compile_layers(model)
     return model
 
 
