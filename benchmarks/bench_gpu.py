@@ -5,7 +5,8 @@ Three parts, one process, one GPU:
   (0.60B parameters), RL-like packs of 256-1,024-token sequences: seconds, real tokens/s, model
   FLOP utilisation (MFU: 6 x matmul parameters x tokens + causal attention, over the GPU's dense
   bf16 peak), peak memory; bf16 autocast over fp32 master weights (the default), pure bf16, and
-  each with activation checkpointing.
+  each with activation checkpointing or with `train.compile` (compiled decoder layers; its first
+  step, compile included, is reported apart).
 - engine: the torch engine decoding on the GPU in bf16 (tokens/s), the cost of its weight "sync"
   (it re-reads the trainer's tensors, cast to bf16, at each generate: no copy through disk), and
   the cost of writing the Hugging Face checkpoint that an HTTP engine (vLLM/SGLang server) loads.
@@ -93,18 +94,26 @@ def timed(fn, repeats: int, warmup: int = 2) -> list[float]:
     return times
 
 
-def train_step_seconds(batches, seqs, weights_dtype: str, checkpointing: bool, repeats: int):
-    """Median seconds of a full optimizer step, its FLOPs and the parameter count."""
+# (weights dtype, activation checkpointing, train.compile); compile with checkpointing is refused
+TRAIN_VARIANTS = [(w, ckpt, comp) for w in ("float32", "bfloat16")
+                  for ckpt, comp in ((False, False), (True, False), (False, True))]
+
+
+def train_step_seconds(batches, seqs, weights_dtype: str, checkpointing: bool, compile: bool, repeats: int):
+    """Median seconds of a full optimizer step, the first step's seconds (compiling, when
+    `compile`), its FLOPs and the parameter count."""
     model = build_model("qwen3-0.6b", QWEN3_VOCAB, seed=0, pad_token_id=0, eos_token_id=1)
-    place_model(model, "cuda", weights_dtype, checkpointing)
+    place_model(model, "cuda", weights_dtype, checkpointing, compile)
     optimizer = build_optimizer(model, lr=1e-5)
 
     def step():
         forward_backward(model, batches, nll_loss, autocast=True)
         optim_step(model, optimizer, None, max_grad_norm=1.0)
 
+    first = timed(step, repeats=1, warmup=0)[0]
     seconds = statistics.median(timed(step, repeats))
-    return seconds, train_flops(model, [len(s.tokens) for s in seqs]), sum(p.numel() for p in model.parameters())
+    return seconds, first, train_flops(model, [len(s.tokens) for s in seqs]), \
+        sum(p.numel() for p in model.parameters())
 
 
 def bench_train(tokens_per_step: int, token_budget: int, repeats: int) -> list[dict]:
@@ -116,14 +125,15 @@ def bench_train(tokens_per_step: int, token_budget: int, repeats: int) -> list[d
         total += len(s.tokens)
     batches = pack(seqs, token_budget)
     rows = []
-    for weights_dtype, checkpointing in itertools.product(("float32", "bfloat16"), (False, True)):
+    for weights_dtype, checkpointing, compile in TRAIN_VARIANTS:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        seconds, flops, parameters = train_step_seconds(batches, seqs, weights_dtype, checkpointing, repeats)
+        seconds, first, flops, parameters = train_step_seconds(batches, seqs, weights_dtype, checkpointing,
+                                                               compile, repeats)
         peak = peak_flops()
         rows.append({
-            "weights": weights_dtype, "activation_checkpointing": checkpointing, "parameters": parameters,
-            "tokens": total, "micro_batches": len(batches), "seconds": seconds, "tokens_per_second": total / seconds,
+            "weights": weights_dtype, "activation_checkpointing": checkpointing, "compile": compile,
+            "first_step_seconds": first, "parameters": parameters, "tokens": total, "micro_batches": len(batches), "seconds": seconds, "tokens_per_second": total / seconds,
             "tflops": flops / seconds / 1e12, "mfu": None if peak is None else flops / seconds / peak,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         })
@@ -131,13 +141,14 @@ def bench_train(tokens_per_step: int, token_budget: int, repeats: int) -> list[d
     return rows
 
 
-def profile_train_step(tokens_per_step: int, token_budget: int, path: Path) -> None:
+def profile_train_step(tokens_per_step: int, token_budget: int, path: Path, compile: bool = False) -> None:
     """Where a default-precision train step spends GPU time: the profiler's top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     seqs = rl_like_sequences(tokens_per_step // 640, QWEN3_VOCAB, seed=0)
     batches = pack(seqs, token_budget)
-    model = place_model(build_model("qwen3-0.6b", QWEN3_VOCAB, seed=0, pad_token_id=0, eos_token_id=1), "cuda")
+    model = place_model(build_model("qwen3-0.6b", QWEN3_VOCAB, seed=0, pad_token_id=0, eos_token_id=1), "cuda",
+                        compile=compile)
     optimizer = build_optimizer(model, lr=1e-5)
 
     def step():
@@ -316,10 +327,12 @@ def render(report: dict) -> str:
                   f"One optimizer step over {report['train'][0]['tokens']:,} real tokens (RL-like packs of "
                   f"256-1,024-token sequences, {report['train'][0]['micro_batches']} micro-batches), bf16 autocast, "
                   f"varlen FlashAttention; MFU against the dense bf16 peak of {report['peak_bf16_tflops']:.0f} TFLOP/s.", "",
-                  "| weights + optimizer state | activation checkpointing | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in report["train"]:
-            lines.append(f"| {r['weights']} | {'on' if r['activation_checkpointing'] else 'off'} | {r['seconds']:.3f} | "
+                  "| weights + optimizer state | activation checkpointing | compile | s/step | first step s | "
+                  "tokens/s | TFLOP/s | MFU | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in report["train"]:  # older JSON has no compile rows: "off", first step "-"
+            lines.append(f"| {r['weights']} | {'on' if r['activation_checkpointing'] else 'off'} | "
+                         f"{'on' if r.get('compile') else 'off'} | {r['seconds']:.3f} | "
+                         f"{_fmt(r.get('first_step_seconds'))} | "
                          f"{r['tokens_per_second']:,.0f} | {r['tflops']:.0f} | {100 * (r['mfu'] or 0):.1f}% | "
                          f"{r['peak_memory_gib']:.1f} |")
         lines.append("")
@@ -388,8 +401,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "generate and rlpipe with its torch engine"]}
     if "train" in args.parts:
         report["train"] = bench_train(args.tokens_per_step, args.token_budget, args.repeats)
-    if args.profile:
+    if args.profile:  # eager, then compiled: what the fused layers leave
         profile_train_step(args.tokens_per_step, args.token_budget, Path(args.out).with_suffix(".profile.txt"))
+        profile_train_step(args.tokens_per_step, args.token_budget,
+                           Path(args.out).with_suffix(".profile-compile.txt"), compile=True)
     if "engine" in args.parts:
         report["engine"] = bench_engine(prompts=64, n=8, max_new=256)
     if "rl_vs_trl" in args.parts:

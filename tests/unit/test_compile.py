@@ -71,7 +71,9 @@ def test_compiled_steps_match_eager_and_do_not_recompile_per_batch():
     assert len(seen_lengths) >= 5  # micro-batches of many token counts went through
     assert _compiled_frames() == frames_after_first, "a micro-batch of a new length recompiled"
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)  # the optimizer steps agree too
+        # the optimizer steps agree too (Adam magnifies float noise on near-zero gradients to
+        # ~lr/100; a wrong gradient moves a weight by ~lr = 3e-3)
+        torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-3)
 
 
 @pytest.mark.slow
