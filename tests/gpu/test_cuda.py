@@ -149,3 +149,48 @@ def test_engine_on_cuda_logprobs_match_the_trainer():
     gap = (trainer[mask].float() - batch.log_probs[mask]).abs()
     # bf16 sampler vs bf16-autocast trainer: the mismatch TIS/PPO ratios absorb, not a bug
     assert gap.mean().item() < 0.05, gap.mean().item()
+
+
+# train.compile (models/compile.py): compiled decoder layers on CUDA, bf16 autocast, varlen flash
+
+def _compiled_frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+@pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
+def test_compiled_layers_train_like_eager_on_cuda(weights_dtype):
+    """fp32 master weights and pure bf16: same losses and gradients (up to bf16 and flash-atomics
+    noise) over a few optimizer steps, and no recompile for micro-batches of new lengths."""
+    models = [place_model(build_model("small-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=1), "cuda",
+                          weights_dtype, compile=compile) for compile in (False, True)]
+    optimizers = [build_optimizer(m, lr=1e-3) for m in models]
+    frames, losses = None, [[], []]
+    for step in range(4):
+        batches = pack(_sequences(16, seed=20 + step), 1024)  # micro-batch lengths change every step
+        grads = []
+        for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            with autocast_context("cuda", True):
+                assert use_flash(model)
+            losses[i].append(forward_backward(model, batches, nll_loss, autocast=True)["loss"])
+            grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+            optim_step(model, optimizer, None, max_grad_norm=1.0)
+        cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item()
+        assert cos > 0.999, (step, cos)
+        assert losses[1][-1] == pytest.approx(losses[0][-1], rel=2e-2), step
+        frames = _compiled_frames() if frames is None else frames
+    assert frames > 0, "nothing was compiled"
+    assert _compiled_frames() == frames, "a micro-batch of a new length recompiled"
+
+
+def test_engine_samples_the_same_from_a_compiled_model_on_cuda():
+    """The engine reads the compiled model's weights (fast path) or runs it with a KV cache
+    (eager layers): greedy tokens equal the eager model's."""
+    eager = _model("small-dense").eval()
+    compiled = place_model(build_model("small-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=1), "cuda",
+                           compile=True).eval()
+    prompts = [s.tokens[:20] for s in _sequences(4, seed=9, low=25, high=40)]
+    params = SamplingParams(greedy=True, max_new_tokens=16)
+    outs = [TorchEngine(m, dtype=torch.bfloat16).generate(prompts, params) for m in (eager, compiled)]
+    assert [[c.tokens for c in g] for g in outs[0]] == [[c.tokens for c in g] for g in outs[1]]
