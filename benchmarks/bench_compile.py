@@ -11,7 +11,7 @@ count after it must not grow (`recompiles_after_warmup`), though micro-batch len
 The point of `train.compile` is the GPU (bench_gpu's train part); this records what it does on a
 CPU, honestly, which is why the key defaults to off.
 
-    python -m benchmarks.bench_compile [--preset small-dense] [--repeats 5] [--out PATH]
+    python -m benchmarks.bench_compile [--preset small-dense] [--repeats 5] [--threads 1] [--out PATH]
 """
 
 from __future__ import annotations
@@ -85,15 +85,41 @@ def compare(preset: str, autocast: bool, repeats: int, n: int, budget: int) -> d
     }
 
 
+def headline(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    """benchmarks/run_all's summary line and headline table for this benchmark's JSON."""
+    runs = [r for r in results["results"] if "skipped" not in r]
+    rows = ["| preset | precision | eager tok/s | compiled tok/s | compiled / eager | compile warm-up s "
+            "| recompiles after it |", "|---|---|---|---|---|---|---|"]
+    rows += [f"| {r['preset']} | {'bf16 autocast' if r['autocast'] else 'fp32'} | "
+             f"{r['eager_tokens_per_second']:,.0f} | {r['compiled_tokens_per_second']:,.0f} | "
+             f"{r['compiled_over_eager']:.2f}× | {r['warmup_seconds']:.0f} | {r['recompiles_after_warmup']} |"
+             for r in runs]
+    skipped = [f"bf16 autocast: {r['skipped']}." for r in results["results"] if "skipped" in r]
+    load = results.get("loadavg")
+    note = (f"{results['threads']} torch thread(s); median over {results.get('repeats', '?')} alternating steps of micro-batches of varying length; the "
+            "warm-up is the compiled model's first step from an empty inductor cache (the eager first step took "
+            + ", ".join(f"{r['eager_first_step_seconds']:.1f} s" for r in runs) + ")"
+            + (f"; load average {load[0]:.1f} at the end" if load else "") + ". " + " ".join(skipped)
+            + " `train.compile` is meant for the GPU (docs/BENCHMARKS_GPU.md); it stays off by default.")
+    summary = "compiled/eager train-step tokens/s " + ", ".join(
+        f"{r['compiled_over_eager']:.2f}× ({'bf16' if r['autocast'] else 'fp32'})" for r in runs) + \
+        "; compile warm-up " + ", ".join(f"{r['warmup_seconds']:.0f} s" for r in runs) + \
+        "; recompiles after it: " + ", ".join(str(r["recompiles_after_warmup"]) for r in runs)
+    return summary, rows + ["", note]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small-dense")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: steadier on shared cores, as the distributed benchmark)")
     parser.add_argument("--out", default="runs/bench/compile.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     report = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "results": []}
     with tempfile.TemporaryDirectory() as cache:
@@ -104,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             report["results"].append(compare(args.preset, autocast, args.repeats, args.sequences, args.budget))
             print(json.dumps(report["results"][-1]), flush=True)
+    report["repeats"], report["loadavg"] = args.repeats, os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

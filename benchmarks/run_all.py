@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_compile import headline as headline_compile
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
     "packing": "Training throughput: packed (varlen attention) vs padded, dense and MoE",
@@ -401,7 +403,7 @@ def headline_distributed(results: dict, ceiling: dict) -> tuple[str, list[str]]:
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
              "trl": headline_trl, "losses": headline_losses, "async": headline_async,
-             "distributed": headline_distributed}
+             "distributed": headline_distributed, "compile": headline_compile}
 
 
 def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:

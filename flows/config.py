@@ -62,8 +62,9 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile each decoder layer of the trained model (one shared graph, dynamic shapes;
     the packed attention stays eager): fuses the norms, rotary, SwiGLU and autocast casts that
-    dominate an eager GPU train step. Costs a compile at the first step (tens of seconds) and
-    gains nothing on a CPU, hence off by default (models/compile.py, docs/BENCHMARKS.md)."""
+    dominate an eager GPU train step. Costs a compile at the first step (~40 s on a 2-core CPU)
+    for ~1.1x faster steps there; off by default until a GPU run measures it (models/compile.py).
+    Not with activation_checkpointing."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient

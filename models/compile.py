@@ -22,9 +22,10 @@ How:
   `forward` is a partial bound to the layer itself, which `copy.deepcopy` re-binds to the copy
   (the KL reference and the async snapshot engine are deep copies of the trainer's model).
 
-Cost: compile time at the first step (tens of seconds on a CPU; measured by benchmarks) and one
-more compile per new mode (no-grad log-prob recomputation, eval-mode reference). On a small CPU
-model compiled steps are not faster (docs/BENCHMARKS.md), so `train.compile` defaults to off.
+Cost: compile time at the first step (~43 s on a 2-core CPU for small-dense, benchmarks/
+bench_compile.py, which measured 1.12x the eager tokens/s after it) and one more compile per new
+mode (no-grad log-prob recomputation, eval-mode reference). `train.compile` stays off by default
+until a GPU run (benchmarks/bench_gpu.py) shows what it buys there.
 """
 
 from __future__ import annotations

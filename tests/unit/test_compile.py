@@ -95,6 +95,33 @@ def test_a_deep_copy_of_a_compiled_model_runs_its_own_weights():
         assert not torch.allclose(m, e, atol=1e-3)
 
 
+@pytest.mark.slow
+def test_lora_adapters_train_the_same_compiled():
+    """peft swaps the layers' Linears for LoRA ones inside the compiled layer: same gradients
+    for the adapters, none for the frozen base, merged weights under the plain names."""
+    from training.lora import LoraOptions, add_lora, merged_state_dict
+
+    models = []
+    for compile in (False, True):
+        torch.manual_seed(0)  # the same random A matrices
+        model = add_lora(place_model(build_model("tiny-dense", vocab_size=VOCAB, seed=3), "cpu",
+                                     compile=compile), LoraOptions(rank=4))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:  # B starts at 0: give the adapters something to differentiate
+                    param.copy_(torch.linspace(-0.02, 0.02, param.numel()).view_as(param))
+        forward_backward(model, _batches(11), nll_loss)
+        models.append(model)
+    eager, compiled = models
+    assert is_compiled(compiled)
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None and "lora_" not in name, name
+            continue
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert list(merged_state_dict(compiled)) == list(merged_state_dict(eager))
+
+
 def test_cache_calls_run_eager_and_compile_nothing():
     """Generation (a KV cache) goes around the compiled graph: same tokens, no compile."""
     eager, compiled = _pair()
