@@ -225,12 +225,12 @@ class GraphBackend:
         g = self.graphs
         g.reserve(max_len)
         width = tokens.shape[1]
-        # columns past the prompts hold an earlier call's keys: zero them, since a masked
-        # column still enters the attention sums as 0 x value (a stale inf or NaN would leak)
-        for k, v in zip(g.cache.k, g.cache.v, strict=True):
-            k[..., width:].zero_()
-            v[:, :, width:].zero_()
-        g.cache.key_bias.zero_()
+        # the cache holds an earlier call's keys, and a masked column still enters the attention
+        # sums as 0 x value (a stale inf or NaN would leak): zero it all, as KVCache.empty does
+        # (prefill leaves the columns left of a short prompt's length bucket unwritten). One
+        # memset of the cache per batch, about what one late decode step reads.
+        for t in (*g.cache.k, *g.cache.v, g.cache.key_bias):
+            t.zero_()
         view = _rows_view(g.cache, tokens.shape[0])
         logits = qwen3_fast.prefill(g.weights, tokens, pad, view, g.rope)
         self.rows, self.length = tokens.shape[0], width
