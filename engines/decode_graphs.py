@@ -206,7 +206,8 @@ class DecodeGraphs:
                 self._step(batch, span)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: CUDA work of other threads (an async trainer) may run meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._step(batch, span)
         self.captures += 1
         return graph, out

@@ -15,7 +15,9 @@ from engines import decode_graphs as dg
 from engines import qwen3_fast
 from engines.base import SamplingParams
 from engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
+from flows.config import RunConfig
 from models.presets import build_model
+from tasks.rl_setup import make_engines  # imported here: importing Prefect resets logging handlers
 
 VOCAB = 64
 CPU = torch.device("cpu")
@@ -259,3 +261,12 @@ def test_stale_cache_columns_from_an_earlier_call_do_not_leak():
         eager = _generate_batch(FastBackend(weights), prompts, params, torch.Generator(), CPU)
     assert [c.tokens for c in static] == [c.tokens for c in eager]
     assert all(torch.tensor(c.logprobs).isfinite().all() for c in static)
+
+
+def test_config_key_reaches_the_rl_engine(caplog):
+    config = RunConfig.model_validate({"device": "cpu", "engine": {"cuda_graphs": True}})
+    assert config.engine.cuda_graphs and not RunConfig().engine.cuda_graphs
+    with caplog.at_level("INFO", logger="engines.torch_engine"):
+        (engine,) = make_engines(config, model_of("tiny-dense"))
+    assert isinstance(engine, TorchEngine) and engine._graphs is None
+    assert any("engine.cuda_graphs ignored" in r.getMessage() for r in caplog.records)
