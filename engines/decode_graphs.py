@@ -99,11 +99,17 @@ def copy_weights_(dst: QwenWeights, src: QwenWeights) -> None:
 
 
 def layout(weights: QwenWeights) -> tuple:
-    """What must match for `copy_weights_`: shapes, dtypes, devices and the scalar fields."""
-    return tuple(
-        (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
-        for x in _leaves(weights)
-    )
+    """What must match for `copy_weights_`: shapes, dtypes, devices, which tensors are one
+    (tied embeddings), and the scalar fields."""
+    first: dict[tuple, int] = {}
+    out = []
+    for i, x in enumerate(_leaves(weights)):
+        if isinstance(x, torch.Tensor):
+            alias = first.setdefault((x.data_ptr(), x.shape, x.stride(), x.dtype), i)
+            out.append((tuple(x.shape), x.dtype, x.device, alias))
+        else:
+            out.append(x)
+    return tuple(out)
 
 
 def _map_tensors(obj, fn):
@@ -111,7 +117,7 @@ def _map_tensors(obj, fn):
         return fn(obj)
     if isinstance(obj, list):
         return [_map_tensors(o, fn) for o in obj]
-    if dataclasses.is_dataclass(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {f.name: _map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **changes)
     return obj

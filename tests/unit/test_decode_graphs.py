@@ -246,6 +246,18 @@ def test_bind_reallocates_on_a_new_weight_layout(monkeypatch):
     assert isinstance(runner.weights.layers[0].mlp, qwen3_fast.MoeMLP)
 
 
+def test_layout_tells_tied_from_untied_weights():
+    tied = qwen3_fast.QwenWeights.from_model(model_of("tiny-dense", tied=True))
+    # the same tensors cast to another dtype are no longer one: a copy into the tied buffer
+    # would write embed and lm_head into one tensor
+    cast = qwen3_fast.QwenWeights.from_model(model_of("tiny-dense", tied=True), dtype=torch.float64)
+    assert dg.layout(tied) == dg.layout(dg.clone_weights(tied))
+    assert dg.layout(dg.clone_weights(tied)) != dg.layout(qwen3_fast.QwenWeights.from_model(model_of("tiny-dense")))
+    assert cast.embed.data_ptr() != cast.lm_head.data_ptr()
+    assert [x[3] for x in dg.layout(cast) if isinstance(x, tuple)] != [
+        x[3] for x in dg.layout(tied) if isinstance(x, tuple)]
+
+
 def test_stale_cache_columns_from_an_earlier_call_do_not_leak():
     """Masked columns still enter the attention sums (as 0 x value): start() must clear what
     an earlier call left there (here NaN, as an overflowed earlier call would leave)."""
