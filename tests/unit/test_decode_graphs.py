@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from engines import decode_graphs as dg
 from engines import qwen3_fast
@@ -282,3 +284,45 @@ def test_config_key_reaches_the_rl_engine(caplog):
         (engine,) = make_engines(config, model_of("tiny-dense"))
     assert isinstance(engine, TorchEngine) and engine._graphs is None
     assert any("engine.cuda_graphs ignored" in r.getMessage() for r in caplog.records)
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op run, with its output shapes: what a CUDA graph would record."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = tuple(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return out
+
+
+def _logged_steps(backend, weights, steps: int) -> list[list[tuple[str, tuple]]]:
+    tokens, pad = _left_pad([tuple(p) for p in prompts_of([6, 3, 5])], CPU)
+    logs = []
+    with torch.inference_mode():
+        logits = backend.start(tokens, pad, 6 + steps)
+        positions = torch.tensor([6, 3, 5])
+        for _ in range(steps):
+            token = logits.argmax(-1)
+            with OpLog() as log:
+                logits = backend.step(token, positions)
+            logs.append(log.ops)
+            positions = positions + 1
+    return logs
+
+
+def test_static_step_runs_the_same_ops_on_the_same_shapes_every_step():
+    """What capture needs, checked without CUDA: one op sequence with fixed shapes, and no
+    value read back to the host (`_local_scalar_dense` is what .item() and friends run)."""
+    weights = qwen3_fast.QwenWeights.from_model(model_of("tiny-moe"))
+    logs = _logged_steps(static_backend(weights, span_chunk=16), weights, steps=6)  # one span
+    step_ops = [[op for op in log if "copy_" not in op[0] and "fill_" not in op[0]] for log in logs]
+    assert all(ops == step_ops[0] for ops in step_ops)
+    assert not [op for log in logs for op in log if "_local_scalar_dense" in op[0] or "nonzero" in op[0]]
+    # the checker can fail: the eager MoE step's expert slices change with the routing
+    eager = _logged_steps(FastBackend(weights), weights, steps=6)
+    assert any(log != eager[0] for log in eager[1:])
