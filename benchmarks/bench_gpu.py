@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import itertools
 import json
 import statistics
@@ -128,6 +129,8 @@ def bench_train(tokens_per_step: int, token_budget: int, repeats: int) -> list[d
     batches = pack(seqs, token_budget)
     rows = []
     for weights_dtype, checkpointing, compile in TRAIN_VARIANTS:
+        torch._dynamo.reset()  # the last variant's compiled code, and whatever its guards keep alive
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         seconds, first, flops, parameters = train_step_seconds(batches, seqs, weights_dtype, checkpointing,
