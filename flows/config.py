@@ -60,10 +60,10 @@ class TrainConfig(Section):
     """Recompute each transformer block's activations in the backward pass instead of keeping them:
     much less memory for long packs, about a third more compute."""
     compile: bool = False
-    """torch.compile each decoder layer of the trained model (one shared graph, dynamic shapes;
+    """torch.compile each decoder layer of the trained model (one shared graph, dynamic lengths;
     the packed attention stays eager): fuses the norms, rotary, SwiGLU and autocast casts that
     dominate an eager GPU train step. Costs a compile at the first step (~40 s on a 2-core CPU)
-    for ~1.1x faster steps there; off by default until a GPU run measures it (models/compile.py).
+    for ~1.2x faster steps there; off by default until a GPU run measures it (models/compile.py).
     Not with activation_checkpointing."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp

@@ -10,7 +10,10 @@ only 17% in matmuls (docs/BENCHMARKS_GPU.md). Inductor fuses those into a few ke
 How:
 - One compiled function, `_layer_forward(layer, ...)`, serves every layer of every model: the
   layer is an argument, its parameters become graph inputs, so 28 layers compile once (not 28
-  times), and `dynamic=True` keeps one graph for every packed micro-batch length.
+  times). Shapes are automatic-dynamic (torch's default): the first micro-batch compiles with
+  static shapes, the first one of another length recompiles once with the token count symbolic,
+  and that graph serves every later length. `dynamic=True` would save that recompile but make the
+  model's own sizes (hidden, heads) symbolic too, which costs inductor its specialised kernels.
 - The packed attention (models/attention.py) stays out of the graph (`torch.compiler.disable`):
   it plans buckets from cu_seqlens on the host, data-dependent work that would recompile or
   break anyway. Everything before it (norms, projections, rotary) and after it (o_proj,
@@ -22,9 +25,8 @@ How:
   `forward` is a partial bound to the layer itself, which `copy.deepcopy` re-binds to the copy
   (the KL reference and the async snapshot engine are deep copies of the trainer's model).
 
-Cost: compile time at the first step (~43 s on a 2-core CPU for small-dense, benchmarks/
-bench_compile.py, which measured 1.12x the eager tokens/s after it) and one more compile per new
-mode (no-grad log-prob recomputation, eval-mode reference). `train.compile` stays off by default
+Cost: compile time at the first steps (see benchmarks/bench_compile.py for the CPU figures) and
+one more compile per new mode (no-grad log-prob recomputation, eval-mode reference). `train.compile` stays off by default
 until a GPU run (benchmarks/bench_gpu.py) shows what it buys there.
 """
 
@@ -43,7 +45,7 @@ def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 # one compiled code object for every layer (see the module docstring); compiled lazily at first call
-_compiled_layer_forward = torch.compile(_layer_forward, dynamic=True)
+_compiled_layer_forward = torch.compile(_layer_forward)
 
 
 def _dispatch(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
