@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from models.attention import model_hidden_states
 from models.loading import autocast_context
 from models.presets import build_model
-from training.batch import PackedBatch, Sequence, pack, pack_stats, pad_batch
+from training.batch import PackedBatch, Sequence, pack
+from training.padding import pack_stats, pad_batch
 
 VOCAB = 100
 
