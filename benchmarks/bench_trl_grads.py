@@ -64,7 +64,7 @@ def make_trainer(start: str, env, root: Path, steps: int, dtype):
     from transformers import TrainerCallback  # noqa: F401 - transformers first, as TRL expects
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.bench_trl import make_reward, trl_dataset
+    from benchmarks.trl_sides import make_reward, trl_dataset
     from flows.config import OptimConfig
     from models.loading import load_model
     from models.tokenizer import load_tokenizer
