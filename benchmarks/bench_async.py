@@ -20,6 +20,8 @@ import time
 import tomllib
 from pathlib import Path
 
+from benchmarks.results import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_defaults()
     report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_results(args.out, report)
     for r in report["runs"]:
         print(f"{r['engine']:>6} k={r['k']}  {r['seconds']:7.1f} s  {r['tokens_per_second']:8.0f} tok/s  "
               f"x{r['speedup']:.2f}  acc {r['accuracy']}")

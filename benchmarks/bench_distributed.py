@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks.results import write_results
 from training.ports import free_port
 
 VOCAB = 100
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                   "vs_1_process_1_thread": statistics.median(rates[label]) / base}
                  for label, kind, world, threads in SETTINGS],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_results(args.out, results)
     print(json.dumps(results["runs"], indent=2))
     return 0
 

@@ -24,7 +24,6 @@ they differ only once the engine's log-probs drift from the trainer's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.results import write_results
 
 VARIANTS = {  # name → build_rl_loss options (a KL variant next to the plain losses)
     "reinforce": ("reinforce", {}),
@@ -257,9 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "gain": f"mean reward of the last {TAIL} steps - the first {TAIL}"},
               "results": summarize(runs), "runs": runs, "seconds": time.perf_counter() - started,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(args.out, report)
     print_table(report["results"])
     return report
 

@@ -31,7 +31,6 @@ in the main thread ran the same decode 10-80x slower (3-35 s instead of 0.4 s; m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import queue
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.results import write_results
 from engines.base import SamplingParams
 from engines.http import HttpEngine
 from engines.torch_engine import TorchEngine
@@ -229,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/bench/serve.json")
     args = parser.parse_args(argv)
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_results(args.out, report)
     print_table(report)
     print(f"wrote {out}")
 

@@ -70,6 +70,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.paired_stats import pooled_median, reward_verdict, summarize_eval
+from benchmarks.results import write_results
 from benchmarks.trl_sides import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
@@ -100,7 +101,7 @@ def child(args: argparse.Namespace) -> None:
             result = run_eval(args)
     except Exception as error:  # noqa: BLE001 - the report must say what failed, not crash the suite
         result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
-    Path(args.child_out).write_text(json.dumps(result, indent=2, default=str))
+    write_results(args.child_out, result)
 
 
 def spawn(args: argparse.Namespace, side: str, workdir: Path, start: str = "", extra: list[str] = ()) -> dict:
@@ -379,9 +380,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_results(args.out, report)
     print_table(report)
     return report
 

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.results import write_results
+
 PROMPTS, GROUP, LR = 8, 8, 1e-4
 
 
@@ -187,9 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         args.start = sft_start(Path(tempfile.mkdtemp(prefix="rlpipe-trl-grads-")))
     report = compare(args) | {"seconds": time.perf_counter() - started}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_results(args.out, report)
     return report
 
 

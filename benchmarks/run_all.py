@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.headlines import fmt, headline, table
+from benchmarks.results import write_atomic, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
@@ -143,12 +144,6 @@ def anchor_of(title: str) -> str:
     return kept.replace(" ", "-")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="",
@@ -172,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         report = previous
     else:
         report = run_all(names, out_dir, args.quick, previous if args.only else None)
-        (out_dir / "all.json").write_text(json.dumps(report, indent=2, default=str))
+        write_results(out_dir / "all.json", report)
     doc = Path(args.doc)
     write_atomic(doc, render(report))
     # the raw results beside the document, so a clone has them without re-running
-    write_atomic(doc.with_suffix(".json"), json.dumps(report, indent=2, default=str))
+    write_results(doc.with_suffix(".json"), report)
     print(f"bench: wrote {doc} and {doc.with_suffix('.json')}")
     return 0
 
