@@ -197,6 +197,15 @@ def check_packable(sequences: SequenceABC[Sequence], token_budget: int) -> None:
             )
 
 
+def _shifted(values: torch.Tensor, last: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+    """The causal shift: values[t + 1] at t, and `fill` at each sequence's `last` token (the
+    packed row's final token is always one)."""
+    out = torch.full_like(values, fill)
+    out[:-1] = values[1:]
+    out[last] = fill
+    return out
+
+
 def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | None = None) -> PackedBatch:
     """Concatenate `sequences` (in the given order) into one PackedBatch, shifting labels.
 
@@ -216,12 +225,8 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
     )
     last = (cu[1:] - 1).to(torch.int64)  # each sequence's last token: nothing to predict
 
-    labels = torch.empty(total, dtype=torch.int64)
-    labels[:-1] = tokens[1:]
-    labels[last] = IGNORE_INDEX
-    token_weights = torch.zeros(total, dtype=torch.float32)
-    token_weights[:-1] = weights[1:]
-    token_weights[last] = 0.0
+    labels = _shifted(tokens, last, IGNORE_INDEX)
+    token_weights = _shifted(weights, last, 0.0)
 
     log_probs = None
     if any(s.logprobs is not None for s in sequences):
@@ -229,9 +234,7 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
             [x for s in sequences for x in (s.logprobs if s.logprobs is not None else [0.0] * len(s.tokens))],
             dtype=torch.float32,
         )
-        log_probs = torch.zeros(total, dtype=torch.float32)
-        log_probs[:-1] = lp[1:]
-        log_probs[last] = 0.0
+        log_probs = _shifted(lp, last, 0.0)
 
     loss_mask = None
     if any(s.loss_mask is not None for s in sequences):
@@ -239,9 +242,7 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
             [m for s in sequences for m in (s.loss_mask if s.loss_mask is not None else [w != 0 for w in s.weights])],
             dtype=torch.bool,
         )
-        loss_mask = torch.zeros(total, dtype=torch.bool)
-        loss_mask[:-1] = flags[1:]
-        loss_mask[last] = False
+        loss_mask = _shifted(flags, last, False)
 
     rewards = None
     if any(s.reward is not None for s in sequences):
