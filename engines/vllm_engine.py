@@ -22,8 +22,8 @@ How it shares the GPU with training (colocated):
   (after temperature; equal to the untruncated tempered log-prob when top-k/top-p are off;
   with top-k/top-p vLLM reports the truncated-renormalised value).
 
-API used (vLLM ≥ 0.10; checked against vLLM's source, not run here — no GPU on the build
-machine): `vllm.LLM(..., enable_sleep_mode=True, skip_tokenizer_init=True, logprobs_mode=...)`,
+API used (vLLM ≥ 0.10; checked against vLLM's source and, on 2026-11-23, the vllm 0.33.0 wheel's
+Python files — never run here: no GPU with vLLM installed was available): `vllm.LLM(..., enable_sleep_mode=True, skip_tokenizer_init=True, logprobs_mode=...)`,
 `LLM.generate(TokensPrompt(prompt_token_ids=...), SamplingParams(..., logprobs=0,
 detokenize=False))`, `LLM.sleep(level)`, `LLM.wake_up(tags)`, `LLM.reset_prefix_cache()`,
 `LLM.collective_rpc(method, args)` with Worker.update_config / Worker.reload_weights for
@@ -91,8 +91,12 @@ def write_vllm_config(model: nn.Module, folder: Path) -> Path:
 
 
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside vLLM's worker (same process): copy trainer tensors into vLLM's model."""
-    worker.model_runner.model.load_weights(weights=iter(weights))
+    """Runs inside vLLM's worker (same process): copy trainer tensors into vLLM's model.
+
+    `get_model()`, not `.model`: with CUDA graphs on (enforce_eager=False) `.model` is vLLM's
+    CUDAGraphWrapper, which has no `load_weights`.
+    """
+    worker.model_runner.get_model().load_weights(iter(weights))
 
 
 class VllmEngine:
