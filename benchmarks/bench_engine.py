@@ -10,6 +10,11 @@ sampling (temperature 1.0, no top-k / top-p), 128 new tokens. Scenarios:
              sequences from the batch, generate keeps decoding them until all are done;
 - `groups`:  8 prompts x n=8 samples (RL-style groups; the engine prefills each prompt once).
 
+`static_decode` (also in the JSON): the engine's eager decode against the static decode step that
+`engine.cuda_graphs` captures on CUDA (engines/static_decode.py), run here uncaptured on the CPU,
+same batches and draws (`no_stop`, small-dense and small-moe). It is the CPU cost of fixed shapes
+(attention over whole 256-column spans, every MoE expert on every token), not a graph speed-up.
+
 Runs alternate engine / generate (so load from other processes hits both), `--repeats` times;
 the table shows medians. ms per decode step = (time for 128 tokens - time for 1 token) / 127.
 Timings on a shared 2-core CPU are noisy: the load average is recorded with the results.
@@ -169,7 +174,40 @@ def run(args: argparse.Namespace) -> dict:
         },
         "results": results,
         "speedup_vs_generate": speedups,
+        "static_decode": static_vs_eager(prompts, args.new_tokens, args.repeats),
     }
+
+
+def static_vs_eager(prompts, new_tokens: int, repeats: int) -> list[dict]:
+    """Decode tokens/s of the eager and the static (uncaptured) decode, same draws, alternating."""
+    from engines import qwen3_fast
+    from engines.decode_graphs import DecodeGraphs, GraphBackend
+    from engines.torch_engine import FastBackend, _generate_batch
+
+    prompts = sorted(prompts, key=len, reverse=True)  # as the engine orders them
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
+    rows = []
+    for preset in ("small-dense", "small-moe"):
+        model = build_model(preset, vocab_size=VOCAB).eval()
+        graphs = DecodeGraphs(len(prompts), capture=False)
+        seconds: dict[str, list[float]] = {"eager": [], "static": []}
+        with torch.inference_mode():
+            for rep in range(repeats + 1):  # the first round warms up
+                for path in seconds:
+                    weights = qwen3_fast.QwenWeights.from_model(model)
+                    if path == "static":
+                        graphs.bind(weights)
+                    backend = GraphBackend(graphs) if path == "static" else FastBackend(weights)
+                    start = time.perf_counter()
+                    _generate_batch(backend, prompts, params, torch.Generator().manual_seed(rep), torch.device("cpu"))
+                    if rep:
+                        seconds[path].append(time.perf_counter() - start)
+        tokens = len(prompts) * new_tokens
+        eager, static = (tokens / statistics.median(seconds[p]) for p in ("eager", "static"))
+        rows.append({"preset": preset, "sequences": len(prompts), "new_tokens": new_tokens,
+                     "eager_tokens_per_s": eager, "static_tokens_per_s": static, "static_over_eager": static / eager,
+                     "seconds": seconds})
+    return rows
 
 
 def print_table(report: dict) -> None:
@@ -183,6 +221,9 @@ def print_table(report: dict) -> None:
     print(
         "speedup vs generate:", {k: round(v, 2) for k, v in report["speedup_vs_generate"].items()}
     )
+    for r in report["static_decode"]:
+        print(f"static decode (uncaptured) / eager, {r['preset']}: {r['static_over_eager']:.2f}x "
+              f"({r['static_tokens_per_s']:.0f} vs {r['eager_tokens_per_s']:.0f} tok/s)")
     print("load average at end:", report["machine"]["load_average_end"])
 
 

@@ -8,7 +8,9 @@ Three parts, one process, one GPU:
   each with activation checkpointing.
 - engine: the torch engine decoding on the GPU in bf16 (tokens/s), the cost of its weight "sync"
   (it re-reads the trainer's tensors, cast to bf16, at each generate: no copy through disk), and
-  the cost of writing the Hugging Face checkpoint that an HTTP engine (vLLM/SGLang server) loads.
+  the cost of writing the Hugging Face checkpoint that an HTTP engine (vLLM/SGLang server) loads;
+  then the same calls with `engine.cuda_graphs` (engines/decode_graphs.py): capture, replay, and
+  the per-call weight copy into the graphs' buffers.
 - rl_vs_trl: one RL step (generate -> reward -> advantages -> pack -> train) of rlpipe's stage
   functions against TRL's GRPOTrainer on the same model, prompts, group size, completion length,
   optimizer and precision (bf16), gradient checkpointing off on both sides. TRL generates with
@@ -152,6 +154,7 @@ def profile_train_step(tokens_per_step: int, token_budget: int, path: Path) -> N
 
 
 def bench_engine(prompts: int, n: int, max_new: int) -> dict:
+    """The torch engine in bf16, eager decode; then the same calls with `cuda_graphs=True`."""
     from engines import qwen3_fast
 
     tok = build_tokenizer()
@@ -169,11 +172,34 @@ def bench_engine(prompts: int, n: int, max_new: int) -> dict:
         model.save_pretrained(tmp)
         save_seconds = time.perf_counter() - start
     generated = prompts * n * max_new
-    out = {"prompts": prompts, "n": n, "max_new_tokens": max_new, "seconds": statistics.median(times),
-           "tokens_per_second": generated / statistics.median(times),
+    out = {"prompts": prompts, "n": n, "max_new_tokens": max_new, "max_batch_size": engine.max_batch_size,
+           "seconds": statistics.median(times), "tokens_per_second": generated / statistics.median(times),
            "sync_seconds_shared_weights": statistics.median(sync),
            "checkpoint_write_seconds": save_seconds}
+    engine.close()
+    out["cuda_graphs"] = bench_engine_graphs(model, batch, params, generated)
     print(json.dumps(out), flush=True)
+    return out
+
+
+def bench_engine_graphs(model, batch, params, generated: int) -> dict:
+    """`cuda_graphs=True`: the first call (it captures the graphs), later calls (replays), and
+    the per-call copy of the weights into the graphs' buffers."""
+    from engines import qwen3_fast
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    engine = TorchEngine(model, dtype=torch.bfloat16, cuda_graphs=True)
+    first = timed(lambda: engine.generate(batch, params), repeats=1, warmup=0)[0]
+    times = timed(lambda: engine.generate(batch, params), repeats=3, warmup=0)
+    weights = qwen3_fast.QwenWeights.from_model(model, torch.bfloat16, "cuda")
+    with torch.inference_mode():
+        refresh = timed(lambda: engine._graphs.bind(weights), repeats=5)
+    out = {"first_call_seconds": first, "seconds": statistics.median(times),
+           "tokens_per_second": generated / statistics.median(times), "graphs": engine._graphs.captures,
+           "weight_copy_seconds": statistics.median(refresh),
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    engine.close()
     return out
 
 
@@ -330,6 +356,14 @@ def render(report: dict) -> str:
                   "HF checkpoint write s |", "|---|---|---|---|---|---|",
                   f"| {e['prompts']} x {e['n']} | {e['max_new_tokens']} | {e['seconds']:.2f} | {e['tokens_per_second']:,.0f} | "
                   f"{e['sync_seconds_shared_weights']:.4f} | {e['checkpoint_write_seconds']:.2f} |", ""]
+        if "cuda_graphs" in e:  # absent from runs before the CUDA-graph variant
+            c = e["cuda_graphs"]
+            lines += ["Decode with `engine.cuda_graphs` (same calls; the first one captures the graphs):", "",
+                      "| decode | s | generated tokens/s | graphs | first call s | weight copy into graph buffers s |",
+                      "|---|---|---|---|---|---|",
+                      f"| eager | {e['seconds']:.2f} | {e['tokens_per_second']:,.0f} | - | - | - |",
+                      f"| CUDA graphs | {c['seconds']:.2f} | {c['tokens_per_second']:,.0f} | {c['graphs']} | "
+                      f"{c['first_call_seconds']:.2f} | {c['weight_copy_seconds']:.4f} |", ""]
     if "rl_vs_trl" in report:
         r = report["rl_vs_trl"]
         trl = r.get("trl", {})

@@ -19,14 +19,15 @@ function does not affect generation. Logits match the Hugging Face forward to ~1
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
-_STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+from engines.qwen3_moe import moe_sparse
+from engines.qwen3_support import SUPPORTED_MODEL_TYPES, unsupported_reason  # noqa: F401 (callers read them here)
 
 
 @dataclass
@@ -151,40 +152,6 @@ def _mlp_weights(mlp: nn.Module, w) -> DenseMLP | MoeMLP:
         gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
         down=w(mlp.down_proj.weight),
     )
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """None if `forward` can run `model`; otherwise why not (the engine then uses HF forward)."""
-    cfg = getattr(model, "config", None)
-    model_type = getattr(cfg, "model_type", None)
-    if getattr(model, "peft_config", None):  # `.weight` of a LoRA layer is its base weight alone
-        return "LoRA adapters are injected (training/lora.py): the fast path would read base weights only"
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
-        return "sliding-window layers are not supported"
-    if getattr(cfg, "use_sliding_window", False):
-        return "sliding-window attention is not supported"
-    rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type not in _STATIC_ROPE_TYPES:
-        return f"rope_type {rope_type!r} changes with sequence length"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r} (only silu)"
-    for i, layer in enumerate(getattr(getattr(model, "model", None), "layers", [])):
-        mlp = layer.mlp
-        if hasattr(mlp, "experts"):
-            experts = mlp.experts
-            gate_up = getattr(experts, "gate_up_proj", None)
-            if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3:
-                return f"layer {i}: experts are not stored as fused 3-D tensors"
-            if getattr(experts, "gate_up_proj_bias", None) is not None:
-                return f"layer {i}: expert biases are not supported"
-            own = {n.split(".")[0] for n, _ in mlp.named_parameters()}
-            if own != {"experts", "gate"}:
-                return f"layer {i}: MoE block has extra parts {sorted(own - {'experts', 'gate'})}"
-        elif not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return f"layer {i}: unknown MLP {type(mlp).__name__}"
-    return None
 
 
 @dataclass
@@ -322,7 +289,7 @@ def _prefill_span(
     x = F.embedding(tokens, weights.embed)
     for i, layer in enumerate(weights.layers):
         x = _layer(weights, layer, x, cos, sin, cache, i, start, bias, attend_from=start)
-    return _logits(weights, x[:, -1])
+    return logits_of(weights, x[:, -1])
 
 
 def decode(
@@ -343,10 +310,10 @@ def decode(
     for i, layer in enumerate(weights.layers):
         x = _layer(weights, layer, x, cos, sin, cache, i, col, bias)
     cache.length = col + 1
-    return _logits(weights, x[:, 0])
+    return logits_of(weights, x[:, 0])
 
 
-def _logits(weights: QwenWeights, x: torch.Tensor) -> torch.Tensor:
+def logits_of(weights: QwenWeights, x: torch.Tensor) -> torch.Tensor:
     """x: [B, H] -> float32 [B, V]."""
     x = F.rms_norm(x, (x.shape[-1],), weights.norm, weights.eps)
     return F.linear(x, weights.lm_head).float()
@@ -366,27 +333,48 @@ def _layer(
 ) -> torch.Tensor:
     """One decoder layer. x: [B, T, H]; writes cache columns [start, start + T) and attends
     to columns [attend_from, start + T) with additive bias [B, T, start + T - attend_from]."""
+    q, k, v = project_qkv(w, layer, x, cos, sin)
+    k_cache, v_cache = cache.k[index], cache.v[index]
+    end = start + x.shape[1]
+    k_cache[:, :, :, start:end] = k.permute(0, 2, 3, 1)
+    v_cache[:, :, start:end] = v.transpose(1, 2)
+    keys, values = k_cache[..., attend_from:end], v_cache[:, :, attend_from:end]
+    att = attention(q, keys, values, bias, w.n_kv_heads)
+    return finish_layer(w, layer, x, att, moe_sparse)
+
+
+def project_qkv(
+    w: QwenWeights, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [B, T, H] -> q [B, T, Hq, D], k [B, T, Hkv, D] (normed, rotated), v [B, T, Hkv, D]."""
     batch, steps, hidden = x.shape
     hq, hkv, d = w.n_heads, w.n_kv_heads, w.head_dim
     h = F.rms_norm(x, (hidden,), layer.ln1, w.eps)
     qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, steps, hq + 2 * hkv, d)
     qk = F.rms_norm(qkv[:, :, : hq + hkv], (d,), None, w.eps) * layer.qk_norm
     qk = qk * cos + qk.view(batch, steps, hq + hkv, 2, d // 2).flip(3).view_as(qk) * sin
-    k_cache, v_cache = cache.k[index], cache.v[index]
-    end = start + steps
-    k_cache[:, :, :, start:end] = qk[:, :, hq:].permute(0, 2, 3, 1)
-    v_cache[:, :, start:end] = qkv[:, :, hq + hkv :].transpose(1, 2)
-    keys, values = k_cache[..., attend_from:end], v_cache[:, :, attend_from:end]
-    att = _attention(qk[:, :, :hq], keys, values, bias, hkv)
+    return qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv :]
+
+
+def finish_layer(
+    w: QwenWeights,
+    layer: LayerWeights,
+    x: torch.Tensor,
+    att: torch.Tensor,
+    moe: Callable[[MoeMLP, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """o_proj + residual, then the MLP block (`moe` runs a MoE one) + residual. x: [B, T, H];
+    att: float32 [B, T, Hq * D] -> [B, T, H]."""
+    batch, steps, hidden = x.shape
     x = x + F.linear(att.to(x.dtype), layer.o, layer.o_bias)
     h = F.rms_norm(x, (hidden,), layer.ln2, w.eps)
     if isinstance(layer.mlp, MoeMLP):
-        return x + _moe(w, layer.mlp, h.view(batch * steps, hidden)).view(batch, steps, hidden)
+        return x + moe(layer.mlp, h.view(batch * steps, hidden)).view(batch, steps, hidden)
     gate, up = F.linear(h, layer.mlp.gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, layer.mlp.down)
 
 
-def _attention(
+def attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, hkv: int
 ) -> torch.Tensor:
     """Grouped-query attention in float32. q: [B, T, Hq, D]; keys: [B, Hkv, D, S] (transposed);
@@ -406,25 +394,3 @@ def _attention(
     out = torch.matmul(probs.view(batch, hkv, group * steps, -1), values)
     out = out.view(batch, hkv, group, steps, d).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, steps, hq * d)
-
-
-def _moe(w: QwenWeights, mlp: MoeMLP, x: torch.Tensor) -> torch.Tensor:
-    """Top-k routed experts. x: [N, H] -> [N, H]. Token-expert pairs are sorted by expert so
-    each expert runs one matmul over a contiguous slice."""
-    probs = torch.softmax(F.linear(x, mlp.router), dim=-1, dtype=torch.float32)
-    top_w, top_e = torch.topk(probs, mlp.top_k, dim=-1)  # [N, k]
-    if mlp.norm_topk_prob:
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    flat_e = top_e.flatten()
-    order = torch.argsort(flat_e, stable=True)
-    counts = torch.bincount(flat_e, minlength=mlp.router.shape[0]).tolist()
-    token = order // mlp.top_k
-    xs = x[token]
-    outs, offset = [], 0
-    for e, count in enumerate(counts):
-        if count:
-            gate, up = F.linear(xs[offset : offset + count], mlp.gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, mlp.down[e]))
-            offset += count
-    ys = torch.cat(outs) * top_w.flatten()[order].to(x.dtype)[:, None]
-    return torch.zeros_like(x).index_add_(0, token, ys)

@@ -21,6 +21,7 @@ Sampling draws one uniform per sequence and step from a `torch.Generator` seeded
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -30,7 +31,10 @@ from torch import nn
 
 from engines import qwen3_fast
 from engines.base import Completion, SamplingParams
+from engines.decode_graphs import DecodeGraphs, GraphBackend
 from engines.sampling import sample_next
+
+log = logging.getLogger(__name__)
 
 # Compact the batch once this fraction of its rows has finished: a compaction copies the
 # filled cache once, about what one decode step reads, while a dead row costs every step.
@@ -44,6 +48,9 @@ class TorchEngine:
     dtype or device casts a copy of the weights at each `generate` call (still no sync needed);
     models without the fast path run through their HF forward where they are, in their dtype.
     max_batch_size: sequences (prompts x n) decoded together at most.
+    cuda_graphs: on a CUDA device, replay each decode step as a CUDA graph
+    (engines/decode_graphs.py; it keeps a max_batch_size KV cache allocated between calls).
+    Elsewhere, or for models without the fast path, it is ignored with one log line.
     """
 
     shares_weights = True
@@ -56,6 +63,7 @@ class TorchEngine:
         dtype: torch.dtype | None = None,
         max_batch_size: int = 128,
         policy_version: int = 0,
+        cuda_graphs: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -73,6 +81,7 @@ class TorchEngine:
             )
         self._policy_version = policy_version
         self._closed = False
+        self._graphs = self._decode_graphs(cuda_graphs)
 
     @property
     def policy_version(self) -> int:
@@ -88,6 +97,8 @@ class TorchEngine:
 
     def close(self) -> None:
         self._closed = True
+        if self._graphs is not None:
+            self._graphs.release()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """For each prompt (in order), `params.n` completions (in order)."""
@@ -127,8 +138,20 @@ class TorchEngine:
     def _backend(self) -> Backend:
         if self.fast_path_reason is None:
             weights = qwen3_fast.QwenWeights.from_model(self.model, self.dtype, self.device)
-            return FastBackend(weights)
+            if self._graphs is None:
+                return FastBackend(weights)
+            self._graphs.bind(weights)
+            return GraphBackend(self._graphs)
         return HFBackend(self.model, self.device)
+
+    def _decode_graphs(self, wanted: bool) -> DecodeGraphs | None:
+        if not wanted:
+            return None
+        if self.fast_path_reason is not None or self.device.type != "cuda":
+            why = self.fast_path_reason or f"device {self.device} is not CUDA"
+            log.info("engine.cuda_graphs ignored (%s): decoding eagerly", why)
+            return None
+        return DecodeGraphs(self.max_batch_size, capture=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -164,8 +187,18 @@ class Backend(Protocol):
         ...
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (int64 [B]) at RoPE positions [B]; logits float32 [B, V]."""
+        """Feed one token per row (int64 [B]) at RoPE positions [B]; logits float32 [B, V],
+        valid until the next call (a graph backend overwrites them in place)."""
         ...
+
+    def worth_compacting(self, rows: int, live: int) -> bool:
+        """Whether to drop finished rows now, `live` of `rows` still running."""
+        ...
+
+
+def compact_by_fraction(rows: int, live: int) -> bool:
+    """The eager rule: once `_COMPACT_FRACTION` of the rows are done."""
+    return rows - live >= _COMPACT_FRACTION * rows
 
 
 class FastBackend:
@@ -188,6 +221,9 @@ class FastBackend:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         assert self.cache is not None and self.rope is not None
         return qwen3_fast.decode(self.weights, tokens, self.cache, self.rope, positions)
+
+    def worth_compacting(self, rows: int, live: int) -> bool:
+        return compact_by_fraction(rows, live)
 
 
 class HFBackend:
@@ -231,6 +267,9 @@ class HFBackend:
             use_cache=True,
         )
         return out.logits[:, -1].float()
+
+    def worth_compacting(self, rows: int, live: int) -> bool:
+        return compact_by_fraction(rows, live)
 
 
 @dataclass
@@ -290,7 +329,7 @@ def _generate_batch(
                 n_live -= len(finished)
         if t == max_new - 1 or n_live == 0:
             break
-        if len(rows) - n_live >= _COMPACT_FRACTION * len(rows):
+        if backend.worth_compacting(len(rows), n_live):
             keep = live.nonzero().squeeze(1)
             backend.select(keep)
             rows, positions, token, live = rows[keep], positions[keep], token[keep], live[keep]

@@ -258,6 +258,14 @@ class EngineConfig(Section):
     sync_every: int = Field(1, ge=1)
     """Send the trainer's weights to the engines every N steps (servers: a checkpoint each time);
     at most rl.max_off_policy_steps + 1, so that samples stay within the staleness bound."""
+    cuda_graphs: bool = False
+    """Torch engine on CUDA: replay each decode step as one CUDA graph (engines/decode_graphs.py),
+    which removes the kernel-launch overhead that bounds decoding of small models at large
+    batches. Costs: its KV cache (engine max batch x longest prompt + max_new_tokens) stays
+    allocated while the trainer trains, and MoE blocks run every expert on every token. Off by
+    default until a GPU run has measured it (docs/BENCHMARKS_GPU.md); ignored, with a log line,
+    on CPU and for models without the fast Qwen3 path; not used by the snapshot engine of
+    rl.max_off_policy_steps > 0."""
 
 
 class TrackingConfig(Section):

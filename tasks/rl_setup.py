@@ -107,7 +107,7 @@ def make_engines(config, model) -> list[Engine]:
         return [SnapshotEngine(model, dtype=dtype)]
     from engines.torch_engine import TorchEngine
 
-    return [TorchEngine(model, dtype=dtype)]
+    return [TorchEngine(model, dtype=dtype, cuda_graphs=config.engine.cuda_graphs)]
 
 
 def loss_for(rl):
