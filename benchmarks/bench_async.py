@@ -20,6 +20,8 @@ import time
 import tomllib
 from pathlib import Path
 
+from benchmarks.results import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,27 +43,10 @@ def completion_tokens(run_dir: Path) -> int:
     return int(duckdb.sql(f"select coalesce(sum(n_completion_tokens), 0) from read_parquet('{glob}')").fetchall()[0][0])
 
 
-def start_server(checkpoint: Path, allow_root: Path) -> tuple:
-    """`rlpipe serve` (one thread) on a free port, taking new checkpoints from under `allow_root`."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(checkpoint), "--port", "0",
-                             "--threads", "1", "--allow-root", str(allow_root)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()  # "... listening on http://host:port ..."
-    if "listening on " not in line:
-        proc.kill()
-        raise RuntimeError(f"rlpipe serve did not start: {line!r}")
-    return proc, line.split("listening on ", 1)[1].split()[0]
-
-
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from benchmarks.bench_serve import stop
+    from engines.serve_process import serve_url, start_serve, stop_processes
     from flows.config import validate_config
     from flows.rl import run_rl
     from flows.supervised import run_supervised
@@ -75,9 +60,8 @@ def run(args: argparse.Namespace) -> dict:
         procs = []
         engine = {}
         if engine_name == "serve":
-            proc, url = start_server(Path(sft["checkpoint"]), allow_root=root)
-            procs.append(proc)
-            engine = {"type": "http", "urls": [url]}
+            procs.append(start_serve(sft["checkpoint"], "--allow-root", str(root)))
+            engine = {"type": "http", "urls": [serve_url(procs[0])]}
         try:
             for k in args.ks:
                 config = validate_config(demo_config(root, f"{engine_name}-k{k}", args.sft_steps, args.rl_steps,
@@ -91,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
                                 "accuracy": out["eval"].get("eval/accuracy")})
                 print(json.dumps(results[-1]), flush=True)
         finally:
-            stop(procs)
+            stop_processes(procs)
     for r in results:
         base = next((b for b in results if b["engine"] == r["engine"] and b["k"] == 0), r)
         r["speedup"] = base["seconds"] / r["seconds"]
@@ -111,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_defaults()
     report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_results(args.out, report)
     for r in report["runs"]:
         print(f"{r['engine']:>6} k={r['k']}  {r['seconds']:7.1f} s  {r['tokens_per_second']:8.0f} tok/s  "
               f"x{r['speedup']:.2f}  acc {r['accuracy']}")

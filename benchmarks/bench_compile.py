@@ -24,10 +24,10 @@ import platform
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.results import write_results
 from models.compile import compile_layers
 from models.loading import bf16_autocast_supported
 from models.presets import build_model
@@ -85,29 +85,6 @@ def compare(preset: str, autocast: bool, repeats: int, n: int, budget: int) -> d
     }
 
 
-def headline(results: dict, ceiling: dict) -> tuple[str, list[str]]:
-    """benchmarks/run_all's summary line and headline table for this benchmark's JSON."""
-    runs = [r for r in results["results"] if "skipped" not in r]
-    rows = ["| preset | precision | eager tok/s | compiled tok/s | compiled / eager | compile warm-up s "
-            "| recompiles after it |", "|---|---|---|---|---|---|---|"]
-    rows += [f"| {r['preset']} | {'bf16 autocast' if r['autocast'] else 'fp32'} | "
-             f"{r['eager_tokens_per_second']:,.0f} | {r['compiled_tokens_per_second']:,.0f} | "
-             f"{r['compiled_over_eager']:.2f}× | {r['warmup_seconds']:.0f} | {r['recompiles_after_warmup']} |"
-             for r in runs]
-    skipped = [f"bf16 autocast: {r['skipped']}." for r in results["results"] if "skipped" in r]
-    load = results.get("loadavg")
-    note = (f"{results['threads']} torch thread(s); median over {results.get('repeats', '?')} alternating steps of micro-batches of varying length; the "
-            "warm-up is the compiled model's first step from an empty inductor cache (the eager first step took "
-            + ", ".join(f"{r['eager_first_step_seconds']:.1f} s" for r in runs) + ")"
-            + (f"; load average {load[0]:.1f} at the end" if load else "") + ". " + " ".join(skipped)
-            + " `train.compile` is meant for the GPU (docs/BENCHMARKS_GPU.md); it stays off by default.")
-    summary = "compiled/eager train-step tokens/s " + ", ".join(
-        f"{r['compiled_over_eager']:.2f}× ({'bf16' if r['autocast'] else 'fp32'})" for r in runs) + \
-        "; compile warm-up " + ", ".join(f"{r['warmup_seconds']:.0f} s" for r in runs) + \
-        "; recompiles after it: " + ", ".join(str(r["recompiles_after_warmup"]) for r in runs)
-    return summary, rows + ["", note]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small-dense")
@@ -131,9 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["results"].append(compare(args.preset, autocast, args.repeats, args.sequences, args.budget))
             print(json.dumps(report["results"][-1]), flush=True)
     report["repeats"], report["loadavg"] = args.repeats, os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_results(args.out, report)
     return report
 
 

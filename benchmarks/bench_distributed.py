@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -37,6 +36,9 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from benchmarks.results import write_results
+from training.ports import free_port
 
 VOCAB = 100
 SETTINGS = [("1 process, 1 thread", "none", 1, 1), ("1 process, 2 threads", "none", 1, 2),
@@ -109,17 +111,11 @@ def _worker(rank: int, world: int, port: int, kind: str, threads: int, args: dic
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(kind: str, world: int, threads: int, args: dict) -> float:
     """Real tokens/s of one setting (fresh processes), warm-up step excluded."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "seconds.json")
-        mp.spawn(_worker, args=(world, _free_port(), kind, threads, args, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), kind, threads, args, out), nprocs=world, join=True)
         seconds = json.loads(Path(out).read_text())[1:]
     tokens = sum(len(s.tokens) for seqs in step_sequences(args["steps"] + 1, args["sequences"])[1:] for s in seqs)
     return tokens / sum(seconds)
@@ -152,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                   "vs_1_process_1_thread": statistics.median(rates[label]) / base}
                  for label, kind, world, threads in SETTINGS],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_results(args.out, results)
     print(json.dumps(results["runs"], indent=2))
     return 0
 

@@ -26,16 +26,15 @@ Timings on a shared 2-core CPU are noisy: the load average is recorded with the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from benchmarks.results import write_results
 from engines.base import SamplingParams
 from engines.torch_engine import TorchEngine
 from models.presets import build_model, count_parameters
@@ -240,9 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_results(args.out, report)
     print_table(report)
     print(f"wrote {out}")
 

@@ -26,7 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from benchmarks.results import write_results
 
 MiB = 1024 * 1024
 
@@ -151,9 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         "note": "peak_extra_mib = peak RSS (getrusage) minus RSS once inputs exist, fresh process per row",
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_results(args.out, report)
 
     print(f"{'method':8} {'mode':5} {'T':>6} {'peak extra MiB':>15} {'seconds':>8}")
     for r in results:

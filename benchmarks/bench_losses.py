@@ -8,7 +8,7 @@ The RL core without Prefect (engine → score → filter/advantages → pack →
 - `digits`: from a random `tiny-dense` start, reward = share of digits among 8 new characters
   (prompt "<d>:"), lr 3e-3. Any working policy-gradient loss saturates it within ~30 steps.
 - `arithmetic` (demo scale): bench_trl's setup. The `small-dense` preset after a short SFT
-  (benchmarks.bench_trl.sft_config; or --start) on the demo's task at 1-2 digits, lr 1e-4, 16 new
+  (benchmarks.trl_sides.sft_config; or --start) on the demo's task at 1-2 digits, lr 1e-4, 16 new
   tokens; the gain is in greedy accuracy on 400 held-out prompts (rlpipe's TorchEngine), next to
   the training reward.
 
@@ -24,7 +24,6 @@ they differ only once the engine's log-probs drift from the trainer's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.results import write_results
 
 VARIANTS = {  # name → build_rl_loss options (a KL variant next to the plain losses)
     "reinforce": ("reinforce", {}),
@@ -69,7 +70,7 @@ TASKS = {  # task → (lr, max_new_tokens)
 
 
 def arithmetic_env():
-    from benchmarks.bench_trl import task_section
+    from benchmarks.trl_sides import task_section
     from tasks.setup import make_env
 
     task = task_section(argparse.Namespace(eval_examples=400))
@@ -197,7 +198,7 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
 def sft_start(root: Path) -> str:
     """bench_trl's SFT start (small-dense, 200 steps, fp32), made with the `sft` flow."""
     from benchmarks.bench_rl_step import isolate
-    from benchmarks.bench_trl import sft_config
+    from benchmarks.trl_sides import sft_config
 
     root.mkdir(parents=True, exist_ok=True)
     isolate(root)
@@ -257,9 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "gain": f"mean reward of the last {TAIL} steps - the first {TAIL}"},
               "results": summarize(runs), "runs": runs, "seconds": time.perf_counter() - started,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(args.out, report)
     print_table(report["results"])
     return report
 

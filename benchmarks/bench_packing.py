@@ -18,7 +18,6 @@ weighted NLL written inline (float logits), identical for both paths.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -27,10 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.results import write_results
 from models.attention import model_hidden_states
 from models.loading import autocast_context
 from models.presets import build_model
-from training.batch import PackedBatch, Sequence, pack, pack_stats, pad_batch
+from training.batch import PackedBatch, Sequence, pack
+from training.padding import pack_stats, pad_batch
 
 VOCAB = 100
 
@@ -181,8 +182,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "padding_fraction": stats.padding_fraction,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_results(args.out, report)
     print(f"wrote {args.out}")
     return results
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.results import write_results  # noqa: E402
 from storage.schemas import PHASES as STAGES  # noqa: E402
 
 # (module, attribute, bucket, stage): the functions whose time counts as a stage's own work
@@ -358,9 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps < 2:
         raise ValueError(f"--steps must be at least 2, got {args.steps}")
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_results(args.out, report)
     print_table(report)
     return report
 

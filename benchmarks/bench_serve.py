@@ -31,31 +31,26 @@ in the main thread ran the same decode 10-80x slower (3-35 s instead of 0.4 s; m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import queue
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from benchmarks.results import write_results
 from engines.base import SamplingParams
 from engines.http import HttpEngine
+from engines.serve_process import serve_url, start_serve, stop_processes
 from engines.torch_engine import TorchEngine
 from models.presets import build_model, count_parameters
 from models.tokenizer import build_tokenizer
 from training.checkpoint import load_checkpoint, save_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 180.0
 
 
 def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -63,37 +58,6 @@ def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(16, 33, (count,), generator=g).tolist()
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def start_server(checkpoint: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    """`rlpipe serve` on a free loopback port; returns (process, base URL)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RLPIPE_API_TOKEN", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve", str(checkpoint), "--port", "0",
-         "--threads", str(threads)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        line = lines.get(timeout=START_TIMEOUT_S)
-    except queue.Empty:
-        proc.kill()
-        raise RuntimeError("rlpipe serve did not start") from None
-    if "listening on " not in line:
-        proc.kill()
-        raise RuntimeError(f"rlpipe serve did not start: {line!r}")
-    return proc, line.split("listening on ", 1)[1].split()[0]
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        if proc.stdout:
-            proc.stdout.close()
 
 
 def timed(fn) -> tuple[float, int]:
@@ -141,12 +105,9 @@ def run(args: argparse.Namespace) -> dict:
     tokens: dict[str, int] = {}
     sync_s: list[float] = []
     try:
-        proc, url = start_server(first, cores)
-        procs.append(proc)
-        one = HttpEngine(url, timeout_s=600, retries=0)
-        two_procs = [start_server(first, max(1, cores // 2)) for _ in range(2)]
-        procs += [p for p, _ in two_procs]
-        two = [HttpEngine(u, timeout_s=600, retries=0) for _, u in two_procs]
+        procs.append(start_serve(first, threads=cores))
+        procs += [start_serve(first, threads=max(1, cores // 2)) for _ in range(2)]
+        one, *two = [HttpEngine(serve_url(p), timeout_s=600, retries=0) for p in procs]
         warm = SamplingParams(max_new_tokens=4, seed=0)
         for engine in [one, *two]:
             engine.generate(prompts[:2], warm)
@@ -169,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
             sync_s.append(time.perf_counter() - start)
         checkpoint_bytes = sum(f.stat().st_size for f in first.iterdir() if f.is_file())
     finally:
-        stop(procs)
+        stop_processes(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     results = {
         name: {
@@ -229,9 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/bench/serve.json")
     args = parser.parse_args(argv)
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_results(args.out, report)
     print_table(report)
     print(f"wrote {out}")
 

@@ -13,13 +13,13 @@ Data generation is not timed. Timings are noisy on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
 from pathlib import Path
 
 import duckdb
 
+from benchmarks.results import write_results
 from storage.catalog import ensure_catalog
 from storage.queries import canned_sql, run_canned
 from storage.synthetic import synthetic_step
@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     results = bench(args.rows, args.steps, args.token_share, run_dir, durable=not args.no_fsync)
     if not args.keep:
         shutil.rmtree(run_dir)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.out, results)
     print_table(results)
     print(f"results: {args.out}")
     return 0

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.results import write_results
+
 PROMPTS, GROUP, LR = 8, 8, 1e-4
 
 
@@ -64,7 +66,7 @@ def make_trainer(start: str, env, root: Path, steps: int, dtype):
     from transformers import TrainerCallback  # noqa: F401 - transformers first, as TRL expects
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.bench_trl import make_reward, trl_dataset
+    from benchmarks.trl_sides import make_reward, trl_dataset
     from flows.config import OptimConfig
     from models.loading import load_model
     from models.tokenizer import load_tokenizer
@@ -187,9 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         args.start = sft_start(Path(tempfile.mkdtemp(prefix="rlpipe-trl-grads-")))
     report = compare(args) | {"seconds": time.perf_counter() - started}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_results(args.out, report)
     return report
 
 

@@ -37,6 +37,7 @@ from dashboards import report_rollouts as rollouts
 from dashboards.report_plots import by_run, pooled
 from dashboards.report_plots import clean as _clean
 from storage.catalog import connect, run_dirs_list
+from storage.cliargs import fail, parse_args
 from storage.layout import partition_files
 from storage.queries import canned_sql
 from storage.schemas import TABLES
@@ -75,16 +76,14 @@ def main(argv: list[str] | None = None) -> int:
                                      "(plots by step, sample completions) of one or several runs.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders; several overlay")
     parser.add_argument("--out", "-o", metavar="FILE", help=f"output file (default RUN_DIR/{REPORT_NAME})")
-    try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as exit_:  # argparse already printed its message
-        return int(exit_.code or 0)
+    args = parse_args(parser, argv)
+    if isinstance(args, int):  # --help or a usage error
+        return args
     try:
         out = write_report([Path(p) for p in args.run_dirs], Path(args.out) if args.out else None)
     except (ValueError, OSError, duckdb.Error) as error:
         message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        print(f"{PROG}: {message}", file=sys.stderr)
-        return 2
+        return fail(PROG, message)
     print(out)
     return 0
 

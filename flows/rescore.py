@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from storage.cliargs import fail, parse_args
+
 PROG = "rlpipe rescore"
 
 
@@ -35,18 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = parse_args(build_parser(), argv)
+    if isinstance(args, int):  # --help or a usage error
+        return args
     from flows.common import quiet_defaults
 
     quiet_defaults()
     try:
         out_dir, counts = rescore(Path(args.run_dir), args.reward, args.name, args.out)
     except (ValueError, FileNotFoundError) as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        return 2
+        return fail(PROG, str(error))
     print(f"re-scored {counts['rollouts']} rollouts of {Path(args.run_dir).resolve()} with {args.reward} "
           f"into {out_dir}")
     if counts["errors"]:

@@ -82,13 +82,13 @@ def atomic_write_parquet(table: pa.Table, dest: Path, *, durable: bool = True) -
     try:
         pq.write_table(table, tmp, compression="zstd")
         if durable:
-            _fsync(tmp)
+            fsync_path(tmp)
         os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        _fsync(dest.parent)
+        fsync_path(dest.parent)
 
 
 def fsync_written(files: list[Path], root: Path) -> None:
@@ -99,7 +99,7 @@ def fsync_written(files: list[Path], root: Path) -> None:
     root = Path(root)
     for file in files:
         try:
-            _fsync(file)
+            fsync_path(file)
         except FileNotFoundError:
             pass
         folder = file.parent
@@ -109,10 +109,11 @@ def fsync_written(files: list[Path], root: Path) -> None:
                 break
             folder = folder.parent
     for folder in folders:
-        _fsync(folder)
+        fsync_path(folder)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (a rename is durable only after this)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

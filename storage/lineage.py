@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
 from storage.catalog import connect, has_data
+from storage.cliargs import fail, parse_args
 from storage.schemas import TABLES
 
 PROG = "rlpipe lineage"
@@ -158,24 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = parse_args(build_parser(), argv)
+    if isinstance(args, int):  # --help or a usage error
+        return args
     from mlflow import MlflowClient
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         database = Path(args.runs_root).resolve() / "mlflow.db"
         if not database.is_file():
-            print(f"{PROG}: no MLflow database at {database} (give --runs-root or --tracking-uri)", file=sys.stderr)
-            return 2
+            return fail(PROG, f"no MLflow database at {database} (give --runs-root or --tracking-uri)")
         uri = f"sqlite:///{database}"
     try:
         chain = version_lineage(MlflowClient(tracking_uri=uri, registry_uri=uri), args.model_uri, args.samples)
     except ValueError as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        return 2
+        return fail(PROG, str(error))
     if args.format == "json":
         print(json.dumps(chain, indent=2, default=str))
     else:

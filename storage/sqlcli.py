@@ -30,6 +30,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from storage.catalog import connect, discover_runs, has_data, run_dirs_list
+from storage.cliargs import fail, parse_args
 from storage.queries import canned_queries, canned_sql
 from storage.schemas import TABLES
 
@@ -66,10 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as exit_:  # argparse already printed its message
-        return int(exit_.code or 0)
+    args = parse_args(parser, argv, intermixed=True)
+    if isinstance(args, int):  # --help or a usage error
+        return args
     if args.list:
         for name, query in canned_queries().items():
             print(f"{name:<24} {query.description}")
@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.format == "parquet" and not args.out:
             raise ValueError("--format parquet needs --out FILE")
     except ValueError as error:
-        return _fail(str(error))
+        return fail(PROG, str(error))
     con = connect(runs, labels=labels)
     try:
         result = con.sql(sql)
         table = pa.table({}) if result is None else result.to_arrow_table()
     except duckdb.Error as error:
-        return _fail(_one_line(str(error)))
+        return fail(PROG, _one_line(str(error)))
     _note_empty_tables(sql, runs)
     _emit(table, args)
     return 0
@@ -115,11 +115,6 @@ def expand_runs(paths: list[str]) -> tuple[list[Path], dict[Path, str] | None]:
         else:
             runs.setdefault(run_dirs_list([path])[0], path)
     return list(runs), (runs if rooted else None)
-
-
-def _fail(message: str) -> int:
-    print(f"{PROG}: {message}", file=sys.stderr)
-    return 2
 
 
 def _one_line(message: str) -> str:

@@ -6,8 +6,9 @@
 
 A (table, step) partition is one zstd Parquet file, replaced atomically: writing the same
 (table, step) again replaces it, so a resumed stage never duplicates rows. Data is checked
-against the table's schema (storage.schemas) before anything touches the disk; a mismatch is a
-ValueError naming the table and the column. `run_id` and `step` are filled in when missing.
+against the table's schema (storage.schemas; the check is storage.conform) before anything
+touches the disk; a mismatch is a ValueError naming the table and the column. `run_id` and
+`step` are filled in when missing.
 
 `BackgroundWriter` runs the same writes on one thread, in submission order, so that a step does
 not wait for its tables (see its docstring for the crash and error contract).
@@ -28,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import catalog
+from storage.conform import TableData, conform
 from storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,
@@ -40,119 +42,10 @@ from storage.layout import (
 )
 from storage.schemas import schema_for
 
-TableData = pa.Table | Sequence[Mapping[str, Any]] | Mapping[str, Any]
-
 
 def default_run_id(run_dir: str | os.PathLike) -> str:
     """The run id used when neither the data nor the caller gives one: the run folder's name."""
     return Path(run_dir).resolve().name
-
-
-def conform(table: str, data: TableData, *, run_id: str, step: int) -> pa.Table:
-    """`data` as a pa.Table of exactly `table`'s schema, run_id and step filled in.
-
-    data: a pa.Table, a list of row dicts, or a dict of equal-length columns.
-    Raises ValueError naming the column for an unknown column, a missing required column, a
-    value of the wrong type, a null in a required column, or a run_id/step that disagrees.
-    """
-    schema = schema_for(table)
-    columns, n = _columns(table, data)
-    unknown = sorted(set(columns) - set(schema.names))
-    if unknown:
-        raise ValueError(
-            f"table {table!r}: unknown column {unknown[0]!r} (columns: {', '.join(schema.names)})"
-        )
-    arrays = []
-    for field in schema:
-        if field.name not in columns:
-            arrays.append(_missing(table, field, n, run_id=run_id, step=step))
-            continue
-        array = _to_arrow(table, field, columns[field.name])
-        if len(array) != n:
-            raise ValueError(
-                f"table {table!r}: column {field.name!r} has {len(array)} values, expected {n}"
-            )
-        if not field.nullable and array.null_count:
-            raise ValueError(
-                f"table {table!r}: column {field.name!r} is required but has {array.null_count} null value(s)"
-            )
-        arrays.append(array)
-    result = pa.Table.from_arrays(arrays, schema=schema)
-    _check_constant(table, result, "step", step)
-    _check_constant(table, result, "run_id", run_id)
-    return result
-
-
-def _columns(table: str, data: TableData) -> tuple[dict[str, Any], int]:
-    """Column name -> values, and the row count."""
-    if isinstance(data, pa.Table):
-        return {name: data.column(name) for name in data.column_names}, data.num_rows
-    if isinstance(data, Mapping):
-        lengths = {name: len(values) for name, values in data.items()}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"table {table!r}: columns differ in length: {lengths}")
-        return dict(data), next(iter(lengths.values()), 0)
-    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
-        rows = list(data)
-        for index, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise ValueError(
-                    f"table {table!r}: row {index} is a {type(row).__name__}, not a dict"
-                )
-        names: dict[str, None] = {}
-        for row in rows:
-            names.update(dict.fromkeys(row))
-        return {name: [row.get(name) for row in rows] for name in names}, len(rows)
-    raise ValueError(
-        f"table {table!r}: data must be a pa.Table, a list of dicts or a dict of columns, got {type(data).__name__}"
-    )
-
-
-def _to_arrow(table: str, field: pa.Field, values: Any) -> pa.Array:
-    try:
-        if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks()
-        if isinstance(values, pa.Array):
-            return values if values.type == field.type else values.cast(field.type)
-        if _has_integers(field.type):
-            # pa.array(values, type=int32) silently truncates Python floats: infer, then cast safely
-            return pa.array(values).cast(field.type)
-        return pa.array(values, type=field.type)
-    except (
-        pa.ArrowInvalid,
-        pa.ArrowTypeError,
-        pa.ArrowNotImplementedError,
-        TypeError,
-        OverflowError,
-    ) as error:
-        raise ValueError(
-            f"table {table!r}: column {field.name!r} does not fit {field.type}: {error}"
-        ) from error
-
-
-def _has_integers(type_: pa.DataType) -> bool:
-    if pa.types.is_list(type_):
-        return _has_integers(type_.value_type)
-    return pa.types.is_integer(type_)
-
-
-def _missing(table: str, field: pa.Field, n: int, *, run_id: str, step: int) -> pa.Array:
-    if field.name == "run_id":
-        return pa.array([run_id] * n, type=field.type)
-    if field.name == "step":
-        return pa.array([step] * n, type=field.type)
-    if not field.nullable and n:  # an empty write may omit every column
-        raise ValueError(f"table {table!r}: required column {field.name!r} is missing")
-    return pa.nulls(n, type=field.type)
-
-
-def _check_constant(table: str, data: pa.Table, name: str, expected: Any) -> None:
-    values = data.column(name).unique().to_pylist()
-    wrong = [value for value in values if value != expected]
-    if wrong:
-        raise ValueError(
-            f"table {table!r}: column {name!r} holds {wrong[0]!r}, expected {expected!r} for this partition"
-        )
 
 
 def write_table(

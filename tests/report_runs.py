@@ -1,6 +1,8 @@
-"""A small synthetic RL run with recorded fates (`decisions`), for the report's tests.
+"""Small synthetic runs for the report's tests: `write_run` (tables only, RL or SFT) and
+`write_fated_run` (an RL run with recorded fates, `decisions`); `embedded_data` reads a written
+report's data back.
 
-storage.synthetic gives rollouts, scores and groups; this adds what the report's fate chart and
+For the fated run, storage.synthetic gives rollouts, scores and groups; this adds what the report's fate chart and
 rollout browser read: advantages of the trained completions and a `decisions` row for every decided
 completion, covering every kind of fate the view shows: trained, zero_variance, a group carried at
 one step and trained at the next, reward_error, truncated, stale, and completions not yet decided
@@ -11,6 +13,7 @@ and one too long to inline whole.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from storage.queries import run_sql
@@ -25,6 +28,35 @@ EPISODE = {"n_turns": 2, "completion_text": "calc 51*92<|im_end|>\n<|im_start|>t
            "messages": json.dumps([{"role": "user", "content": "51*92"}, {"role": "assistant", "content": "calc 51*92"},
                                    {"role": "tool", "content": "4692"}, {"role": "assistant", "content": "ans 4692"}])}
 LONG = 9000  # characters of step 2's third completion
+RL_STEPS = (0, 1, 2, 3)
+SFT_STEPS = (0, 1, 2)
+
+
+def write_run(run_dir, run_id, steps, *, rl, seed=0):
+    """A tiny run: RL runs get rollouts, scores and groups (storage.synthetic); both get train_steps, evals."""
+    for step in steps:
+        if rl:
+            tables = synthetic_step(step, run_id=run_id, n_groups=5, group_size=4, n_token_rows=2, seed=seed,
+                                    n_examples=6, zero_variance_share=0.4)
+            rollouts = tables["rollouts"].to_pylist()
+            rollouts[0]["completion_text"] = NASTY
+            tables["rollouts"] = rollouts
+            for name, data in tables.items():
+                write_table(run_dir, name, step, data, run_id=run_id, durable=False)
+        write_table(run_dir, "train_steps", step, [dict(
+            mode="rl" if rl else "sft", loss=1.0 / (step + 1) + seed, grad_norm=0.5 + step, lr=1e-3 * (step + 1),
+            tokens=100, tokens_per_second=200.0 + step, seconds_generate=1.5 if rl else None,
+            seconds_train=2.0, seconds_total=4.0)], run_id=run_id, durable=False)
+        write_table(run_dir, "evals", step, [dict(env=env, example_id=str(i), reward=float(i % 2),
+                                                   correct=(i + step) % 3 == 0)
+                                              for env in ("arithmetic", "countdown") for i in range(6)],
+                    run_id=run_id, durable=False)
+
+
+def embedded_data(html_text: str) -> dict:
+    """The JSON data a written report.html embeds."""
+    match = re.search(r'<script type="application/json" id="rlpipe-data">(.*?)</script>', html_text, re.S)
+    return json.loads(match.group(1))
 
 
 def write_fated_run(run_dir: Path, run_id: str, steps: tuple[int, ...] = (1, 2, 3, 4), *, n_groups: int = 6,

@@ -14,8 +14,8 @@ continues, and its position ids continue from the prefix. Projections, MLPs and 
 run on the prompt once per group instead of once per completion; log-probs and gradients are those
 of the unshared layout (a test checks both).
 
-`pad_batch()` builds the conventional padded batch of the same sequences; it is the baseline the
-packing benchmark and the packed-equals-unpacked tests compare against.
+The padded baseline (`pad_batch()`, `pack_stats()`) that packing is measured against lives in
+training/padding.py.
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def assign_bins(lengths: SequenceABC[int], token_budget: int) -> list[list[int]]
     return [sorted(b) for b in bins]
 
 
-def _check(sequences: SequenceABC[Sequence], token_budget: int) -> None:
+def check_packable(sequences: SequenceABC[Sequence], token_budget: int) -> None:
+    """ValueError unless every sequence fits `token_budget` (naming the first that does not)."""
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     if len(sequences) == 0:
@@ -194,6 +195,15 @@ def _check(sequences: SequenceABC[Sequence], token_budget: int) -> None:
                 f"pack: {_seq_name(i, seq)} has {len(seq.tokens)} tokens, "
                 f"more than token_budget={token_budget}"
             )
+
+
+def _shifted(values: torch.Tensor, last: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+    """The causal shift: values[t + 1] at t, and `fill` at each sequence's `last` token (the
+    packed row's final token is always one)."""
+    out = torch.full_like(values, fill)
+    out[:-1] = values[1:]
+    out[last] = fill
+    return out
 
 
 def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | None = None) -> PackedBatch:
@@ -215,12 +225,8 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
     )
     last = (cu[1:] - 1).to(torch.int64)  # each sequence's last token: nothing to predict
 
-    labels = torch.empty(total, dtype=torch.int64)
-    labels[:-1] = tokens[1:]
-    labels[last] = IGNORE_INDEX
-    token_weights = torch.zeros(total, dtype=torch.float32)
-    token_weights[:-1] = weights[1:]
-    token_weights[last] = 0.0
+    labels = _shifted(tokens, last, IGNORE_INDEX)
+    token_weights = _shifted(weights, last, 0.0)
 
     log_probs = None
     if any(s.logprobs is not None for s in sequences):
@@ -228,9 +234,7 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
             [x for s in sequences for x in (s.logprobs if s.logprobs is not None else [0.0] * len(s.tokens))],
             dtype=torch.float32,
         )
-        log_probs = torch.zeros(total, dtype=torch.float32)
-        log_probs[:-1] = lp[1:]
-        log_probs[last] = 0.0
+        log_probs = _shifted(lp, last, 0.0)
 
     loss_mask = None
     if any(s.loss_mask is not None for s in sequences):
@@ -238,9 +242,7 @@ def pack_one(sequences: SequenceABC[Sequence], prefix_index: SequenceABC[int] | 
             [m for s in sequences for m in (s.loss_mask if s.loss_mask is not None else [w != 0 for w in s.weights])],
             dtype=torch.bool,
         )
-        loss_mask = torch.zeros(total, dtype=torch.bool)
-        loss_mask[:-1] = flags[1:]
-        loss_mask[last] = False
+        loss_mask = _shifted(flags, last, False)
 
     rewards = None
     if any(s.reward is not None for s in sequences):
@@ -351,93 +353,10 @@ def pack(
     once per micro-batch (see the module docstring); the log-probs and gradients are unchanged.
     Raises ValueError on empty input or a sequence longer than the budget (naming it).
     """
-    _check(sequences, token_budget)
+    check_packable(sequences, token_budget)
     if share_prefixes and any(s.prefix_len > 1 for s in sequences):
         units = shared_prefix_units(sequences, token_budget)
         bins = assign_bins([u.size for u in units], token_budget)
         return [_pack_units(sequences, [units[i] for i in b]) for b in bins]
     bins = assign_bins([len(s.tokens) for s in sequences], token_budget)
     return [pack_one([sequences[i] for i in b]) for b in bins]
-
-
-@dataclass(frozen=True)
-class PackStats:
-    """What packing saves against padded batching of the same sequences.
-
-    n_tokens:          real tokens
-    n_micro_batches:   packed micro-batches
-    packed_slots:      n_micro_batches * token_budget (capacity used by packing)
-    padded_slots:      n_sequences * max_len (a single padded batch of the same sequences)
-    padding_fraction:  1 - n_tokens / padded_slots (share of a padded batch that is padding)
-    pack_fill:         n_tokens / packed_slots
-    """
-
-    n_sequences: int
-    n_tokens: int
-    n_micro_batches: int
-    packed_slots: int
-    padded_slots: int
-    padding_fraction: float
-    pack_fill: float
-
-
-def pack_stats(sequences: SequenceABC[Sequence], token_budget: int) -> PackStats:
-    """Statistics of packing `sequences` with `token_budget` versus padding them to max length."""
-    _check(sequences, token_budget)
-    lens = [len(s.tokens) for s in sequences]
-    n_bins = len(assign_bins(lens, token_budget))
-    n_tokens = sum(lens)
-    padded = len(lens) * max(lens)
-    return PackStats(
-        n_sequences=len(lens),
-        n_tokens=n_tokens,
-        n_micro_batches=n_bins,
-        packed_slots=n_bins * token_budget,
-        padded_slots=padded,
-        padding_fraction=1.0 - n_tokens / padded,
-        pack_fill=n_tokens / (n_bins * token_budget),
-    )
-
-
-def padding_fraction(sequences: SequenceABC[Sequence]) -> float:
-    """Share of a padded [n, max_len] batch of `sequences` that would be padding."""
-    if len(sequences) == 0:
-        raise ValueError("padding_fraction: no sequences")
-    lens = [len(s.tokens) for s in sequences]
-    return 1.0 - sum(lens) / (len(lens) * max(lens))
-
-
-@dataclass
-class PaddedBatch:
-    """The conventional right-padded batch (baseline for benchmarks and tests).
-
-    input_ids:      int64 [B, L]  (pad_id where padding)
-    attention_mask: int64 [B, L]  1 on real tokens
-    labels:         int64 [B, L]  shifted like PackedBatch: labels[b, t] = input_ids[b, t+1]; -100 at pads/last
-    weights:        float32 [B, L] weight of the loss on labels[b, t]
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    weights: torch.Tensor
-
-
-def pad_batch(sequences: SequenceABC[Sequence], pad_id: int = 0) -> PaddedBatch:
-    """Right-pad `sequences` to their max length, with labels shifted as in `pack`."""
-    if len(sequences) == 0:
-        raise ValueError("pad_batch: no sequences")
-    lens = [len(s.tokens) for s in sequences]
-    width = max(lens)
-    b = len(sequences)
-    input_ids = torch.full((b, width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((b, width), dtype=torch.int64)
-    labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.int64)
-    weights = torch.zeros((b, width), dtype=torch.float32)
-    for i, (s, n) in enumerate(zip(sequences, lens, strict=True)):
-        toks = torch.tensor(s.tokens, dtype=torch.int64)
-        input_ids[i, :n] = toks
-        mask[i, :n] = 1
-        labels[i, : n - 1] = toks[1:]
-        weights[i, : n - 1] = torch.tensor(s.weights[1:], dtype=torch.float32)
-    return PaddedBatch(input_ids=input_ids, attention_mask=mask, labels=labels, weights=weights)

@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from models.loading import load_model
 from models.tokenizer import load_tokenizer
+from storage.layout import fsync_path
 from training.lora import ADAPTER_DIR, has_lora, load_adapter, save_model_files
 
 CHECKPOINTS = "checkpoints"
@@ -138,15 +139,6 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's entries to disk (a rename is durable only after this)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -199,8 +191,8 @@ def save_checkpoint(
         }
         _write_json(tmp / METADATA_FILE, metadata)  # last: its presence marks a whole checkpoint
         for file in tmp.iterdir():
-            _fsync(file)
-        _fsync(tmp)
+            fsync_path(file)
+        fsync_path(tmp)
         if final.exists():
             # A directory cannot be renamed over a non-empty one: move the old aside first.
             old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -209,7 +201,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

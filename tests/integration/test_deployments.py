@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from training.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 SERVER_START_S = 180
 RUN_TIMEOUT_S = 900
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prefect_env(tmp_path: Path, port: int) -> dict[str, str]:

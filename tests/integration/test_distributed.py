@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -27,6 +26,7 @@ from training.distributed import (
     share_of,
     stop_followers,
 )
+from training.ports import free_port
 from training.rl_loss import build_rl_loss
 from training.step import build_optimizer, forward_backward, optim_step
 
@@ -89,12 +89,6 @@ def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
@@ -109,7 +103,7 @@ def test_two_ranks_equal_one_process(tmp_path, preset, kind):
 
     single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, _free_port(), preset, kind, normaliser, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), preset, kind, normaliser, out), nprocs=2, join=True)
     result = torch.load(out)
     assert result["losses"] == pytest.approx(single_losses, rel=1e-5)
     expected = single.state_dict()
@@ -166,7 +160,7 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_rank_zero_leads_and_the_others_follow(tmp_path):
     out = str(tmp_path / "lead.pt")
-    mp.spawn(_lead_or_follow, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_lead_or_follow, args=(2, free_port(), out), nprocs=2, join=True)
     lead, follower = torch.load(out), torch.load(out + ".rank1")
     assert follower["steps"] == STEPS
     single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
@@ -227,7 +221,7 @@ def test_fsdp2_state_gathers_to_rank_0_and_restores_on_two_ranks_or_one(tmp_path
     """The gathered whole state (what a checkpoint saves) resumes FSDP2 exactly, and also resumes
     a single process (another world size) to float-order noise."""
     out = str(tmp_path / "restore.pt")
-    mp.spawn(_restore_rank, args=(2, _free_port(), "tiny-moe", out), nprocs=2, join=True)
+    mp.spawn(_restore_rank, args=(2, free_port(), "tiny-moe", out), nprocs=2, join=True)
     result = torch.load(out)
     for name, value in result["continued"].items():
         assert torch.equal(result["restored"][name], value), name

@@ -12,13 +12,14 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_distributed import STEPS, VOCAB, _free_port, _full_state, _packed, _steps  # same folder
+from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same folder
 
 from models.presets import build_model
 from tasks.train import train_on_batches
 from training.distributed import broadcast_weights, data_parallel, follow, lead_step, stop_followers
 from training.kl import frozen_copy, reference_logprobs
 from training.lora import LoraOptions, add_lora
+from training.ports import free_port
 from training.rl_loss import build_rl_loss
 from training.step import build_optimizer
 
@@ -99,7 +100,7 @@ def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, k
     torch.set_num_threads(1)
     expected, metrics, logprobs = _one_process(lora, KL)
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(2, _free_port(), kind, lora, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), kind, lora, out), nprocs=2, join=True)
     lead, follower = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
     assert follower["steps"] == STEPS
     for got, want in zip(lead["metrics"], metrics, strict=True):  # global figures, as one process

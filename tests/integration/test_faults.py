@@ -222,9 +222,8 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
     """Afterwards: the sync fails within its timeout and retries (no hang), its `syncs` row says
     not ok with an error naming the server, the step's raise_failed names it too; a server
     restarted on the old checkpoint takes the same sync (what a resume does first)."""
-    from test_serve_http import start_server, wait_for_url
-
     from engines.http import HttpEngine
+    from engines.serve_process import serve_url, start_serve, stop_processes
     from models.presets import build_model
     from models.tokenizer import build_tokenizer
     from tasks.sync import SyncError, raise_failed, sync_engines
@@ -235,8 +234,8 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
     new = save_checkpoint(tmp_path, 1, build_model("tiny-dense", vocab_size=len(tok), seed=1), tok)
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(start_server(old, tmp_path / "checkpoints", "tok"))
-        url = wait_for_url(procs[0])
+        procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok"))
+        url = serve_url(procs[0])
         engine = HttpEngine(url, timeout_s=10, retries=1, api_token="tok", backoff_s=0.1)
         os.kill(procs[0].pid, signal.SIGSTOP)  # frozen: the sync is accepted by the kernel, never answered
         result: list[dict] = []
@@ -253,13 +252,10 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
         with pytest.raises(SyncError, match=url.replace(".", r"\.")):
             raise_failed(result)
 
-        procs.append(start_server(old, tmp_path / "checkpoints", "tok"))
-        engine = HttpEngine(wait_for_url(procs[1]), timeout_s=30, retries=1, api_token="tok")
+        procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok"))
+        engine = HttpEngine(serve_url(procs[1]), timeout_s=30, retries=1, api_token="tok")
         assert [r["ok"] for r in sync_engines([engine], str(new), 1, run_id="r", step=1)] == [True]
         assert engine.health()["policy_version"] == 1
         engine.close()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        stop_processes(procs)

@@ -10,9 +10,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from test_serve_http import start_server, wait_for_url  # same folder: pytest puts it on sys.path
 
 from engines.http import HttpEngine
+from engines.serve_process import serve_url, start_serve, stop_processes
 from models.presets import build_model
 from models.tokenizer import build_tokenizer
 from storage.writer import read_table
@@ -58,8 +58,8 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
     start = save_checkpoint(tmp_path / "init", 0, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)
     procs: list[subprocess.Popen] = []
     try:
-        procs = [start_server(start, tmp_path, TOKEN) for _ in range(2)]
-        urls = [wait_for_url(p) for p in procs]
+        procs = [start_serve(start, "--allow-root", str(tmp_path), token=TOKEN) for _ in range(2)]
+        urls = [serve_url(p) for p in procs]
         rl_flow(config=http_config(tmp_path, start, urls, steps=2))
 
         run_dir = tmp_path / "runs" / "http"
@@ -86,7 +86,4 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
         assert TOKEN not in out + err + caplog.text
         assert (run_dir / "config.json").read_text().count("RLPIPE_API_TOKEN") == 1  # the variable's name only
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        stop_processes(procs)

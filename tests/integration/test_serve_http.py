@@ -5,20 +5,16 @@ All traffic stays on 127.0.0.1; every wait is bounded; the servers are killed in
 
 from __future__ import annotations
 
-import os
-import queue
 import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
 from engines.base import SamplingParams
 from engines.http import EngineUnavailableError, HttpEngine
+from engines.serve_process import serve_url, start_serve, stop_processes
 from models.loading import load_model
 from models.presets import build_model
 from models.tokenizer import build_tokenizer
@@ -27,31 +23,7 @@ from training.checkpoint import save_checkpoint
 from training.logprobs import token_logprobs
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
-
-
-def start_server(checkpoint: Path, allow_root: Path, token: str) -> subprocess.Popen:
-    """`rlpipe serve` on a free loopback port (--port 0); the URL is its first stdout line."""
-    env = {**os.environ, "RLPIPE_API_TOKEN": token, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve", str(checkpoint), "--host", "127.0.0.1",
-         "--port", "0", "--allow-root", str(allow_root), "--threads", "1"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    return proc
-
-
-def wait_for_url(proc: subprocess.Popen) -> str:
-    """Read the 'listening on URL' line (bounded by START_TIMEOUT_S)."""
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        text = lines.get(timeout=START_TIMEOUT_S)
-    except queue.Empty:
-        raise RuntimeError(f"rlpipe serve did not start within {START_TIMEOUT_S}s") from None
-    assert "listening on http://127.0.0.1:" in text, text
-    return text.split("listening on ", 1)[1].split()[0]
 
 
 def recompute(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
@@ -71,8 +43,9 @@ def test_two_servers_generate_sync_and_fail_loudly(tmp_path):
     engines: list[HttpEngine] = []
     try:
         for _ in range(2):
-            procs.append(start_server(first, allow, "tok"))
-        urls = [wait_for_url(p) for p in procs]
+            procs.append(start_serve(first, "--allow-root", str(allow), token="tok"))
+        urls = [serve_url(p, START_TIMEOUT_S) for p in procs]
+        assert all(url.startswith("http://127.0.0.1:") for url in urls), urls
         engines = [HttpEngine(u, timeout_s=60, retries=2, api_token="tok", backoff_s=0.05) for u in urls]
         assert [e.health()["policy_version"] for e in engines] == [0, 0]
 
@@ -108,9 +81,4 @@ def test_two_servers_generate_sync_and_fail_loudly(tmp_path):
     finally:
         for engine in engines:
             engine.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
-            if proc.stdout:
-                proc.stdout.close()
+        stop_processes(procs)

@@ -14,7 +14,8 @@ from models.attention import (
 )
 from models.presets import build_model
 from models.varlen_plan import make_plan, plan_buckets
-from training.batch import Sequence, pack, pad_batch
+from training.batch import Sequence, pack
+from training.padding import pad_batch
 
 VOCAB = 64
 LENGTHS = [7, 33, 2, 64, 1, 40, 19]

@@ -125,8 +125,8 @@ def test_a_durable_drain_fsyncs_every_written_file_and_its_folders_before_return
     import storage.layout as layout
 
     synced: list[Path] = []
-    real = layout._fsync
-    monkeypatch.setattr(layout, "_fsync", lambda path: (synced.append(Path(path)), real(path)))
+    real = layout.fsync_path
+    monkeypatch.setattr(layout, "fsync_path", lambda path: (synced.append(Path(path)), real(path)))
     run_dir = tmp_path / "run"
     with BackgroundWriter() as writer:
         writer.submit(run_dir, "train_steps", 1, [step_row(1, 0.5)], run_id="r")
@@ -149,7 +149,7 @@ def test_write_table_durable_fsyncs_the_folders_up_to_the_run_dir(tmp_path, monk
     from storage.writer import write_table
 
     synced: list[Path] = []
-    real = layout._fsync
-    monkeypatch.setattr(layout, "_fsync", lambda path: (synced.append(Path(path)), real(path)))
+    real = layout.fsync_path
+    monkeypatch.setattr(layout, "fsync_path", lambda path: (synced.append(Path(path)), real(path)))
     write_table(tmp_path, "train_steps", 4, [step_row(4, 0.1)], run_id="r")
     assert {tmp_path, tmp_path / "tables", tmp_path / "tables" / "train_steps"} <= set(synced)

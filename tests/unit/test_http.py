@@ -4,7 +4,6 @@ retries and clear errors, and the vLLM / SGLang request shapes."""
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -26,6 +25,7 @@ from flows.config import EngineConfig
 from models.presets import build_model
 from models.tokenizer import build_tokenizer
 from training.checkpoint import load_checkpoint, save_checkpoint
+from training.ports import free_port
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
@@ -123,9 +123,7 @@ def test_unavailable_then_ok_and_read_timeout_not_retried():
 
 
 def test_closed_loopback_port_fails_clearly():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    port = free_port()  # nothing listens there
     engine = HttpEngine(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01, timeout_s=5)
     with pytest.raises(EngineUnavailableError, match=f"127.0.0.1:{port}"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))

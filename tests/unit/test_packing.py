@@ -13,10 +13,8 @@ from training.batch import (
     Sequence,
     assign_bins,
     pack,
-    pack_stats,
-    pad_batch,
-    padding_fraction,
 )
+from training.padding import pack_stats, pad_batch, padding_fraction
 
 
 def _seq(n: int, start: int = 0, sample_id: str | None = None, rl: bool = False) -> Sequence:
