@@ -14,8 +14,9 @@ Three parts, one process, one GPU:
   the per-call weight copy into the graphs' buffers.
 - rl_vs_trl: one RL step (generate -> reward -> advantages -> pack -> train) of rlpipe's stage
   functions against TRL's GRPOTrainer on the same model, prompts, group size, completion length,
-  optimizer and precision (bf16), gradient checkpointing off on both sides. TRL generates with
-  transformers' `generate`: vLLM is not installed where this ran (see the JSON's `notes`).
+  optimizer and precision (bf16), gradient checkpointing off on both sides, and rlpipe once more
+  with `train.compile` and `engine.cuda_graphs` on. TRL generates with transformers' `generate`:
+  vLLM is not installed where this ran (see the JSON's `notes`).
 
     python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl] [--out runs/bench/gpu.json]
     python -m benchmarks.bench_gpu --render docs/BENCHMARKS_GPU.json     # -> docs/BENCHMARKS_GPU.md
@@ -229,10 +230,10 @@ def arithmetic_prompts(tokenizer, count: int, seed: int):
     return env, examples, [encode_messages(tokenizer, env.reset(e)) for e in examples]
 
 
-def rlpipe_steps(model, tokenizer, args) -> dict:
+def rlpipe_steps(model, tokenizer, args, cuda_graphs: bool = False) -> dict:
     """rlpipe's stage functions, no Prefect/Parquet/MLflow: generate, reward, advantages, pack, train."""
     env, examples, prompts = arithmetic_prompts(tokenizer, args.prompts * (args.steps + 2), seed=0)
-    engine = TorchEngine(model, dtype=torch.bfloat16)
+    engine = TorchEngine(model, dtype=torch.bfloat16, cuda_graphs=cuda_graphs)
     optimizer = build_optimizer(model, lr=1e-6)
     loss_fn = build_rl_loss("reinforce")
     stops = stop_token_ids(tokenizer)
@@ -335,8 +336,15 @@ def bench_rl_vs_trl(args) -> dict:
             result["trl"] = {"error": f"{type(error).__name__}: {error}"}
         torch.cuda.empty_cache()
         result["rlpipe"] = rlpipe_steps(place_model(copy.deepcopy(base), "cuda"), tokenizer, args)
+        torch.cuda.empty_cache()
+        # the same steps with train.compile and engine.cuda_graphs on (step 1, which compiles and
+        # captures, is left out of the median like every side's first step)
+        result["rlpipe_fast"] = rlpipe_steps(place_model(copy.deepcopy(base), "cuda", compile=True),
+                                             tokenizer, args, cuda_graphs=True)
+        torch._dynamo.reset()
     if "seconds_per_step" in result["trl"]:
-        result["step_time_ratio"] = result["rlpipe"]["seconds_per_step"] / result["trl"]["seconds_per_step"]
+        for side, key in (("rlpipe", "step_time_ratio"), ("rlpipe_fast", "step_time_ratio_fast")):
+            result[key] = result[side]["seconds_per_step"] / result["trl"]["seconds_per_step"]
     print(json.dumps({k: v for k, v in result.items() if k not in ("rlpipe", "trl")}), flush=True)
     return result
 

@@ -64,10 +64,17 @@ def render(report: dict) -> str:
         gen = statistics.median(p["generate"] for p in phases) if phases else None
         train = statistics.median(p["train"] for p in phases) if phases else None
         lines.append(f"| rlpipe | {r['rlpipe']['seconds_per_step']:.2f} | {_fmt(gen)} | {_fmt(train)} |")
+        if "rlpipe_fast" in r:  # absent from runs before train.compile and engine.cuda_graphs
+            fast = r["rlpipe_fast"].get("phases", [])
+            lines.append(f"| rlpipe, compile + CUDA graphs | {r['rlpipe_fast']['seconds_per_step']:.2f} | "
+                         f"{_fmt(statistics.median(p['generate'] for p in fast) if fast else None)} | "
+                         f"{_fmt(statistics.median(p['train'] for p in fast) if fast else None)} |")
         lines.append(f"| TRL | {_fmt(trl.get('seconds_per_step'))} | - | - |" if "error" not in trl
                      else f"| TRL | failed: {trl['error'][:120]} | | |")
         if r.get("step_time_ratio"):
             lines += ["", f"**rlpipe/TRL step time: {r['step_time_ratio']:.2f}x** (target <= 0.5x)."]
+            if r.get("step_time_ratio_fast"):
+                lines += ["", f"**With compile + CUDA graphs: {r['step_time_ratio_fast']:.2f}x.**"]
         lines.append("")
     if "flow" in report:
         f = report["flow"]
