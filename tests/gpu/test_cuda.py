@@ -110,6 +110,7 @@ def test_varlen_kernel_gradients_match_the_fp32_reference():
 def test_training_on_cuda_lowers_the_loss(weights_dtype):
     model = _model("small-dense", getattr(torch, weights_dtype))
     optimizer = build_optimizer(model, lr=3e-3)
+    assert optimizer.defaults["fused"]  # one fused AdamW kernel on CUDA
     batches = pack(_sequences(16, seed=5), 2048)
     losses = []
     for _ in range(8):
