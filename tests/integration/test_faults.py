@@ -87,17 +87,18 @@ def best_step(tracking: Path, model: str) -> str | None:
         return None
 
 
-def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path):
+def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_api_url):
     """Afterwards: after each kill the run dir is consistent (check_consistent); the last resume
     finishes; the final weights, the row counts of every stage's table and the step the `best`
     alias points at equal those of an uninterrupted run."""
-    runs, env = tmp_path / "runs", env_for(tmp_path)
+    runs, env = tmp_path / "runs", env_for(tmp_path, prefect_api_url)
     seed = random.randrange(1 << 30)
     print(f"kill points drawn with seed {seed}")
     rng = random.Random(seed)
     # the uninterrupted run goes on beside the killed one (each is one thread)
     log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
-    # its own Prefect home and MLflow store: two processes creating one SQLite database at once collide
+    # its own MLflow store (two processes creating one SQLite database at once collide) and Prefect
+    # home; both runs talk to the session's Prefect server
     straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
                     "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
     straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -160,12 +161,12 @@ def mlflow_statuses(tracking: Path, experiment: str) -> dict[str, str]:
     return {r.info.run_name: r.info.status for r in client.search_runs([found.experiment_id])}
 
 
-def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path):
+def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefect_api_url):
     """Afterwards: while the run runs, a second `rlpipe resume` is refused naming the holder's pid;
     SIGTERM ends the run with status 143 within a bounded time, its queued writes on disk (every
     partition whole, no temporary file), run.json and MLflow saying failed; a resume that meets a
     corrupt partition stops with an error naming the file; once it is deleted, resume finishes."""
-    runs, env = tmp_path / "runs", env_for(tmp_path)
+    runs, env = tmp_path / "runs", env_for(tmp_path, prefect_api_url)
     run_dir = runs / "term"
     log = tmp_path / "term.log"  # a file, not a pipe nobody reads while the run writes to it
     process = subprocess.Popen(cli(*run_args(runs, "term")), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -190,7 +191,7 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
         try:
-            os.killpg(process.pid, signal.SIGKILL)  # the embedded Prefect server, if it outlived it
+            os.killpg(process.pid, signal.SIGKILL)  # any child (an embedded Prefect server) that outlived it
         except ProcessLookupError:
             pass
     assert "stopped by signal SIGTERM" in stderr and f"rlpipe resume {run_dir}" in stderr

@@ -29,11 +29,16 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", *args]
 
 
-def env_for(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
+def env_for(tmp_path: Path, prefect_api_url: str | None = None) -> dict[str, str]:
+    """The CLI's environment: its own Prefect home and MLflow store under tmp_path; the session's
+    Prefect server (conftest.prefect_api_url) where given, else an embedded one per process."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
                RLPIPE_PROGRESS="0", DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
+    if prefect_api_url:
+        # one server's SQLite shared by concurrent runs on 2 busy cores: wait on locks, don't fail
+        env.update(PREFECT_API_URL=prefect_api_url, PREFECT_API_REQUEST_TIMEOUT="120")
     return env
 
 
@@ -53,9 +58,9 @@ def rows(run_dir: Path, table: str) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in (run_dir / "rl" / "tables" / table).glob("step=*/*.parquet"))
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, prefect_api_url):
     runs = tmp_path / "runs"
-    env = env_for(tmp_path)
+    env = env_for(tmp_path, prefect_api_url)
     straight_run = subprocess.run(cli(*run_args(runs, "straight")), env=env, cwd=ROOT,
                                   capture_output=True, text=True, timeout=600)
     assert straight_run.returncode == 0, straight_run.stderr[-3000:]
@@ -100,11 +105,11 @@ def sample_versions(run_dir: Path) -> set[tuple[str, int]]:
     return out
 
 
-def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_path):
+def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_path, prefect_api_url):
     from tests.integration.test_async_rl import staleness_report, untracked_groups
 
     runs = tmp_path / "runs"
-    env = env_for(tmp_path)
+    env = env_for(tmp_path, prefect_api_url)
     args = [*run_args(runs, "async"), "--set", "rl.max_off_policy_steps=1", "--set", "rl.steps=6"]
     table, step = random.Random().choice([("rollouts", 3), ("scores", 4), ("groups", 2), ("batches", 3),
                                           ("train_steps", 2), ("checkpoints", 3), ("advantages", 5)])
@@ -141,7 +146,7 @@ def save_then_die(**kwargs):
     row = real(**kwargs)
     if kwargs["step"] == 2 and kwargs["run_dir"].name == "rl":
         os.killpg(0, 9)  # the checkpoint is renamed, its checkpoints row not yet written; the group:
-        # the embedded Prefect server would otherwise outlive us and hold our output pipes open
+        # an embedded Prefect server (if any) would otherwise outlive us and hold our output pipes open
     return row
 checkpoint.save_and_register = save_then_die
 from flows.cli import main
@@ -149,9 +154,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_kill_right_after_the_checkpoint_rename_is_repaired_on_resume(tmp_path):
+def test_kill_right_after_the_checkpoint_rename_is_repaired_on_resume(tmp_path, prefect_api_url):
     runs = tmp_path / "runs"
-    env = env_for(tmp_path)
+    env = env_for(tmp_path, prefect_api_url)
     killed = subprocess.run([sys.executable, "-c", KILL_AFTER_RENAME, *run_args(runs, "window")], env=env,
                             cwd=ROOT, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
