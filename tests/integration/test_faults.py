@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_resume import cli, env_for, rows  # same folder: pytest puts it on sys.path
+from test_resume import ONE_THREAD, cli, env_for, rows  # same folder: pytest puts it on sys.path
 
 from training.checkpoint import METADATA_FILE, _verify
 
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEP_TIMEOUT_S = 600
 # The tiny pipeline with progress made durable often (so kills land between checkpoints).
-OVERRIDES = ["--set", "rl.checkpoint_every=1", "--set", "sft.checkpoint_every=10"]
+OVERRIDES = ["--set", "rl.checkpoint_every=1", "--set", "sft.checkpoint_every=10", *ONE_THREAD]
 
 
 def run_args(runs: Path, name: str) -> list[str]:

@@ -42,9 +42,15 @@ def env_for(tmp_path: Path, prefect_api_url: str | None = None) -> dict[str, str
     return env
 
 
+# One torch thread per CLI process (the `threads` knob): tiny models gain nothing from a second one,
+# and two runs side by side (test_faults) or a busy machine make torch's threads wait on each other:
+# 20 SFT steps took 6-8 s with one thread, 24-49 s with torch's default of 2 on 2 shared cores.
+ONE_THREAD = ["--set", "threads=1"]
+
+
 def run_args(runs_root: Path, name: str) -> list[str]:
     return ["run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs_root}",
-            "--set", f"run_name={name}", "--set", "rl.checkpoint_every=1"]
+            "--set", f"run_name={name}", "--set", "rl.checkpoint_every=1", *ONE_THREAD]
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -61,28 +67,37 @@ def rows(run_dir: Path, table: str) -> int:
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, prefect_api_url):
     runs = tmp_path / "runs"
     env = env_for(tmp_path, prefect_api_url)
-    straight_run = subprocess.run(cli(*run_args(runs, "straight")), env=env, cwd=ROOT,
-                                  capture_output=True, text=True, timeout=600)
-    assert straight_run.returncode == 0, straight_run.stderr[-3000:]
-
-    table, step = random.Random().choice(KILL_POINTS)
-    trigger = runs / "killed" / "rl" / "tables" / table / f"step={step}"
-    process = subprocess.Popen(cli(*run_args(runs, "killed")), env=env, cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # the uninterrupted run goes on beside the killed one (one thread each, see ONE_THREAD), with
+    # its own MLflow store: two processes creating one SQLite database at once collide
+    log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
+    straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
+                    "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
+    straight_run = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=ROOT,
+                                    stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process.poll() is None, f"run ended before the kill point {table}/step={step}"
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
+        table, step = random.Random().choice(KILL_POINTS)
+        trigger = runs / "killed" / "rl" / "tables" / table / f"step={step}"
+        process = subprocess.Popen(cli(*run_args(runs, "killed")), env=env, cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert process.poll() is None, f"run ended before the kill point {table}/step={step}"
             os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
 
-    resumed = subprocess.run(cli("resume", str(runs / "killed")), env=env, cwd=ROOT, capture_output=True,
-                             text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+        resumed = subprocess.run(cli("resume", str(runs / "killed")), env=env, cwd=ROOT, capture_output=True,
+                                 text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert straight_run.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        if straight_run.poll() is None:
+            os.killpg(straight_run.pid, signal.SIGKILL)
+            straight_run.wait(timeout=30)
 
     straight, killed = final_weights(runs / "straight"), final_weights(runs / "killed")
     assert straight.keys() == killed.keys()
