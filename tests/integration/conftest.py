@@ -4,7 +4,8 @@
 every `rlpipe run`/`rlpipe resume` subprocess starts its own embedded server (a uvicorn child and
 a SQLite database migrated on first use): 10-30 s per process on 2 busy cores, and the kill/resume
 tests start a dozen processes each. Tests that pass this URL to their subprocesses pay it once;
-the rest (test_compile_run, test_distributed_run) keep the embedded server a user gets by default.
+the rest (test_compile_run, the `straight` run of test_distributed_run) keep the embedded server
+a user gets by default, so that path stays covered.
 """
 
 from __future__ import annotations

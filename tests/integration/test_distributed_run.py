@@ -119,8 +119,9 @@ def rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_rank_fails_the_run_naming_it_and_resume_loses_nothing(straight, tmp_path):
-    env, runs = env_for(tmp_path), tmp_path / "runs"
+def test_a_killed_rank_fails_the_run_naming_it_and_resume_loses_nothing(straight, tmp_path, prefect_api_url):
+    # the session's Prefect server for the killed run and its resume (`straight` keeps the embedded one)
+    env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
     killed = runs / "killed"
     trigger = killed / "rl" / "checkpoints" / "step_000002" / "metadata.json"
     process = subprocess.Popen(command(runs, "killed"), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
