@@ -15,7 +15,7 @@ implementations of the same arithmetic:
   one token does, once: torch specialises sizes 0 and 1).
 - `fused=False` (eager): the float32 logits go into one [C, V] workspace reused by every chunk
   (on the CPU a fresh 600 MB tensor costs ~0.4 s of page faults per chunk), bias and 1/τ fold
-  into the GEMM (addmm's alpha/beta) when it runs in float32, and the passes run in place:
+  into the GEMM (1/τ scales h, addmm adds the bias) when it runs in float32, and the passes run in place:
   forward amax, sub, exp, sum; backward sub, exp, mul (+ a [C]-element scatter).
 """
 
@@ -40,9 +40,10 @@ def make_workspace(rows: int, vocab: int, cdtype: torch.dtype, device: torch.dev
 def _eager_logits(h, w, bias, scale, workspace):
     """z = (h · Wᵀ + b) · scale into the workspace's first C rows (overwritten), float32."""
     z = workspace[: h.shape[0]]
-    if h.dtype == z.dtype:  # float32/64 GEMM: scale and bias ride on addmm (beta = 0 ignores z)
-        inp = z if bias is None else bias.to(z.dtype)
-        return torch.addmm(inp, h, w.t(), beta=0.0 if bias is None else scale, alpha=scale, out=z)
+    if h.dtype == z.dtype:  # float32/64 GEMM: 1/τ scales h ([C, H]), the bias rides on addmm
+        if bias is None:  # mm is ~10% faster than addmm with beta = 0 on the CPU
+            return torch.mm(h * scale if scale != 1.0 else h, w.t(), out=z)
+        return torch.addmm(bias, h, w.t(), beta=scale, alpha=scale, out=z)
     z.copy_(h @ w.t())  # low-precision GEMM (autocast): round once to its dtype, then upcast
     if bias is not None:
         z.add_(bias.to(z.dtype))
@@ -106,8 +107,8 @@ def chunk_forward(h, w, bias, labels, scale: float, fused: bool, workspace):
     h [C, H], w [V, H] already in the matmul dtype; bias [V] in the accumulation dtype or None;
     labels [C] all valid indices; workspace from `make_workspace` (eager only, else None).
     """
-    if fused:
-        return _compiled_forward(h @ w.t(), labels, bias, scale)
+    if fused:  # [C] vectors cloned: a view makes dynamo guard on its base's size (recompiles)
+        return _compiled_forward(h @ w.t(), labels.clone(), bias, scale)
     return _eager_forward(_eager_logits(h, w, bias, scale, workspace), labels)
 
 
@@ -115,6 +116,6 @@ def chunk_grad_logits(h, w, bias, labels, lse, g, scale: float, need_bias_grad: 
     """One chunk's gradient w.r.t. its raw logits h · Wᵀ (+ b), [C, V] in h's dtype (the matmul
     dtype), and its column sum [V] in the accumulation dtype when need_bias_grad (else None)."""
     if fused:
-        return _compiled_grad_logits(h @ w.t(), labels, lse, g, bias, scale, need_bias_grad)
+        return _compiled_grad_logits(h @ w.t(), labels.clone(), lse.clone(), g.clone(), bias, scale, need_bias_grad)
     z = _eager_logits(h, w, bias, scale, workspace)
     return _eager_grad_logits(z, labels, lse, g, need_bias_grad, h.dtype)
