@@ -13,7 +13,8 @@ Per-token log-probs of T labels under a vocabulary of V (Qwen3's 151,936) from h
             (benchmarks/logprobs_baseline.py).
 
 The `train` rows (forward + backward into h and W) of old / chunked / compiled run at
---train-tokens in float32 and at --bf16-tokens under bf16 autocast (--dtypes).
+--train-tokens in float32, and at --bf16-tokens under bf16 autocast with --dtypes float32,bfloat16
+(the GPU comparison in bf16 is `bench_gpu --parts logprobs`).
 
 Each variant runs in a fresh subprocess, so the peak resident set (getrusage ru_maxrss) is that
 variant's alone; the figure reported is the peak minus the resident set once the inputs exist.
@@ -21,8 +22,8 @@ variant's alone; the figure reported is the peak minus the resident set once the
 case defaults to a shorter T (it needs ~4 [T, V] float32 tensors: ~20 GB at T=8192).
 
     python -m benchmarks.bench_logprobs [--tokens 8192] [--vocab 151936] [--hidden 256]
-        [--chunk 1024] [--full-train-tokens 2048] [--train-tokens 4096] [--bf16-tokens 1024]
-        [--dtypes float32,bfloat16]
+        [--chunk 1024] [--full-train-tokens 2048] [--train-tokens 4096] [--dtypes float32[,bfloat16]]
+        [--bf16-tokens 1024]
         [--repeats 2] [--out runs/bench/bench_logprobs.json]
 """
 
@@ -145,10 +146,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="T for the full variant's forward+backward (memory-hungry)")
     parser.add_argument("--train-tokens", type=int, default=4096,
                         help="T for the old / chunked / compiled forward+backward comparison")
-    parser.add_argument("--bf16-tokens", type=int, default=1024,
-                        help="T of the bfloat16 rows (a CPU without AVX512-BF16 runs bf16 GEMMs ~10x slower)")
-    parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="comma-separated: float32 and/or bfloat16 (CPU autocast) for that comparison")
+    parser.add_argument("--bf16-tokens", type=int, default=1024, help="T of the bfloat16 rows")
+    parser.add_argument("--dtypes", default="float32",
+                        help="comma-separated: float32 and/or bfloat16 (CPU autocast) for that comparison; "
+                        "bfloat16 only where the CPU has fast bf16 GEMMs (AVX512-BF16/AMX): without, they are "
+                        "emulated, and one old fwd+bwd at T=1,024 ran > 4 min on the 2-core machine")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="runs/bench/bench_logprobs.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

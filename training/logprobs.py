@@ -39,7 +39,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
-def _chunk_logits(
+def _chunk_logits(  # training/entropy.py reuses it
     h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, temperature: float
 ) -> torch.Tensor:
     """[C, H] · [V, H]ᵀ → logits [C, V] in float32 (float64 for float64 inputs), ÷ temperature."""
