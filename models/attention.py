@@ -33,6 +33,7 @@ transformers builds, so the same model object serves the inference engine.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -120,6 +121,19 @@ def flash_kernel():
     return varlen_attn
 
 
+def takes_gqa_flag(kernel) -> bool:
+    """Whether the varlen kernel wants `enable_gqa=True` for fewer kv heads than query heads:
+    torch >= 2.13 refuses GQA without it (ValueError); torch 2.10-2.12 has no such argument and
+    does GQA anyway."""
+    return kernel is not None and "enable_gqa" in inspect.signature(kernel).parameters
+
+
+# resolved once at import: the compiled decoder layer traces flash_attention, which must not
+# import or inspect anything
+_FLASH_KERNEL = flash_kernel()
+_FLASH_TAKES_GQA = takes_gqa_flag(_FLASH_KERNEL)
+
+
 def flash_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, views: FlashViews, scaling: float | None
 ) -> torch.Tensor:
@@ -132,8 +146,9 @@ def flash_attention(
     q, k, v = (x[0].transpose(0, 1).to(low).contiguous() for x in (query, key, value))  # [T, H, D]
     if views.keys is not None:  # continuations: their prefix's keys, then their own
         k, v = k.index_select(0, views.keys), v.index_select(0, views.keys)
-    out = flash_kernel()(q, k, v, views.cu_q, views.cu_k, views.max_q, views.max_k, scale=scaling,
-                         window_size=(-1, 0))
+    gqa = {"enable_gqa": True} if _FLASH_TAKES_GQA and q.shape[1] != k.shape[1] else {}
+    out = _FLASH_KERNEL(q, k, v, views.cu_q, views.cu_k, views.max_q, views.max_k, scale=scaling,
+                        window_size=(-1, 0), **gqa)
     return out.unsqueeze(0)
 
 
@@ -141,7 +156,7 @@ def use_flash(model: PreTrainedModel) -> bool:
     """Whether packed rows of `model` go through the varlen kernel: CUDA, a kernel in this torch,
     16-bit compute (autocast or 16-bit weights), no attention dropout while training."""
     param = next(model.parameters())
-    if param.device.type != "cuda" or flash_kernel() is None:
+    if param.device.type != "cuda" or _FLASH_KERNEL is None:
         return False
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else param.dtype
     dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
@@ -204,7 +219,38 @@ def varlen_attention_forward(
     Packed path when a `varlen_plan` or `cu_seq_lens_q` is passed, or when there is no mask, no
     cache offset (q_len == k_len, batch 1) and `position_ids` restart inside the row. Otherwise
     plain sdpa with the mask transformers built (padded batches, KV-cache decoding).
+
+    A plan for the varlen kernel (`plan.flash`, CUDA) runs right here, so a compiled decoder layer
+    (models/compile.py) traces it into one graph with its projections and MLP: the kernel is a
+    custom op with a fake implementation, and the plan was made outside the layers. Every other
+    case goes through `_eager_attention_forward`, which compiled layers call out of the graph.
     """
+    plan: VarlenPlan | None = kwargs.get("varlen_plan")
+    if plan is not None and plan.flash is not None and kwargs.get("sliding_window") is None:
+        _check_plan_covers(plan, query, key)
+        return flash_attention(query, key, value, plan.flash, scaling), None
+    return _eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _check_plan_covers(plan: VarlenPlan, query: torch.Tensor, key: torch.Tensor) -> None:
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or plan.n_tokens != query.shape[2]:
+        raise ValueError(f"varlen plan covers {plan.n_tokens} tokens but the row has query "
+                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+
+
+@torch.compiler.disable
+def _eager_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    # out of compiled graphs: bucket plans are made and read on the host (`.tolist()`), which
+    # would break the graph or recompile per batch
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"{VARLEN_ATTENTION} does not support sliding-window attention")
     plan: VarlenPlan | None = kwargs.get("varlen_plan")
@@ -216,10 +262,7 @@ def varlen_attention_forward(
         if cu is not None and cu.numel() > 2:
             plan = make_plan(cu)
     if plan is not None and same_len:
-        if plan.n_tokens != query.shape[2]:
-            raise ValueError(
-                f"varlen plan covers {plan.n_tokens} tokens but the row has {query.shape[2]}"
-            )
+        _check_plan_covers(plan, query, key)
         return varlen_attention(query, key, value, plan, scaling, dropout), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -245,12 +288,8 @@ def varlen_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
 
 def register() -> None:
-    """Register VARLEN_ATTENTION with transformers (idempotent; done at import).
-
-    The attention function is kept out of torch.compile graphs (models/compile.py): it plans
-    buckets from cu_seqlens on the host (`.tolist()`), which would break the graph or recompile
-    per batch; the compiled layer calls it eagerly between its compiled parts."""
-    AttentionInterface.register(VARLEN_ATTENTION, torch.compiler.disable(varlen_attention_forward))
+    """Register VARLEN_ATTENTION with transformers (idempotent; done at import)."""
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
 
 

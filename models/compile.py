@@ -14,10 +14,13 @@ How:
   static shapes, the first one of another length recompiles once with the token count symbolic,
   and that graph serves every later length. `dynamic=True` would save that recompile but make the
   model's own sizes (hidden, heads) symbolic too, which costs inductor its specialised kernels.
-- The packed attention (models/attention.py) stays out of the graph (`torch.compiler.disable`):
-  it plans buckets from cu_seqlens on the host, data-dependent work that would recompile or
-  break anyway. Everything before it (norms, projections, rotary) and after it (o_proj,
-  residuals, MLP) is compiled: a layer is a few graphs around one eager attention call.
+- Attention: on CUDA the packed row runs through torch's varlen kernel, a custom op with a fake
+  implementation, planned outside the layers: dynamo traces it, so each layer is ONE graph
+  (forward and backward), attention included (tests/unit/test_compile.py checks: no graph
+  break). The bucket path (CPU, fp32) plans buckets from cu_seqlens on the host, data-dependent
+  work that would recompile or break anyway, so it stays out of the graph
+  (`torch.compiler.disable`): there a layer is a graph before and a graph after one eager
+  attention call.
 - Calls with a KV cache (the HF fallback of the torch engine, generation) run the eager layer:
   a cache object and one-token steps would only add recompiles, and decoding has its own path.
 - Nothing is renamed: the layer keeps its class, parameters and state_dict keys (no

@@ -110,6 +110,7 @@ def test_varlen_kernel_gradients_match_the_fp32_reference():
 def test_training_on_cuda_lowers_the_loss(weights_dtype):
     model = _model("small-dense", getattr(torch, weights_dtype))
     optimizer = build_optimizer(model, lr=3e-3)
+    assert optimizer.defaults["fused"]  # one fused AdamW kernel on CUDA
     batches = pack(_sequences(16, seed=5), 2048)
     losses = []
     for _ in range(8):
@@ -162,7 +163,11 @@ def _compiled_frames() -> int:
 @pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
 def test_compiled_layers_train_like_eager_on_cuda(weights_dtype):
     """fp32 master weights and pure bf16: same losses and gradients (up to bf16 and flash-atomics
-    noise) over a few optimizer steps, and no recompile for micro-batches of new lengths."""
+    noise) over a few optimizer steps, no recompile for micro-batches of new lengths, and each
+    layer one graph with the varlen kernel inside (no graph break)."""
+    from torch._dynamo.utils import counters
+
+    breaks_before = sum(counters["graph_break"].values())
     models = [place_model(build_model("small-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=1), "cuda",
                           weights_dtype, compile=compile) for compile in (False, True)]
     optimizers = [build_optimizer(m, lr=1e-3) for m in models]
@@ -184,6 +189,7 @@ def test_compiled_layers_train_like_eager_on_cuda(weights_dtype):
         frames = _compiled_frames() if frames is None else frames
     assert frames > 0, "nothing was compiled"
     assert _compiled_frames() == frames, "a micro-batch of a new length recompiled"
+    assert sum(counters["graph_break"].values()) == breaks_before, dict(counters["graph_break"])
 
 
 def test_engine_samples_the_same_from_a_compiled_model_on_cuda():

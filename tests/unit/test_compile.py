@@ -81,6 +81,36 @@ def test_compiled_steps_match_eager_and_do_not_recompile_per_batch():
 
 
 @pytest.mark.slow
+def test_compiled_layers_trace_the_varlen_kernel_into_one_graph(monkeypatch):
+    """On the flash path (CUDA's; here through a CPU kernel for the same op) a compiled layer is
+    one graph, attention included: no graph break, the same losses and gradients as eager, and
+    no recompile for new token counts or longest sequences once the shapes went dynamic."""
+    import models.attention as attention
+    from tests.varlen_cpu_kernel import register_cpu_varlen_kernel
+
+    if attention.flash_kernel() is None:
+        pytest.skip("this torch has no varlen kernel")
+    register_cpu_varlen_kernel()
+    monkeypatch.setattr(attention, "use_flash", lambda _model: True)
+    eager, compiled = _pair()
+    breaks_before, frames_before = sum(counters["graph_break"].values()), _compiled_frames()
+    frames_after_first, longest = None, set()
+    for step in range(3):
+        batches = _batches(step + 20)
+        longest |= {int((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).max()) for b in batches}
+        metrics = [forward_backward(m, batches, nll_loss) for m in (eager, compiled)]
+        assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-5), step
+        for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+        if frames_after_first is None:
+            frames_after_first = _compiled_frames()
+    assert frames_after_first > frames_before, "nothing was compiled: the compiled path did not run"
+    assert sum(counters["graph_break"].values()) == breaks_before, dict(counters["graph_break"])
+    assert len(longest) >= 3  # the kernel's max_q/max_k took several values
+    assert _compiled_frames() == frames_after_first, "a micro-batch of a new length recompiled"
+
+
+@pytest.mark.slow
 def test_a_deep_copy_of_a_compiled_model_runs_its_own_weights():
     """The KL reference (and the snapshot engine) deep-copy the trainer: a copy's compiled
     layers must read the copy's weights, not the trainer's as they change."""
