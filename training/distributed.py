@@ -101,6 +101,8 @@ class DataParallel:
     world_size: int
     model: nn.Module | None = None
     view: nn.Module | None = None
+    reference: nn.Module | None = None  # the KL reference on this rank (training/dist_reference.py)
+    reference_cache: tuple | None = None  # the last step's reference inputs, for its PPO epochs
 
     def global_totals(self, batches, normaliser: Normaliser) -> dict[str, int]:
         """The step's normaliser counts summed over every rank's micro-batches."""
@@ -164,17 +166,23 @@ def data_parallel(model: nn.Module, kind: Parallel, device: torch.device) -> Dat
             if device.type == "cuda" else None
         module: nn.Module = nn.parallel.DistributedDataParallel(policy, device_ids=ids)
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if rank == 0:  # sharding replaces the parameters in place: keep whole ones for the engines
             view = copy.deepcopy(model)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if device.type == "cuda" else MixedPrecisionPolicy()
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        module = fully_shard(policy, mp_policy=mp)
+        module = shard_policy(policy, device)
     return DataParallel(module=module, kind=kind, rank=rank, world_size=dist.get_world_size(),
                         model=model, view=view)
+
+
+def shard_policy(policy: PackedPolicy, device: torch.device) -> nn.Module:
+    """FSDP2 over a PackedPolicy: each decoder layer its own unit, then the rest (embeddings, final
+    norm, LM head); bf16 compute with fp32 gradient reduction on CUDA."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for layer in policy.model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    return fully_shard(policy, mp_policy=mp)
 
 
 def broadcast_weights(model: nn.Module) -> None:
@@ -369,6 +377,13 @@ def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, ba
 
     mine = share_of(batches, dp.rank, dp.world_size)
     seen: dict[tuple[str, ...], torch.Tensor] = {}
+    if dp.reference is not None:  # this rank scores its own share (training/dist_reference.py)
+        from training.dist_reference import local_reference_inputs
+
+        if batch_inputs:
+            raise ValueError(f"batch inputs {sorted(batch_inputs)} sent from rank 0 while every rank holds "
+                             "the KL reference: compute them on the ranks, or keep the reference on rank 0")
+        batches, batch_inputs = local_reference_inputs(dp, mine, options)
     loss_fn = with_batch_inputs(loss_fn, batches, batch_inputs)
     if gather:
         loss_fn = capture_logprobs(loss_fn, seen)
