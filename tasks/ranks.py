@@ -19,13 +19,12 @@ import torch
 import torch.distributed as dist
 
 from tasks.setup import make_optimizer, place_model
+from training.dist_state import broadcast_weights, load_full_optimizer_state
 from training.distributed import (
     DataParallel,
     GatheredOptimizer,
-    broadcast_weights,
     data_parallel,
     follow,
-    load_full_optimizer_state,
     stop_followers,
 )
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from training.batch import PackedBatch, Sequence, pack
+from training.dist_state import full_optimizer_state, refresh_view
 from training.entropy import token_logprobs_and_entropy
 from training.logprobs import token_logprobs
 from training.losses import Normaliser, normaliser_totals
@@ -185,67 +186,6 @@ def shard_policy(policy: PackedPolicy, device: torch.device) -> nn.Module:
     return fully_shard(policy, mp_policy=mp)
 
 
-def broadcast_weights(model: nn.Module) -> None:
-    """Every rank's `model` gets rank 0's weights (before wrapping: rank 0 may have loaded a
-    checkpoint, the others hold a fresh init)."""
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor.data, src=0)
-
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the whole weights on CPU on rank 0 (sharded ones gathered), {} elsewhere."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict | None:
-    """Collective: `optimizer.state_dict()` with whole tensors on CPU on rank 0 (the format a
-    single process saves, so checkpoints do not depend on the world size), None elsewhere."""
-    state = optimizer.state_dict()
-    whole = {index: {key: _whole(value) for key, value in entry.items()}
-             for index, entry in sorted(state["state"].items())}
-    return {"state": whole, "param_groups": state["param_groups"]} if dist.get_rank() == 0 else None
-
-
-def _whole(value):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    # a copy: the caller keeps it while the optimizer goes on stepping in place
-    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-
-
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict | None) -> None:
-    """Collective: load rank 0's whole `state` (from `full_optimizer_state` or a single-process
-    checkpoint) into every rank's optimizer, sharded like each parameter."""
-    message = [state]
-    dist.broadcast_object_list(message, src=0)
-    state = message[0]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(params) != sum(len(g["params"]) for g in state["param_groups"]):
-        raise ValueError(f"optimizer state holds {sum(len(g['params']) for g in state['param_groups'])} "
-                         f"parameters, the model has {len(params)}")
-    local = {}
-    for index, entry in state["state"].items():
-        param = params[int(index)]
-        local[index] = {key: _local(value, param) for key, value in entry.items()}
-    optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
-
-
-def _local(value, param):
-    """An optimizer state value for this rank: sharded like `param` (a copy: never shared with
-    the caller's state, which another optimizer may hold)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not torch.is_tensor(value):
-        return value
-    if isinstance(param, DTensor) and value.dim() > 0:
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
-    return value.to(param.device if value.dim() > 0 else value.device, copy=True)
-
-
 class GatheredOptimizer:
     """Rank 0's optimizer as checkpoints see it: `state_dict()` is the whole state (gathered
     from every rank under FSDP2); everything else is the optimizer's own."""
@@ -394,7 +334,5 @@ def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, ba
         dist.gather_object(seen, parts, dst=0)
         seen = {key: value for part in (parts or []) for key, value in part.items()}
     if dp.kind == "fsdp2":  # rank 0's engines and checkpoints read whole weights
-        full = full_model_state(dp.model)
-        if dp.view is not None:
-            dp.view.load_state_dict(full)
+        refresh_view(dp.model, dp.view)
     return metrics, seen

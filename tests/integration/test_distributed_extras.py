@@ -19,7 +19,8 @@ from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same 
 from models.presets import build_model
 from tasks.train import train_on_batches
 from training.dist_reference import place_reference
-from training.distributed import broadcast_weights, data_parallel, follow, lead_step, stop_followers
+from training.dist_state import broadcast_weights
+from training.distributed import data_parallel, follow, lead_step, stop_followers
 from training.kl import frozen_copy, reference_logprobs
 from training.lora import LoraOptions, add_lora
 from training.ports import free_port
@@ -78,6 +79,8 @@ def _rank(rank: int, world: int, port: int, kind: str, lora: bool, ref_on: str, 
                 result["metrics"].append({k: metrics[k] for k in METRICS})
                 result["logprobs"].append(seen)
             stop_followers(dp)
+            # what rank 0's engines and checkpoints read (under FSDP2 refreshed after every step)
+            result["view"] = {k: v.detach().clone() for k, v in dp.view.state_dict().items()}
         else:
             result["steps"] = follow(dp, optimizer, None, loss_fn)
         result["state"] = _full_state(model)  # collective
@@ -119,7 +122,8 @@ def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, k
         assert set(got) == set(want) and len(want) > 2
         for key, value in want.items():
             assert (got[key] - value).abs().max().item() < 1e-5, key
-    assert set(lead["state"]) == set(expected)
+    assert set(lead["state"]) == set(expected) == set(lead["view"])
+    assert all(torch.equal(lead["view"][k], v) for k, v in lead["state"].items())
     worst = max((lead["state"][k] - v).abs().max().item() for k, v in expected.items())
     assert worst < 1e-5, worst
     if lora:  # only the adapters moved
