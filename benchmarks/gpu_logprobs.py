@@ -6,7 +6,8 @@ states [T, 1024] and an LM head [151,936, 1024] (fp32 master weights, bf16 autoc
 step runs it, then pure bf16), T = one train step's tokens, chunks of 1,024 tokens:
 - old:      benchmarks/logprobs_baseline.py (fp32 [C, V] copies, ~5 passes forward, ~8 backward);
 - eager:    training.logprobs with kernels="eager" (saved logsumexp, in-place passes);
-- compiled: kernels="compiled", what "auto" runs on CUDA (first call, compile included, apart).
+- compiled: kernels="compiled", what "auto" runs on CUDA with train.compile (first call, compile
+  included, apart).
 Reported: forward (no_grad) and forward + backward medians, peak memory above the inputs, the
 compiled graphs' count after warm-up and after the timed calls (equal: no recompiles), and the
 largest log-prob difference to the old version.
@@ -98,7 +99,7 @@ def render_logprobs(rows: list[dict]) -> list[str]:
     lines = [f"## Chunked selective log-softmax alone (T={r0['tokens']:,}, H={r0['hidden']}, V={r0['vocab']:,}, "
              f"chunks of {r0['chunk']:,})", "",
              "old = before the saved logsumexp; eager / compiled = `kernels=` of training/logprobs.py "
-             "(`auto` compiles on CUDA). first call = compile included for compiled.", "",
+             "(`auto` compiles on CUDA with train.compile). first call = compile included for compiled.", "",
              "| precision | method | fwd s | fwd+bwd s | old/this fwd+bwd | first call s | peak extra GiB | "
              "graphs (warm / after) | max abs diff vs old |", "|---|---|---|---|---|---|---|---|---|"]
     old = {r["precision"]: r["fwd_bwd_seconds"] for r in rows if r["method"] == "old"}

@@ -103,7 +103,7 @@ def headline_logprobs(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                       old["peak_extra_mib"], new and new["peak_extra_mib"], comp and comp["peak_extra_mib"]])
     if speed:
         lines += ["", "Forward + backward, previous version (old) vs now: eager kernels (what `kernels=\"auto\"` "
-                  "runs on the CPU) and compiled ones (what it runs on CUDA; compile time apart):", ""]
+                  "runs on the CPU) and compiled ones (what it runs on CUDA with `train.compile`; compile time apart):", ""]
         lines += table(["dtype", "T", "old s", "eager s", "compiled s", "old/eager", "old/compiled",
                         "compile s", "old extra MiB", "eager extra MiB", "compiled extra MiB"], speed)
         headline = (headline or "") + "; fwd+bwd old/new " + ", ".join(speedups)

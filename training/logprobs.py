@@ -10,13 +10,14 @@ O(chunk × V).
 
 Under autocast the matmul runs in the autocast dtype, like `nn.Linear` would, and the softmax
 accumulates in float32. The elementwise work per chunk lives in training/logprob_kernels.py, eager
-or compiled: `kernels="auto"` compiles on CUDA only. There the passes over [chunk, V] are
-memory-bound and were 25% of an H100 train step (docs/BENCHMARKS_GPU.md), and a few seconds of
-compiling is small against a GPU run. On the CPU the GEMMs dominate, the fused kernels gain
-little over the eager in-place passes (benchmarks/bench_logprobs.py), and the compile would cost
-every short run and test tens of seconds. The compiled functions take only the matmul output
-and [C] vectors (never the weights), so LoRA, DDP/FSDP2 and train.compile's compiled layers do
-not reach them.
+or compiled. `token_logprobs(kernels="auto")` compiles them where the model's decoder layers are
+compiled (`train.compile`, models/compile.py) and the tokens are on CUDA: there the passes over
+[chunk, V] are memory-bound and were 25% of an H100 train step (docs/BENCHMARKS_GPU.md). Like
+the layers, they stay opt-in until a GPU run measures them (benchmarks/bench_gpu.py, part
+`logprobs`). On the CPU the GEMMs dominate, the fused kernels gain little over the eager
+in-place passes (benchmarks/bench_logprobs.py), and the compile would cost every short run and
+test tens of seconds. The compiled functions take only the matmul output and [C] vectors (never
+the weights), so LoRA, DDP/FSDP2 and the compiled layers do not reach them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from models.attention import model_hidden_states
+from models.compile import is_compiled
 from training import logprob_kernels as K
 
 IGNORE_INDEX = -100
@@ -52,12 +54,12 @@ def _chunk_logits(  # training/entropy.py reuses it
     return logits
 
 
-def use_fused_kernels(kernels: str, device: torch.device) -> bool:
-    """Whether `kernels` ("auto" | "compiled" | "eager") runs the compiled per-chunk kernels on
-    `device`: "auto" compiles on CUDA only (see the module docstring for why)."""
+def use_fused_kernels(kernels: str, device: torch.device, compiled_model: bool = False) -> bool:
+    """Whether `kernels` ("auto" | "compiled" | "eager") runs the compiled per-chunk kernels:
+    "auto" does on CUDA for a model whose layers are compiled (see the module docstring)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}; got {kernels!r}")
-    return kernels == "compiled" or (kernels == "auto" and device.type == "cuda")
+    return kernels == "compiled" or (kernels == "auto" and compiled_model and device.type == "cuda")
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
@@ -134,8 +136,8 @@ def selective_log_softmax(
 
     hidden [T, H], lm_head_weight [V, H], labels int64 [T] (-100 = ignore), bias [V] | None
     → float32 [T] (float64 for float64 inputs), 0 where the label is -100. Differentiable in hidden, weight and bias;
-    never materialises a [T, V] tensor. kernels: "auto" (compiled on CUDA, eager elsewhere),
-    "compiled" or "eager" (training/logprob_kernels.py).
+    never materialises a [T, V] tensor. kernels: "compiled" or "eager" (training/logprob_kernels.py;
+    "auto" is eager here: `token_logprobs` resolves it from the model).
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2:
         raise ValueError(
@@ -167,8 +169,11 @@ def token_logprobs(
     Runs the decoder on the packed tokens (varlen attention), then the chunked selective
     log-softmax against the LM head (tied or not, bias if any).
     Returns (logprobs float32 [T], 0 at labels == -100; MoE router aux loss or None).
+    kernels "auto": compiled on CUDA when the model's layers are (`train.compile`), else eager.
     """
     hidden, aux_loss = model_hidden_states(model, batch)
+    if kernels == "auto" and use_fused_kernels(kernels, hidden.device, hidden.is_cuda and is_compiled(model)):
+        kernels = "compiled"
     head = model.get_output_embeddings()
     labels = batch.labels.to(hidden.device)
     logprobs = selective_log_softmax(

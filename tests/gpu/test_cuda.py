@@ -205,12 +205,12 @@ def test_engine_samples_the_same_from_a_compiled_model_on_cuda():
 
 
 def test_compiled_logprob_kernels_match_float64_on_cuda():
-    """kernels="auto" compiles the per-chunk log-softmax on CUDA (training/logprob_kernels.py):
+    """kernels="compiled" (what "auto" runs on CUDA with train.compile; training/logprob_kernels.py):
     under bf16 autocast its log-probs and gradients match a float64 full-logits reference from the
     same bf16-rounded inputs, and the eager kernels; a new token count does not recompile."""
     from training.logprobs import selective_log_softmax, use_fused_kernels
 
-    assert use_fused_kernels("auto", torch.device("cuda"))
+    assert use_fused_kernels("auto", torch.device("cuda"), compiled_model=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     T, H, V = 3000, 256, 32_000  # a partial last chunk (3,000 = 2 × 1,024 + 952)
     hidden = torch.randn(T, H, device="cuda", generator=g)
@@ -227,7 +227,7 @@ def test_compiled_logprob_kernels_match_float64_on_cuda():
         (out * upstream[:n]).sum().backward()
         return out, [t.grad for t in leaves]
 
-    out, grads = run("auto")
+    out, grads = run("compiled")
     refs = [hidden.bfloat16().double().requires_grad_(), weight.bfloat16().double().requires_grad_(),
             bias.double().requires_grad_()]
     logits = (refs[0] @ refs[1].t() + refs[2]) / 0.7
@@ -244,4 +244,4 @@ def test_compiled_logprob_kernels_match_float64_on_cuda():
     for a, b in zip(grads, eager_grads, strict=True):  # a bf16 ulp here and there (matmul outputs)
         assert (a - b).abs().max() / b.abs().max() < 5e-3
     with torch._dynamo.config.patch(error_on_recompile=True):
-        run("auto", n=T - 517)
+        run("compiled", n=T - 517)

@@ -1,7 +1,7 @@
 """The eager and compiled per-chunk kernels of the selective log-softmax (training/logprob_kernels.py)
 against a float64 full-logits reference: values and gradients in hidden, weight and bias.
 
-The compiled kernels run on CUDA only under kernels="auto"; here the same compiled functions run
+The compiled kernels run under kernels="auto" only on CUDA with train.compile; here the same compiled functions run
 on CPU tensors (kernels="compiled"), so their arithmetic is checked without a GPU.
 """
 
@@ -110,8 +110,9 @@ def test_compiled_kernels_do_not_recompile_for_new_lengths():
 
 
 def test_kernels_choice():
-    assert not use_fused_kernels("auto", torch.device("cpu"))
-    assert use_fused_kernels("auto", torch.device("cuda"))
+    assert not use_fused_kernels("auto", torch.device("cpu"), compiled_model=True)
+    assert not use_fused_kernels("auto", torch.device("cuda"))  # opt-in with train.compile
+    assert use_fused_kernels("auto", torch.device("cuda"), compiled_model=True)
     assert use_fused_kernels("compiled", torch.device("cpu"))
     assert not use_fused_kernels("eager", torch.device("cuda"))
     hidden, weight, _, labels = _inputs()
