@@ -18,7 +18,10 @@ Three parts, one process, one GPU:
   with `train.compile` and `engine.cuda_graphs` on. TRL generates with transformers' `generate`:
   vLLM is not installed where this ran (see the JSON's `notes`).
 
-    python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl] [--out runs/bench/gpu.json]
+- logprobs: the chunked selective log-softmax alone, previous version vs eager vs compiled kernels
+  (benchmarks/gpu_logprobs.py).
+
+    python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl logprobs] [--out runs/bench/gpu.json]
     python -m benchmarks.bench_gpu --render docs/BENCHMARKS_GPU.json     # -> docs/BENCHMARKS_GPU.md
 
 The document is generated from the JSON (which also holds the `rlpipe run configs/gpu.toml`
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_logprobs import bench_logprobs_gpu
 from benchmarks.gpu_report import render
 from benchmarks.results import write_atomic, write_results
 from engines.base import SamplingParams
@@ -351,7 +355,8 @@ def bench_rl_vs_trl(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["train", "engine", "rl_vs_trl"])
+    parser.add_argument("--parts", nargs="+", default=["train", "engine", "rl_vs_trl", "logprobs"],
+                        choices=["train", "engine", "rl_vs_trl", "logprobs"])
     parser.add_argument("--tokens-per-step", type=int, default=32_768)
     parser.add_argument("--token-budget", type=int, default=16_384)
     parser.add_argument("--repeats", type=int, default=5)
@@ -383,6 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
         report["engine"] = bench_engine(prompts=64, n=8, max_new=256)
     if "rl_vs_trl" in args.parts:
         report["rl_vs_trl"] = bench_rl_vs_trl(args)
+    if "logprobs" in args.parts:
+        report["logprobs"] = bench_logprobs_gpu(args.tokens_per_step, args.repeats)
     write_results(args.out, report)
     return report
 

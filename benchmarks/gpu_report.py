@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import statistics
 
+from benchmarks.gpu_logprobs import render_logprobs
+
 
 def _fmt(value, digits: int = 3) -> str:
     if value is None:
@@ -86,6 +88,8 @@ def render(report: dict) -> str:
             lines.append(f"| {phase} | {x.get('steps', x.get('steps_done'))} | {x['seconds_per_step_median']:.2f} | "
                          f"{x['tokens_per_second_median']:,} | {acc} |")
         lines.append("")
+    if "logprobs" in report:
+        lines += render_logprobs(report["logprobs"])
     if "gpu_tests" in report:
         lines += ["## GPU tests", "", report["gpu_tests"], ""]
     return "\n".join(lines)

@@ -75,9 +75,11 @@ def headline_packing(results: dict, ceiling: dict) -> tuple[str, list[str]]:
 
 
 def headline_logprobs(results: dict, ceiling: dict) -> tuple[str, list[str]]:
-    rows_by = {(r["mode"], r["tokens"], r["method"]): r for r in results["results"] if "error" not in r}
+    ok = [r for r in results["results"] if "error" not in r]
+    rows_by = {(r["mode"], r["tokens"], r["method"]): r for r in ok if r.get("dtype", "float32") == "float32"}
     rows, headline = [], None
-    for mode, tokens in sorted({(m, t) for m, t, _ in rows_by}, key=lambda k: (k[0], -k[1])):
+    for mode, tokens in sorted({(m, t) for m, t, meth in rows_by if meth == "full"},
+                               key=lambda k: (k[0], -k[1])):
         full, chunked = rows_by.get((mode, tokens, "full")), rows_by.get((mode, tokens, "chunked"))
         mem = chunked["peak_extra_mib"] / full["peak_extra_mib"] if full and chunked else None
         if mem is not None and headline is None:
@@ -87,6 +89,24 @@ def headline_logprobs(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                      full and full["seconds_median"], chunked and chunked["seconds_median"]])
     lines = table(["mode", "T", "full: extra MiB", "chunked: extra MiB", "chunked/full memory",
                    "full s", "chunked s"], rows)
+    # fwd + bwd of the previous version (old) vs the current eager (chunked) and compiled kernels
+    by_dtype = {(r.get("dtype", "float32"), r["tokens"], r["method"]): r for r in ok if r["mode"] == "train"}
+    speed, speedups = [], []
+    for dtype, tokens in sorted({(d, t) for d, t, m in by_dtype if m == "old"}):
+        old, new, comp = (by_dtype.get((dtype, tokens, m)) for m in ("old", "chunked", "compiled"))
+        up = old["seconds_median"] / new["seconds_median"] if new else None
+        if up:
+            speedups.append(f"{dtype} {up:.2f}×")
+        speed.append([dtype, f"{tokens:,}", old["seconds_median"], new and new["seconds_median"],
+                      comp and comp["seconds_median"], ratio(up),
+                      comp and ratio(old["seconds_median"] / comp["seconds_median"]), comp and comp.get("compile_s"),
+                      old["peak_extra_mib"], new and new["peak_extra_mib"], comp and comp["peak_extra_mib"]])
+    if speed:
+        lines += ["", "Forward + backward, previous version (old) vs now: eager kernels (what `kernels=\"auto\"` "
+                  "runs on the CPU) and compiled ones (what it runs on CUDA with `train.compile`; compile time apart):", ""]
+        lines += table(["dtype", "T", "old s", "eager s", "compiled s", "old/eager", "old/compiled",
+                        "compile s", "old extra MiB", "eager extra MiB", "compiled extra MiB"], speed)
+        headline = (headline or "") + "; fwd+bwd old/new " + ", ".join(speedups)
     return headline or "see table", lines
 
 

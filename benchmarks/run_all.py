@@ -32,7 +32,7 @@ from benchmarks.results import write_atomic, write_results
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
     "packing": "Training throughput: packed (varlen attention) vs padded, dense and MoE",
-    "logprobs": "Log-prob memory: chunked selective log-softmax vs full log_softmax (T=8192, V=151,936)",
+    "logprobs": "Log-probs: chunked selective log-softmax, memory vs full log_softmax, time vs the previous version (V=151,936)",
     "engine": "Engine: TorchEngine generated tokens/s vs transformers generate",
     "serve": "HTTP engines: rollout tokens/s with 1 and 2 `rlpipe serve` servers vs in-process; sync latency",
     "storage": "Storage: 1M rollout rows over 500 steps; write time, size, canned query time",

@@ -56,7 +56,8 @@ class TrainConfig(Section):
     much less memory for long packs, about a third more compute."""
     compile: bool = False
     """torch.compile each decoder layer of the trained model (one shared graph, dynamic lengths;
-    the packed attention stays eager): fuses the norms, rotary, SwiGLU and autocast casts that
+    on CUDA the varlen attention inside it, on the CPU left eager) and, on CUDA, the chunked
+    log-softmax kernels: fuses the norms, rotary, SwiGLU, autocast casts and vocabulary passes that
     dominate an eager GPU train step. Costs a compile at the first step (~40 s on a 2-core CPU)
     for ~1.2x faster steps there; off by default until a GPU run measures it (models/compile.py).
     Not with activation_checkpointing."""

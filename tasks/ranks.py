@@ -19,13 +19,12 @@ import torch
 import torch.distributed as dist
 
 from tasks.setup import make_optimizer, place_model
+from training.dist_state import broadcast_weights, load_full_optimizer_state
 from training.distributed import (
     DataParallel,
     GatheredOptimizer,
-    broadcast_weights,
     data_parallel,
     follow,
-    load_full_optimizer_state,
     stop_followers,
 )
 
@@ -49,6 +48,9 @@ class TrainerSpec:
     lora: Any = None
     """The run's `model.lora` section: each rank injects the same adapters before rank 0's
     weights (adapters included) are broadcast."""
+    reference: bool = False
+    """A KL reference (rl.kl_coef > 0): every rank holds one, loaded with rank 0's, and scores its
+    own micro-batches (training/dist_reference.py)."""
 
 
 @dataclass
@@ -67,16 +69,18 @@ class Trainer:
             stop_followers(self.dp)
 
 
-def spec_for(config, model, optim, total_steps: int, loss: tuple) -> TrainerSpec:
+def spec_for(config, model, optim, total_steps: int, loss: tuple, reference: bool = False) -> TrainerSpec:
     return TrainerSpec(model_class=type(model), model_config=model.config, dtype=next(model.parameters()).dtype,
                        device=config.device, activation_checkpointing=config.train.activation_checkpointing,
                        parallel=config.train.parallel, optim=optim, total_steps=total_steps, loss=loss,
-                       lora=config.model.lora, compile=config.train.compile)
+                       lora=config.model.lora, compile=config.train.compile, reference=reference)
 
 
-def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_from: Path | None) -> Trainer:
+def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_from: Path | None,
+                 ref_model=None) -> Trainer:
     """Rank 0: the optimizer and scheduler of `model` (weights already placed, a resumed
-    checkpoint's already loaded), data-parallel over every rank when train.parallel is set."""
+    checkpoint's already loaded), data-parallel over every rank when train.parallel is set.
+    ref_model: the KL reference, which every rank then holds (sharded in place under FSDP2)."""
     from training.checkpoint import read_optimizer_state
 
     state = read_optimizer_state(resume_from) if resume_from is not None else None
@@ -89,18 +93,26 @@ def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_fro
     if not dist.is_initialized():
         raise ValueError(f"train.parallel = {config.train.parallel!r} needs a distributed launch: "
                          "`rlpipe run CONFIG --nproc-per-node N` or torchrun")
-    spec = spec_for(config, model, optim, total_steps, loss)
+    spec = spec_for(config, model, optim, total_steps, loss, reference=ref_model is not None)
     dist.broadcast_object_list([("begin", spec)], src=0)
-    dp, optimizer, scheduler = _collective_setup(spec, model, state)
+    dp, optimizer, scheduler = _collective_setup(spec, model, state, ref_model)
     return Trainer(dp.view, GatheredOptimizer(dp, optimizer), scheduler, dp)
 
 
-def _collective_setup(spec: TrainerSpec, model, state: dict | None):
-    """Every rank: rank 0's weights everywhere, wrap, optimizer after wrapping, resumed state."""
+def _collective_setup(spec: TrainerSpec, model, state: dict | None, ref_model=None):
+    """Every rank: rank 0's weights everywhere, wrap, optimizer after wrapping, resumed state;
+    rank 0's KL reference (`ref_model` there, a fresh model on the others) on every rank."""
     from models.device import resolve_device
 
     broadcast_weights(model)
-    dp = data_parallel(model, spec.parallel, resolve_device(spec.device))
+    device = resolve_device(spec.device)
+    dp = data_parallel(model, spec.parallel, device)
+    if spec.reference:
+        from training.dist_reference import place_reference
+
+        ref = ref_model if ref_model is not None else _fresh_model(spec)
+        broadcast_weights(ref)
+        dp.reference = place_reference(ref, spec.parallel, device)
     optimizer, scheduler = make_optimizer(model, spec.optim, spec.total_steps)
     resumed = [state is not None]
     dist.broadcast_object_list(resumed, src=0)

@@ -67,10 +67,10 @@ class RLRun:
 
     def batch_inputs(self, batches: list) -> dict[str, list]:
         """The per micro-batch loss inputs of one step: the reference's log-probs of `batches`
-        when there is a KL penalty (computed once per batch on rank 0, training/kl.py; under
-        train.parallel they travel with the batches to the rank that trains each), else {}."""
-        if self.ref_model is None or not batches:
-            return {}
+        when there is a KL penalty (computed once per batch, training/kl.py), else {}; under
+        train.parallel each rank computes its own share's instead (training/dist_reference.py)."""
+        if self.ref_model is None or not batches or self.world_size > 1:
+            return {}  # data-parallel: every rank scores its own share (training/dist_reference.py)
         from training.kl import reference_logprobs
 
         return {"ref_logprobs": reference_logprobs(self.ref_model, batches, **self.ref_options)}
@@ -158,7 +158,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
         buffer.load_state_dict(loaded.data_state["buffer"])
         repair_checkpoint_row(run_dir, run_id, start_step, resume_from, model_name)
     # the optimizer after any data-parallel wrapping; `model` then has whole weights (rank 0's view)
-    trainer = make_trainer(config, model, rl.optim, rl.steps * rl.ppo_epochs, ("rl", rl), resume_from)
+    trainer = make_trainer(config, model, rl.optim, rl.steps * rl.ppo_epochs, ("rl", rl), resume_from,
+                           ref_model=ref_model)
     model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     engines = make_engines(config, model)
     version = start_step * rl.ppo_epochs

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from training.batch import PackedBatch, Sequence, pack
+from training.dist_state import full_optimizer_state, refresh_view
 from training.entropy import token_logprobs_and_entropy
 from training.logprobs import token_logprobs
 from training.losses import Normaliser, normaliser_totals
@@ -101,6 +102,8 @@ class DataParallel:
     world_size: int
     model: nn.Module | None = None
     view: nn.Module | None = None
+    reference: nn.Module | None = None  # the KL reference on this rank (training/dist_reference.py)
+    reference_cache: tuple | None = None  # the last step's reference inputs, for its PPO epochs
 
     def global_totals(self, batches, normaliser: Normaliser) -> dict[str, int]:
         """The step's normaliser counts summed over every rank's micro-batches."""
@@ -164,78 +167,23 @@ def data_parallel(model: nn.Module, kind: Parallel, device: torch.device) -> Dat
             if device.type == "cuda" else None
         module: nn.Module = nn.parallel.DistributedDataParallel(policy, device_ids=ids)
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if rank == 0:  # sharding replaces the parameters in place: keep whole ones for the engines
             view = copy.deepcopy(model)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if device.type == "cuda" else MixedPrecisionPolicy()
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        module = fully_shard(policy, mp_policy=mp)
+        module = shard_policy(policy, device)
     return DataParallel(module=module, kind=kind, rank=rank, world_size=dist.get_world_size(),
                         model=model, view=view)
 
 
-def broadcast_weights(model: nn.Module) -> None:
-    """Every rank's `model` gets rank 0's weights (before wrapping: rank 0 may have loaded a
-    checkpoint, the others hold a fresh init)."""
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor.data, src=0)
+def shard_policy(policy: PackedPolicy, device: torch.device) -> nn.Module:
+    """FSDP2 over a PackedPolicy: each decoder layer its own unit, then the rest (embeddings, final
+    norm, LM head); bf16 compute with fp32 gradient reduction on CUDA."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the whole weights on CPU on rank 0 (sharded ones gathered), {} elsewhere."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict | None:
-    """Collective: `optimizer.state_dict()` with whole tensors on CPU on rank 0 (the format a
-    single process saves, so checkpoints do not depend on the world size), None elsewhere."""
-    state = optimizer.state_dict()
-    whole = {index: {key: _whole(value) for key, value in entry.items()}
-             for index, entry in sorted(state["state"].items())}
-    return {"state": whole, "param_groups": state["param_groups"]} if dist.get_rank() == 0 else None
-
-
-def _whole(value):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    # a copy: the caller keeps it while the optimizer goes on stepping in place
-    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-
-
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict | None) -> None:
-    """Collective: load rank 0's whole `state` (from `full_optimizer_state` or a single-process
-    checkpoint) into every rank's optimizer, sharded like each parameter."""
-    message = [state]
-    dist.broadcast_object_list(message, src=0)
-    state = message[0]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(params) != sum(len(g["params"]) for g in state["param_groups"]):
-        raise ValueError(f"optimizer state holds {sum(len(g['params']) for g in state['param_groups'])} "
-                         f"parameters, the model has {len(params)}")
-    local = {}
-    for index, entry in state["state"].items():
-        param = params[int(index)]
-        local[index] = {key: _local(value, param) for key, value in entry.items()}
-    optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
-
-
-def _local(value, param):
-    """An optimizer state value for this rank: sharded like `param` (a copy: never shared with
-    the caller's state, which another optimizer may hold)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not torch.is_tensor(value):
-        return value
-    if isinstance(param, DTensor) and value.dim() > 0:
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
-    return value.to(param.device if value.dim() > 0 else value.device, copy=True)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for layer in policy.model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    return fully_shard(policy, mp_policy=mp)
 
 
 class GatheredOptimizer:
@@ -369,6 +317,13 @@ def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, ba
 
     mine = share_of(batches, dp.rank, dp.world_size)
     seen: dict[tuple[str, ...], torch.Tensor] = {}
+    if dp.reference is not None:  # this rank scores its own share (training/dist_reference.py)
+        from training.dist_reference import local_reference_inputs
+
+        if batch_inputs:
+            raise ValueError(f"batch inputs {sorted(batch_inputs)} sent from rank 0 while every rank holds "
+                             "the KL reference: compute them on the ranks, or keep the reference on rank 0")
+        batches, batch_inputs = local_reference_inputs(dp, mine, options)
     loss_fn = with_batch_inputs(loss_fn, batches, batch_inputs)
     if gather:
         loss_fn = capture_logprobs(loss_fn, seen)
@@ -379,7 +334,5 @@ def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, ba
         dist.gather_object(seen, parts, dst=0)
         seen = {key: value for part in (parts or []) for key, value in part.items()}
     if dp.kind == "fsdp2":  # rank 0's engines and checkpoints read whole weights
-        full = full_model_state(dp.model)
-        if dp.view is not None:
-            dp.view.load_state_dict(full)
+        refresh_view(dp.model, dp.view)
     return metrics, seen

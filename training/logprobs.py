@@ -4,10 +4,20 @@
 [T, V] float32 logits tensor (T=8192, V=151,936: 5 GB) and autograd keeps it for backward.
 `selective_log_softmax` instead runs over chunks of tokens: the forward keeps no [chunk, V]
 tensor once the chunk is done, and the backward recomputes each chunk's logits from the saved
-hidden states (d logp / d logits = onehot − softmax). Peak extra memory is O(chunk × V).
+hidden states. The forward saves each token's logsumexp [T], so the backward's
+d logp / d logits = onehot − exp(logits − lse) needs no reduction over V. Peak extra memory is
+O(chunk × V).
 
-Under autocast the matmul runs in the autocast dtype, like `nn.Linear` would, and each chunk's
-logits are upcast to float32 before the softmax.
+Under autocast the matmul runs in the autocast dtype, like `nn.Linear` would, and the softmax
+accumulates in float32. The elementwise work per chunk lives in training/logprob_kernels.py, eager
+or compiled. `token_logprobs(kernels="auto")` compiles them where the model's decoder layers are
+compiled (`train.compile`, models/compile.py) and the tokens are on CUDA: there the passes over
+[chunk, V] are memory-bound and were 25% of an H100 train step (docs/BENCHMARKS_GPU.md). Like
+the layers, they stay opt-in until a GPU run measures them (benchmarks/bench_gpu.py, part
+`logprobs`). On the CPU the GEMMs dominate, the fused kernels gain little over the eager
+in-place passes (benchmarks/bench_logprobs.py), and the compile would cost every short run and
+test tens of seconds. The compiled functions take only the matmul output and [C] vectors (never
+the weights), so LoRA, DDP/FSDP2 and the compiled layers do not reach them.
 """
 
 from __future__ import annotations
@@ -15,8 +25,11 @@ from __future__ import annotations
 import torch
 
 from models.attention import model_hidden_states
+from models.compile import is_compiled
+from training import logprob_kernels as K
 
 IGNORE_INDEX = -100
+KERNELS = ("auto", "compiled", "eager")
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -28,7 +41,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
-def _chunk_logits(
+def _chunk_logits(  # training/entropy.py reuses it
     h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, temperature: float
 ) -> torch.Tensor:
     """[C, H] · [V, H]ᵀ → logits [C, V] in float32 (float64 for float64 inputs), ÷ temperature."""
@@ -41,75 +54,73 @@ def _chunk_logits(
     return logits
 
 
-def _log_softmax_gather_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[labels] for logits [C, V] → [C]; overwrites logits (in-place ops keep
-    the peak at one [C, V] tensor, where log_softmax + gather would hold two)."""
-    row_max = logits.amax(dim=-1, keepdim=True)
-    picked = logits.gather(1, labels[:, None]) - row_max
-    lse = logits.sub_(row_max).exp_().sum(dim=-1, keepdim=True).log_()
-    return (picked - lse).squeeze(1)
-
-
-def _softmax_(logits: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim, in place (returns logits)."""
-    row_max = logits.amax(dim=-1, keepdim=True)
-    logits.sub_(row_max).exp_()
-    return logits.div_(logits.sum(dim=-1, keepdim=True))
+def use_fused_kernels(kernels: str, device: torch.device, compiled_model: bool = False) -> bool:
+    """Whether `kernels` ("auto" | "compiled" | "eager") runs the compiled per-chunk kernels:
+    "auto" does on CUDA for a model whose layers are compiled (see the module docstring)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}; got {kernels!r}")
+    return kernels == "compiled" or (kernels == "auto" and compiled_model and device.type == "cuda")
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
-    """Chunked log-softmax + gather with a recomputing backward (see module docstring)."""
+    """Chunked log-softmax + gather; saves lse [T] and recomputes logits in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size, temperature):  # noqa: D102
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, temperature, fused):  # noqa: D102
         cdtype = _compute_dtype(hidden, weight)
+        acc = K.acc_dtype(cdtype)
         valid = labels != IGNORE_INDEX
         safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
-        out_dtype = torch.promote_types(cdtype, torch.float32)
-        out = torch.zeros(hidden.shape[0], dtype=out_dtype, device=hidden.device)
+        n, scale = hidden.shape[0], 1.0 / temperature
+        out = torch.empty(n, dtype=acc, device=hidden.device)
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(cdtype)
-            for start in range(0, hidden.shape[0], chunk_size):
+            b = None if bias is None else bias.to(acc)
+            ws = None if fused else K.make_workspace(min(chunk_size, n), w.shape[0], cdtype, hidden.device)
+            for start in range(0, n, chunk_size):
                 sl = slice(start, start + chunk_size)
-                logits = _chunk_logits(hidden[sl].to(cdtype), w, bias, temperature)
-                out[sl] = _log_softmax_gather_(logits, safe_labels[sl])
-                del logits
+                out[sl], lse[sl] = K.chunk_forward(hidden[sl].to(cdtype), w, b, safe_labels[sl], scale, fused, ws)
+            del ws
         out = out * valid
-        ctx.save_for_backward(hidden, weight, bias, safe_labels, valid)
-        ctx.chunk_size, ctx.temperature, ctx.cdtype = chunk_size, temperature, cdtype
+        ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse)
+        ctx.chunk_size, ctx.scale, ctx.cdtype, ctx.fused = chunk_size, scale, cdtype, fused
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
-        hidden, weight, bias, labels, valid = ctx.saved_tensors
+        hidden, weight, bias, labels, valid, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        cdtype, temperature = ctx.cdtype, ctx.temperature
-        # Gradients of ignored tokens are zero; 1/τ from the logits' scaling folds in here.
-        acc = torch.promote_types(cdtype, torch.float32)
-        g = (grad_out.to(acc) * valid) / temperature
+        cdtype, scale, fused = ctx.cdtype, ctx.scale, ctx.fused
+        acc = K.acc_dtype(cdtype)
+        # Ignored tokens get no gradient; 1/τ from the logits' scaling folds in here.
+        g = grad_out.to(acc) * valid * scale
+        n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(cdtype)
-            for start in range(0, hidden.shape[0], ctx.chunk_size):
+            b = None if bias is None else bias.to(acc)
+            ws = None if fused else K.make_workspace(min(ctx.chunk_size, n), w.shape[0], cdtype, hidden.device)
+            for start in range(0, n, ctx.chunk_size):
                 sl = slice(start, start + ctx.chunk_size)
                 h = hidden[sl].to(cdtype)
-                # d logp[label] / d logits = onehot(label) − softmax; scaled by the incoming grad.
-                grad_logits = _softmax_(_chunk_logits(h, w, bias, temperature))
-                grad_logits.mul_(-g[sl, None])
-                grad_logits.scatter_add_(1, labels[sl, None], g[sl, None])
+                grad_logits, gb = K.chunk_grad_logits(h, w, b, labels[sl], lse[sl], g[sl], scale, need_b, fused, ws)
                 if need_b:
-                    grad_b += grad_logits.sum(0)
-                grad_logits = grad_logits.to(cdtype)
+                    grad_b += gb
                 if need_h:
-                    grad_h[sl] = (grad_logits @ w).to(hidden.dtype)
+                    grad_h[sl] = grad_logits @ w
                 if need_w:
-                    grad_w += (grad_logits.t() @ h).to(acc)
+                    if grad_logits.dtype == acc:  # accumulate in place: no [V, H] temporary
+                        grad_w.addmm_(grad_logits.t(), h)
+                    else:
+                        grad_w += grad_logits.t() @ h
                 del grad_logits
+            del ws
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def selective_log_softmax(
@@ -119,12 +130,14 @@ def selective_log_softmax(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     lm_head_bias: torch.Tensor | None = None,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """log softmax(hidden · Wᵀ (+ b) / temperature)[labels], chunk by chunk.
 
     hidden [T, H], lm_head_weight [V, H], labels int64 [T] (-100 = ignore), bias [V] | None
     → float32 [T] (float64 for float64 inputs), 0 where the label is -100. Differentiable in hidden, weight and bias;
-    never materialises a [T, V] tensor.
+    never materialises a [T, V] tensor. kernels: "compiled" or "eager" (training/logprob_kernels.py;
+    "auto" is eager here: `token_logprobs` resolves it from the model).
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2:
         raise ValueError(
@@ -142,21 +155,25 @@ def selective_log_softmax(
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
+    fused = use_fused_kernels(kernels, hidden.device)
     return _SelectiveLogSoftmax.apply(
-        hidden, lm_head_weight, lm_head_bias, labels.long(), int(chunk_size), float(temperature)
+        hidden, lm_head_weight, lm_head_bias, labels.long(), int(chunk_size), float(temperature), fused
     )
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch, temperature: float = 1.0, chunk_size: int = 1024
+    model: torch.nn.Module, batch, temperature: float = 1.0, chunk_size: int = 1024, kernels: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every label of a PackedBatch under `model`.
 
     Runs the decoder on the packed tokens (varlen attention), then the chunked selective
     log-softmax against the LM head (tied or not, bias if any).
     Returns (logprobs float32 [T], 0 at labels == -100; MoE router aux loss or None).
+    kernels "auto": compiled on CUDA when the model's layers are (`train.compile`), else eager.
     """
     hidden, aux_loss = model_hidden_states(model, batch)
+    if kernels == "auto" and use_fused_kernels(kernels, hidden.device, hidden.is_cuda and is_compiled(model)):
+        kernels = "compiled"
     head = model.get_output_embeddings()
     labels = batch.labels.to(hidden.device)
     logprobs = selective_log_softmax(
@@ -166,5 +183,6 @@ def token_logprobs(
         chunk_size=chunk_size,
         temperature=temperature,
         lm_head_bias=getattr(head, "bias", None),
+        kernels=kernels,
     )
     return logprobs, aux_loss

@@ -202,3 +202,46 @@ def test_engine_samples_the_same_from_a_compiled_model_on_cuda():
     params = SamplingParams(greedy=True, max_new_tokens=16)
     outs = [TorchEngine(m, dtype=torch.bfloat16).generate(prompts, params) for m in (eager, compiled)]
     assert [[c.tokens for c in g] for g in outs[0]] == [[c.tokens for c in g] for g in outs[1]]
+
+
+def test_compiled_logprob_kernels_match_float64_on_cuda():
+    """kernels="compiled" (what "auto" runs on CUDA with train.compile; training/logprob_kernels.py):
+    under bf16 autocast its log-probs and gradients match a float64 full-logits reference from the
+    same bf16-rounded inputs, and the eager kernels; a new token count does not recompile."""
+    from training.logprobs import selective_log_softmax, use_fused_kernels
+
+    assert use_fused_kernels("auto", torch.device("cuda"), compiled_model=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, H, V = 3000, 256, 32_000  # a partial last chunk (3,000 = 2 × 1,024 + 952)
+    hidden = torch.randn(T, H, device="cuda", generator=g)
+    weight = torch.randn(V, H, device="cuda", generator=g) / H**0.5 * 3
+    bias = torch.randn(V, device="cuda", generator=g)
+    labels = torch.randint(0, V, (T,), device="cuda", generator=g)
+    labels[::9] = -100
+    upstream = torch.linspace(-1.0, 2.0, T, device="cuda")
+
+    def run(kernels, n=T):
+        leaves = [hidden[:n].clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = selective_log_softmax(leaves[0], leaves[1], labels[:n], 1024, 0.7, leaves[2], kernels=kernels)
+        (out * upstream[:n]).sum().backward()
+        return out, [t.grad for t in leaves]
+
+    out, grads = run("compiled")
+    refs = [hidden.bfloat16().double().requires_grad_(), weight.bfloat16().double().requires_grad_(),
+            bias.double().requires_grad_()]
+    logits = (refs[0] @ refs[1].t() + refs[2]) / 0.7
+    ref = torch.log_softmax(logits, -1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    ref = torch.where(labels != -100, ref, torch.zeros_like(ref))
+    (ref * upstream.double()).sum().backward()
+    assert out.dtype == torch.float32 and torch.all(out[labels == -100] == 0)
+    torch.testing.assert_close(out.double(), ref, atol=0.05, rtol=0.02)
+    for name, a, r in zip(("hidden", "weight", "bias"), grads, refs, strict=True):
+        err = (a.double() - r.grad).abs().max() / r.grad.abs().max()
+        assert err < 0.02, f"{name}: max error {err:.4f} of the gradient's scale"
+    eager_out, eager_grads = run("eager")
+    torch.testing.assert_close(out, eager_out, atol=1e-4, rtol=0)
+    for a, b in zip(grads, eager_grads, strict=True):  # a bf16 ulp here and there (matmul outputs)
+        assert (a - b).abs().max() / b.abs().max() < 5e-3
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        run("compiled", n=T - 517)

@@ -12,16 +12,18 @@ import torch.multiprocessing as mp
 
 from models.presets import build_model
 from training.batch import PackedBatch, Sequence, pack
-from training.distributed import (
-    balanced_budget,
+from training.dist_state import (
     broadcast_weights,
-    data_parallel,
-    follow,
     full_model_state,
     full_optimizer_state,
+    load_full_optimizer_state,
+)
+from training.distributed import (
+    balanced_budget,
+    data_parallel,
+    follow,
     is_filler,
     lead_step,
-    load_full_optimizer_state,
     shard_micro_batches,
     share_of,
     stop_followers,

@@ -1,6 +1,8 @@
 """Data parallelism (gloo, 2 ranks) with a KL penalty, LoRA adapters, the entropy metric and the
-trainer's log-probs gathered to rank 0: rank 0 leads the steps as the flows do (lead_step with
-the reference's log-probs as batch inputs), and the result equals one process's."""
+trainer's log-probs gathered to rank 0: rank 0 leads the steps as the flows do, and the result
+equals one process's. The KL reference either sits on every rank, each scoring its own share
+(the flows' way, training/dist_reference.py), or on rank 0 only, its log-probs sent as batch
+inputs with the micro-batches (lead_step's `batch_inputs`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same 
 
 from models.presets import build_model
 from tasks.train import train_on_batches
-from training.distributed import broadcast_weights, data_parallel, follow, lead_step, stop_followers
+from training.dist_reference import place_reference
+from training.dist_state import broadcast_weights
+from training.distributed import data_parallel, follow, lead_step, stop_followers
 from training.kl import frozen_copy, reference_logprobs
 from training.lora import LoraOptions, add_lora
 from training.ports import free_port
@@ -47,7 +51,7 @@ def _reference():
     return frozen_copy(build_model("tiny-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=0))
 
 
-def _rank(rank: int, world: int, port: int, kind: str, lora: bool, out: str) -> None:
+def _rank(rank: int, world: int, port: int, kind: str, lora: bool, ref_on: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -59,17 +63,24 @@ def _rank(rank: int, world: int, port: int, kind: str, lora: bool, out: str) -> 
         broadcast_weights(model)  # as tasks/ranks.py: rank 0's weights, adapters included
         dp = data_parallel(model, kind, torch.device("cpu"))
         optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce", **KL)
+        ref = _reference() if rank == 0 else None
+        if ref_on == "ranks":  # as tasks/ranks.py: the others start from another init, get rank 0's
+            ref = ref if rank == 0 else build_model("tiny-dense", VOCAB, seed=7, pad_token_id=0, eos_token_id=0)
+            broadcast_weights(ref)
+            dp.reference = place_reference(ref, kind, torch.device("cpu"))
         result = {}
-        if rank == 0:  # only rank 0 holds the reference, as in a flow
-            ref, result["metrics"], result["logprobs"] = _reference(), [], []
+        if rank == 0:
+            result["metrics"], result["logprobs"] = [], []
             for seqs in _named_steps():
                 batches, seen = _packed(seqs), {}
-                inputs = {"ref_logprobs": reference_logprobs(ref, batches)}
+                inputs = {"ref_logprobs": reference_logprobs(ref, batches)} if ref_on == "rank0" else None
                 metrics = lead_step(dp, optimizer, None, batches, loss_fn, 1.0, batch_inputs=inputs,
                                     trainer_logprobs=seen, entropy=True)
                 result["metrics"].append({k: metrics[k] for k in METRICS})
                 result["logprobs"].append(seen)
             stop_followers(dp)
+            # what rank 0's engines and checkpoints read (under FSDP2 refreshed after every step)
+            result["view"] = {k: v.detach().clone() for k, v in dp.view.state_dict().items()}
         else:
             result["steps"] = follow(dp, optimizer, None, loss_fn)
         result["state"] = _full_state(model)  # collective
@@ -95,12 +106,13 @@ def _one_process(lora: bool, kl: dict):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "lora"), [("fsdp2", False), ("ddp", True), ("fsdp2", True)])
-def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, kind, lora):
+@pytest.mark.parametrize(("kind", "lora", "ref_on"),
+                         [("fsdp2", False, "ranks"), ("ddp", True, "ranks"), ("fsdp2", True, "rank0")])
+def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, kind, lora, ref_on):
     torch.set_num_threads(1)
     expected, metrics, logprobs = _one_process(lora, KL)
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(2, free_port(), kind, lora, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), kind, lora, ref_on, out), nprocs=2, join=True)
     lead, follower = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
     assert follower["steps"] == STEPS
     for got, want in zip(lead["metrics"], metrics, strict=True):  # global figures, as one process
@@ -110,7 +122,8 @@ def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, k
         assert set(got) == set(want) and len(want) > 2
         for key, value in want.items():
             assert (got[key] - value).abs().max().item() < 1e-5, key
-    assert set(lead["state"]) == set(expected)
+    assert set(lead["state"]) == set(expected) == set(lead["view"])
+    assert all(torch.equal(lead["view"][k], v) for k, v in lead["state"].items())
     worst = max((lead["state"][k] - v).abs().max().item() for k, v in expected.items())
     assert worst < 1e-5, worst
     if lora:  # only the adapters moved
