@@ -45,6 +45,7 @@ import torch
 from benchmarks.gpu_logprobs import bench_logprobs_gpu
 from benchmarks.gpu_report import render
 from benchmarks.results import write_atomic, write_results
+from benchmarks.timing import timed
 from engines.base import SamplingParams
 from engines.torch_engine import TorchEngine
 from models.device import synchronize
@@ -88,20 +89,6 @@ def rl_like_sequences(n: int, vocab: int, seed: int, low: int = 256, high: int =
         tokens = torch.randint(3, vocab, (length,), generator=g).tolist()
         out.append(Sequence(tokens=tokens, weights=[1.0] * length, sample_id=f"s{i}"))
     return out
-
-
-def timed(fn, repeats: int, warmup: int = 2) -> list[float]:
-    device = torch.device("cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 # (weights dtype, activation checkpointing, train.compile); compile with checkpointing is refused

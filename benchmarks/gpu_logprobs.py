@@ -16,26 +16,14 @@ largest log-prob difference to the old version.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from benchmarks.logprobs_baseline import old_selective_log_softmax
-from models.device import synchronize
+from benchmarks.timing import timed
 from training.logprobs import selective_log_softmax
 
 VOCAB, HIDDEN, CHUNK = 151_936, 1024, 1024
-
-
-def _timed(fn, repeats: int, device: torch.device) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def bench_logprobs_gpu(tokens: int, repeats: int, device: str = "cuda", vocab: int = VOCAB,
@@ -73,16 +61,16 @@ def _rows(h, w, labels, precision: str, repeats: int) -> list[dict]:
             forward().sum().backward()
             h.grad = w.grad = None
 
-        first = _timed(train, 1, device)[0]  # the compiled kernels compile here
+        first = timed(train, 1, warmup=0, device=device)[0]  # the compiled kernels compile here
         train()
         graphs = counters["stats"]["unique_graphs"]
         with torch.no_grad():
             out = forward()
-            fwd = statistics.median(_timed(forward, repeats, device))
+            fwd = statistics.median(timed(forward, repeats, warmup=0, device=device))
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        both = statistics.median(_timed(train, repeats, device))
+        both = statistics.median(timed(train, repeats, warmup=0, device=device))
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
         reference = out if reference is None else reference
         rows.append({"precision": precision, "method": method, "tokens": h.shape[0], "vocab": w.shape[0],

@@ -11,32 +11,14 @@ a user gets by default, so that path stays covered.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.prefect_server import stop_group, wait_healthy
 from training.ports import free_port
-
-SERVER_START_S = 180
-
-
-def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"prefect server exited:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"prefect server not healthy within {SERVER_START_S}s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -57,14 +39,4 @@ def prefect_api_url(tmp_path_factory) -> Iterator[str]:
         wait_healthy(url, server, log)
         yield url
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(server.pid, signal.SIGKILL)  # whatever of its group is left
-        except ProcessLookupError:
-            pass
-        server.wait(timeout=30)
+        stop_group(server)

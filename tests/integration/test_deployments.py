@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.prefect_server import stop_group, wait_healthy
 from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-SERVER_START_S = 180
 RUN_TIMEOUT_S = 900
 
 
@@ -56,34 +54,6 @@ def prefect(*args: str) -> list[str]:
 def start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL it after 30 s (the server's children included)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=30)
-
-
-def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"prefect server exited:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"prefect server not healthy within {SERVER_START_S}s:\n{log.read_text()[-3000:]}")
 
 
 def run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -119,8 +89,8 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         print(f"tiny pipeline deployment ran to Completed in {seconds:.0f} s")
     finally:
         if worker is not None:
-            stop(worker)
-        stop(server)
+            stop_group(worker)
+        stop_group(server)
 
     # the run it made: both phases' tables and checkpoints, registered in MLflow with aliases
     from mlflow import MlflowClient
