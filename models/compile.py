@@ -47,14 +47,17 @@ def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(layer).forward(layer, *args, **kwargs)
 
 
-# one compiled code object for every layer (see the module docstring); compiled lazily at first call
-_compiled_layer_forward = torch.compile(_layer_forward)
+@functools.cache
+def _compiled_layer_forward():
+    """One compiled callable for every layer (see the module docstring), built at first use:
+    `torch.compile` imports inductor, ~1-2 s per process that runs that never compile need not pay."""
+    return torch.compile(_layer_forward)
 
 
 def _dispatch(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if kwargs.get("past_key_values") is not None:
         return _layer_forward(layer, *args, **kwargs)
-    return _compiled_layer_forward(layer, *args, **kwargs)
+    return _compiled_layer_forward()(layer, *args, **kwargs)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

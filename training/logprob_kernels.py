@@ -21,6 +21,8 @@ implementations of the same arithmetic:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -93,9 +95,11 @@ def _fused_grad_logits(logits, labels, lse, g, bias, scale, need_bias_grad: bool
     return grad.to(logits.dtype), (grad.sum(dim=0) if need_bias_grad else None)
 
 
-# Compiled lazily at first call; one graph per dtype / bias-or-not, shared by every chunk length.
-_compiled_forward = torch.compile(_fused_forward, dynamic=True)
-_compiled_grad_logits = torch.compile(_fused_grad_logits, dynamic=True)
+@functools.cache
+def _compiled(kernel):
+    """`kernel` compiled, built at first use so processes that never fuse skip importing inductor.
+    One graph per dtype / bias-or-not, shared by every chunk length."""
+    return torch.compile(kernel, dynamic=True)
 
 
 # --- per-chunk entry points ----------------------------------------------------------------
@@ -108,7 +112,7 @@ def chunk_forward(h, w, bias, labels, scale: float, fused: bool, workspace):
     labels [C] all valid indices; workspace from `make_workspace` (eager only, else None).
     """
     if fused:  # [C] vectors cloned: a view makes dynamo guard on its base's size (recompiles)
-        return _compiled_forward(h @ w.t(), labels.clone(), bias, scale)
+        return _compiled(_fused_forward)(h @ w.t(), labels.clone(), bias, scale)
     return _eager_forward(_eager_logits(h, w, bias, scale, workspace), labels)
 
 
@@ -116,6 +120,6 @@ def chunk_grad_logits(h, w, bias, labels, lse, g, scale: float, need_bias_grad: 
     """One chunk's gradient w.r.t. its raw logits h · Wᵀ (+ b), [C, V] in h's dtype (the matmul
     dtype), and its column sum [V] in the accumulation dtype when need_bias_grad (else None)."""
     if fused:
-        return _compiled_grad_logits(h @ w.t(), labels.clone(), lse.clone(), g.clone(), bias, scale, need_bias_grad)
+        return _compiled(_fused_grad_logits)(h @ w.t(), labels.clone(), lse.clone(), g.clone(), bias, scale, need_bias_grad)
     z = _eager_logits(h, w, bias, scale, workspace)
     return _eager_grad_logits(z, labels, lse, g, need_bias_grad, h.dtype)
