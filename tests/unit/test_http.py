@@ -145,27 +145,28 @@ def recorder(answers):
     return seen, httpx.Client(transport=httpx.MockTransport(handle))
 
 
-def test_vllm_request_shape_and_reload():
-    def completions(body):
-        n = body["n"]
-        choices = []
-        for i in range(len(body["prompt"]) * n):
-            ids = [40 + i, 41 + i]
-            # no token_ids field: ids come from "token_id:<id>" strings (return_tokens_as_token_ids)
-            choices.append({"index": i, "text": "xy", "finish_reason": "length" if i else "stop",
-                            "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
-                                         "token_logprobs": [-0.5, -1.5], "top_logprobs": None}})
-        return httpx.Response(200, json={"choices": choices[::-1]})  # any order
+def vllm_completions(body):
+    """A vLLM /v1/completions answer: choice i of the request gets tokens [40 + i, 41 + i]."""
+    choices = []
+    for i in range(len(body["prompt"]) * body["n"]):
+        ids = [40 + i, 41 + i]
+        # no token_ids field: ids come from "token_id:<id>" strings (return_tokens_as_token_ids)
+        choices.append({"index": i, "text": "xy", "finish_reason": "length" if i else "stop",
+                        "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                     "token_logprobs": [-0.5, -1.5], "top_logprobs": None}})
+    return httpx.Response(200, json={"choices": choices[::-1]})  # any order
 
+
+def test_vllm_request_shape_and_reload():
     seen, client = recorder({
         "/v1/models": {"data": [{"id": "/ckpt/step_0"}]},
-        "/v1/completions": completions,
+        "/v1/completions": vllm_completions,
         "/collective_rpc": {"results": [None]},
         "/reset_prefix_cache": {},
     })
     engine = HttpEngine("vllm+http://gpu:8000", api_token="k", client=client)
     assert engine.flavor == "vllm" and engine.url == "http://gpu:8000"
-    params = SamplingParams(n=2, max_new_tokens=2, greedy=True, stop_token_ids=(2,), seed=1)
+    params = SamplingParams(n=2, max_new_tokens=2, greedy=True, stop_token_ids=(2,))
     out = engine.generate(PROMPTS, params)
     assert [[c.tokens for c in g] for g in out] == [[[40, 41], [41, 42]], [[42, 43], [43, 44]]]
     assert out[0][0].finish_reason == "stop" and out[0][0].logprobs == [-0.5, -1.5]
@@ -173,14 +174,50 @@ def test_vllm_request_shape_and_reload():
     assert body["model"] == "/ckpt/step_0" and body["prompt"] == PROMPTS
     assert body["temperature"] == 0.0 and body["top_k"] == -1 and body["stop_token_ids"] == [2]
     assert body["return_tokens_as_token_ids"] and body["return_token_ids"] and body["ignore_eos"]
-    assert body["logprobs"] == 1 and body["seed"] == 1 and body["max_tokens"] == 2
+    assert body["logprobs"] == 1 and "seed" not in body and body["max_tokens"] == 2
     engine.sync("/ckpt/step_7", 7)
     assert seen[2:] == [
-        ("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": "/ckpt/step_7"}}]}),
-        ("/collective_rpc", {"method": "reload_weights"}),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step_7"}}),
         ("/reset_prefix_cache", None),
     ]
     assert engine.policy_version == 7
+
+
+def test_vllm_seeded_batch_gives_each_prompt_its_own_seeds():
+    # vLLM seeds a request's n samples seed, seed+1, ...: one batched request would give sample j
+    # of every prompt the same noise, so each prompt is its own request, n seeds further on
+    seen, client = recorder({"/v1/completions": vllm_completions})
+    engine = HttpEngine("vllm+http://gpu:8000", model="m", client=client)
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2, seed=10))
+    bodies = sorted((body for _, body in seen), key=lambda body: body["seed"])
+    assert [(b["prompt"], b["seed"], b["n"]) for b in bodies] == [
+        ([[1, 2]], 10, 2), ([[3]], 12, 2), ([[4, 5, 6]], 14, 2)]
+    assert [[c.tokens for c in g] for g in out] == [[[40, 41], [41, 42]]] * 3
+
+
+def test_vllm_before_weights_path_gets_the_older_reload_pair():
+    calls = []
+
+    def rpc(body):
+        calls.append(body)
+        if "kwargs" in body:  # vLLM < 0.19: reload_weights takes no weights_path
+            return httpx.Response(500, json={"error": {"message": "Worker failed with error "
+                "'reload_weights() got an unexpected keyword argument 'weights_path''"}})
+        return httpx.Response(200, json={"results": [None]})
+
+    _, client = recorder({"/collective_rpc": rpc, "/reset_prefix_cache": {}})
+    engine = HttpEngine("vllm+http://gpu:8000", model="m", client=client)
+    engine.sync("/c/step_1", 1)
+    engine.sync("/c/step_2", 2)  # learnt: no second try of the newer call
+    assert calls == [
+        {"method": "reload_weights", "kwargs": {"weights_path": "/c/step_1"}},
+        {"method": "update_config", "args": [{"model_config": {"model": "/c/step_1"}}]},
+        {"method": "reload_weights"},
+        {"method": "update_config", "args": [{"model_config": {"model": "/c/step_2"}}]},
+        {"method": "reload_weights"},
+    ]
+    assert engine.policy_version == 2
 
 
 def test_sglang_request_shape_and_reload():
