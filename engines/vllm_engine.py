@@ -22,12 +22,13 @@ How it shares the GPU with training (colocated):
   (after temperature; equal to the untruncated tempered log-prob when top-k/top-p are off;
   with top-k/top-p vLLM reports the truncated-renormalised value).
 
-API used (vLLM ≥ 0.10; checked against vLLM's source and, on 2026-11-23, the vllm 0.33.0 wheel's
-Python files — never run here: no GPU with vLLM installed was available): `vllm.LLM(..., enable_sleep_mode=True, skip_tokenizer_init=True, logprobs_mode=...)`,
-`LLM.generate(TokensPrompt(prompt_token_ids=...), SamplingParams(..., logprobs=0,
-detokenize=False))`, `LLM.sleep(level)`, `LLM.wake_up(tags)`, `LLM.reset_prefix_cache()`,
-`LLM.collective_rpc(method, args)` with Worker.update_config / Worker.reload_weights for
-`sync(path, version)` (vllm/v1/worker/gpu_worker.py).
+API used (vLLM >= 0.10; run on vLLM 0.32's CPU build by tests/integration/test_vllm_cpu.py,
+without sleep mode, which is CUDA-only; the CUDA path is tests/unit/test_vllm_engine.py's GPU
+test): `vllm.LLM(..., enable_sleep_mode, skip_tokenizer_init=True, logprobs_mode=...)`,
+`LLM.generate(TokensPrompt(prompt_token_ids=...), [SamplingParams(..., logprobs=0,
+detokenize=False) per prompt])`, `LLM.sleep(level)`, `LLM.wake_up(tags)`,
+`LLM.reset_prefix_cache()`, `LLM.collective_rpc(callable, args)` into the worker's model runner.
+On vLLM's CPU build nothing sleeps and weights go through the runner's in-place reload.
 """
 
 from __future__ import annotations
