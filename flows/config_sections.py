@@ -268,6 +268,12 @@ class EngineConfig(Section):
     default until a GPU run has measured it (docs/BENCHMARKS_GPU.md); ignored, with a log line,
     on CPU and for models without the fast Qwen3 path; not used by the snapshot engine of
     rl.max_off_policy_steps > 0."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """vLLM engine: share of GPU memory vLLM may hold while generating (weights + KV cache); it
+    sleeps, releasing it, while the trainer trains. Ignored by vLLM's CPU build."""
+    max_model_len: int = Field(0, ge=0)
+    """vLLM engine: longest prompt + completion it plans its KV cache for; 0 = the model's
+    max_position_embeddings (40,960 for Qwen3: lower it to leave memory to a smaller GPU)."""
 
 
 class TrackingConfig(Section):

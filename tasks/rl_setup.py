@@ -96,11 +96,14 @@ def make_engines(config, model) -> list[Engine]:
         from engines.http import engines_from_config
 
         return engines_from_config(config.engine)
-    if config.engine.type == "vllm":
-        from engines.vllm_engine import VllmEngine  # optional extra, needs a GPU
-
-        return [VllmEngine(model)]
     dtype = engine_dtype(model, config.model.bf16_autocast)
+    if config.engine.type == "vllm":
+        from engines.vllm_engine import VllmEngine  # optional extra
+
+        # the sampling dtype of the torch engine: else vLLM takes the fp32 master weights' dtype
+        return [VllmEngine(model, dtype=str(dtype).removeprefix("torch."),
+                           gpu_memory_utilization=config.engine.gpu_memory_utilization,
+                           max_model_len=config.engine.max_model_len or None)]
     if config.rl.max_off_policy_steps > 0:
         from engines.snapshot import SnapshotEngine
 

@@ -25,8 +25,7 @@ from engines.http import HttpEngine
 from models.presets import build_model
 from models.tokenizer import build_tokenizer
 from tests.prefect_server import stop_group, wait_healthy
-from training.batch import Sequence, pack_one
-from training.logprobs import token_logprobs
+from tests.vllm_cpu_colocated import gap
 from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,18 +44,6 @@ def vllm_env() -> dict[str, str]:
                VLLM_SERVER_DEV_MODE="1", PYTHONPATH=str(ROOT))
     env.pop("VIRTUAL_ENV", None)
     return env
-
-
-def recompute(model, prompt, completion, temperature):
-    seq = Sequence(tokens=prompt + completion, weights=[1.0] * (len(prompt) + len(completion)))
-    with torch.no_grad():
-        logprobs, _ = token_logprobs(model, pack_one([seq]), temperature=temperature)
-    return logprobs[len(prompt) - 1 : len(prompt) + len(completion) - 1]
-
-
-def gap(model, prompt, completion, temperature) -> float:
-    expected = recompute(model, prompt, completion.tokens, temperature)
-    return (torch.tensor(completion.logprobs) - expected).abs().max().item()
 
 
 def shared_positions(a: list[int], b: list[int]) -> int:

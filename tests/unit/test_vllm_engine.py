@@ -77,3 +77,23 @@ def test_logprobs_match_trainer_and_follow_the_optimizer():
         assert engine.policy_version == 1
     finally:
         engine.close()
+
+
+def test_config_keys_reach_the_vllm_engine(monkeypatch):
+    from flows.config import RunConfig
+    from tasks.rl_setup import make_engines
+
+    built = []
+    monkeypatch.setattr("engines.vllm_engine.VllmEngine", lambda model, **kw: built.append(kw) or kw)
+    model = build_model("tiny-dense", vocab_size=len(build_tokenizer()))
+    config = RunConfig.model_validate(
+        {"device": "cpu", "engine": {"type": "vllm", "gpu_memory_utilization": 0.55, "max_model_len": 2048}})
+    make_engines(config, model)
+    make_engines(RunConfig.model_validate({"device": "cpu", "engine": {"type": "vllm"}}), model)
+    # a CPU model samples in its own float32; on CUDA with bf16 autocast it is "bfloat16"
+    assert built == [
+        {"dtype": "float32", "gpu_memory_utilization": 0.55, "max_model_len": 2048},
+        {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None},
+    ]
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        RunConfig.model_validate({"engine": {"type": "vllm", "gpu_memory_utilization": 1.5}})
