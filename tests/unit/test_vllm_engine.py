@@ -97,3 +97,18 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
     ]
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         RunConfig.model_validate({"engine": {"type": "vllm", "gpu_memory_utilization": 1.5}})
+
+
+def test_a_tied_model_on_vllm_servers_is_warned_about(caplog):
+    from flows.config import RunConfig
+    from tasks.rl_setup import make_engines
+
+    config = RunConfig.model_validate(
+        {"device": "cpu", "engine": {"type": "http", "urls": ["vllm+http://127.0.0.1:1", "http://127.0.0.1:2"]}})
+    vocab = len(build_tokenizer())
+    with caplog.at_level("WARNING", logger="tasks.rl_setup"):
+        engines = make_engines(config, build_model("tiny-dense", vocab_size=vocab, tie_word_embeddings=False))
+        assert not caplog.records
+        make_engines(config, build_model("tiny-dense", vocab_size=vocab))  # tied, like Qwen3-0.6B
+    assert [e.flavor for e in engines] == ["vllm", "rlpipe"]
+    assert any("leaves a tied lm_head on the old weights" in r.getMessage() for r in caplog.records)
