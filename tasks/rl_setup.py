@@ -179,6 +179,9 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     if resume_from is not None:  # servers restart from the checkpoint; its syncs rows are repaired
         sync_task(engines, str(resume_from), version, run_dir=run_dir, run_id=run_id, step=start_step,
                   retries=config.engine.retries, only_missing=True)
+    elif start_checkpoint:  # the pipeline's SFT result, which no server was started from
+        sync_task(engines, str(start_checkpoint), version, run_dir=run_dir, run_id=run_id, step=0,
+                  retries=config.engine.retries, only_missing=True)
     # evals read the trainer's weights in-process: other engines may lag a sync behind
     eval_engine = engines[0] if engines[0].shares_weights else \
         TorchEngine(model, dtype=engine_dtype(model, config.model.bf16_autocast))

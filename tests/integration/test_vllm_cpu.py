@@ -12,9 +12,11 @@ CUDA graphs) are in tests/gpu.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,27 @@ def shared_positions(a: list[int], b: list[int]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
 
+@contextlib.contextmanager
+def vllm_server(checkpoint: Path, tmp_path: Path) -> Iterator[str]:
+    """`vllm serve checkpoint` (dev mode, float32, rlpipe's log-prob convention); its base URL."""
+    port = free_port()
+    log = tmp_path / "vllm.log"
+    server = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+         "--logprobs-mode", "processed_logprobs",
+         # a prefill split across steps rewinds a seeded request's generator, which vLLM 0.32's
+         # CPU build cannot ("CPU Generator does not use offset"): room for every prompt at once
+         "--max-num-batched-tokens", "32768", "--max-num-seqs", "512"],
+        env=vllm_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, server, log, start_s=300, name="vllm server")
+        yield url
+    finally:
+        stop_group(server)
+
+
 def save(model, tok, folder: Path) -> Path:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -67,16 +90,7 @@ def test_served_vllm_samples_scores_and_reloads_like_the_trainer(tmp_path):
     second = save(model, tok, tmp_path / "step_1")
     served = build_model("tiny-dense", vocab_size=len(tok), seed=0, tie_word_embeddings=False).eval()
 
-    port = free_port()
-    log = tmp_path / "vllm.log"
-    server = subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(first),
-         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
-         "--logprobs-mode", "processed_logprobs"],
-        env=vllm_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server, log, start_s=300, name="vllm server")
+    with vllm_server(first, tmp_path) as url:
         engine = HttpEngine(f"vllm+{url}", timeout_s=120)
         prompts = [tok("12+30=", add_special_tokens=False)["input_ids"], [5, 6, 7]]
         params = SamplingParams(n=2, max_new_tokens=8, temperature=0.8, seed=0)
@@ -93,8 +107,6 @@ def test_served_vllm_samples_scores_and_reloads_like_the_trainer(tmp_path):
         assert gap(served, prompts[0], greedy, 1.0) > 0.1  # it is not the old weights
         assert engine.policy_version == 1
         engine.close()
-    finally:
-        stop_group(server)
 
 
 def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints():
@@ -112,3 +124,33 @@ def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints():
     assert measured["gap_after_disk_sync"] < TOLERANCE  # the checkpoint's weights...
     assert measured["gap_to_trainer_after_disk_sync"] > 0.1  # ...not the trainer's newer ones
     assert measured["policy_version"] == 2
+
+
+def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
+    # the whole loop: SFT, then RL whose start (the SFT result) and every step's checkpoint are
+    # reloaded into vLLM, which samples; the trainer's recomputed log-probs of the sampled tokens
+    # match vLLM's at every step (a server holding other weights would show in logprob_gap)
+    from storage.writer import read_table
+    from tests.integration.test_resume import ONE_THREAD, cli, env_for
+    from training.checkpoint import save_checkpoint
+
+    tok = build_tokenizer()
+    model = build_model("tiny-dense", vocab_size=len(tok), seed=0, tie_word_embeddings=False)
+    start = save_checkpoint(tmp_path / "init", 0, model, tok)
+    with vllm_server(start, tmp_path) as url:
+        args = ["run", str(ROOT / "configs" / "tiny.toml"), "--set", "run_name=vllm",
+                "--set", f"runs_root={tmp_path / 'runs'}", "--set", f"model.path={start}",
+                "--set", "engine.type=http", "--set", f'engine.urls=["vllm+{url}"]',
+                "--set", "engine.timeout_s=120", "--set", "rl.steps=3", "--set", "rl.eval_every=0",
+                # no surplus groups carried to the next step: each step trains on its own samples
+                "--set", "rl.max_staleness=0", *ONE_THREAD]
+        done = subprocess.run(cli(*args), env=env_for(tmp_path, prefect_api_url), cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = tmp_path / "runs" / "vllm" / "rl"
+    syncs = read_table(run_dir, "syncs").to_pylist()
+    assert [(r["step"], r["ok"]) for r in syncs] == [(0, True), (1, True), (2, True), (3, True)]
+    assert "/sft/" in syncs[0]["checkpoint_path"]
+    steps = read_table(run_dir, "train_steps").to_pylist()
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] > 0 for r in steps)
+    assert all(r["logprob_gap"] < TOLERANCE for r in steps), [r["logprob_gap"] for r in steps]
