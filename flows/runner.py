@@ -29,7 +29,7 @@ from flows.launch import (
     launched_rank,
     strip_launch_flags,
 )
-from flows.termination import Terminated, sigterm_stops_the_run
+from flows.termination import Terminated, sigterm_received, sigterm_stops_the_run
 from storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
 from training import metric_names as m
 
@@ -235,6 +235,10 @@ def _execute_flow(config: RunConfig, overwrite: bool) -> int:
         print(f"rlpipe: {why}; `rlpipe resume {config.run_dir}` continues", file=sys.stderr)
         return 130 if isinstance(stop, KeyboardInterrupt) else 143
     except Exception as error:  # noqa: BLE001 - one clear line; Prefect logged the traceback
+        if sigterm_received():  # the signal surfaced as another library's error
+            print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error}); "
+                  f"`rlpipe resume {config.run_dir}` continues", file=sys.stderr)
+            return 143
         print(f"rlpipe: run failed: {type(error).__name__}: {error}\n"
               f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
               "last complete stage", file=sys.stderr)

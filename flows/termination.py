@@ -4,7 +4,10 @@ A signal handler's exception is raised wherever the main thread happens to be. W
 garbage-collection callback or a `__del__` (SQLAlchemy's, under MLflow), Python prints
 "Exception ignored" and carries on: the run went on to finish with exit 0 after SIGTERM. So a
 SIGTERM also sets a flag, and every stage checks it before it starts (`raise_if_terminated`):
-a swallowed signal stops the run at the next stage at the latest.
+a swallowed signal stops the run at the next stage at the latest. A signal that lands inside
+another library's error handling can surface as that library's error (Prefect's "Task run is not
+set", when it arrives while a task run starts): `sigterm_received` lets the CLI still call it a
+SIGTERM stop.
 
 Inside a flow Prefect installs its own SIGTERM handler; `sigterm_is_sticky` chains in front of
 it (the flag, then Prefect's handler) so Prefect's cancellation path is unchanged.
@@ -29,6 +32,11 @@ def raise_if_terminated() -> None:
     """Raise Terminated if a SIGTERM arrived in this process (even one whose exception was lost)."""
     if _RECEIVED.is_set():
         raise Terminated("stopped by signal SIGTERM")
+
+
+def sigterm_received() -> bool:
+    """Whether a SIGTERM arrived during the current run, whatever exception it surfaced as."""
+    return _RECEIVED.is_set()
 
 
 def _in_main_thread() -> bool:

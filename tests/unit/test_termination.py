@@ -65,3 +65,27 @@ def test_sticky_handler_still_runs_the_flows_own_handler():
             signal.signal(signal.SIGTERM, previous)
     with sigterm_stops_the_run():  # a new run starts with the flag cleared
         raise_if_terminated()
+
+
+def test_a_sigterm_that_surfaces_as_another_error_still_exits_143(tmp_path, monkeypatch, capsys):
+    # SIGTERM landing while Prefect starts a task run came out as Prefect's "Task run is not set"
+    # (exit 1, "run failed"); the CLI calls it what it was
+    from flows import runner
+    from flows.config import RunConfig
+
+    def start(config):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except Terminated:
+            raise ValueError("Task run is not set") from None
+
+    monkeypatch.setattr(runner, "start", start)
+    config = RunConfig.model_validate({"runs_root": str(tmp_path), "run_name": "r"})
+    assert runner._execute_flow(config, overwrite=False) == 143
+    err = capsys.readouterr().err
+    assert "stopped by signal SIGTERM (surfacing as ValueError: Task run is not set)" in err
+    assert "run failed" not in err
+
+    monkeypatch.setattr(runner, "start", lambda config: (_ for _ in ()).throw(ValueError("bad")))
+    assert runner._execute_flow(config, overwrite=False) == 1  # a new run starts with the flag cleared
+    assert "run failed: ValueError: bad" in capsys.readouterr().err
