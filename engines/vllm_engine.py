@@ -119,8 +119,12 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]
 
 
 def trainer_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs for vLLM: the state dict, lm_head included when tied (see config)."""
-    weights = {name: t.detach() for name, t in model.state_dict().items()}
+    """(name, tensor) pairs for vLLM under the Hugging Face names: LoRA adapters folded in, and
+    lm_head included when tied (see write_vllm_config)."""
+    from training.lora import has_lora, merged_state_dict
+
+    state = merged_state_dict(model) if has_lora(model) else model.state_dict()
+    weights = {name: t.detach() for name, t in state.items()}
     embeddings = model.get_input_embeddings().weight.detach()
     weights.setdefault("lm_head.weight", embeddings)
     return list(weights.items())

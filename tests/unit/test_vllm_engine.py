@@ -112,3 +112,31 @@ def test_a_tied_model_on_vllm_servers_is_warned_about(caplog):
         make_engines(config, build_model("tiny-dense", vocab_size=vocab))  # tied, like Qwen3-0.6B
     assert [e.flavor for e in engines] == ["vllm", "rlpipe"]
     assert any("leaves a tied lm_head on the old weights" in r.getMessage() for r in caplog.records)
+
+
+def test_weights_for_vllm_have_hf_names_an_lm_head_and_lora_folded_in(tmp_path):
+    from engines.vllm_engine import checkpoint_weights, trainer_weights
+    from training.lora import LoraOptions, add_lora, merged_state_dict
+
+    tok = build_tokenizer()
+    model = build_model("tiny-dense", vocab_size=len(tok))  # tied
+    weights = dict(trainer_weights(model))
+    assert torch.equal(weights["lm_head.weight"], model.model.embed_tokens.weight)
+    model.save_pretrained(tmp_path)  # tied: the files hold no lm_head...
+    on_disk = dict(checkpoint_weights(tmp_path))
+    assert set(on_disk) == set(weights)  # ...and vLLM still gets one
+    assert all(torch.equal(on_disk[k], weights[k]) for k in weights)
+
+    adapted = add_lora(build_model("tiny-dense", vocab_size=len(tok)), LoraOptions(rank=4))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # B = 0 at first: make the adapters change the weights
+    weights = dict(trainer_weights(adapted))
+    assert not any("lora_" in k or "base_layer" in k for k in weights)
+    merged = merged_state_dict(adapted)
+    assert all(torch.equal(weights[k], merged[k]) for k in merged)
+    assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],
+                           adapted.model.layers[0].self_attn.q_proj.base_layer.weight)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        checkpoint_weights(tmp_path / "missing")
