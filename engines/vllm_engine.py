@@ -18,6 +18,10 @@ How it shares the GPU with training (colocated):
   and KV cache are released so the optimizer step has the memory. The next `generate` wakes the
   weights, loads the trainer's *current* weights into them, then wakes the KV cache
   (`wake_up(tags=...)`), so a sync after an optimizer step is free.
+- Async RL (a producer thread generating while the trainer trains): `generate` and `sync` hold
+  one lock, so a push never lands inside a generate, and the run builds the engine with
+  `sleep_between_calls=False`: a push deferred to the next wake-up would read the trainer's
+  tensors in the producer thread, possibly in the middle of an optimizer step.
 - Log-probs follow engines/base.py's convention through `logprobs_mode="processed_logprobs"`
   (after temperature; equal to the untruncated tempered log-prob when top-k/top-p are off;
   with top-k/top-p vLLM reports the truncated-renormalised value).
@@ -37,6 +41,7 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +190,7 @@ class VllmEngine:
         self._policy_version = policy_version
         self._asleep = False
         self._closed = False
+        self._lock = threading.Lock()  # generate and sync may come from two threads (async RL)
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlpipe-vllm-")
         write_vllm_config(model, Path(self._config_dir.name))
         with _env("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
@@ -205,7 +211,7 @@ class VllmEngine:
                 seed=seed,
             )
         self._push_weights()
-        if sleep_between_calls:
+        if self.sleep_between_calls:
             self.sleep()
 
     @property
@@ -214,38 +220,41 @@ class VllmEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """For each prompt (in order), `params.n` completions (in order)."""
-        self._check_open()
         if not prompts:
             return []
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake_up()
-        try:
-            outputs = self._llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                [_vllm_params(VllmSamplingParams, params, i) for i in range(len(prompts))],
-                use_tqdm=False,
-            )
-        finally:
-            if self.sleep_between_calls:
-                self.sleep()
+        with self._lock:
+            self._check_open()
+            self.wake_up()
+            try:
+                outputs = self._llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                    [_vllm_params(VllmSamplingParams, params, i) for i in range(len(prompts))],
+                    use_tqdm=False,
+                )
+            finally:
+                if self.sleep_between_calls:
+                    self.sleep()
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
     def sync(self, checkpoint_path: str | None, policy_version: int) -> None:
         """None: take `model`'s weights (now if awake, else at the next wake-up). A path: load
         that Hugging Face checkpoint from disk into vLLM (and it stays in service until the
-        next wake-up pushes `model`'s weights again, so prefer None when colocated)."""
-        self._check_open()
-        if checkpoint_path is None:
-            if not self._asleep:
-                self._push_weights()
-        else:
-            # read here and pushed like the trainer's tensors: vLLM's own reload from disk
-            # needs a load-format switch and a model_config update that breaks in vLLM 0.32
-            self.wake_up(push=False)
-            self._push(checkpoint_weights(Path(checkpoint_path)))
-        self._policy_version = policy_version
+        next wake-up pushes `model`'s weights again, so prefer None when colocated). Waits for
+        a generate in flight in another thread."""
+        with self._lock:
+            self._check_open()
+            if checkpoint_path is None:
+                if not self._asleep:
+                    self._push_weights()
+            else:
+                # read here and pushed like the trainer's tensors: vLLM's own reload from disk
+                # needs a load-format switch and a model_config update that breaks in vLLM 0.32
+                self.wake_up(push=False)
+                self._push(checkpoint_weights(Path(checkpoint_path)))
+            self._policy_version = policy_version
 
     def sleep(self) -> None:
         """Release weights and KV cache (level 2: weights are reloaded from `model` on wake)."""
@@ -263,12 +272,13 @@ class VllmEngine:
             self._asleep = False
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        del self._llm
-        self._config_dir.cleanup()
-        torch.cuda.empty_cache()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            del self._llm
+            self._config_dir.cleanup()
+            torch.cuda.empty_cache()
 
     def _push_weights(self) -> None:
         self._push(trainer_weights(self.model))

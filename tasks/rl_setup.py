@@ -110,10 +110,13 @@ def make_engines(config, model) -> list[Engine]:
     if config.engine.type == "vllm":
         from engines.vllm_engine import VllmEngine  # optional extra
 
-        # the sampling dtype of the torch engine: else vLLM takes the fp32 master weights' dtype
+        # the sampling dtype of the torch engine: else vLLM takes the fp32 master weights' dtype.
+        # Async RL keeps vLLM awake: waking up pushes the trainer's tensors, and the producer
+        # thread would read them in the middle of an optimizer step.
         return [VllmEngine(model, dtype=str(dtype).removeprefix("torch."),
                            gpu_memory_utilization=config.engine.gpu_memory_utilization,
-                           max_model_len=config.engine.max_model_len or None)]
+                           max_model_len=config.engine.max_model_len or None,
+                           sleep_between_calls=config.rl.max_off_policy_steps == 0)]
     if config.rl.max_off_policy_steps > 0:
         from engines.snapshot import SnapshotEngine
 

@@ -24,10 +24,11 @@ import torch
 
 from engines.base import SamplingParams
 from engines.http import HttpEngine
+from models.loading import load_model
 from models.presets import build_model
 from models.tokenizer import build_tokenizer
 from tests.prefect_server import stop_group, wait_healthy
-from tests.vllm_cpu_colocated import gap
+from tests.vllm_cpu_colocated import gap, recompute
 from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,3 +192,22 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
                       "--set", "model.lora.rank=8", "--set", "rl.optim.lr=3e-3")
     on_policy(lora, first_sync=1)  # vLLM started from model.path
     assert (sorted((lora / "checkpoints").glob("step_*"))[-1] / "adapter").is_dir()
+
+    # async (a producer thread samples the next step while the trainer trains): every completion
+    # carries the log-probs of exactly the policy version it is recorded with, so no weight push
+    # landed inside a generate or read the trainer's tensors in the middle of a step
+    ahead = rlpipe_run("colocated-async", "--set", "flow=rl", "--set", f"model.path={sft_result}",
+                       "--set", "rl.max_off_policy_steps=1", "--set", "rl.checkpoint_every=1",
+                       "--set", "rl.optim.lr=3e-3")
+    assert all(r["ok"] for r in read_table(ahead, "syncs").to_pylist())
+    rollouts = read_table(ahead, "rollouts").to_pylist()
+    lags = {r["step"] - r["policy_version"] for r in rollouts}
+    assert max(lags) == 2, lags  # sampled ahead: step t's rollouts from version t - 2
+    for version in sorted({r["policy_version"] for r in rollouts}):
+        weights = sft_result if version == 0 else ahead / "checkpoints" / f"step_{version:06d}"
+        policy = load_model(weights).eval()
+        sampled = [r for r in rollouts if r["policy_version"] == version][:8]
+        gaps = [(torch.tensor(r["completion_logprobs"])
+                 - recompute(policy, r["prompt_tokens"], r["completion_tokens"], 1.0)).abs().max().item()
+                for r in sampled]
+        assert max(gaps) < TOLERANCE, (version, gaps)
