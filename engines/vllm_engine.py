@@ -119,8 +119,38 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]
 
     if current_platform.is_cpu():
         worker.model_runner.reload_weights(weights_iterator=iter(weights))
+        _repack_cpu_moe_experts(worker.model_runner.get_model())
     else:
         worker.model_runner.get_model().load_weights(iter(weights))
+
+
+def _repack_cpu_moe_experts(model: nn.Module) -> int:
+    """Redo the CPU build's MoE expert prepacking after an in-place reload; how many layers.
+
+    vLLM (0.32's CPU build) prepacks expert weights into its grouped-GEMM layout only at the
+    first load: on a weight update `_setup_kernel` skips the experts' own hook, so the kernel
+    reads raw weights as packed ones (measured: MoE block output off by more than its size)."""
+    import vllm
+
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # other vLLM layouts: nothing known to redo
+        return 0
+    if _version_tuple(vllm.__version__) > (0, 32):  # not checked beyond 0.32: packing twice is as wrong
+        return 0
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    major, minor = (version.split(".") + ["0", "0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def trainer_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -71,7 +71,20 @@ def main() -> None:
         result["gap_to_trainer_after_disk_sync"] = gap(model, prompts[0], after, 1.0)
     result["policy_version"] = engine.policy_version
     engine.close()
+    result.update(moe_gaps(tok, prompts[0], greedy))
     print(json.dumps(result))
+
+
+def moe_gaps(tok, prompt: list[int], greedy: SamplingParams) -> dict[str, float]:
+    """A Qwen3-MoE model: vLLM's expert kernels get the trainer's experts, also after a step."""
+    model = build_model("tiny-moe", vocab_size=len(tok), seed=0).eval()
+    engine = VllmEngine(model, dtype="float32", max_model_len=256)
+    gaps = {"moe_gap": gap(model, prompt, engine.generate([prompt], greedy)[0][0], 1.0)}
+    perturb(model, 3)
+    engine.sync(None, 1)
+    gaps["moe_gap_after_push"] = gap(model, prompt, engine.generate([prompt], greedy)[0][0], 1.0)
+    engine.close()
+    return gaps
 
 
 if __name__ == "__main__":

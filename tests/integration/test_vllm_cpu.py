@@ -125,6 +125,8 @@ def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints():
     assert measured["gap_after_disk_sync"] < TOLERANCE  # the checkpoint's weights...
     assert measured["gap_to_trainer_after_disk_sync"] > 0.1  # ...not the trainer's newer ones
     assert measured["policy_version"] == 2
+    # MoE: vLLM 0.32's CPU build left reloaded experts unpacked for its kernel (gap 0.05 before)
+    assert measured["moe_gap"] < TOLERANCE and measured["moe_gap_after_push"] < TOLERANCE
 
 
 def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):

@@ -145,3 +145,11 @@ def test_weights_for_vllm_have_hf_names_an_lm_head_and_lora_folded_in(tmp_path):
                            adapted.model.layers[0].self_attn.q_proj.base_layer.weight)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         checkpoint_weights(tmp_path / "missing")
+
+
+def test_vllm_versions_compare_by_major_and_minor():
+    from engines.vllm_engine import _version_tuple
+
+    assert _version_tuple("0.32.0") == (0, 32)
+    assert _version_tuple("0.10.1rc1+cpu") == (0, 10)
+    assert _version_tuple("0.9") < _version_tuple("0.32.0") < _version_tuple("1.0.0") == (1, 0)
