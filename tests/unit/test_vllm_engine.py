@@ -50,11 +50,12 @@ def _recompute(model, prompt, completion, temperature):
 @pytest.mark.gpu
 @pytest.mark.skipif(REASON is not None or not torch.cuda.is_available(),
                     reason=REASON or "needs a CUDA GPU (vLLM's CPU build: tests/integration/test_vllm_cpu.py)")
-def test_logprobs_match_trainer_and_follow_the_optimizer():
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])  # MoE: vLLM's fused-expert layout
+def test_logprobs_match_trainer_and_follow_the_optimizer(preset):
     from engines.vllm_engine import VllmEngine
 
     tok = build_tokenizer()
-    model = build_model("tiny-dense", vocab_size=len(tok), seed=0).to("cuda")
+    model = build_model(preset, vocab_size=len(tok), seed=0).to("cuda")
     engine = VllmEngine(model, dtype="float32", gpu_memory_utilization=0.2)
     try:
         assert isinstance(engine, Engine)
