@@ -162,22 +162,26 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
 def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, prefect_api_url):
     # `rlpipe run --set engine.type=vllm` in the venv that has rlpipe beside vLLM (what
     # `pip install rlpipe[vllm]` gives): the whole pipeline, then RL with LoRA adapters from its
-    # SFT result. vLLM in the trainer's process samples; its log-probs of the sampled tokens
-    # match the trainer's recomputation at every step, so it always held the trainer's weights
-    # (LoRA: the adapters folded in; a larger lr so that stale adapters would show)
+    # SFT result, and async RL. vLLM in the trainer's process samples; its log-probs of the
+    # sampled tokens match the trainer's recomputation, so it always held the trainer's weights
     from storage.writer import read_table
     from tests.integration.test_resume import ONE_THREAD, env_for
 
-    def rlpipe_run(name: str, *overrides: str) -> Path:
+    def start(name: str, *overrides: str) -> tuple[subprocess.Popen, Path]:
         args = [str(VLLM_PYTHON), "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
                 "--set", f"run_name={name}", "--set", f"runs_root={tmp_path / 'runs'}",
                 "--set", "engine.type=vllm", "--set", "rl.steps=3", "--set", "rl.eval_every=0",
                 "--set", "rl.max_staleness=0", *overrides, *ONE_THREAD]
         env = dict(env_for(tmp_path, prefect_api_url), OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
         env.pop("VIRTUAL_ENV", None)
-        done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-4000:]
-        return tmp_path / "runs" / name
+        log = (tmp_path / f"{name}.log").open("w")
+        return subprocess.Popen(args, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), tmp_path / "runs" / name
+
+    def finish(run: tuple[subprocess.Popen, Path]) -> Path:
+        process, run_dir = run
+        code = process.wait(timeout=900)
+        assert code == 0, (run_dir.parent.parent / f"{run_dir.name}.log").read_text()[-4000:]
+        return run_dir
 
     def on_policy(rl_dir: Path, first_sync: int) -> None:
         syncs = read_table(rl_dir, "syncs").to_pylist()
@@ -187,20 +191,23 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
         assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] > 0 for r in steps)
         assert all(r["logprob_gap"] < TOLERANCE for r in steps), [r["logprob_gap"] for r in steps]
 
-    pipeline = rlpipe_run("colocated")
+    pipeline = finish(start("colocated"))
     on_policy(pipeline / "rl", first_sync=0)  # step 0: the SFT result, which vLLM did not start from
     sft_result = sorted((pipeline / "sft" / "checkpoints").glob("step_*"))[-1]
-    lora = rlpipe_run("colocated-lora", "--set", "flow=rl", "--set", f"model.path={sft_result}",
-                      "--set", "model.lora.rank=8", "--set", "rl.optim.lr=3e-3")
+    from_sft = ("--set", "flow=rl", "--set", f"model.path={sft_result}")
+    # side by side (one thread each):
+    # - LoRA: the adapters folded in (the larger lr makes left-out adapters show);
+    # - async (a producer thread samples the next step while the trainer trains; the default lr:
+    #   which version samples which step depends on timing, and 3e-3 can collapse it): every
+    #   completion carries the log-probs of exactly the policy version it is recorded with, so no
+    #   weight push landed inside a generate or read the trainer's tensors in the middle of a step
+    lora_run = start("colocated-lora", *from_sft, "--set", "model.lora.rank=8", "--set", "rl.optim.lr=3e-3")
+    ahead_run = start("colocated-async", *from_sft, "--set", "rl.max_off_policy_steps=1",
+                      "--set", "rl.checkpoint_every=1")
+    lora, ahead = finish(lora_run), finish(ahead_run)
     on_policy(lora, first_sync=1)  # vLLM started from model.path
     assert (sorted((lora / "checkpoints").glob("step_*"))[-1] / "adapter").is_dir()
 
-    # async (a producer thread samples the next step while the trainer trains): every completion
-    # carries the log-probs of exactly the policy version it is recorded with, so no weight push
-    # landed inside a generate or read the trainer's tensors in the middle of a step
-    ahead = rlpipe_run("colocated-async", "--set", "flow=rl", "--set", f"model.path={sft_result}",
-                       "--set", "rl.max_off_policy_steps=1", "--set", "rl.checkpoint_every=1",
-                       "--set", "rl.optim.lr=3e-3")
     assert all(r["ok"] for r in read_table(ahead, "syncs").to_pylist())
     rollouts = read_table(ahead, "rollouts").to_pylist()
     lags = {r["step"] - r["policy_version"] for r in rollouts}
