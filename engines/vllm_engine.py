@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -122,6 +123,34 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]
         _repack_cpu_moe_experts(worker.model_runner.get_model())
     else:
         worker.model_runner.get_model().load_weights(iter(weights))
+
+
+# vLLM warnings that are expected for an engine fed token ids and the trainer's tensors, by the
+# logger that emits them (a filter on that logger outlives vLLM's logging reconfiguration)
+_EXPECTED_VLLM_WARNINGS = {
+    "vllm.renderers.base": (
+        "Chat template warmup failed",  # skip_tokenizer_init: no tokenizer to warm up
+        "Using None for EOS token id because tokenizer is not initialized",  # we pass stop ids
+    ),
+    # at every sync: rotary tables are not weights
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+}
+
+
+def quiet_vllm_logging() -> None:
+    """vLLM logs at WARNING (its INFO lines at every sync would break the progress bar) unless
+    the user set VLLM_LOGGING_LEVEL, and without the expected warnings above. Call before
+    building vllm.LLM, which re-reads the level."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name in _EXPECTED_VLLM_WARNINGS:
+        logger = logging.getLogger(name)
+        if _keep_vllm_record not in logger.filters:
+            logger.addFilter(_keep_vllm_record)
+
+
+def _keep_vllm_record(record: logging.LogRecord) -> bool:
+    expected = _EXPECTED_VLLM_WARNINGS.get(record.name, ())
+    return not (expected and record.getMessage().startswith(expected))
 
 
 def _repack_cpu_moe_experts(model: nn.Module) -> int:
@@ -213,6 +242,7 @@ class VllmEngine:
             )
         import vllm
 
+        quiet_vllm_logging()
         on_cpu = vllm_on_cpu()
         self.model = model
         # vLLM's sleep mode lives in its CUDA allocator; on its CPU build nothing is released

@@ -3,6 +3,7 @@ match the trainer's recomputation and weights that follow the optimizer."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -154,3 +155,33 @@ def test_vllm_versions_compare_by_major_and_minor():
     assert _version_tuple("0.32.0") == (0, 32)
     assert _version_tuple("0.10.1rc1+cpu") == (0, 10)
     assert _version_tuple("0.9") < _version_tuple("0.32.0") < _version_tuple("1.0.0") == (1, 0)
+
+
+def test_vllm_logging_is_quiet_but_keeps_real_warnings(monkeypatch):
+    import logging
+
+    from engines.vllm_engine import quiet_vllm_logging
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    loader = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    renderer = logging.getLogger("vllm.renderers.base")
+    for logger in (loader, renderer):
+        monkeypatch.setattr(logger, "handlers", [handler])
+        monkeypatch.setattr(logger, "filters", [])
+        monkeypatch.setattr(logger, "propagate", False)
+    quiet_vllm_logging()
+    quiet_vllm_logging()  # idempotent: one filter per logger
+    assert len(loader.filters) == len(renderer.filters) == 1
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    loader.warning("%s: Failed to load weights", "RotaryEmbedding")
+    loader.warning("%s: Failed to load weights", "Qwen3DecoderLayer")
+    renderer.warning("Chat template warmup failed")
+    renderer.warning("Using None for EOS token id because tokenizer is not initialized")
+    renderer.warning("something else")
+    assert seen == ["Qwen3DecoderLayer: Failed to load weights", "something else"]
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    quiet_vllm_logging()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"  # the user's choice stands
