@@ -116,9 +116,7 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]
     CPU build repacks linear weights for its GEMM after loading, so there the runner's in-place
     reload (which redoes that) is the only way in.
     """
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
+    if vllm_on_cpu():
         worker.model_runner.reload_weights(weights_iterator=iter(weights))
         _repack_cpu_moe_experts(worker.model_runner.get_model())
     else:
@@ -153,8 +151,8 @@ def _keep_vllm_record(record: logging.LogRecord) -> bool:
     return not (expected and record.getMessage().startswith(expected))
 
 
-def _repack_cpu_moe_experts(model: nn.Module) -> int:
-    """Redo the CPU build's MoE expert prepacking after an in-place reload; how many layers.
+def _repack_cpu_moe_experts(model: nn.Module) -> None:
+    """Redo the CPU build's MoE expert prepacking after an in-place reload.
 
     vLLM (0.32's CPU build) prepacks expert weights into its grouped-GEMM layout only at the
     first load: on a weight update `_setup_kernel` skips the experts' own hook, so the kernel
@@ -164,17 +162,14 @@ def _repack_cpu_moe_experts(model: nn.Module) -> int:
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # other vLLM layouts: nothing known to redo
-        return 0
+        return
     if _version_tuple(vllm.__version__) > (0, 32):  # not checked beyond 0.32: packing twice is as wrong
-        return 0
-    repacked = 0
+        return
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts):
             experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
 
 
 def _version_tuple(version: str) -> tuple[int, int]:

@@ -179,11 +179,11 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     engines = make_engines(config, model)
     version = start_step * rl.ppo_epochs
-    if resume_from is not None:  # servers restart from the checkpoint; its syncs rows are repaired
-        sync_task(engines, str(resume_from), version, run_dir=run_dir, run_id=run_id, step=start_step,
-                  retries=config.engine.retries, only_missing=True)
-    elif start_checkpoint:  # the pipeline's SFT result, which no server was started from
-        sync_task(engines, str(start_checkpoint), version, run_dir=run_dir, run_id=run_id, step=0,
+    # servers restart from a resumed checkpoint (its syncs rows are repaired), or take the
+    # pipeline's SFT result, which no server was started from
+    sync_from = resume_from if resume_from is not None else start_checkpoint
+    if sync_from:
+        sync_task(engines, str(sync_from), version, run_dir=run_dir, run_id=run_id, step=start_step,
                   retries=config.engine.retries, only_missing=True)
     # evals read the trainer's weights in-process: other engines may lag a sync behind
     eval_engine = engines[0] if engines[0].shares_weights else \
