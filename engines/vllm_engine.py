@@ -22,6 +22,9 @@ How it shares the GPU with training (colocated):
   one lock, so a push never lands inside a generate, and the run builds the engine with
   `sleep_between_calls=False`: a push deferred to the next wake-up would read the trainer's
   tensors in the producer thread, possibly in the middle of an optimizer step.
+- MoE models: pushed expert tensors must land in the layout vLLM's kernel reads, so experts
+  run on Triton (`moe_backend="triton"`, vLLM's own pick on Hopper; FlashInfer, first on
+  Blackwell, reorders experts at load only). A vLLM that picks another kernel is refused at build.
 - Log-probs follow engines/base.py's convention through `logprobs_mode="processed_logprobs"`
   (after temperature; equal to the untruncated tempered log-prob when top-k/top-p are off;
   with top-k/top-p vLLM reports the truncated-renormalised value).
@@ -38,6 +41,7 @@ On vLLM's CPU build nothing sleeps and weights go through the runner's in-place 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -172,6 +176,51 @@ def _repack_cpu_moe_experts(model: nn.Module) -> None:
             experts.process_weights_after_loading(module)
 
 
+# vLLM MoE kernels that read expert weights in the checkpoint's layout, so the trainer's tensors
+# can be copied straight in. Others reorder the experts once at load (FlashInfer, which vLLM 0.26
+# picks first on Blackwell: [w3; w1] halves or a block layout; ROCm's AITER shuffle): a push
+# into them would sample from scrambled experts.
+_CHECKPOINT_LAYOUT_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+def moe_backend_kwargs(config: Any, on_cpu: bool, engine_arg_names: set[str]) -> dict[str, str]:
+    """vllm.LLM kwargs that pin a MoE model's experts to Triton on GPUs (vLLM's own choice on
+    Hopper), where the vLLM in use lets us choose; nothing for dense models or on CPU."""
+    is_moe = int(getattr(config, "num_experts", 0) or 0) > 0
+    if is_moe and not on_cpu and "moe_backend" in engine_arg_names:
+        return {"moe_backend": "triton"}
+    return {}
+
+
+def _moe_backends_on_worker(worker: Any) -> list[str]:
+    """Runs inside vLLM's worker: the backend name of each MoE layer's unquantized method."""
+    return moe_backend_names(worker.model_runner.get_model())
+
+
+def moe_backend_names(model: nn.Module) -> list[str]:
+    """Names of the unquantized MoE backends `model`'s layers run on (empty for dense models)."""
+    names = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        method = getattr(method, "old_quant_method", method)  # under a modular (EP) wrapper
+        backend = getattr(method, "unquantized_backend", None)
+        if backend is not None:
+            names.append(getattr(backend, "name", str(backend)))
+    return names
+
+
+def check_pushable_moe_backends(names: list[str]) -> None:
+    """Raise if a MoE layer runs on a kernel whose expert layout a weight push cannot keep."""
+    reordering = sorted(set(names) - set(_CHECKPOINT_LAYOUT_MOE_BACKENDS) - {"CPU"})
+    if reordering:
+        raise RuntimeError(
+            f"vLLM runs this MoE model's experts on {', '.join(reordering)}, which reorders "
+            "expert weights at load: the trainer's weights pushed into it would be read "
+            "scrambled. Use a vLLM with the `moe_backend` engine argument (rlpipe sets it to "
+            "'triton'), or engine.type = 'torch'"
+        )
+
+
 def _version_tuple(version: str) -> tuple[int, int]:
     major, minor = (version.split(".") + ["0", "0"])[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -248,6 +297,9 @@ class VllmEngine:
         self._lock = threading.Lock()  # generate and sync may come from two threads (async RL)
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlpipe-vllm-")
         write_vllm_config(model, Path(self._config_dir.name))
+        from vllm.engine.arg_utils import EngineArgs
+
+        engine_arg_names = {field.name for field in dataclasses.fields(EngineArgs)}
         with _env("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
             self._llm = vllm.LLM(
                 model=self._config_dir.name,
@@ -264,7 +316,14 @@ class VllmEngine:
                 enable_chunked_prefill=not on_cpu,
                 logprobs_mode="processed_logprobs",
                 seed=seed,
+                **moe_backend_kwargs(model.config, on_cpu, engine_arg_names),
             )
+        if not on_cpu:  # the CPU build's experts are repacked after each push instead
+            try:
+                check_pushable_moe_backends(self.moe_backends())
+            except RuntimeError:
+                self.close()
+                raise
         self._push_weights()
         if self.sleep_between_calls:
             self.sleep()
@@ -310,6 +369,10 @@ class VllmEngine:
                 self.wake_up(push=False)
                 self._push(checkpoint_weights(Path(checkpoint_path)))
             self._policy_version = policy_version
+
+    def moe_backends(self) -> list[str]:
+        """The kernel each of vLLM's MoE layers runs on (e.g. 'TRITON'; empty for dense)."""
+        return [name for names in self._llm.collective_rpc(_moe_backends_on_worker) for name in names]
 
     def sleep(self) -> None:
         """Release weights and KV cache (level 2: weights are reloaded from `model` on wake)."""

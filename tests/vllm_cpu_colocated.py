@@ -75,11 +75,12 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def moe_gaps(tok, prompt: list[int], greedy: SamplingParams) -> dict[str, float]:
+def moe_gaps(tok, prompt: list[int], greedy: SamplingParams) -> dict:
     """A Qwen3-MoE model: vLLM's expert kernels get the trainer's experts, also after a step."""
     model = build_model("tiny-moe", vocab_size=len(tok), seed=0).eval()
     engine = VllmEngine(model, dtype="float32", max_model_len=256)
-    gaps = {"moe_gap": gap(model, prompt, engine.generate([prompt], greedy)[0][0], 1.0)}
+    gaps = {"moe_gap": gap(model, prompt, engine.generate([prompt], greedy)[0][0], 1.0),
+            "moe_backends": engine.moe_backends()}
     perturb(model, 3)
     engine.sync(None, 1)
     gaps["moe_gap_after_push"] = gap(model, prompt, engine.generate([prompt], greedy)[0][0], 1.0)

@@ -34,6 +34,7 @@ from training.ports import free_port
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("RLPIPE_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 TOLERANCE = 1e-4  # float32 on both sides: measured 5e-7 to 1e-6
+MOE_LAYERS = 2  # tiny-moe: every one of its 2 layers is sparse
 
 pytestmark = [
     pytest.mark.slow,
@@ -127,6 +128,8 @@ def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints():
     assert measured["policy_version"] == 2
     # MoE: vLLM 0.32's CPU build left reloaded experts unpacked for its kernel (gap 0.05 before)
     assert measured["moe_gap"] < TOLERANCE and measured["moe_gap_after_push"] < TOLERANCE
+    # the layer walk behind the build's expert-layout check finds every MoE layer of real vLLM
+    assert measured["moe_backends"] == ["CPU"] * MOE_LAYERS
 
 
 def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):

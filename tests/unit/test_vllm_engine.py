@@ -185,3 +185,37 @@ def test_vllm_logging_is_quiet_but_keeps_real_warnings(monkeypatch):
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     quiet_vllm_logging()
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"  # the user's choice stands
+
+
+def test_moe_experts_are_pinned_to_the_kernel_that_reads_pushed_weights():
+    from engines.vllm_engine import moe_backend_kwargs
+
+    tok = build_tokenizer()
+    moe = build_model("tiny-moe", vocab_size=len(tok)).config
+    dense = build_model("tiny-dense", vocab_size=len(tok)).config
+    assert moe_backend_kwargs(moe, False, {"moe_backend", "seed"}) == {"moe_backend": "triton"}
+    assert moe_backend_kwargs(dense, False, {"moe_backend"}) == {}
+    assert moe_backend_kwargs(moe, True, {"moe_backend"}) == {}  # the CPU build repacks instead
+    assert moe_backend_kwargs(moe, False, {"seed"}) == {}  # a vLLM without the argument
+
+
+def test_moe_kernels_that_reorder_experts_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from engines.vllm_engine import check_pushable_moe_backends, moe_backend_names
+
+    def experts(backend: str, wrapped: bool = False) -> nn.Module:
+        layer = nn.Module()
+        method = SimpleNamespace(unquantized_backend=SimpleNamespace(name=backend))
+        layer.quant_method = SimpleNamespace(old_quant_method=method) if wrapped else method
+        return layer
+
+    model = nn.Sequential(nn.Linear(2, 2), experts("TRITON"), experts("FLASHINFER_TRTLLM", True))
+    assert moe_backend_names(model) == ["TRITON", "FLASHINFER_TRTLLM"]
+    assert moe_backend_names(nn.Linear(2, 2)) == []
+    check_pushable_moe_backends(["TRITON", "BATCHED_TRITON", "CPU"])
+    check_pushable_moe_backends([])
+    with pytest.raises(RuntimeError, match="FLASHINFER_TRTLLM.*scrambled"):
+        check_pushable_moe_backends(moe_backend_names(model))
