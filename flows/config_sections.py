@@ -267,7 +267,8 @@ class EngineConfig(Section):
     allocated while the trainer trains, and MoE blocks run every expert on every token. Off by
     default until a GPU run has measured it (docs/BENCHMARKS_GPU.md); ignored, with a log line,
     on CPU and for models without the fast Qwen3 path; not used by the snapshot engine of
-    rl.max_off_policy_steps > 0."""
+    rl.max_off_policy_steps > 0. vLLM engine: let vLLM compile and capture its CUDA graphs
+    (its own default, as TRL runs it; false = enforce_eager, which starts faster)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM engine: share of GPU memory vLLM may hold while generating (weights + KV cache); it
     sleeps, releasing it, while the trainer trains. Ignored by vLLM's CPU build."""

@@ -116,6 +116,7 @@ def make_engines(config, model) -> list[Engine]:
         return [VllmEngine(model, dtype=str(dtype).removeprefix("torch."),
                            gpu_memory_utilization=config.engine.gpu_memory_utilization,
                            max_model_len=config.engine.max_model_len or None,
+                           enforce_eager=not config.engine.cuda_graphs,
                            sleep_between_calls=config.rl.max_off_policy_steps == 0)]
     if config.rl.max_off_policy_steps > 0:
         from engines.snapshot import SnapshotEngine

@@ -90,17 +90,20 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
     monkeypatch.setattr("engines.vllm_engine.VllmEngine", lambda model, **kw: built.append(kw) or kw)
     model = build_model("tiny-dense", vocab_size=len(build_tokenizer()))
     config = RunConfig.model_validate(
-        {"device": "cpu", "engine": {"type": "vllm", "gpu_memory_utilization": 0.55, "max_model_len": 2048}})
+        {"device": "cpu", "engine": {"type": "vllm", "gpu_memory_utilization": 0.55, "max_model_len": 2048,
+                                     "cuda_graphs": True}})
     make_engines(config, model)
     make_engines(RunConfig.model_validate({"device": "cpu", "engine": {"type": "vllm"}}), model)
     # async RL: vLLM stays awake (a wake-up would push the trainer's tensors mid-step)
     make_engines(RunConfig.model_validate(
         {"device": "cpu", "engine": {"type": "vllm"}, "rl": {"max_off_policy_steps": 1}}), model)
     # a CPU model samples in its own float32; on CUDA with bf16 autocast it is "bfloat16"
+    common = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "enforce_eager": True}
     assert built == [
-        {"dtype": "float32", "gpu_memory_utilization": 0.55, "max_model_len": 2048, "sleep_between_calls": True},
-        {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "sleep_between_calls": True},
-        {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "sleep_between_calls": False},
+        {**common, "gpu_memory_utilization": 0.55, "max_model_len": 2048, "enforce_eager": False,
+         "sleep_between_calls": True},
+        {**common, "sleep_between_calls": True},
+        {**common, "sleep_between_calls": False},
     ]
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         RunConfig.model_validate({"engine": {"type": "vllm", "gpu_memory_utilization": 1.5}})
