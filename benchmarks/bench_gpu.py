@@ -1,6 +1,6 @@
 """GPU benchmark (one CUDA device): rlpipe at Qwen3-0.6B scale, and TRL's GRPOTrainer beside it.
 
-Three parts, one process, one GPU:
+Its parts, in one process on one GPU (rl_vs_trl_vllm starts one process per side):
 - train: the packed train step of the `qwen3-0.6b` preset at its real 151,936-token vocabulary
   (0.60B parameters), RL-like packs of 256-1,024-token sequences: seconds, real tokens/s, model
   FLOP utilisation (MFU: 6 x matmul parameters x tokens + causal attention, over the GPU's dense
@@ -17,11 +17,13 @@ Three parts, one process, one GPU:
   optimizer and precision (bf16), gradient checkpointing off on both sides, and rlpipe once more
   with `train.compile` and `engine.cuda_graphs` on. TRL generates with transformers' `generate`:
   vLLM is not installed where this ran (see the JSON's `notes`).
+- rl_vs_trl_vllm (not in the default parts; needs vLLM): the same comparison with both sides
+  sampling from vLLM colocated, and each side's weight-sync seconds (benchmarks/gpu_vllm.py).
 
 - logprobs: the chunked selective log-softmax alone, previous version vs eager vs compiled kernels
   (benchmarks/gpu_logprobs.py).
 
-    python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl logprobs] [--out runs/bench/gpu.json]
+    python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl rl_vs_trl_vllm logprobs] [--out runs/bench/gpu.json]
     python -m benchmarks.bench_gpu --render docs/BENCHMARKS_GPU.json     # -> docs/BENCHMARKS_GPU.md
 
 The document is generated from the JSON (which also holds the `rlpipe run configs/gpu.toml`
@@ -44,11 +46,12 @@ import torch
 
 from benchmarks.gpu_logprobs import bench_logprobs_gpu
 from benchmarks.gpu_report import render
+from benchmarks.gpu_vllm import add_vllm_arguments, bench_rl_vs_trl_vllm, vllm_installed
 from benchmarks.results import write_atomic, write_results
 from benchmarks.timing import timed
 from engines.base import SamplingParams
 from engines.torch_engine import TorchEngine
-from models.device import synchronize
+from models.device import model_device, synchronize
 from models.presets import build_model
 from models.tokenizer import build_tokenizer
 from tasks.setup import place_model, stop_token_ids
@@ -221,17 +224,19 @@ def arithmetic_prompts(tokenizer, count: int, seed: int):
     return env, examples, [encode_messages(tokenizer, env.reset(e)) for e in examples]
 
 
-def rlpipe_steps(model, tokenizer, args, cuda_graphs: bool = False) -> dict:
-    """rlpipe's stage functions, no Prefect/Parquet/MLflow: generate, reward, advantages, pack, train."""
+def rlpipe_steps(model, tokenizer, args, cuda_graphs: bool = False, engine=None) -> dict:
+    """rlpipe's stage functions, no Prefect/Parquet/MLflow: generate, reward, advantages, pack, train
+    (sampling with `engine`, default the torch engine in bf16)."""
     env, examples, prompts = arithmetic_prompts(tokenizer, args.prompts * (args.steps + 2), seed=0)
-    engine = TorchEngine(model, dtype=torch.bfloat16, cuda_graphs=cuda_graphs)
+    engine = engine or TorchEngine(model, dtype=torch.bfloat16, cuda_graphs=cuda_graphs)
+    device = model_device(model)
     optimizer = build_optimizer(model, lr=1e-6)
     loss_fn = build_rl_loss("reinforce")
     stops = stop_token_ids(tokenizer)
     times, tokens, phases = [], [], []
     for step in range(args.steps):
         sl = slice(step * args.prompts, (step + 1) * args.prompts)
-        synchronize(torch.device("cuda"))
+        synchronize(device)
         start = time.perf_counter()
         out = engine.generate(prompts[sl], SamplingParams(n=args.group, max_new_tokens=args.max_new, seed=step,
                                                           stop_token_ids=stops))
@@ -245,9 +250,10 @@ def rlpipe_steps(model, tokenizer, args, cuda_graphs: bool = False) -> dict:
                                      logprobs=[0.0] * len(prompt) + c.logprobs, prefix_len=len(prompt),
                                      loss_mask=[False] * len(prompt) + [True] * len(c.tokens)))
         batches = pack(seqs, 16_384)
-        forward_backward(model, batches, loss_fn, autocast=True)
+        forward_backward(model, batches, loss_fn, autocast=device.type == "cuda")
         optim_step(model, optimizer, None, max_grad_norm=1.0)
-        synchronize(torch.device("cuda"))
+        engine.sync(None, step + 1)  # vLLM: the push (or, asleep, at the next wake-up)
+        synchronize(device)
         end = time.perf_counter()
         times.append(end - start)
         phases.append({"generate": generated - start, "train": end - generated})
@@ -257,7 +263,9 @@ def rlpipe_steps(model, tokenizer, args, cuda_graphs: bool = False) -> dict:
             "tokens_per_second": sum(tokens[keep]) / sum(times[keep]), "phases": phases}
 
 
-def trl_steps(model, tokenizer, args, workdir: Path) -> dict:
+def trl_steps(model, tokenizer, args, workdir: Path, vllm: dict | None = None, on_trainer=None) -> dict:
+    """TRL's GRPOTrainer on the same steps; `vllm`: GRPOConfig's vllm_* settings (else TRL generates
+    with transformers), `on_trainer`: called with the trainer before it trains."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -282,7 +290,7 @@ def trl_steps(model, tokenizer, args, workdir: Path) -> dict:
             self.ends.append(time.perf_counter())
 
         def on_step_end(self, *_, **__):
-            torch.cuda.synchronize()
+            synchronize(model_device(model))
             self.ends.append(time.perf_counter())
 
     clock = Clock()
@@ -292,13 +300,15 @@ def trl_steps(model, tokenizer, args, workdir: Path) -> dict:
         # (all 256 at once ran out of the GPU's 80 GB without gradient checkpointing)
         gradient_accumulation_steps=args.prompts // 4, num_generations=args.group, max_completion_length=args.max_new,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, scale_rewards="none", loss_type="dapo",
-        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", bf16=True,
-        gradient_checkpointing=False, use_vllm=False, seed=0, shuffle_dataset=False, dataloader_num_workers=0,
-        disable_tqdm=True, log_completions=False, learning_rate=1e-6,
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none",
+        bf16=model_device(model).type == "cuda", gradient_checkpointing=False, use_vllm=bool(vllm), seed=0, shuffle_dataset=False, dataloader_num_workers=0,
+        disable_tqdm=True, log_completions=False, learning_rate=1e-6, **(vllm or {}),
     )
     optimizer = build_optimizer(model, lr=1e-6)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock], optimizers=(optimizer, None))
+    if on_trainer is not None:
+        on_trainer(trainer)
     trainer.train()
     times = [b - a for a, b in itertools.pairwise(clock.ends)]
     keep = slice(1, None)
@@ -308,7 +318,8 @@ def trl_steps(model, tokenizer, args, workdir: Path) -> dict:
             "completion_tokens_mean": mean_len,
             "effective_args": {k: getattr(config, k, None) for k in (
                 "per_device_train_batch_size", "num_generations", "max_completion_length", "bf16",
-                "gradient_checkpointing", "use_vllm", "loss_type", "beta", "steps_per_generation")}}
+                "gradient_checkpointing", "use_vllm", "vllm_mode", "vllm_enable_sleep_mode",
+                "vllm_gpu_memory_utilization", "loss_type", "beta", "steps_per_generation")}}
 
 
 def bench_rl_vs_trl(args) -> dict:
@@ -343,7 +354,7 @@ def bench_rl_vs_trl(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", nargs="+", default=["train", "engine", "rl_vs_trl", "logprobs"],
-                        choices=["train", "engine", "rl_vs_trl", "logprobs"])
+                        choices=["train", "engine", "rl_vs_trl", "rl_vs_trl_vllm", "logprobs"])
     parser.add_argument("--tokens-per-step", type=int, default=32_768)
     parser.add_argument("--token-budget", type=int, default=16_384)
     parser.add_argument("--repeats", type=int, default=5)
@@ -354,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/bench/gpu.json")
     parser.add_argument("--profile", action="store_true", help="also write the train step's top kernels")
     parser.add_argument("--render", metavar="JSON", help="only write the Markdown next to this JSON")
+    add_vllm_arguments(parser)
     args = parser.parse_args(argv)
     if args.render:
         report = json.loads(Path(args.render).read_text())
@@ -363,8 +375,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench_gpu needs a CUDA GPU (torch sees none)")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "peak_bf16_tflops": (peak_flops() or 0) / 1e12,
-              "notes": ["vLLM/SGLang are not installed on this machine: TRL generates with transformers' "
-                        "generate and rlpipe with its torch engine"]}
+              "notes": ["rl_vs_trl: TRL generates with transformers' generate and rlpipe with its torch engine"
+                        + ("; rl_vs_trl_vllm: both with vLLM colocated" if vllm_installed() else
+                           "; vLLM is not installed on this machine")]}
     if "train" in args.parts:
         report["train"] = bench_train(args.tokens_per_step, args.token_budget, args.repeats)
     if args.profile:  # eager, then compiled: what the fused layers leave
@@ -375,6 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
         report["engine"] = bench_engine(prompts=64, n=8, max_new=256)
     if "rl_vs_trl" in args.parts:
         report["rl_vs_trl"] = bench_rl_vs_trl(args)
+    if "rl_vs_trl_vllm" in args.parts:
+        report["rl_vs_trl_vllm"] = bench_rl_vs_trl_vllm(args)
     if "logprobs" in args.parts:
         report["logprobs"] = bench_logprobs_gpu(args.tokens_per_step, args.repeats)
     write_results(args.out, report)

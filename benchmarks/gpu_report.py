@@ -10,6 +10,7 @@ import json
 import statistics
 
 from benchmarks.gpu_logprobs import render_logprobs
+from benchmarks.gpu_vllm import render_rl_vs_trl_vllm
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -78,6 +79,8 @@ def render(report: dict) -> str:
             if r.get("step_time_ratio_fast"):
                 lines += ["", f"**With compile + CUDA graphs: {r['step_time_ratio_fast']:.2f}x.**"]
         lines.append("")
+    if "rl_vs_trl_vllm" in report:
+        lines += render_rl_vs_trl_vllm(report["rl_vs_trl_vllm"])
     if "flow" in report:
         f = report["flow"]
         lines += ["## `rlpipe run configs/gpu.toml`", "", f"`{f['command']}`", "",
