@@ -31,7 +31,7 @@ from flows.common import (
 from flows.config import RunConfig
 from flows.progress import progress
 from flows.supervised import due
-from tasks.checkpoint import checkpoint_task, promote_best
+from tasks.checkpoint import checkpoint_task, promote_best, reloaded_by_vllm_servers
 from tasks.evaluate import best_accuracy_before
 from tasks.origin import record_origin
 from tasks.pack import pack_task
@@ -112,7 +112,8 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
                                   or (sync and run.needs_checkpoint_to_sync), policy_version=version,
                                   model=run.model, tokenizer=run.tokenizer, optimizer=run.optimizer,
                                   scheduler=run.scheduler, data_state=batch.state, metrics=train,
-                                  tracker=tracker, model_name=model_name, step=step, **io)
+                                  tracker=tracker, model_name=model_name, step=step,
+                                  explicit_lm_head=reloaded_by_vllm_servers(config.engine), **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
         last = row["path"] if row else last
         if sync:

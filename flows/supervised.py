@@ -18,7 +18,7 @@ from flows.common import (
 )
 from flows.config import RunConfig
 from flows.progress import progress
-from tasks.checkpoint import checkpoint_task
+from tasks.checkpoint import checkpoint_task, reloaded_by_vllm_servers
 from tasks.evaluate import eval_metrics, eval_step
 from tasks.origin import record_origin
 from tasks.ranks import make_trainer
@@ -111,7 +111,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
                 run_dir=run_dir, run_id=run_id, step=step, policy_version=step, model=model,
                 tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                 data_state={"cursor": cursor}, metrics=metrics, tracker=tracker,
-                model_name=f"{model_name}-{phase}")
+                model_name=f"{model_name}-{phase}", explicit_lm_head=reloaded_by_vllm_servers(config.engine))
         last_path = row["path"] if row else last_path
         tracker.log_metrics(step_metrics(metrics, {}, watch.seconds) | eval_metrics, step=step)
         bar.update(1)

@@ -28,13 +28,22 @@ def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, mode
     }
 
 
+def reloaded_by_vllm_servers(engine_config) -> bool:
+    """Whether the run's checkpoints are reloaded by vLLM servers (`vllm+http://` engine urls):
+    then a tied model's checkpoints name their lm_head (training/checkpoint.py says why)."""
+    from engines.http import parse_engine_url
+
+    return engine_config.type == "http" and any(parse_engine_url(u)[0] == "vllm" for u in engine_config.urls)
+
+
 def save_and_register(
     *, run_dir: Path, run_id: str, step: int, policy_version: int, model, tokenizer, optimizer,
     scheduler, data_state: dict, metrics: dict, tracker, model_name: str | None,
+    explicit_lm_head: bool = False,
 ) -> dict:
     path = save_checkpoint(run_dir, step, model, tokenizer, optimizer=optimizer,
                            scheduler=scheduler, data_state=data_state, metrics=metrics,
-                           policy_version=policy_version)
+                           policy_version=policy_version, explicit_lm_head=explicit_lm_head)
     version = None
     if tracker is not None and model_name:
         version = tracker.register_checkpoint(

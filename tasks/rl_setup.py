@@ -8,7 +8,6 @@ result for the whole run; `close` releases the engines.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,6 @@ from training.kl import frozen_copy
 from training.lora import lora_from_config
 from training.oversampling import GroupBuffer
 from training.rl_loss import loss_normaliser
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,14 +95,8 @@ def make_engines(config, model) -> list[Engine]:
     if config.engine.type == "http":
         from engines.http import engines_from_config
 
-        engines = engines_from_config(config.engine)
-        if getattr(model.config, "tie_word_embeddings", False) and any(e.flavor == "vllm" for e in engines):
-            log.warning(
-                "engine: %s ties lm_head to its embeddings, and vLLM's in-place reload of a checkpoint "
-                "leaves a tied lm_head on the old weights (vLLM 0.19-0.32): the served model drifts from "
-                "the trainer's (watch logprob_gap in train_steps); engine.type = 'vllm' is not affected",
-                type(model).__name__)
-        return engines
+        # a tied model's checkpoints name their lm_head for vLLM servers (tasks/checkpoint.py)
+        return engines_from_config(config.engine)
     dtype = engine_dtype(model, config.model.bf16_autocast)
     if config.engine.type == "vllm":
         from engines.vllm_engine import VllmEngine  # optional extra

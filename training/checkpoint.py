@@ -8,6 +8,13 @@
         data_state.json  the caller's data position (epoch, offset, seed, buffers, ...)
         rng_state.pt     python, numpy and torch (CPU, CUDA) RNG states, as tensors and numbers
         metadata.json    step, time, metrics, policy_version, sha256 of the weight files
+        lm_head.safetensors  only with explicit_lm_head, for a tied model: see below
+
+A tied model's files hold no `lm_head` (Transformers drops the duplicate), and a vLLM server that
+reloads such a checkpoint in place keeps its tied lm_head on the old weights (measured on vLLM
+0.32: the served model matched neither the old nor the new weights). With `explicit_lm_head` the
+embeddings are written once more as `lm_head.weight` in a file of their own (named in the index
+when sharded): vLLM then reloads both, and Transformers still loads the folder tied.
 
 The folder loads as is with `transformers.AutoModelForCausalLM.from_pretrained(path)` (and vLLM /
 SGLang): config.json never names rlpipe's own attention implementation. `optimizer.pt` and
@@ -46,6 +53,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 DATA_STATE_FILE = "data_state.json"
 RNG_FILE = "rng_state.pt"
 METADATA_FILE = "metadata.json"
+LM_HEAD_FILE = "lm_head.safetensors"  # explicit_lm_head (see the module doc)
 # Attention implementations plain transformers resolves by itself; anything else is ours.
 _STANDARD_ATTENTION = {None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"}
 
@@ -149,11 +157,13 @@ def save_checkpoint(
     data_state: dict[str, Any] | None = None,
     metrics: dict[str, float] | None = None,
     policy_version: int | None = None,
+    explicit_lm_head: bool = False,
 ) -> Path:
     """Write `<run_dir>/checkpoints/step_<NNNNNN>/` atomically and return its path.
 
     Rewriting an existing step replaces it. metadata.json holds step, time (UTC ISO),
     metrics, policy_version (default: step) and the sha256 of each weight file.
+    explicit_lm_head: for a tied model, also write lm_head.safetensors (for vLLM servers).
     """
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0; got {step}")
@@ -163,6 +173,8 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         save_model_files(model, tmp)  # merged weights + a PEFT adapter/ folder for a LoRA model
+        if explicit_lm_head:
+            write_explicit_lm_head(model, tmp)
         _portable_config(tmp)
         tokenizer.save_pretrained(tmp)
         if optimizer is not None or scheduler is not None:
@@ -206,6 +218,22 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def write_explicit_lm_head(model: PreTrainedModel, folder: Path) -> None:
+    """A tied model's lm_head (its embeddings' values) as LM_HEAD_FILE in a saved model folder,
+    named in the shard index if there is one; nothing for an untied model."""
+    from safetensors.torch import save_file
+
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    weight = model.get_input_embeddings().weight.detach().to("cpu").contiguous()
+    save_file({"lm_head.weight": weight}, str(folder / LM_HEAD_FILE), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # vLLM reads only the files a sharded checkpoint's index names
+        content = json.loads(index.read_text())
+        content["weight_map"]["lm_head.weight"] = LM_HEAD_FILE
+        _write_json(index, content)
 
 
 def _verify(path: Path) -> dict[str, Any]:

@@ -188,3 +188,32 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_not_run(tmp_path, tokenizer
     with pytest.raises(ValueError, match=r"rng_state\.pt.*restore_rng=False"):
         load_checkpoint(path)
     assert load_checkpoint(path, restore_rng=False).step == 1  # the weights still load
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_a_tied_model_can_name_its_lm_head_for_vllm_servers(tmp_path, tokenizer, shard, monkeypatch):
+    from safetensors.torch import load_file
+
+    from training.checkpoint import LM_HEAD_FILE
+
+    model = _model(tokenizer).eval()  # tied, like Qwen3-0.6B
+    if shard:  # a sharded checkpoint: vLLM reads only the files its index names
+        save = type(model).save_pretrained
+        monkeypatch.setattr(type(model), "save_pretrained",
+                            lambda self, folder, **kw: save(self, folder, max_shard_size=shard, **kw))
+    plain = save_checkpoint(tmp_path / "plain", 1, model, tokenizer, explicit_lm_head=False)
+    path = save_checkpoint(tmp_path / "named", 1, model, tokenizer, explicit_lm_head=True)
+    assert not (plain / LM_HEAD_FILE).exists()
+    head = load_file(str(path / LM_HEAD_FILE))
+    assert list(head) == ["lm_head.weight"] and torch.equal(head["lm_head.weight"], model.lm_head.weight)
+    assert LM_HEAD_FILE in json.loads((path / "metadata.json").read_text())["weight_files"]  # sha-checked
+    index = path / "model.safetensors.index.json"
+    assert index.is_file() == bool(shard)
+    if shard:
+        assert json.loads(index.read_text())["weight_map"]["lm_head.weight"] == LM_HEAD_FILE
+    back = load_checkpoint(path, restore_rng=False).model  # Transformers still loads it tied, same weights
+    assert back.lm_head.weight is back.get_input_embeddings().weight
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values(), strict=True))
+    untied = build_model("tiny-dense", vocab_size=len(tokenizer), seed=0, tie_word_embeddings=False)
+    assert not (save_checkpoint(tmp_path / "untied", 1, untied, tokenizer, explicit_lm_head=True)
+                / LM_HEAD_FILE).exists()  # its files hold its own lm_head already

@@ -109,19 +109,17 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
         RunConfig.model_validate({"engine": {"type": "vllm", "gpu_memory_utilization": 1.5}})
 
 
-def test_a_tied_model_on_vllm_servers_is_warned_about(caplog):
+def test_checkpoints_name_the_lm_head_only_where_vllm_servers_reload_them():
     from flows.config import RunConfig
-    from tasks.rl_setup import make_engines
+    from tasks.checkpoint import reloaded_by_vllm_servers
 
-    config = RunConfig.model_validate(
-        {"device": "cpu", "engine": {"type": "http", "urls": ["vllm+http://127.0.0.1:1", "http://127.0.0.1:2"]}})
-    vocab = len(build_tokenizer())
-    with caplog.at_level("WARNING", logger="tasks.rl_setup"):
-        engines = make_engines(config, build_model("tiny-dense", vocab_size=vocab, tie_word_embeddings=False))
-        assert not caplog.records
-        make_engines(config, build_model("tiny-dense", vocab_size=vocab))  # tied, like Qwen3-0.6B
-    assert [e.flavor for e in engines] == ["vllm", "rlpipe"]
-    assert any("leaves a tied lm_head on the old weights" in r.getMessage() for r in caplog.records)
+    def engine(section: dict):
+        return RunConfig.model_validate({"device": "cpu", "engine": section}).engine
+
+    assert reloaded_by_vllm_servers(engine({"type": "http", "urls": ["http://a:1", "vllm+http://b:2"]}))
+    assert not reloaded_by_vllm_servers(engine({"type": "http", "urls": ["http://a:1", "sglang+http://b:2"]}))
+    assert not reloaded_by_vllm_servers(engine({"type": "vllm"}))  # pushes tensors, reads no files
+    assert not reloaded_by_vllm_servers(engine({"type": "torch"}))
 
 
 def test_weights_for_vllm_have_hf_names_an_lm_head_and_lora_folded_in(tmp_path):
