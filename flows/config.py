@@ -83,6 +83,12 @@ class RunConfig(Section):
         if self.train.compile and self.train.activation_checkpointing:
             raise ValueError("train.compile with train.activation_checkpointing is not supported: the "
                              "checkpointed layers would run uncompiled (models/compile.py); turn one off")
+        if self.engine.type == "vllm" and self.train.parallel != "none":
+            raise ValueError(
+                f"engine.type = 'vllm' with train.parallel = {self.train.parallel!r} is not supported: vLLM in "
+                "rank 0's process sets up its parallel groups on the process group the training ranks "
+                "share, and such a run hung (ddp, vLLM's CPU build); sample from vLLM servers instead "
+                "(engine.type = 'http', vllm+http:// urls)")
         k = self.rl.max_off_policy_steps
         if self.engine.sync_every > k + 1:
             raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "

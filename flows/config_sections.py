@@ -65,8 +65,9 @@ class TrainConfig(Section):
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient
     reduction on CUDA). NCCL on CUDA, gloo on CPU. Rank 0 runs the flow, tables, MLflow and
-    engines; the other ranks only train. "none" with --nproc-per-node means ddp. rl.kl_coef,
-    model.lora and the entropy metric work under both (docs/ARCHITECTURE.md, ranks)."""
+    engines (not engine.type = "vllm": use vLLM servers); the other ranks only train. "none" with
+    --nproc-per-node means ddp. rl.kl_coef, model.lora and the entropy metric work under both
+    (docs/ARCHITECTURE.md, ranks)."""
     parallel_timeout_s: float = Field(1800.0, gt=0)
     """Seconds a rank waits in a collective before failing: the other ranks wait while rank 0
     generates, scores, evaluates and checkpoints, so it must exceed the longest of those."""

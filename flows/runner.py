@@ -123,6 +123,11 @@ def main_run(argv: list[str]) -> int:
         return 2
     if args.nproc_per_node is not None:
         kind = _parallel_kind(config)
+        try:  # what the ranks will run with must hold before N processes start
+            load_config(args.config, [*args.overrides, f"train.parallel={kind}"])
+        except ConfigError as error:
+            print(f"rlpipe run: {error}", file=sys.stderr)
+            return 2
         return launch(args, ["run", *strip_launch_flags(argv), "--set", f"train.parallel={kind}"], config.run_dir)
     return _execute(config, overwrite=args.overwrite)
 

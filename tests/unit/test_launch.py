@@ -108,6 +108,18 @@ def test_a_parallel_config_without_a_launch_is_refused_before_anything_runs(tmp_
     assert not (tmp_path / "tiny").exists()
 
 
+def test_the_colocated_vllm_engine_is_refused_with_data_parallel_training(tmp_path, monkeypatch, capsys):
+    for kind in ("ddp", "fsdp2"):
+        with pytest.raises(ConfigError, match="engine.type = 'vllm' with train.parallel"):
+            validate_config({"train": {"parallel": kind}, "engine": {"type": "vllm"}})
+    # `--nproc-per-node` turns 'none' into ddp for the ranks: refused before any rank starts
+    monkeypatch.setattr("flows.runner.launch", lambda *a, **k: pytest.fail("launched"))
+    code = main_run([CONFIG, "--nproc-per-node", "2", "--set", f"runs_root={tmp_path}", "--set", "engine.type=vllm"])
+    assert code == 2
+    assert "sample from vLLM servers instead" in capsys.readouterr().err
+    assert not (tmp_path / "tiny").exists()
+
+
 def test_parallel_config_key_is_checked():
     with pytest.raises(ConfigError, match="train.parallel"):
         validate_config({"train": {"parallel": "zero3"}})
