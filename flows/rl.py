@@ -116,11 +116,11 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
                                   explicit_lm_head=reloaded_by_vllm_servers(config.engine), **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
         last = row["path"] if row else last
-        if sync:
-            with watch("sync"):
+        if sync:  # between two sampling rounds of an async producer; later rounds record `version`
+            with watch("sync"), source.syncing(version):
                 sync_task(run.engines, last if run.needs_checkpoint_to_sync else None, version, step=step,
                           retries=config.engine.retries, **io)
-        if sync or run.engines[0].shares_weights:
+        elif run.engines[0].shares_weights:
             source.publish(version)  # the engines now sample from this step's weights
         tracker.log_metrics({m.seconds(k): watch.seconds[k] for k in ("checkpoint", "sync") if k in watch.seconds},
                             step=step)

@@ -5,7 +5,8 @@ rollouts with their advantages.
     with source:
         batch = source.batch(step)       # StepBatch: samples to pack, metrics, data_state
         ...train...
-        source.publish(version)          # the engines now sample from `version`
+        with source.syncing(version):    # engines take new weights between sampling rounds
+            sync(engines)                # (the producer waits; later rounds record `version`)
 
 Behind it: sampling rounds (generate and score stages, injected as `RolloutStages`), the
 over-sampling buffer (training.oversampling: zero-variance filter, carry-over, max-attempts guard,
@@ -26,6 +27,7 @@ Nothing here imports Prefect: the stages come in as plain callables.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 from dataclasses import dataclass, field
@@ -112,6 +114,9 @@ class RolloutSource:
         self._ready: dict[int, StepBatch | BaseException] = {}
         self._published = published_version
         self._cond = threading.Condition()
+        # held by each sampling round and by `syncing`: a round samples from one policy version,
+        # the one it records (an HTTP server reloaded mid-round mixed versions in a completion)
+        self._round = threading.Lock()
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -134,7 +139,7 @@ class RolloutSource:
     def batch(self, step: int) -> StepBatch:
         """The batch that trains `step` (blocks until the producer has it when running ahead)."""
         if self._thread is None:
-            return self._produce(step, self._published)
+            return self._produce(step)
         with self._cond:
             self._cond.wait_for(lambda: step in self._ready)
             result = self._ready.pop(step)
@@ -148,6 +153,14 @@ class RolloutSource:
             self._published = version
             self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def syncing(self, version: int):
+        """Change the engines' weights inside: it waits for a sampling round in flight, none
+        starts meanwhile, and `version` is published before the next one does."""
+        with self._round:
+            yield
+            self.publish(version)
+
     # ------------------------------------------------------------------ the producer side
     def _produce_ahead(self) -> None:
         step = self._next
@@ -158,9 +171,8 @@ class RolloutSource:
                     len(self._ready) <= self.ahead and self._published >= step - 1 - self.ahead))  # noqa: B023
                 if self._stop:
                     return
-                version = self._published
             try:
-                result: StepBatch | BaseException = self._produce(step, version)
+                result: StepBatch | BaseException = self._produce(step)
             except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it
                 result = error
             with self._cond:
@@ -170,8 +182,9 @@ class RolloutSource:
                 return
             step += 1
 
-    def _produce(self, step: int, version: int) -> StepBatch:
-        """Fill the batch of `step` from engines at `version` (the one fill path, both modes)."""
+    def _produce(self, step: int) -> StepBatch:
+        """Fill the batch of `step` from the engines' current weights (the one fill path, both
+        modes); each round records the version it sampled from."""
         watch = Stopwatch()
         sampled: list[Rollout] = []
         scored: list[Score] = []
@@ -180,9 +193,9 @@ class RolloutSource:
         def sample_round(attempt: int, n_prompts: int) -> list[Group]:
             examples = self.prompts.next_batch(n_prompts)
             self._examples.update({e.example_id: e for e in examples})
-            with watch("generate"):
-                new = self.stages.generate(examples, step=step, attempt=attempt, policy_version=version,
-                                           previous=sampled)
+            with self._round, watch("generate"):
+                new = self.stages.generate(examples, step=step, attempt=attempt,
+                                           policy_version=self._published, previous=sampled)
             with watch("score"):
                 new_scores = self.stages.score(self._examples, new, step=step, previous=scored)
             sampled.extend(new)

@@ -74,6 +74,45 @@ def test_one_step_ahead_never_exceeds_the_bound():
     assert all(step - 1 - version <= 1 for step, version in stages.rounds)
 
 
+def test_a_sync_waits_for_the_round_in_flight_and_later_rounds_record_its_version():
+    # a vLLM server reloaded in the middle of an async round sampled with the new weights what the
+    # round recorded as the old version (measured: 3,816 of 7,104 completions off their version)
+    stages, gate, in_round, second = FakeStages(), threading.Event(), threading.Event(), threading.Event()
+    plain = stages.generate
+
+    def slow_second_step(examples, *, step, attempt, policy_version, previous):
+        in_round.set()
+        if step == 2:
+            second.set()
+            assert gate.wait(10)
+        rows = plain(examples, step=step, attempt=attempt, policy_version=policy_version, previous=previous)
+        in_round.clear()
+        return rows
+
+    stages.generate = slow_second_step
+    rl = RLConfig(steps=3, prompts_per_step=2, max_off_policy_steps=1, max_staleness=0)
+    entered, overlapped = threading.Event(), []
+    with source_for(rl, stages) as source:
+        source.batch(1)
+        assert second.wait(10)  # the producer's round of step 2 has begun
+
+        def sync() -> None:
+            with source.syncing(1):
+                overlapped.append(in_round.is_set())
+                entered.set()
+
+        syncer = threading.Thread(target=sync)
+        syncer.start()
+        assert not entered.wait(0.3)  # held while the round samples
+        gate.set()
+        assert entered.wait(10)
+        syncer.join()
+        assert source.batch(2).metrics["rollout/policy_lag_max"] == 1
+        source.batch(3)
+    assert overlapped == [False]
+    assert stages.rounds[:2] == [(1, 0), (2, 0)] and stages.rounds[2:] == [(3, 1)]
+
+
 def test_a_producer_error_reaches_the_trainer():
     stages = FakeStages()
     def all_zero(examples, rollouts, *, step, previous):  # every group zero-variance
