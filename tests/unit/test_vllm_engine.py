@@ -123,7 +123,7 @@ def test_checkpoints_name_the_lm_head_only_where_vllm_servers_reload_them():
 
 
 def test_weights_for_vllm_have_hf_names_an_lm_head_and_lora_folded_in(tmp_path):
-    from engines.vllm_engine import checkpoint_weights, trainer_weights
+    from engines.vllm_weights import checkpoint_weights, trainer_weights
     from training.lora import LoraOptions, add_lora, merged_state_dict
 
     tok = build_tokenizer()
@@ -151,11 +151,11 @@ def test_weights_for_vllm_have_hf_names_an_lm_head_and_lora_folded_in(tmp_path):
 
 
 def test_vllm_versions_compare_by_major_and_minor():
-    from engines.vllm_engine import _version_tuple
+    from engines.vllm_weights import version_tuple
 
-    assert _version_tuple("0.32.0") == (0, 32)
-    assert _version_tuple("0.10.1rc1+cpu") == (0, 10)
-    assert _version_tuple("0.9") < _version_tuple("0.32.0") < _version_tuple("1.0.0") == (1, 0)
+    assert version_tuple("0.32.0") == (0, 32)
+    assert version_tuple("0.10.1rc1+cpu") == (0, 10)
+    assert version_tuple("0.9") < version_tuple("0.32.0") < version_tuple("1.0.0") == (1, 0)
 
 
 def test_vllm_logging_is_quiet_but_keeps_real_warnings(monkeypatch):
@@ -189,7 +189,7 @@ def test_vllm_logging_is_quiet_but_keeps_real_warnings(monkeypatch):
 
 
 def test_moe_experts_are_pinned_to_the_kernel_that_reads_pushed_weights():
-    from engines.vllm_engine import moe_backend_kwargs
+    from engines.vllm_weights import moe_backend_kwargs
 
     tok = build_tokenizer()
     moe = build_model("tiny-moe", vocab_size=len(tok)).config
@@ -205,7 +205,7 @@ def test_moe_kernels_that_reorder_experts_are_refused_by_name():
 
     from torch import nn
 
-    from engines.vllm_engine import check_pushable_moe_backends, moe_backend_names
+    from engines.vllm_weights import check_pushable_moe_backends, moe_backend_names
 
     def experts(backend: str, wrapped: bool = False) -> nn.Module:
         layer = nn.Module()
