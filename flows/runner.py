@@ -123,10 +123,8 @@ def main_run(argv: list[str]) -> int:
         return 2
     if args.nproc_per_node is not None:
         kind = _parallel_kind(config)
-        try:  # what the ranks will run with must hold before N processes start
-            load_config(args.config, [*args.overrides, f"train.parallel={kind}"])
-        except ConfigError as error:
-            print(f"rlpipe run: {error}", file=sys.stderr)
+        if isinstance(ranks := _with_parallel(config, kind), str):  # must hold before N processes start
+            print(f"rlpipe run: {ranks}", file=sys.stderr)
             return 2
         return launch(args, ["run", *strip_launch_flags(argv), "--set", f"train.parallel={kind}"], config.run_dir)
     return _execute(config, overwrite=args.overwrite)
@@ -154,6 +152,9 @@ def main_resume(argv: list[str]) -> int:
             config = config.model_copy(update={"runs_root": str(Path(args.run_dir).resolve().parent),
                                                "run_name": Path(args.run_dir).resolve().name})
     if args.nproc_per_node is not None:  # the ranks see train.parallel 'none' as ddp (_execute)
+        if isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
+            print(f"rlpipe resume: {ranks}", file=sys.stderr)
+            return 2
         return launch(args, ["resume", *strip_launch_flags(argv)], config.run_dir)
     return _execute(config)
 
@@ -178,9 +179,19 @@ def _rank_config(config: RunConfig) -> RunConfig | str:
         return (f"device = {config.device!r} would put every rank on one GPU; use 'cuda' or 'auto' "
                 "(each rank takes the GPU of its LOCAL_RANK)")
     if config.train.parallel == "none":
-        train = config.train.model_copy(update={"parallel": "ddp"})
-        return config.model_copy(update={"train": train})
+        return _with_parallel(config, "ddp")
     return config
+
+
+def _with_parallel(config: RunConfig, kind: str) -> RunConfig | str:
+    """`config` as launched ranks run it (train.parallel = kind), validated again: some settings
+    hold for one process only; or why it cannot run that way."""
+    data = config.model_dump()
+    data["train"]["parallel"] = kind
+    try:
+        return validate_config(data)
+    except ConfigError as error:
+        return str(error)
 
 
 def _run_rank(config: RunConfig, run) -> int:

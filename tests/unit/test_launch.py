@@ -118,6 +118,17 @@ def test_the_colocated_vllm_engine_is_refused_with_data_parallel_training(tmp_pa
     assert code == 2
     assert "sample from vLLM servers instead" in capsys.readouterr().err
     assert not (tmp_path / "tiny").exists()
+    # nor may a resume, or torchrun starting `rlpipe run` itself, get there another way
+    run_dir = tmp_path / "made"
+    run_dir.mkdir()
+    config = validate_config({"engine": {"type": "vllm"}, "runs_root": str(tmp_path), "run_name": "made"})
+    (run_dir / "config.json").write_text(config.model_dump_json())
+    assert main_resume([str(run_dir), "--nproc-per-node", "2"]) == 2
+    assert "sample from vLLM servers instead" in capsys.readouterr().err
+    from flows.runner import _rank_config
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    assert "sample from vLLM servers instead" in _rank_config(config)
 
 
 def test_parallel_config_key_is_checked():
