@@ -378,21 +378,18 @@ def main(argv: list[str] | None = None) -> dict:
               "notes": ["rl_vs_trl: TRL generates with transformers' generate and rlpipe with its torch engine"
                         + ("; rl_vs_trl_vllm: both with vLLM colocated" if vllm_installed() else
                            "; vLLM is not installed on this machine")]}
-    if "train" in args.parts:
-        report["train"] = bench_train(args.tokens_per_step, args.token_budget, args.repeats)
+    parts = {"train": lambda: bench_train(args.tokens_per_step, args.token_budget, args.repeats),
+             "engine": lambda: bench_engine(prompts=64, n=8, max_new=256),
+             "rl_vs_trl": lambda: bench_rl_vs_trl(args),
+             "rl_vs_trl_vllm": lambda: bench_rl_vs_trl_vllm(args),
+             "logprobs": lambda: bench_logprobs_gpu(args.tokens_per_step, args.repeats)}
+    for name in args.parts:
+        report[name] = parts[name]()
+        write_results(args.out, report)  # each part kept as it ends: GPU time is short, a later one may hang
     if args.profile:  # eager, then compiled: what the fused layers leave
         profile_train_step(args.tokens_per_step, args.token_budget, Path(args.out).with_suffix(".profile.txt"))
         profile_train_step(args.tokens_per_step, args.token_budget,
                            Path(args.out).with_suffix(".profile-compile.txt"), compile=True)
-    if "engine" in args.parts:
-        report["engine"] = bench_engine(prompts=64, n=8, max_new=256)
-    if "rl_vs_trl" in args.parts:
-        report["rl_vs_trl"] = bench_rl_vs_trl(args)
-    if "rl_vs_trl_vllm" in args.parts:
-        report["rl_vs_trl_vllm"] = bench_rl_vs_trl_vllm(args)
-    if "logprobs" in args.parts:
-        report["logprobs"] = bench_logprobs_gpu(args.tokens_per_step, args.repeats)
-    write_results(args.out, report)
     return report
 
 

@@ -11,6 +11,7 @@ OUT=${OUT:-runs/gpu-checks}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+failed=()
 
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
@@ -19,6 +20,7 @@ step() {  # name, seconds, command...
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" = 0 ] || failed+=("$name")
   tail -n 15 "$OUT/$name.log"
 }
 
@@ -30,12 +32,13 @@ bench() {  # name, seconds, bench_gpu parts...
 [ $# -gt 0 ] || { echo "name steps: env tests vllm train logprobs engine flow" >&2; exit 2; }
 for name in "$@"; do
   case "$name" in
-    env) step env 60 bash -c "nvidia-smi -L; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__)';
-                              $PY -c 'import vllm, trl; print(\"vllm\", vllm.__version__, \"trl\", trl.__version__)'" ;;
+    env) step env 60 bash -c 'nvidia-smi -L; "$0" -c "import torch, transformers; print(torch.__version__, transformers.__version__)";
+                              "$0" -c "import vllm, trl; print(\"vllm\", vllm.__version__, \"trl\", trl.__version__)"' "$PY" ;;
     # the CUDA tests, and the vLLM engine's log-probs against the trainer's (dense and MoE)
     tests) step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_vllm_engine.py ;;
     # issue 15's comparison: TRL GRPOTrainer vs rlpipe, both with vLLM colocated (step time, sync)
-    vllm) bench vllm 420 rl_vs_trl_vllm ;;
+    # (three sides, each a process with a vLLM of its own: a hung one gives an error entry, not a lost step)
+    vllm) bench vllm 560 rl_vs_trl_vllm --side-timeout-s 175 ;;
     # MFU: eager and compiled, fp32 master and pure bf16, activation checkpointing
     train) bench train 360 train ;;
     logprobs) bench logprobs 180 logprobs ;;
@@ -45,3 +48,4 @@ for name in "$@"; do
     *) echo "unknown step $name" >&2; exit 2 ;;
   esac
 done
+[ ${#failed[@]} = 0 ] || { echo "failed: ${failed[*]}" >&2; exit 1; }

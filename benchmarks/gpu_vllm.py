@@ -128,7 +128,11 @@ def run_side(side: str, args, checkpoint: Path, workdir: Path) -> dict:
     out = workdir / f"{side}.json"
     command = [sys.executable, "-m", "benchmarks.gpu_vllm", "--side", side, "--checkpoint", str(checkpoint),
                "--out", str(out), *shared_argv(args)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.side_timeout_s)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.side_timeout_s)
+    except subprocess.TimeoutExpired as expired:  # the other sides still run and are reported
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr
+        return {"error": f"no result within --side-timeout-s {args.side_timeout_s:g}: {(stderr or '')[-3000:]}"}
     if done.returncode != 0 or not out.exists():
         return {"error": f"exit {done.returncode}: {done.stderr[-3000:]}"}
     return json.loads(out.read_text())
@@ -151,6 +155,7 @@ def bench_rl_vs_trl_vllm(args, preset: str = "qwen3-0.6b") -> dict:
         del model
         for side in args.sides:
             result[side] = run_side(side, args, checkpoint, Path(tmp))
+            print(json.dumps({side: result[side]}), flush=True)  # in the log should a later side hang
     trl_side_ = result.get("trl", {})
     for side in (s for s in args.sides if s != "trl"):
         if "seconds_per_step" in trl_side_ and "seconds_per_step" in result[side]:

@@ -6,7 +6,7 @@
 set -euo pipefail
 store=${RLPIPE_WHEEL_STORE:-/tmp/rlpipe-wheels}
 action=${1:?collect PARTS_DIR | install SITE_DIR}
-where=${2:?a folder}
+where=$(realpath -m "${2:?a folder}")  # install runs from the store: a relative SITE_DIR must not move
 mkdir -p "$store"
 
 case "$action" in
@@ -14,7 +14,11 @@ case "$action" in
     shopt -s nullglob
     parts=("$where"/p[0-9][0-9])
     [ ${#parts[@]} -gt 0 ] || { echo "no pNN folder in $where" >&2; exit 1; }
-    for part in "${parts[@]}"; do cp "$part"/* "$store"/; echo "collected $part"; done
+    for part in "${parts[@]}"; do
+      files=("$part"/*)
+      [ ${#files[@]} -gt 0 ] || { echo "$part is empty" >&2; exit 1; }
+      cp "${files[@]}" "$store"/; echo "collected $part"
+    done
     ;;
   install)
     cd "$store"

@@ -21,6 +21,8 @@ Sampling draws one uniform per sequence and step from a `torch.Generator` seeded
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,6 +198,17 @@ class Backend(Protocol):
         ...
 
 
+@functools.cache
+def _forward_takes_cache(model_class: type) -> bool:
+    return "cache" in inspect.signature(model_class.forward).parameters
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The KV-cache argument of an HF causal LM's forward: `cache` from transformers 5.24 (which
+    maps the old name with a warning), `past_key_values` before."""
+    return "cache" if _forward_takes_cache(type(model)) else "past_key_values"
+
+
 def compact_by_fraction(rows: int, live: int) -> bool:
     """The eager rule: once `_COMPACT_FRACTION` of the rows are done."""
     return rows - live >= _COMPACT_FRACTION * rows
@@ -245,7 +258,7 @@ class HFBackend:
             input_ids=tokens,
             attention_mask=self.mask,
             position_ids=(cols[None, :] - pad[:, None]).clamp(min=0),
-            past_key_values=self.cache,
+            **{cache_keyword(self.model): self.cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -263,7 +276,7 @@ class HFBackend:
             input_ids=tokens[:, None],
             attention_mask=self.mask,
             position_ids=positions[:, None],
-            past_key_values=self.cache,
+            **{cache_keyword(self.model): self.cache},
             use_cache=True,
         )
         return out.logits[:, -1].float()

@@ -55,7 +55,8 @@ def _compiled_layer_forward():
 
 
 def _dispatch(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get("past_key_values") is not None:
+    # transformers >= 5.24 names the KV cache `cache`; earlier 5.x `past_key_values`
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return _layer_forward(layer, *args, **kwargs)
     return _compiled_layer_forward()(layer, *args, **kwargs)
 

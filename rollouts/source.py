@@ -260,9 +260,9 @@ def _sampling_metrics(sampled: list[Rollout], scored: list[Score], batch: list[G
     lags = [train_version - g.policy_version for g in batch]
     out[m.LAG_MEAN] = sum(lags) / max(len(lags), 1)
     out[m.LAG_MAX] = float(max(lags, default=0))
-    if sampled:
+    out[m.REWARD_ERRORS] = float(sum(s.error is not None for s in scored))  # 0 in a step served from carry
+    if sampled:  # means of what this step sampled: none when carried groups filled the batch
         out[m.COMPLETION_LENGTH] = sum(r.n_completion_tokens for r in sampled) / len(sampled)
         out[m.REWARD_MEAN_ALL] = sum(s.reward for s in scored) / len(scored)
-        out[m.REWARD_ERRORS] = float(sum(s.error is not None for s in scored))
     return out
 

@@ -169,7 +169,10 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
     runs, env = tmp_path / "runs", env_for(tmp_path, prefect_api_url)
     run_dir = runs / "term"
     log = tmp_path / "term.log"  # a file, not a pipe nobody reads while the run writes to it
-    process = subprocess.Popen(cli(*run_args(runs, "term")), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+    # no over-sampling: every step samples, so the resume reads back the rollouts of the step it
+    # restarts (with carried groups a step may train on earlier steps' rollouts alone)
+    process = subprocess.Popen(cli(*run_args(runs, "term"), "--set", "rl.oversample_factor=1.0"), env=env, cwd=ROOT,
+                               stdout=subprocess.DEVNULL,
                                stderr=log.open("w"), start_new_session=True)
     try:
         trigger = partition(run_dir, ("rl", "rollouts", 2))

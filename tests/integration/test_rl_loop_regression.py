@@ -11,6 +11,15 @@ into the GEMM (training/logprob_kernels.py), which changes float rounding only. 
 training/logprobs.py on the same tree both hashes above were still reproduced; the new weights
 differ from them by at most 1.2e-3 after 6 steps (Adam's first steps move each weight by ~lr =
 3e-4 whatever the gradient's size, so a rounding-level sign flip of a near-zero gradient shows).
+
+Bit-identical holds on one kind of CPU only: MKL's kernels round differently by vendor and vector
+width, so the hashes are kept per machine kind (vendor, torch's CPU capability, torch version).
+A result that matches none of them fails on a known kind and is skipped, saying so, on another.
+The runs are float32 throughout (`model.bf16_autocast = false`): on a CPU with AVX512-BF16 the
+default would train under bf16 autocast, which the earlier machines could not run (there it was
+a no-op, so their hashes are float32 too). The AuthenticAMD/AVX512 hashes were recorded
+(2026-11-25) from commit 0867608, the tree whose runs gave the first hashes on the earlier
+machines, and from this commit: both gave the same.
 """
 
 from __future__ import annotations
@@ -27,18 +36,37 @@ pytestmark = pytest.mark.slow
 
 VARIANTS = {
     # tiny.toml as is: over-sampling ×2 with carried surplus groups
-    "base": ({}, "bd0fbc1b64f46c9769f83788d2c964cd1ff26f6f8b1c56252082601b4d955d80"),
+    "base": {},
     # PPO ratio over two epochs, rloo with std normalisation, no over-sampling, partial batches
-    "ppo": ({"loss": "ppo_clip", "ppo_epochs": 2, "estimator": "rloo", "normalize_std": True,
-             "oversample_factor": 1.0, "partial_batches": True, "max_attempts": 2},
-            "3e7d99fd32676a1c4361224afc2dda7b4bd244b090f707454f9955a9efcff9bd"),
+    "ppo": {"loss": "ppo_clip", "ppo_epochs": 2, "estimator": "rloo", "normalize_std": True,
+            "oversample_factor": 1.0, "partial_batches": True, "max_attempts": 2},
 }
+# machine kind -> variant -> sha256 of the final model.safetensors
+EXPECTED = {
+    "earlier machines (kind not recorded), torch 2.13.0+cpu": {
+        "base": "bd0fbc1b64f46c9769f83788d2c964cd1ff26f6f8b1c56252082601b4d955d80",
+        "ppo": "3e7d99fd32676a1c4361224afc2dda7b4bd244b090f707454f9955a9efcff9bd"},
+    "AuthenticAMD AVX512, torch 2.13.0+cpu": {
+        "base": "bc402e8e03fd70a1ea49da0451303a3a48d9bae463d25c6f79c68b23d9c323c9",
+        "ppo": "3e9f9d8ba71d3c4c324c8bc81d7b87e3e7160cae2f0960376ed22536a6be3c13"},
+}
+
+
+def machine_kind() -> str:
+    """What decides float rounding here: the CPU vendor, torch's vector width and torch itself."""
+    vendor = "unknown-vendor"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                       if line.startswith("vendor_id")), vendor)
+    return f"{vendor} {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
 
 
 def config_dict(runs_root: Path, name: str, rl: dict) -> dict:
     config = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
     config.update(runs_root=str(runs_root), run_name=name, threads=1)
     config["tracking"] = {"enabled": False, "report": False, "prefect_task_runs": False}
+    config["model"] = {**config.get("model", {}), "bf16_autocast": False}
     config["rl"] = {**config["rl"], "steps": 6, **rl}
     return config
 
@@ -63,7 +91,12 @@ def test_synchronous_loop_trains_the_same_weights_as_before_the_redesign(variant
     from flows.rl import run_rl
 
     torch.set_num_threads(1)
-    overrides, expected = VARIANTS[variant]
-    config = validate_config(config_dict(tmp_path, variant, overrides))
+    config = validate_config(config_dict(tmp_path, variant, VARIANTS[variant]))
     run_rl(config, start_checkpoint=sft_checkpoint)
-    assert final_weights_sha(config.run_dir / "rl") == expected
+    sha = final_weights_sha(config.run_dir / "rl")
+    if sha in {hashes[variant] for hashes in EXPECTED.values()}:
+        return
+    kind = machine_kind()
+    assert kind not in EXPECTED, f"{variant}: the loop trained other weights than before ({sha} on {kind})"
+    pytest.skip(f"no reference weights for this kind of machine ({kind}; got {sha}): add them to EXPECTED "
+                "after checking that a commit which passed elsewhere gives the same here")
