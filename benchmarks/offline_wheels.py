@@ -61,6 +61,18 @@ def read_have(path: Path) -> set[str]:
     return names
 
 
+def read_pins(path: Path) -> list[str]:
+    """The `name==version` lines of the `--have` file: the target's versions, which the resolution
+    must accept (the target's torch family aside: stand-ins take its place)."""
+    pins = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        name, _, version = line.partition("==")
+        if version and normalize(name) not in TARGET_TORCH:
+            pins.append(f"{normalize(name)}=={version.strip()}")
+    return pins
+
+
 def write_stand_in(directory: Path, name: str, version: str) -> None:
     """An empty wheel that satisfies `name==version` without its CUDA dependencies."""
     dist = f"{name}-{version}+target.dist-info"
@@ -77,17 +89,21 @@ def target_args(python: str) -> list[str]:
              "--abi", f"cp{python.replace('.', '')}"] + [a for p in PLATFORMS for a in ("--platform", p)])
 
 
-def resolve(requirements: list[str], python: str, project: Path | None) -> list[dict]:
-    """pip's resolution for the target, as [{name, version, url}]; reads metadata, downloads no wheel."""
+def resolve(requirements: list[str], python: str, project: Path | None, pins: list[str] = ()) -> list[dict]:
+    """pip's resolution for the target, as [{name, version, url}]; reads metadata, downloads no wheel.
+    `pins` (the target's own versions) constrain it: a requirement they break fails here, not there."""
     with tempfile.TemporaryDirectory() as scratch:
         stand_ins = Path(scratch, "stand-ins")
         stand_ins.mkdir()
         for name, version in TARGET_TORCH.items():
             write_stand_in(stand_ins, name, version)
         report = Path(scratch, "report.json")
+        constraints = Path(scratch, "target.txt")
+        constraints.write_text("".join(f"{pin}\n" for pin in pins))
         pins = [f"{n}=={v}+target" for n, v in TARGET_TORCH.items()]
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                "--report", str(report), "--find-links", str(stand_ins), "--target", str(Path(scratch, "t")),
+               "--constraint", str(constraints),
                *target_args(python), *requirements, *pins, *(["-e", str(project)] if project else [])]
         # the CPU-only torch cap of these machines would refuse the target's torch
         subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})
@@ -177,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out.exists() and any(args.out.iterdir()):
         raise SystemExit(f"--out {args.out} is not empty: remove it or name another folder")
     project = None if args.no_project else Path(__file__).resolve().parents[1]
-    resolved = resolve(REQUIREMENTS + args.requirement, args.python, project)
+    resolved = resolve(REQUIREMENTS + args.requirement, args.python, project, read_pins(args.have))
     wanted = to_carry(resolved, read_have(args.have))
     files = download(wanted, args.out / "all", args.python)
     for wheel in files:

@@ -57,6 +57,7 @@ from engines.base import Completion, SamplingParams, prompt_seed
 from engines.vllm_weights import (
     check_pushable_moe_backends,
     checkpoint_weights,
+    is_moe,
     load_weights_on_worker,
     moe_backend_kwargs,
     moe_backends_on_worker,
@@ -231,7 +232,7 @@ class VllmEngine:
             )
         if not on_cpu:  # the CPU build's experts are repacked after each push instead
             try:
-                check_pushable_moe_backends(self.moe_backends())
+                check_pushable_moe_backends(self.moe_backends(), moe=is_moe(model.config))
             except RuntimeError:
                 self.close()
                 raise

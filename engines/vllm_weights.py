@@ -8,6 +8,7 @@ Functions whose names end in `_on_worker` run inside vLLM's worker (`LLM.collect
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,15 @@ def _repack_cpu_moe_experts(model: nn.Module) -> None:
 _CHECKPOINT_LAYOUT_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
+def is_moe(config: Any) -> bool:
+    """A Hugging Face config with routed experts (Qwen3-MoE's num_experts, Mixtral's num_local_experts)."""
+    return any(int(getattr(config, key, 0) or 0) > 0 for key in ("num_experts", "num_local_experts"))
+
+
 def moe_backend_kwargs(config: Any, on_cpu: bool, engine_arg_names: set[str]) -> dict[str, str]:
     """vllm.LLM kwargs that pin a MoE model's experts to Triton on GPUs (vLLM's own choice on
     Hopper), where the vLLM in use lets us choose; nothing for dense models or on CPU."""
-    is_moe = int(getattr(config, "num_experts", 0) or 0) > 0
-    if is_moe and not on_cpu and "moe_backend" in engine_arg_names:
+    if is_moe(config) and not on_cpu and "moe_backend" in engine_arg_names:
         return {"moe_backend": "triton"}
     return {}
 
@@ -91,8 +96,14 @@ def moe_backend_names(model: nn.Module) -> list[str]:
     return names
 
 
-def check_pushable_moe_backends(names: list[str]) -> None:
-    """Raise if a MoE layer runs on a kernel whose expert layout a weight push cannot keep."""
+def check_pushable_moe_backends(names: list[str], moe: bool = False) -> None:
+    """Raise if a MoE layer runs on a kernel whose expert layout a weight push cannot keep; warn
+    when a MoE model's kernels cannot be read (a vLLM without `unquantized_backend`)."""
+    if moe and not names:
+        logging.getLogger(__name__).warning(
+            "cannot tell which kernel vLLM runs this MoE model's experts on (this vLLM does not "
+            "name it): a kernel that reorders experts at load (FlashInfer on Blackwell) would read "
+            "pushed weights scrambled; watch train/logprob_gap, or use a vLLM with `moe_backend`")
     reordering = sorted(set(names) - set(_CHECKPOINT_LAYOUT_MOE_BACKENDS) - {"CPU"})
     if reordering:
         raise RuntimeError(

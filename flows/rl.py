@@ -117,12 +117,16 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
         last = row["path"] if row else last
         if sync:  # between two sampling rounds of an async producer; later rounds record `version`
-            with watch("sync"), source.syncing(version):
-                sync_task(run.engines, last if run.needs_checkpoint_to_sync else None, version, step=step,
-                          retries=config.engine.retries, **io)
+            with ExitStack() as round_done:
+                with watch("sync_wait"):  # for the round in flight (async); timed apart from the reload
+                    round_done.enter_context(source.syncing(version))
+                with watch("sync"):
+                    sync_task(run.engines, last if run.needs_checkpoint_to_sync else None, version, step=step,
+                              retries=config.engine.retries, **io)
         elif run.engines[0].shares_weights:
             source.publish(version)  # the engines now sample from this step's weights
-        tracker.log_metrics({m.seconds(k): watch.seconds[k] for k in ("checkpoint", "sync") if k in watch.seconds},
+        tracker.log_metrics({m.seconds(k): watch.seconds[k] for k in ("checkpoint", "sync", "sync_wait")
+                             if k in watch.seconds},
                             step=step)
         bar.update(1)
         bar.set_postfix(reward=f"{batch.metrics.get(m.REWARD_MEAN, 0):.2f}",

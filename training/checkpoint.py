@@ -196,9 +196,10 @@ def save_checkpoint(
             "policy_version": step if policy_version is None else policy_version,
             "time": datetime.now(UTC).isoformat(),
             "metrics": metrics or {},
-            # one hash for the checkpoints table: the single file's, or the index's when sharded
-            "sha256": files.get("model.safetensors")
-            or hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
+            # one hash for the checkpoints table: the single file's, or else (shards, an explicit
+            # lm_head beside the weights) the hash of every weight file's name and hash
+            "sha256": next(iter(files.values())) if len(files) == 1
+            else hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
             "weight_files": files,
         }
         _write_json(tmp / METADATA_FILE, metadata)  # last: its presence marks a whole checkpoint

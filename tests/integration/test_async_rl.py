@@ -38,9 +38,14 @@ def untracked_groups(run_dir: Path) -> int:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_path):  # noqa: F811
+def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
+    import flows.rl
     from flows.config import validate_config
     from flows.rl import run_rl
+    from storage.tracking import NullTracker
+
+    tracker = NullTracker()
+    monkeypatch.setattr(flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
 
     # no over-sampling carry (max_staleness 0): the bound is k itself
     config = validate_config(config_dict(tmp_path, f"k{k}", {"max_off_policy_steps": k, "max_staleness": 0,
@@ -53,3 +58,6 @@ def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_pa
     assert trained == distinct > 0  # no sample trained twice
     assert untracked_groups(run_dir) == 0
     assert query(run_dir, "select count(distinct step) from train_steps")[0][0] == 8
+    # each sync's wait for the round in flight is logged apart from the reload itself
+    synced = [metrics for _, metrics in tracker.metrics if "perf/seconds_sync" in metrics]
+    assert len(synced) == 8 and all(metrics["perf/seconds_sync_wait"] >= 0 for metrics in synced)

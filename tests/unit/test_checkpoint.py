@@ -206,7 +206,10 @@ def test_a_tied_model_can_name_its_lm_head_for_vllm_servers(tmp_path, tokenizer,
     assert not (plain / LM_HEAD_FILE).exists()
     head = load_file(str(path / LM_HEAD_FILE))
     assert list(head) == ["lm_head.weight"] and torch.equal(head["lm_head.weight"], model.lm_head.weight)
-    assert LM_HEAD_FILE in json.loads((path / "metadata.json").read_text())["weight_files"]  # sha-checked
+    meta, plain_meta = (json.loads((p / "metadata.json").read_text()) for p in (path, plain))
+    assert LM_HEAD_FILE in meta["weight_files"]  # sha-checked
+    # the checkpoints table's one hash covers the lm_head file too
+    assert meta["sha256"] != plain_meta["sha256"] and meta["sha256"] not in meta["weight_files"].values()
     index = path / "model.safetensors.index.json"
     assert index.is_file() == bool(shard)
     if shard:

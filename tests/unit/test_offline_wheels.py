@@ -15,6 +15,7 @@ from benchmarks.offline_wheels import (
     NOT_LOADED,
     plan_parts,
     read_have,
+    read_pins,
     slim_wheel,
     to_carry,
     write_parts,
@@ -43,6 +44,9 @@ def test_have_list_reads_names_from_lists_and_pip_freeze(tmp_path):
     have = tmp_path / "have.txt"
     have.write_text("# header\nTorch==2.11.0+cu130\ntyping_extensions>=4\nnvidia-ml-py @ file:///x\n\npyarrow\n")
     assert read_have(have) == {"torch", "typing-extensions", "nvidia-ml-py", "pyarrow"}
+    # exact versions constrain the resolution, except the torch family the stand-ins replace
+    have.write_text("torch==2.11.0+cu130\nTransformers==5.17.0  # the image's\nnumpy  # unpinned\n")
+    assert read_pins(have) == ["transformers==5.17.0"]
 
 
 def test_what_travels_leaves_out_the_target_and_kernels_never_loaded():

@@ -220,3 +220,16 @@ def test_moe_kernels_that_reorder_experts_are_refused_by_name():
     check_pushable_moe_backends([])
     with pytest.raises(RuntimeError, match="FLASHINFER_TRTLLM.*scrambled"):
         check_pushable_moe_backends(moe_backend_names(model))
+
+
+def test_a_moe_model_whose_kernels_vllm_does_not_name_is_warned_about(caplog):
+    from types import SimpleNamespace
+
+    from engines.vllm_weights import check_pushable_moe_backends, is_moe
+
+    assert is_moe(SimpleNamespace(num_experts=8)) and is_moe(SimpleNamespace(num_local_experts=8))
+    assert not is_moe(SimpleNamespace(num_experts=0)) and not is_moe(SimpleNamespace())
+    check_pushable_moe_backends([], moe=False)
+    assert not caplog.records
+    check_pushable_moe_backends([], moe=True)
+    assert "cannot tell which kernel" in caplog.text
