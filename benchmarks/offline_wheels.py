@@ -100,11 +100,11 @@ def resolve(requirements: list[str], python: str, project: Path | None, pins: li
         report = Path(scratch, "report.json")
         constraints = Path(scratch, "target.txt")
         constraints.write_text("".join(f"{pin}\n" for pin in pins))
-        pins = [f"{n}=={v}+target" for n, v in TARGET_TORCH.items()]
+        stand_in_pins = [f"{n}=={v}+target" for n, v in TARGET_TORCH.items()]
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                "--report", str(report), "--find-links", str(stand_ins), "--target", str(Path(scratch, "t")),
                "--constraint", str(constraints),
-               *target_args(python), *requirements, *pins, *(["-e", str(project)] if project else [])]
+               *target_args(python), *requirements, *stand_in_pins, *(["-e", str(project)] if project else [])]
         # the CPU-only torch cap of these machines would refuse the target's torch
         subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})
         installs = json.loads(report.read_text())["install"]
