@@ -51,22 +51,22 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _entries(path: Path) -> list[str]:
+    """The `--have` file's lines without comments and blank lines."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
 def read_have(path: Path) -> set[str]:
     """Names from a list or `pip freeze` output; comments and blank lines skipped."""
-    names = set()
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.add(normalize(re.split(r"[=<>!~ @\[]", line, maxsplit=1)[0]))
-    return names
+    return {normalize(re.split(r"[=<>!~ @\[]", line, maxsplit=1)[0]) for line in _entries(path)}
 
 
 def read_pins(path: Path) -> list[str]:
     """The `name==version` lines of the `--have` file: the target's versions, which the resolution
     must accept (the target's torch family aside: stand-ins take its place)."""
     pins = []
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
+    for line in _entries(path):
         name, _, version = line.partition("==")
         if version and normalize(name) not in TARGET_TORCH:
             pins.append(f"{normalize(name)}=={version.strip()}")
@@ -90,7 +90,7 @@ def target_args(python: str) -> list[str]:
 
 
 def resolve(requirements: list[str], python: str, project: Path | None, pins: list[str] = ()) -> list[dict]:
-    """pip's resolution for the target, as [{name, version, url}]; reads metadata, downloads no wheel.
+    """pip's resolution for the target, as [{name, version}]; reads metadata, downloads no wheel.
     `pins` (the target's own versions) constrain it: a requirement they break fails here, not there."""
     with tempfile.TemporaryDirectory() as scratch:
         stand_ins = Path(scratch, "stand-ins")
@@ -108,8 +108,7 @@ def resolve(requirements: list[str], python: str, project: Path | None, pins: li
         # the CPU-only torch cap of these machines would refuse the target's torch
         subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})
         installs = json.loads(report.read_text())["install"]
-    return [{"name": normalize(i["metadata"]["name"]), "version": i["metadata"]["version"],
-             "url": i["download_info"].get("url", "")} for i in installs]
+    return [{"name": normalize(i["metadata"]["name"]), "version": i["metadata"]["version"]} for i in installs]
 
 
 def to_carry(resolved: list[dict], have: set[str]) -> list[dict]:
