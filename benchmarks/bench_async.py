@@ -45,11 +45,10 @@ def completion_tokens(run_dir: Path) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-
-    from engines.serve_process import serve_url, start_serve, stop_processes
-    from flows.config import validate_config
-    from flows.rl import run_rl
-    from flows.supervised import run_supervised
+    from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
+    from rlpipe.flows.config import validate_config
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.flows.supervised import run_supervised
 
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="bench-async-"))
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", nargs="+", default=["torch", "serve"], choices=["torch", "serve"])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/async.json"))
     args = parser.parse_args(argv)
-    from flows.common import quiet_defaults
+    from rlpipe.core.environment import quiet_defaults
 
     quiet_defaults()
     report = run(args)

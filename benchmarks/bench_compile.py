@@ -26,14 +26,14 @@ import tempfile
 import time
 
 import torch
+from rlpipe.models.compile import compile_layers
+from rlpipe.models.loading import bf16_autocast_supported
+from rlpipe.models.presets import build_model
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
 from benchmarks.results import write_results
-from models.compile import compile_layers
-from models.loading import bf16_autocast_supported
-from models.presets import build_model
-from training.batch import Sequence, pack
-from training.losses import nll_loss
-from training.step import build_optimizer, forward_backward, optim_step
 
 VOCAB = 100
 

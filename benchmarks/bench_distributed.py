@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from rlpipe.training.ports import free_port
 
 from benchmarks.results import write_results
-from training.ports import free_port
 
 VOCAB = 100
 SETTINGS = [("1 process, 1 thread", "none", 1, 1), ("1 process, 2 threads", "none", 1, 2),
@@ -46,7 +46,7 @@ SETTINGS = [("1 process, 1 thread", "none", 1, 1), ("1 process, 2 threads", "non
 
 
 def step_sequences(steps: int, n: int, seed: int = 0):
-    from training.batch import Sequence
+    from rlpipe.training.batch import Sequence
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -59,18 +59,17 @@ def step_sequences(steps: int, n: int, seed: int = 0):
 
 def _worker(rank: int, world: int, port: int, kind: str, threads: int, args: dict, out: str) -> None:
     import torch.distributed as dist
-
-    from models.presets import build_model
-    from training.batch import pack
-    from training.distributed import (
+    from rlpipe.models.presets import build_model
+    from rlpipe.training.batch import pack
+    from rlpipe.training.distributed import (
         balanced_budget,
         data_parallel,
         follow,
         lead_step,
         stop_followers,
     )
-    from training.losses import nll_loss
-    from training.step import build_optimizer, forward_backward, optim_step
+    from rlpipe.training.losses import nll_loss
+    from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
     torch.set_num_threads(threads)
     steps = step_sequences(args["steps"] + 1, args["sequences"])

@@ -33,11 +33,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.models.presets import build_model, count_parameters
 
 from benchmarks.results import write_results
-from engines.base import SamplingParams
-from engines.torch_engine import TorchEngine
-from models.presets import build_model, count_parameters
 
 VOCAB = 128
 STOP_TOKENS = (5, 17, 99)
@@ -180,9 +180,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def static_vs_eager(prompts, new_tokens: int, repeats: int) -> list[dict]:
     """Decode tokens/s of the eager and the static (uncaptured) decode, same draws, alternating."""
-    from engines import qwen3_fast
-    from engines.decode_graphs import DecodeGraphs, GraphBackend
-    from engines.torch_engine import FastBackend, _generate_batch
+    from rlpipe.engines import qwen3_fast
+    from rlpipe.engines.decode_graphs import DecodeGraphs, GraphBackend
+    from rlpipe.engines.torch_engine import FastBackend, _generate_batch
 
     prompts = sorted(prompts, key=len, reverse=True)  # as the engine orders them
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)

@@ -43,22 +43,22 @@ import time
 from pathlib import Path
 
 import torch
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.models.device import model_device, synchronize
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.tasks.setup import place_model, stop_token_ids
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.rl_loss import build_rl_loss
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
 from benchmarks.gpu_logprobs import bench_logprobs_gpu
 from benchmarks.gpu_report import render
 from benchmarks.gpu_vllm import add_vllm_arguments, bench_rl_vs_trl_vllm, vllm_installed
 from benchmarks.results import write_atomic, write_results
 from benchmarks.timing import timed
-from engines.base import SamplingParams
-from engines.torch_engine import TorchEngine
-from models.device import model_device, synchronize
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from tasks.setup import place_model, stop_token_ids
-from training.batch import Sequence, pack
-from training.losses import nll_loss
-from training.rl_loss import build_rl_loss
-from training.step import build_optimizer, forward_backward, optim_step
 
 QWEN3_VOCAB = 151_936
 # dense bf16 tensor-core peaks (no sparsity), by device name
@@ -167,7 +167,7 @@ def profile_train_step(tokens_per_step: int, token_budget: int, path: Path, comp
 
 def bench_engine(prompts: int, n: int, max_new: int) -> dict:
     """The torch engine in bf16, eager decode; then the same calls with `cuda_graphs=True`."""
-    from engines import qwen3_fast
+    from rlpipe.engines import qwen3_fast
 
     tok = build_tokenizer()
     model = build_model("qwen3-0.6b", QWEN3_VOCAB, seed=0, pad_token_id=0, eos_token_id=1)
@@ -197,7 +197,7 @@ def bench_engine(prompts: int, n: int, max_new: int) -> dict:
 def bench_engine_graphs(model, batch, params, generated: int) -> dict:
     """`cuda_graphs=True`: the first call (it captures the graphs), later calls (replays), and
     the per-call copy of the weights into the graphs' buffers."""
-    from engines import qwen3_fast
+    from rlpipe.engines import qwen3_fast
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -216,8 +216,8 @@ def bench_engine_graphs(model, batch, params, generated: int) -> dict:
 
 
 def arithmetic_prompts(tokenizer, count: int, seed: int):
-    from envs.base import build_env
-    from tasks.generate import encode_messages
+    from rlpipe.envs.base import build_env
+    from rlpipe.tasks.generate import encode_messages
 
     env = build_env("arithmetic")
     examples = list(env.examples("train", seed=seed))[:count]

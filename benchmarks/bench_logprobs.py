@@ -61,9 +61,9 @@ def run_child(method: str, mode: str, tokens: int, vocab: int, hidden: int, chun
               dtype: str = "float32") -> dict:
     """Measure one variant in this (fresh) process; returns a result dict."""
     import torch
+    from rlpipe.training.logprobs import selective_log_softmax
 
     from benchmarks.logprobs_baseline import old_selective_log_softmax
-    from training.logprobs import selective_log_softmax
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden) / hidden**0.25

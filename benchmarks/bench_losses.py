@@ -46,7 +46,7 @@ TAIL = 5
 
 
 def digits_env():
-    from envs.base import Example, LazyExamples, SingleTurnEnv
+    from rlpipe.envs.base import Example, LazyExamples, SingleTurnEnv
 
     class DigitsEnv(SingleTurnEnv):
         """Write digits: reward = share of digits among the completion's characters."""
@@ -70,8 +70,9 @@ TASKS = {  # task → (lr, max_new_tokens)
 
 
 def arithmetic_env():
+    from rlpipe.tasks.setup import make_env
+
     from benchmarks.trl_sides import task_section
-    from tasks.setup import make_env
 
     task = task_section(argparse.Namespace(eval_examples=400))
     return make_env(task["env"], task["options"])
@@ -79,7 +80,7 @@ def arithmetic_env():
 
 def make_start(task: str, seed: int, start: str):
     """(model, tokenizer, env) for a task: a random tiny-dense (digits) or the SFT checkpoint."""
-    from tasks.setup import make_model_and_tokenizer
+    from rlpipe.tasks.setup import make_model_and_tokenizer
 
     if task == "digits":
         return (*make_model_and_tokenizer("tiny-dense", "", {}, seed=seed), digits_env())
@@ -87,9 +88,9 @@ def make_start(task: str, seed: int, start: str):
 
 
 def greedy_accuracy(model, tokenizer, env, max_new_tokens: int, n: int = 400) -> float:
-    from engines.torch_engine import TorchEngine
-    from tasks.evaluate import evaluate_greedy
-    from tasks.setup import max_context, stop_token_ids
+    from rlpipe.engines.torch_engine import TorchEngine
+    from rlpipe.tasks.evaluate import evaluate_greedy
+    from rlpipe.tasks.setup import max_context, stop_token_ids
 
     examples = list(env.examples("eval", seed=0))[:n]
     rows, _ = evaluate_greedy(TorchEngine(model.eval()), tokenizer, env, examples, run_id="b", step=0,
@@ -109,15 +110,15 @@ class MemoryStages:
         self.env_examples: dict = {}  # example_id → Example, of every round scored
 
     def generate(self, examples, *, step, attempt, policy_version, previous):
-        from engines.base import SamplingParams
-        from tasks.generate import generate_rollouts
+        from rlpipe.engines.base import SamplingParams
+        from rlpipe.tasks.generate import generate_rollouts
 
         params = SamplingParams(**{**self.params.__dict__, "seed": self.params.seed * 10_000 + step * 10 + attempt})
         return generate_rollouts(self.engine, self.tokenizer, self.env, examples, params, run_id="b", step=step,
                                  attempt=attempt, policy_version=policy_version, max_context=4096)
 
     def score(self, examples, rollouts, *, step, previous):
-        from tasks.score import score_rollouts
+        from rlpipe.tasks.score import score_rollouts
 
         self.env_examples.update(examples)
         scores = score_rollouts(self.env, examples, rollouts, max_error_fraction=0.0)
@@ -137,20 +138,19 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     gain, and for arithmetic the greedy accuracy before and after. The loss comes from the run
     config's [rl] section (`tasks.rl_setup.loss_for`), as in the `rl` flow."""
     import torch
-
-    from engines.base import SamplingParams
-    from engines.torch_engine import TorchEngine
-    from envs.prompts import PromptSource
-    from flows.config import RLConfig
-    from rollouts.source import RolloutSource
-    from tasks.pack import pack_rollouts
-    from tasks.rl_setup import loss_for
-    from tasks.setup import stop_token_ids
-    from tasks.train import train_on_batches
-    from training.kl import frozen_copy, reference_logprobs
-    from training.oversampling import GroupBuffer
-    from training.rl_loss import bind_batch_inputs, loss_normaliser
-    from training.step import build_optimizer, build_scheduler
+    from rlpipe.engines.base import SamplingParams
+    from rlpipe.engines.torch_engine import TorchEngine
+    from rlpipe.envs.prompts import PromptSource
+    from rlpipe.flows.config import RLConfig
+    from rlpipe.rollouts.source import RolloutSource
+    from rlpipe.tasks.pack import pack_rollouts
+    from rlpipe.tasks.rl_setup import loss_for
+    from rlpipe.tasks.setup import stop_token_ids
+    from rlpipe.tasks.train import train_on_batches
+    from rlpipe.training.kl import frozen_copy, reference_logprobs
+    from rlpipe.training.oversampling import GroupBuffer
+    from rlpipe.training.rl_loss import bind_batch_inputs, loss_normaliser
+    from rlpipe.training.step import build_optimizer, build_scheduler
 
     name, options = VARIANTS[variant]
     lr, max_new_tokens = TASKS[task]
@@ -202,7 +202,7 @@ def sft_start(root: Path) -> str:
 
     root.mkdir(parents=True, exist_ok=True)
     isolate(root)
-    from flows.sft import sft_flow
+    from rlpipe.flows.sft import sft_flow
 
     args = argparse.Namespace(seed=0, threads=1, preset="small-dense", bf16=False, eval_examples=200, sft_steps=200)
     return sft_flow(config=sft_config(args, root))["checkpoint"]

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rlpipe.models.attention import model_hidden_states
+from rlpipe.models.loading import autocast_context
+from rlpipe.models.presets import build_model
+from rlpipe.training.batch import PackedBatch, Sequence, pack
+from rlpipe.training.padding import pack_stats, pad_batch
 
 from benchmarks.results import write_results
-from models.attention import model_hidden_states
-from models.loading import autocast_context
-from models.presets import build_model
-from training.batch import PackedBatch, Sequence, pack
-from training.padding import pack_stats, pad_batch
 
 VOCAB = 100
 

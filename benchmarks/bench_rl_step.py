@@ -50,24 +50,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+from rlpipe.storage.schemas import PHASES as STAGES  # noqa: E402
+
 from benchmarks.results import write_results  # noqa: E402
-from storage.schemas import PHASES as STAGES  # noqa: E402
 
 # (module, attribute, bucket, stage): the functions whose time counts as a stage's own work
 STAGE_FUNCTIONS = [
-    ("tasks.generate", "generate_rollouts", "function", "generate"),
-    ("tasks.score", "score_rollouts", "function", "score"),
-    ("tasks.advantages", "group_rows", "function", "filter"),
-    ("tasks.pack", "pack_rollouts", "function", "pack"),
-    ("tasks.train", "train_on_batches", "function", "train"),
-    ("tasks.checkpoint", "save_checkpoint", "function", "checkpoint"),
-    ("tasks.sync", "sync_engines", "function", "sync"),
-    ("tasks.evaluate", "evaluate_greedy", "function", "eval"),
+    ("rlpipe.tasks.generate", "generate_rollouts", "function", "generate"),
+    ("rlpipe.tasks.score", "score_rollouts", "function", "score"),
+    ("rlpipe.tasks.advantages", "group_rows", "function", "filter"),
+    ("rlpipe.tasks.pack", "pack_rollouts", "function", "pack"),
+    ("rlpipe.tasks.train", "train_on_batches", "function", "train"),
+    ("rlpipe.tasks.checkpoint", "save_checkpoint", "function", "checkpoint"),
+    ("rlpipe.tasks.sync", "sync_engines", "function", "sync"),
+    ("rlpipe.tasks.evaluate", "evaluate_greedy", "function", "eval"),
 ]
 # Parquet: every module that writes or reads a table during an RL step
 PARQUET_FUNCTIONS = [
     (module, name, "parquet", name)
-    for module in ("tasks.generate", "tasks.score", "tasks.advantages", "flows.rl")
+    for module in ("rlpipe.tasks.generate", "rlpipe.tasks.score", "rlpipe.tasks.advantages", "rlpipe.flows.rl")
     for name in ("persist", "load_rows", "load_rows_beyond", "drain_writes")
 ]
 MLFLOW_METHODS = ("log_metrics", "register_checkpoint", "set_alias")
@@ -126,8 +127,8 @@ def instrument(events: list[Event], writer_seconds: list[float]) -> Iterator[Non
     Queued table writes count as Parquet time only where the flow waits for them (drain)."""
     from unittest import mock
 
-    import tasks.record as record
-    from storage.tracking import MlflowTracker
+    import rlpipe.tasks.record as record
+    from rlpipe.storage.tracking import MlflowTracker
 
     with contextlib.ExitStack() as stack:
         for module_name, attr, bucket, name in STAGE_FUNCTIONS + PARQUET_FUNCTIONS:
@@ -249,7 +250,7 @@ def isolate(root: Path) -> None:
     os.environ["PREFECT_HOME"] = str(root / "prefect")
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     os.environ.setdefault("RLPIPE_PROGRESS", "0")
-    from flows.common import quiet_defaults
+    from rlpipe.core.environment import quiet_defaults
 
     quiet_defaults()
 
@@ -259,8 +260,8 @@ MODES = {"task_runs": True, "plain_calls": False}  # tracking.prefect_task_runs
 
 def timed_rl_run(rl_config: dict, target: float, steps: int) -> tuple[dict, dict, list[dict]]:
     """One instrumented `rl` flow: (report, flow result, groups rows)."""
-    from flows.rl import rl_flow
-    from storage.writer import read_table
+    from rlpipe.flows.rl import rl_flow
+    from rlpipe.storage.writer import read_table
 
     events: list[Event] = []
     writer_seconds: list[float] = []
@@ -282,9 +283,9 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-rl-") as tmp:
         root = Path(tmp)
         isolate(root)
-        from flows.sft import sft_flow
-        from models.loading import load_model
-        from models.presets import count_parameters
+        from rlpipe.flows.sft import sft_flow
+        from rlpipe.models.loading import load_model
+        from rlpipe.models.presets import count_parameters
 
         sft_config, rl_config = bench_configs(args, root)
         started = time.perf_counter()

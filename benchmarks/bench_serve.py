@@ -42,15 +42,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.http import HttpEngine
+from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.models.presets import build_model, count_parameters
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
 
 from benchmarks.results import write_results
-from engines.base import SamplingParams
-from engines.http import HttpEngine
-from engines.serve_process import serve_url, start_serve, stop_processes
-from engines.torch_engine import TorchEngine
-from models.presets import build_model, count_parameters
-from models.tokenizer import build_tokenizer
-from training.checkpoint import load_checkpoint, save_checkpoint
 
 
 def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:

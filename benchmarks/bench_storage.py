@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import duckdb
+from rlpipe.storage.catalog import ensure_catalog
+from rlpipe.storage.queries import canned_sql, run_canned
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import write_table
 
 from benchmarks.results import write_results
-from storage.catalog import ensure_catalog
-from storage.queries import canned_sql, run_canned
-from storage.synthetic import synthetic_step
-from storage.writer import write_table
 
 GROUP_SIZE = 8
 QUERIES = ("reward_by_step", "zero_variance_by_step")

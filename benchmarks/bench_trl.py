@@ -227,8 +227,7 @@ def bf16_skip_reason() -> str | None:
     """Why a bf16 comparison would be unfair here: rlpipe falls back to fp32 where the CPU has no
     fast bf16, while TRL would still run (emulated) bf16 autocast."""
     import torch
-
-    from models.loading import bf16_autocast_supported
+    from rlpipe.models.loading import bf16_autocast_supported
 
     if bf16_autocast_supported(torch.device("cpu")):
         return None
@@ -238,8 +237,8 @@ def bf16_skip_reason() -> str | None:
 def run(args: argparse.Namespace) -> dict:
     """Per precision: both sides interleaved seed by seed from the same SFT checkpoint (made first
     unless --start names one); then the common evaluator over all final weights."""
-    from models.presets import build_model, count_parameters
-    from models.tokenizer import build_tokenizer
+    from rlpipe.models.presets import build_model, count_parameters
+    from rlpipe.models.tokenizer import build_tokenizer
 
     load_start = os.getloadavg()
     started = time.perf_counter()

@@ -63,14 +63,14 @@ def trl_inputs(samples: list, pad_id: int) -> dict:
 
 def make_trainer(start: str, env, root: Path, steps: int, dtype):
     """A GRPOTrainer configured like bench_trl's, on its own copy of the start."""
+    from rlpipe.flows.config import OptimConfig
+    from rlpipe.models.loading import load_model
+    from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.tasks.setup import make_optimizer
     from transformers import TrainerCallback  # noqa: F401 - transformers first, as TRL expects
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.trl_sides import make_reward, trl_dataset
-    from flows.config import OptimConfig
-    from models.loading import load_model
-    from models.tokenizer import load_tokenizer
-    from tasks.setup import make_optimizer
 
     model, tokenizer = load_model(start, dtype=dtype), load_tokenizer(start)
     optim = OptimConfig(lr=LR, warmup_steps=2, min_lr_ratio=0.1, token_budget=8192, max_grad_norm=1.0)
@@ -89,20 +89,20 @@ def make_trainer(start: str, env, root: Path, steps: int, dtype):
 
 def compare(args: argparse.Namespace) -> dict:
     import torch
+    from rlpipe.engines.base import SamplingParams
+    from rlpipe.engines.torch_engine import TorchEngine
+    from rlpipe.envs.prompts import PromptSource
+    from rlpipe.flows.config import OptimConfig, RLConfig
+    from rlpipe.models.loading import load_model
+    from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.rollouts.source import RolloutSource
+    from rlpipe.tasks.pack import pack_rollouts
+    from rlpipe.tasks.setup import make_optimizer, stop_token_ids
+    from rlpipe.training.oversampling import GroupBuffer
+    from rlpipe.training.rl_loss import build_rl_loss
+    from rlpipe.training.step import forward_backward, optim_step
 
     from benchmarks.bench_losses import MemoryStages, arithmetic_env
-    from engines.base import SamplingParams
-    from engines.torch_engine import TorchEngine
-    from envs.prompts import PromptSource
-    from flows.config import OptimConfig, RLConfig
-    from models.loading import load_model
-    from models.tokenizer import load_tokenizer
-    from rollouts.source import RolloutSource
-    from tasks.pack import pack_rollouts
-    from tasks.setup import make_optimizer, stop_token_ids
-    from training.oversampling import GroupBuffer
-    from training.rl_loss import build_rl_loss
-    from training.step import forward_backward, optim_step
 
     torch.set_num_threads(args.threads)
     env = arithmetic_env()

@@ -18,10 +18,10 @@ from __future__ import annotations
 import statistics
 
 import torch
+from rlpipe.training.logprobs import selective_log_softmax
 
 from benchmarks.logprobs_baseline import old_selective_log_softmax
 from benchmarks.timing import timed
-from training.logprobs import selective_log_softmax
 
 VOCAB, HIDDEN, CHUNK = 151_936, 1024, 1024
 

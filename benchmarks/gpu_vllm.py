@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rlpipe.models.device import model_device, synchronize
 
 from benchmarks.results import write_atomic
-from models.device import model_device, synchronize
 
 SIDES = ("trl", "rlpipe", "rlpipe_compiled")
 
@@ -78,11 +78,12 @@ def summarise(side: dict, sync: dict[str, list[float]]) -> dict:
 
 
 def rlpipe_side(args, checkpoint: Path, compile: bool) -> dict:
+    from rlpipe.engines.vllm_engine import VllmEngine
+    from rlpipe.models.loading import load_model
+    from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.tasks.setup import place_model
+
     from benchmarks.bench_gpu import rlpipe_steps
-    from engines.vllm_engine import VllmEngine
-    from models.loading import load_model
-    from models.tokenizer import load_tokenizer
-    from tasks.setup import place_model
 
     on_cuda = torch.cuda.is_available()
     model = place_model(load_model(checkpoint), "cuda" if on_cuda else "cpu", compile=compile)
@@ -101,11 +102,11 @@ def rlpipe_side(args, checkpoint: Path, compile: bool) -> dict:
 
 def trl_side(args, checkpoint: Path, workdir: Path) -> dict:
     import trl
+    from rlpipe.models.loading import load_model
+    from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.tasks.setup import place_model
 
     from benchmarks.bench_gpu import trl_steps
-    from models.loading import load_model
-    from models.tokenizer import load_tokenizer
-    from tasks.setup import place_model
 
     on_cuda = torch.cuda.is_available()
     model = place_model(load_model(checkpoint), "cuda" if on_cuda else "cpu")
@@ -140,9 +141,9 @@ def run_side(side: str, args, checkpoint: Path, workdir: Path) -> dict:
 
 def bench_rl_vs_trl_vllm(args, preset: str = "qwen3-0.6b") -> dict:
     """Both sides on one saved model; step-time and sync ratios rlpipe / TRL."""
-    from models.presets import build_model
-    from models.tokenizer import build_tokenizer
-    from training.checkpoint import save_checkpoint
+    from rlpipe.models.presets import build_model
+    from rlpipe.models.tokenizer import build_tokenizer
+    from rlpipe.training.checkpoint import save_checkpoint
 
     tokenizer = build_tokenizer()
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>")}

@@ -34,7 +34,7 @@ def share(value: float | None) -> str | None:
 
 def inactive_expert_parameters(preset: str) -> int:
     """Expert weights a token does not use: experts x (1 - top_k / n_experts); 0 for dense."""
-    from models.presets import build_model
+    from rlpipe.models.presets import build_model
 
     model = build_model(preset, vocab_size=128, seed=0)
     n_experts = getattr(model.config, "num_experts", 0) or 0

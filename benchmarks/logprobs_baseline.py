@@ -9,8 +9,7 @@ here on purpose; do not use it outside benchmarks.
 from __future__ import annotations
 
 import torch
-
-from training.logprobs import IGNORE_INDEX, _compute_dtype
+from rlpipe.training.logprobs import IGNORE_INDEX, _compute_dtype
 
 
 def _chunk_logits(

@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-
-from models.device import synchronize
+from rlpipe.models.device import synchronize
 
 
 def timed(fn, repeats: int, warmup: int = 2, device: torch.device | None = None) -> list[float]:

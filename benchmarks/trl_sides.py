@@ -93,7 +93,7 @@ def run_sft(args: argparse.Namespace, root: Path) -> dict:
     from benchmarks.bench_rl_step import isolate
 
     isolate(root)
-    from flows.sft import sft_flow
+    from rlpipe.flows.sft import sft_flow
 
     sft = sft_flow(config=sft_config(args, root))
     return {"start_checkpoint": sft["checkpoint"], "start_eval_accuracy": sft["eval"].get("eval/accuracy")}
@@ -118,8 +118,8 @@ def generation_autocast(enabled: bool):
     if not enabled:
         yield
         return
-    from engines.torch_engine import TorchEngine
-    from models.loading import autocast_context
+    from rlpipe.engines.torch_engine import TorchEngine
+    from rlpipe.models.loading import autocast_context
 
     original = TorchEngine.generate
 
@@ -135,9 +135,10 @@ def generation_autocast(enabled: bool):
 
 
 def rlpipe_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dict:
+    from rlpipe.flows.rl import rl_flow
+    from rlpipe.storage.writer import read_table
+
     from benchmarks.bench_rl_step import Event, instrument, split_steps
-    from flows.rl import rl_flow
-    from storage.writer import read_table
 
     events: list[Event] = []
     config = rl_config(args, root, start, seed)
@@ -178,8 +179,7 @@ def trl_dataset(env, n: int, seed: int):
     them (its PromptSource over the same examples and seed), with their ids: read unshuffled, both
     sides train on the same prompts at the same steps."""
     from datasets import Dataset
-
-    from envs.prompts import PromptSource
+    from rlpipe.envs.prompts import PromptSource
 
     examples = PromptSource(env.examples("train", seed=seed), seed=seed).next_batch(n)
     rows = {"prompt": [env.reset(e) for e in examples], "example_id": [e.example_id for e in examples]}
@@ -230,13 +230,12 @@ def time_calls(obj, name: str) -> list[float]:
 
 
 def trl_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dict:
+    from rlpipe.flows.config import OptimConfig
+    from rlpipe.models.loading import load_model
+    from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.tasks.setup import make_env, make_optimizer
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from flows.config import OptimConfig
-    from models.loading import load_model
-    from models.tokenizer import load_tokenizer
-    from tasks.setup import make_env, make_optimizer
 
     task = task_section(args)
     env = make_env(task["env"], task["options"])
@@ -308,11 +307,11 @@ def evaluate_checkpoint(path: str, tokenizer, env, examples: list, *, samples: i
 
     Returns {"correct": [n], "sampled": [n]} (one float per example, in order).
     """
-    from engines.base import SamplingParams
-    from engines.torch_engine import TorchEngine
-    from models.loading import load_model
-    from tasks.generate import encode_prompts
-    from tasks.setup import max_context, stop_token_ids
+    from rlpipe.engines.base import SamplingParams
+    from rlpipe.engines.torch_engine import TorchEngine
+    from rlpipe.models.loading import load_model
+    from rlpipe.tasks.generate import encode_prompts
+    from rlpipe.tasks.setup import max_context, stop_token_ids
 
     model = load_model(path).eval()
     engine, stops = TorchEngine(model), stop_token_ids(tokenizer)
@@ -337,9 +336,8 @@ def evaluate_checkpoint(path: str, tokenizer, env, examples: list, *, samples: i
 def run_eval(args: argparse.Namespace) -> dict:
     """Every checkpoint named in --eval-models ({name: path}, 'start' first), same prompts and seed."""
     import torch
-
-    from models.tokenizer import load_tokenizer
-    from tasks.setup import make_env
+    from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.tasks.setup import make_env
 
     if args.threads:
         torch.set_num_threads(args.threads)

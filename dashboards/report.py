@@ -31,17 +31,16 @@ from typing import Any
 
 import duckdb
 import pyarrow.parquet as pq
-
-from dashboards import report_plots as plots
-from dashboards import report_rollouts as rollouts
-from dashboards.report_plots import by_run, pooled
-from dashboards.report_plots import clean as _clean
-from storage.catalog import connect, run_dirs_list
-from storage.cliargs import fail, parse_args
-from storage.layout import partition_files
-from storage.queries import canned_sql
-from storage.schemas import TABLES
-from storage.writer import default_run_id
+from rlpipe.dashboards import report_plots as plots
+from rlpipe.dashboards import report_rollouts as rollouts
+from rlpipe.dashboards.report_plots import by_run, pooled
+from rlpipe.dashboards.report_plots import clean as _clean
+from rlpipe.storage.catalog import connect, run_dirs_list
+from rlpipe.storage.cliargs import fail, parse_args
+from rlpipe.storage.layout import partition_files
+from rlpipe.storage.queries import canned_sql
+from rlpipe.storage.schemas import TABLES
+from rlpipe.storage.writer import default_run_id
 
 PROG = "rlpipe report"
 REPORT_NAME = "report.html"

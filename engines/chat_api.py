@@ -28,9 +28,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import ValidationError, field_validator
-
-from engines.base import SamplingParams
-from engines.protocol import OpenAIRequest, sampling_params
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.protocol import OpenAIRequest, sampling_params
 
 
 class ChatRequest(OpenAIRequest):
@@ -94,7 +93,7 @@ def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
 
 def chat_prompt_ids(tokenizer: Any, req: ChatRequest) -> list[int]:
     """The chat template's token ids for the request's messages, ending in the generation prompt."""
-    from training.chat import template_ids
+    from rlpipe.training.chat import template_ids
 
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
@@ -129,8 +128,8 @@ def chat_choice(index: int, completion, tokenizer: Any, req: ChatRequest) -> dic
 
 def add_chat_completions(app: FastAPI, state: Any) -> None:
     """Register POST /v1/chat/completions on `app` (engines/server.py's state and helpers)."""
-    from engines.protocol import RequestError, check_request_limits, read_json_body
-    from engines.server import _max_len, _validation_message, until_answered
+    from rlpipe.engines.protocol import RequestError, check_request_limits, read_json_body
+    from rlpipe.engines.server import _max_len, _validation_message, until_answered
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

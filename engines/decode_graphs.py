@@ -40,10 +40,9 @@ import dataclasses
 import math
 
 import torch
-
-from engines import qwen3_fast
-from engines.qwen3_fast import KVCache, QwenWeights
-from engines.static_decode import StepInputs, decode_static
+from rlpipe.engines import qwen3_fast
+from rlpipe.engines.qwen3_fast import KVCache, QwenWeights
+from rlpipe.engines.static_decode import StepInputs, decode_static
 
 SPAN_CHUNK = 256
 

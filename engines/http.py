@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from engines.base import Completion, SamplingParams, prompt_seed
-from engines.http_wire import (
+from rlpipe.engines.base import Completion, SamplingParams, prompt_seed
+from rlpipe.engines.http_wire import (
     FLAVORS,
     EngineResponseError,
     EngineTimeoutError,

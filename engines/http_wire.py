@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from engines.base import Completion, SamplingParams
+from rlpipe.engines.base import Completion, SamplingParams
 
 Flavor = Literal["rlpipe", "vllm", "sglang"]
 FLAVORS: tuple[str, ...] = ("rlpipe", "vllm", "sglang")

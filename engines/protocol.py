@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
-
-from engines.base import SamplingParams
+from rlpipe.engines.base import SamplingParams
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Below this, logits / temperature overflow float32 for ordinary logits (NaN log-probs).

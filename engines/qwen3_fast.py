@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from rlpipe.engines.qwen3_moe import moe_sparse
+from rlpipe.engines.qwen3_support import SUPPORTED_MODEL_TYPES, unsupported_reason  # noqa: F401 (callers read them here)
 from torch import nn
-
-from engines.qwen3_moe import moe_sparse
-from engines.qwen3_support import SUPPORTED_MODEL_TYPES, unsupported_reason  # noqa: F401 (callers read them here)
 
 
 @dataclass

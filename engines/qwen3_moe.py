@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engines.qwen3_fast import MoeMLP
+    from rlpipe.engines.qwen3_fast import MoeMLP
 
 
 def route(mlp: MoeMLP, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,7 @@ in the batch, and sampling costs a cumsum and a search rather than a multinomial
 from __future__ import annotations
 
 import torch
-
-from engines.base import SamplingParams
+from rlpipe.engines.base import SamplingParams
 
 
 def sample_next(

@@ -13,10 +13,9 @@ import socket
 import sys
 
 import torch
-
-from engines.http import read_token
-from engines.protocol import LOOPBACK_HOSTS, ServeLimits
-from engines.server import DEFAULT_PORT, TOKEN_ENV, build_app
+from rlpipe.engines.http import read_token
+from rlpipe.engines.protocol import LOOPBACK_HOSTS, ServeLimits
+from rlpipe.engines.server import DEFAULT_PORT, TOKEN_ENV, build_app
 
 LIMIT_HELP = {
     "max_n": "completions per prompt at most",

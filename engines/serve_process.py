@@ -35,7 +35,7 @@ def start_serve(checkpoint: str | os.PathLike, *args: str, threads: int = 1,
     if token is not None:
         env["RLPIPE_API_TOKEN"] = token
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve", str(checkpoint), "--host", "127.0.0.1",
+        [sys.executable, "-m", "rlpipe.flows.cli", "serve", str(checkpoint), "--host", "127.0.0.1",
          "--port", "0", "--threads", str(threads), *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

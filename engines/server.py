@@ -59,10 +59,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.datastructures import Headers
-
-from engines.base import Completion
-from engines.protocol import (
+from rlpipe.engines.base import Completion
+from rlpipe.engines.protocol import (
     LOOPBACK_HOSTS,
     CompletionRequest,
     RequestError,
@@ -74,13 +72,14 @@ from engines.protocol import (
     read_json_body,
     resolve_model_path,
 )
-from engines.serving import (
+from rlpipe.engines.serving import (
     Batcher,
     ModelSlot,
     ServedModel,
     group_jobs,  # noqa: F401 - re-exported: callers and tests import it from here
     load_served_model,
 )
+from starlette.datastructures import Headers
 
 DEFAULT_PORT = 8000
 TOKEN_ENV = "RLPIPE_API_TOKEN"
@@ -318,7 +317,7 @@ def build_app(
             "policy_version": served.policy_version,
         }
 
-    from engines.chat_api import add_chat_completions  # here: chat_api imports this module
+    from rlpipe.engines.chat_api import add_chat_completions  # here: chat_api imports this module
 
     add_chat_completions(app, state)  # POST /v1/chat/completions
 

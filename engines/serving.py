@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engines.base import Completion, SamplingParams
-from engines.torch_engine import TorchEngine
-from models.device import resolve_device
+from rlpipe.engines.base import Completion, SamplingParams
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.models.device import resolve_device
 
 # ----------------------------------------------------------------------------- model state
 
@@ -43,7 +42,7 @@ def load_served_model(path: str | Path, device: str = "auto") -> ServedModel:
 
     Raises ValueError naming the path for a missing, incomplete or corrupt checkpoint.
     """
-    from training.checkpoint import load_checkpoint
+    from rlpipe.training.checkpoint import load_checkpoint
 
     path = Path(path)
     checkpoint = load_checkpoint(path, restore_rng=False)

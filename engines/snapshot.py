@@ -17,10 +17,9 @@ import copy
 import threading
 
 import torch
+from rlpipe.engines.base import Completion, SamplingParams
+from rlpipe.engines.torch_engine import TorchEngine
 from torch import nn
-
-from engines.base import Completion, SamplingParams
-from engines.torch_engine import TorchEngine
 
 
 class SnapshotEngine:

@@ -22,9 +22,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from engines.qwen3_fast import KVCache, QwenWeights, attention, finish_layer, logits_of, project_qkv
-from engines.qwen3_moe import moe_static
+from rlpipe.engines.qwen3_fast import (
+    KVCache,
+    QwenWeights,
+    attention,
+    finish_layer,
+    logits_of,
+    project_qkv,
+)
+from rlpipe.engines.qwen3_moe import moe_static
 
 
 @dataclass

@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from rlpipe.engines import qwen3_fast
+from rlpipe.engines.base import Completion, SamplingParams
+from rlpipe.engines.decode_graphs import DecodeGraphs, GraphBackend
+from rlpipe.engines.sampling import sample_next
 from torch import nn
-
-from engines import qwen3_fast
-from engines.base import Completion, SamplingParams
-from engines.decode_graphs import DecodeGraphs, GraphBackend
-from engines.sampling import sample_next
 
 log = logging.getLogger(__name__)
 

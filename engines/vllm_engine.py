@@ -51,10 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
-from engines.base import Completion, SamplingParams, prompt_seed
-from engines.vllm_weights import (
+from rlpipe.engines.base import Completion, SamplingParams, prompt_seed
+from rlpipe.engines.vllm_weights import (
     check_pushable_moe_backends,
     checkpoint_weights,
     is_moe,
@@ -64,6 +62,7 @@ from engines.vllm_weights import (
     trainer_weights,
     vllm_on_cpu,
 )
+from torch import nn
 
 _NON_PORTABLE_KEYS = (
     "attn_implementation",

@@ -122,7 +122,7 @@ def version_tuple(version: str) -> tuple[int, int]:
 def trainer_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs for vLLM under the Hugging Face names: LoRA adapters folded in, and
     lm_head included when tied (see write_vllm_config)."""
-    from training.lora import has_lora, merged_state_dict
+    from rlpipe.training.lora import has_lora, merged_state_dict
 
     state = merged_state_dict(model) if has_lora(model) else model.state_dict()
     weights = {name: t.detach() for name, t in state.items()}

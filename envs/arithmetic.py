@@ -32,9 +32,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from envs.base import Example, LazyExamples, SingleTurnEnv, Split, check_split, options_to_config
-from envs.expr import evaluate
-from envs.rewards import format_integer, format_then_correct
+from rlpipe.envs.base import (
+    Example,
+    LazyExamples,
+    SingleTurnEnv,
+    Split,
+    check_split,
+    options_to_config,
+)
+from rlpipe.envs.expr import evaluate
+from rlpipe.envs.rewards import format_integer, format_then_correct
 
 ALPHABET = "0123456789+-*="
 """Every character of an arithmetic prompt or completion."""

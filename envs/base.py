@@ -145,7 +145,7 @@ class SingleTurnEnv:
         raise NotImplementedError
 
     def reward(self, example: Example, transcript: str | Messages) -> RewardResult:
-        from envs.rewards import evaluate_reward  # envs.rewards imports this module
+        from rlpipe.envs.rewards import evaluate_reward  # envs.rewards imports this module
 
         text = completion_text_of(transcript)
         return evaluate_reward(lambda t, _a, ex: self.score(ex, t), text, example.answer, example)
@@ -183,13 +183,13 @@ def check_split(split: str) -> Split:
 
 def _env_factories() -> dict[str, Callable[..., Environment]]:
     # Imported here: the env modules import this one.
-    from envs.arithmetic import ArithmeticEnv
-    from envs.calculator import CalculatorEnv
-    from envs.countdown import CountdownEnv
-    from envs.dataset import DatasetEnv
+    from rlpipe.envs.arithmetic import ArithmeticEnv
+    from rlpipe.envs.calculator import CalculatorEnv
+    from rlpipe.envs.countdown import CountdownEnv
+    from rlpipe.envs.dataset import DatasetEnv
 
     def verifiers_env(**options: Any) -> Environment:
-        from envs.verifiers_env import VerifiersEnv  # the optional `verifiers` extra
+        from rlpipe.envs.verifiers_env import VerifiersEnv  # the optional `verifiers` extra
 
         return VerifiersEnv.from_options(**options)
 

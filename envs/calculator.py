@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envs.base import (
+from rlpipe.envs.base import (
     Example,
     LazyExamples,
     Messages,
@@ -34,7 +34,7 @@ from envs.base import (
     options_to_config,
     prompt_messages,
 )
-from envs.expr import ExpressionError, evaluate
+from rlpipe.envs.expr import ExpressionError, evaluate
 
 CALL, ANSWER = "calc ", "ans "
 

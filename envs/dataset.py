@@ -16,15 +16,15 @@ a run directory trusts it (README, "Runs, crashes and trust").
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envs.base import Example, SingleTurnEnv, Split, check_split, options_to_config
-from envs.rewards import RewardValue, get_reward
+from rlpipe.core.user_code import import_user_module
+from rlpipe.envs.base import Example, SingleTurnEnv, Split, check_split, options_to_config
+from rlpipe.envs.rewards import RewardValue, get_reward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +132,10 @@ class DatasetEnv(SingleTurnEnv):
         self.config = config
         self.name = config.name
         if config.reward_module:
-            importlib.import_module(config.reward_module)
+            try:
+                import_user_module(config.reward_module)
+            except ImportError as error:
+                raise ValueError(f"reward_module {config.reward_module!r}: {error}") from None
         self._reward_fn = get_reward(config.reward)
         train = self._load(config.path, "train")
         if config.eval_path:

@@ -35,9 +35,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engines.base import Engine, SamplingParams
-from envs.base import Environment, Example, RewardResult
-from training.chat import end_of_turn_id, template_ids
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.envs.base import Environment, Example, RewardResult
+from rlpipe.training.chat import end_of_turn_id, template_ids
 
 
 @dataclass(frozen=True)

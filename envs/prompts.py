@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from envs.base import Example
+from rlpipe.envs.base import Example
 
 
 class PromptSource:

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-from engines.base import Engine, SamplingParams
-from envs.base import Environment, Example, Messages, RewardResult, prompt_messages
-from envs.rewards import format_traceback
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.envs.base import Environment, Example, Messages, RewardResult, prompt_messages
+from rlpipe.envs.rewards import format_traceback
 
 
 class BatchScorer(Protocol):
@@ -130,7 +129,7 @@ class JudgeReward:
     max_new_tokens: int = 8
 
     def judge_prompts(self, examples: Sequence[Example], transcripts: Sequence[str | Messages]) -> list[list[int]]:
-        from training.chat import template_ids
+        from rlpipe.training.chat import template_ids
 
         prompts = []
         for example, transcript in zip(examples, transcripts, strict=True):
@@ -208,9 +207,9 @@ def build_scorer(spec: Any) -> BatchScorer:
     if spec.type == "classifier":
         return ClassifierReward.from_dir(spec.path, label=spec.label, batch_size=spec.batch_size)
     if spec.type == "judge":
-        from engines.torch_engine import TorchEngine
-        from models.loading import load_model
-        from models.tokenizer import load_tokenizer
+        from rlpipe.engines.torch_engine import TorchEngine
+        from rlpipe.models.loading import load_model
+        from rlpipe.models.tokenizer import load_tokenizer
 
         if not Path(spec.path).is_dir():
             raise ValueError(f"judge model directory {spec.path!r} does not exist")

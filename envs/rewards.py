@@ -3,7 +3,7 @@
 A reward function is `fn(completion_text, answer, example) -> float | (float, components)`.
 Register one with the decorator or a call:
 
-    from envs.rewards import register_reward
+    from rlpipe.envs.rewards import register_reward
 
     @register_reward("starts_with_answer")
     def starts_with_answer(text, answer, example):
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from envs.base import Environment, Example, Messages, RewardResult
+from rlpipe.envs.base import Environment, Example, Messages, RewardResult
 
 RewardValue = float | tuple[float, dict[str, float]]
 RewardFn = Callable[[str, Any, Example], RewardValue]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from envs.base import Environment, Example, Messages, RewardResult
+from rlpipe.envs.base import Environment, Example, Messages, RewardResult
 
 
 def call_with_timeout(fn: Any, args: tuple, timeout_s: float) -> tuple[bool, Any]:

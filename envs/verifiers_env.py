@@ -25,13 +25,13 @@ last `eval_size` are the eval split, the rest train.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from envs.base import (
+from rlpipe.core.user_code import import_user_object
+from rlpipe.envs.base import (
     Example,
     Messages,
     RewardResult,
@@ -41,7 +41,7 @@ from envs.base import (
     options_to_config,
     prompt_messages,
 )
-from envs.rewards import format_traceback
+from rlpipe.envs.rewards import format_traceback
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +66,7 @@ def import_taskset(path: str) -> Any:
     """The Taskset named by "module:attribute" (a class is instantiated with its default config)."""
     import verifiers.v1 as vf
 
-    module_name, _, attribute = path.partition(":")
-    try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import taskset {path!r}: {err}") from err
+    target = import_user_object(path, "taskset")
     if isinstance(target, type) and issubclass(target, vf.Taskset):
         from verifiers.v1.utils.generic import concrete_type
 

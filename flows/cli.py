@@ -15,14 +15,14 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "run": ("flows.runner", "main_run", "run the flow a TOML config names"),
-    "resume": ("flows.runner", "main_resume", "continue a stopped run where it stopped"),
-    "sql": ("storage.sqlcli", "main", "query a run's tables with DuckDB"),
-    "rescore": ("flows.rescore", "main", "re-score stored rollouts with another reward function"),
-    "lineage": ("storage.lineage", "main", "the run, steps and rollouts behind a registered model version"),
-    "report": ("dashboards.report", "main", "write the HTML run report"),
-    "serve": ("engines.serve_cli", "main", "serve a checkpoint over HTTP (torch engine)"),
-    "replay": ("flows.replay", "main", "recompute an RL step from the tables and compare"),
+    "run": ("rlpipe.flows.runner", "main_run", "run the flow a TOML config names"),
+    "resume": ("rlpipe.flows.runner", "main_resume", "continue a stopped run where it stopped"),
+    "sql": ("rlpipe.storage.sqlcli", "main", "query a run's tables with DuckDB"),
+    "rescore": ("rlpipe.flows.rescore", "main", "re-score stored rollouts with another reward function"),
+    "lineage": ("rlpipe.storage.lineage", "main", "the run, steps and rollouts behind a registered model version"),
+    "report": ("rlpipe.dashboards.report", "main", "write the HTML run report"),
+    "serve": ("rlpipe.engines.serve_cli", "main", "serve a checkpoint over HTTP (torch engine)"),
+    "replay": ("rlpipe.flows.replay", "main", "recompute an RL step from the tables and compare"),
 }
 
 

@@ -14,25 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.config import RunConfig
-from training.timing import Stopwatch  # noqa: F401 - re-exported for the flows
-
-
-def quiet_defaults() -> None:
-    """Environment defaults for an offline machine: no telemetry, patient embedded server."""
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # one INFO line per task run would drown the phase progress bars; the Prefect UI keeps them
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars would drown the phase bars
-    hf_logging.set_verbosity_error()
+from rlpipe.flows.config import RunConfig
+from rlpipe.training.timing import Stopwatch  # noqa: F401 - re-exported for the flows
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -83,7 +66,7 @@ def phase_run_dir(config: RunConfig, phase: str) -> Path:
 def open_run(config: RunConfig, phase: str) -> RunState:
     """Create or reopen the run directory of a phase, locked for this process until `run_phase`
     ends (storage.runlock: a second process gets RunLockedError); write the resolved config."""
-    from storage.runlock import acquire_run_lock
+    from rlpipe.storage.runlock import acquire_run_lock
 
     run_dir = phase_run_dir(config, phase)
     acquire_run_lock(run_dir)
@@ -112,8 +95,8 @@ def open_run(config: RunConfig, phase: str) -> RunState:
 def stage_io(config: RunConfig) -> Iterator[None]:
     """How a phase's stages run: tables queued on one ordered background writer (drained when the
     block ends), stages as Prefect task runs or plain calls (tracking.prefect_task_runs)."""
-    from tasks._prefect import stage_task_runs
-    from tasks.record import background_writes
+    from rlpipe.tasks._prefect import stage_task_runs
+    from rlpipe.tasks.record import background_writes
 
     with background_writes(), stage_task_runs(config.tracking.prefect_task_runs):
         yield
@@ -122,8 +105,8 @@ def stage_io(config: RunConfig) -> Iterator[None]:
 def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
     """Run a phase's body; close its MLflow run and run.json as finished or failed (also on
     SIGTERM, which flows/runner.py turns into an exception); release the run dir's lock."""
-    from flows.termination import sigterm_is_sticky
-    from storage.runlock import release_run_lock
+    from rlpipe.flows.termination import sigterm_is_sticky
+    from rlpipe.storage.runlock import release_run_lock
 
     try:
         try:
@@ -145,7 +128,7 @@ def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
     """The flow parameters (a TOML path and overrides, or a config dict) → a validated config;
     applies its process-wide settings (torch threads)."""
-    from flows.config import apply_overrides, load_config, validate_config
+    from rlpipe.flows.config import apply_overrides, load_config, validate_config
 
     if config is not None:
         resolved = validate_config(apply_overrides(config, list(overrides or [])), "(parameters)")
@@ -163,10 +146,10 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
 def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None = None):
     """An MLflow tracker bound to the run (reopened on resume), or a no-op one."""
     if not config.tracking.enabled:
-        from storage.tracking import NullTracker
+        from rlpipe.storage.tracking import NullTracker
 
         return NullTracker()
-    from storage.tracking import MlflowTracker
+    from rlpipe.storage.tracking import MlflowTracker
 
     tracker = MlflowTracker.for_runs_root(config.runs_root)
     if state.mlflow_run_id:  # a resumed run keeps logging into its MLflow run
@@ -193,7 +176,7 @@ def write_run_report(config: RunConfig, run_dirs: list[Path]) -> Path | None:
     if not config.tracking.report:
         return None
     try:
-        from dashboards.report import write_report
+        from rlpipe.dashboards.report import write_report
 
         return write_report(run_dirs)
     except Exception as error:  # noqa: BLE001 - the run's tables are the product, the report a view

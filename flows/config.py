@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
-
-from flows.config_sections import (  # noqa: F401 (re-exported: callers import sections from here)
+from rlpipe.flows.config_sections import (  # noqa: F401 (re-exported: callers import sections from here)
     ConfigError,
     EngineConfig,
     LoraSection,

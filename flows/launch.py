@@ -120,7 +120,7 @@ def launch(args: argparse.Namespace, rank_argv: list[str], run_dir: Path) -> int
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: N ranks share the cores
     try:
-        elastic_launch(launch_config(args), sys.executable)("-u", "-m", "flows.cli", *rank_argv)
+        elastic_launch(launch_config(args), sys.executable)("-u", "-m", "rlpipe.flows.cli", *rank_argv)
     except ChildFailedError as error:
         mark_failed(run_dir)
         print(f"rlpipe: data-parallel run failed: {failure_message(error)}\n"
@@ -132,7 +132,7 @@ def launch(args: argparse.Namespace, rank_argv: list[str], run_dir: Path) -> int
 
 def mark_failed(run_dir: Path) -> None:
     """run.json files still saying running (a rank 0 killed before it could say failed) → failed."""
-    from flows.common import read_json, write_json_atomic
+    from rlpipe.flows.common import read_json, write_json_atomic
 
     for path in [run_dir / "run.json", *run_dir.glob("*/run.json")]:
         if path.is_file():

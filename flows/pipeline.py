@@ -9,11 +9,10 @@ run under one parent run.
 from __future__ import annotations
 
 from prefect import flow
-
-from flows.common import make_tracker, open_run, resolve_config, run_phase, write_run_report
-from flows.rl import run_rl
-from flows.supervised import run_supervised
-from training import metric_names as m
+from rlpipe.flows.common import make_tracker, open_run, resolve_config, run_phase, write_run_report
+from rlpipe.flows.rl import run_rl
+from rlpipe.flows.supervised import run_supervised
+from rlpipe.training import metric_names as m
 
 
 @flow(name="pipeline", log_prints=True, persist_result=False)

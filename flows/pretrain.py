@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 from prefect import flow
-
-from flows.common import phase_run_dir, resolve_config, write_run_report
-from flows.supervised import run_supervised
+from rlpipe.flows.common import phase_run_dir, resolve_config, write_run_report
+from rlpipe.flows.supervised import run_supervised
 
 
 @flow(name="pretrain", log_prints=True, persist_result=False)

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", default=None,
                         help="the run's starting weights (a checkpoint folder), when the run does not record them")
     args = parser.parse_args(argv)
-    from tasks.replay import ReplayError, format_replay, replay_step
+    from rlpipe.tasks.replay import ReplayError, format_replay, replay_step
 
     try:
         replay = replay_step(args.run_dir, args.step, args.start)

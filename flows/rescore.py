@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-
-from storage.cliargs import fail, parse_args
+from rlpipe.storage.cliargs import fail, parse_args
 
 PROG = "rlpipe rescore"
 
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):  # --help or a usage error
         return args
-    from flows.common import quiet_defaults
+    from rlpipe.core.environment import quiet_defaults
 
     quiet_defaults()
     try:
@@ -53,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {counts['errors']} reward call(s) raised or timed out: recorded in scores.error "
               f"(reward 0); see `rlpipe sql {out_dir} \"select sample_id, error from scores where error is not null\"`",
               file=sys.stderr)
-    from storage.queries import run_canned
-    from storage.sqlcli import main as sql_main
+    from rlpipe.storage.queries import run_canned
+    from rlpipe.storage.sqlcli import main as sql_main
 
     print(summary(run_canned([out_dir], "rescore_compare").to_pylist()))
     return sql_main([str(out_dir), "--query", "rescore_compare"])
@@ -74,12 +73,12 @@ def summary(rows: list[dict]) -> str:
 
 def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tuple[Path, dict[str, int]]:
     """Load the run's config and the reward, re-score into the rescore folder; (folder, counts)."""
-    from envs.base import build_env
-    from flows.config import validate_config
-    from flows.progress import progress
-    from storage.layout import partition_files
-    from tasks.rescore import load_reward, rescore_run, scoring_env
-    from tasks.rl_setup import overlong_penalty_fn
+    from rlpipe.envs.base import build_env
+    from rlpipe.flows.config import validate_config
+    from rlpipe.flows.progress import progress
+    from rlpipe.storage.layout import partition_files
+    from rlpipe.tasks.rescore import load_reward, rescore_run, scoring_env
+    from rlpipe.tasks.rl_setup import overlong_penalty_fn
 
     config_path = run_dir / "config.json"
     if not config_path.is_file():

@@ -16,8 +16,7 @@ import math
 from contextlib import ExitStack
 
 from prefect import flow
-
-from flows.common import (
+from rlpipe.flows.common import (
     Stopwatch,
     make_tracker,
     open_run,
@@ -28,21 +27,21 @@ from flows.common import (
     stage_io,
     write_run_report,
 )
-from flows.config import RunConfig
-from flows.progress import progress
-from flows.supervised import due
-from tasks.checkpoint import checkpoint_task, promote_best, reloaded_by_vllm_servers
-from tasks.evaluate import best_accuracy_before
-from tasks.origin import record_origin
-from tasks.pack import pack_task
-from tasks.record import step_metrics, train_step_row
-from tasks.rl_setup import RLRun, open_rl
-from tasks.sync import sync_task
-from tasks.tokens import record_train_tokens
-from tasks.train import train_task
-from training import metric_names as m
-from training.checkpoint import checkpoint_steps, latest_checkpoint
-from training.oversampling import BatchFillError
+from rlpipe.flows.config import RunConfig
+from rlpipe.flows.progress import progress
+from rlpipe.flows.supervised import due
+from rlpipe.tasks.checkpoint import checkpoint_task, promote_best, reloaded_by_vllm_servers
+from rlpipe.tasks.evaluate import best_accuracy_before
+from rlpipe.tasks.origin import record_origin
+from rlpipe.tasks.pack import pack_task
+from rlpipe.tasks.record import step_metrics, train_step_row
+from rlpipe.tasks.rl_setup import RLRun, open_rl
+from rlpipe.tasks.sync import sync_task
+from rlpipe.tasks.tokens import record_train_tokens
+from rlpipe.tasks.train import train_task
+from rlpipe.training import metric_names as m
+from rlpipe.training.checkpoint import checkpoint_steps, latest_checkpoint
+from rlpipe.training.oversampling import BatchFillError
 
 
 @flow(name="rl", log_prints=True, persist_result=False)

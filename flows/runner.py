@@ -20,18 +20,24 @@ import sys
 import time
 from pathlib import Path
 
-from flows.common import quiet_defaults
-from flows.config import ConfigError, RunConfig, describe_fields, load_config, validate_config
-from flows.launch import (
+from rlpipe.core.environment import quiet_defaults
+from rlpipe.flows.config import (
+    ConfigError,
+    RunConfig,
+    describe_fields,
+    load_config,
+    validate_config,
+)
+from rlpipe.flows.launch import (
     add_launch_arguments,
     check_launch_arguments,
     launch,
     launched_rank,
     strip_launch_flags,
 )
-from flows.termination import Terminated, sigterm_received, sigterm_stops_the_run
-from storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
-from training import metric_names as m
+from rlpipe.flows.termination import Terminated, sigterm_received, sigterm_stops_the_run
+from rlpipe.storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
+from rlpipe.training import metric_names as m
 
 
 def clear_run_dir(run_dir: Path) -> None:
@@ -47,13 +53,13 @@ def clear_run_dir(run_dir: Path) -> None:
 
 def flow_function(name: str):
     if name == "pipeline":
-        from flows.pipeline import pipeline_flow as fn
+        from rlpipe.flows.pipeline import pipeline_flow as fn
     elif name == "rl":
-        from flows.rl import rl_flow as fn
+        from rlpipe.flows.rl import rl_flow as fn
     elif name == "sft":
-        from flows.sft import sft_flow as fn
+        from rlpipe.flows.sft import sft_flow as fn
     elif name == "pretrain":
-        from flows.pretrain import pretrain_flow as fn
+        from rlpipe.flows.pretrain import pretrain_flow as fn
     else:  # validated by the config already
         raise ValueError(f"unknown flow {name!r}")
     return fn
@@ -197,10 +203,9 @@ def _with_parallel(config: RunConfig, kind: str) -> RunConfig | str:
 def _run_rank(config: RunConfig, run) -> int:
     """Join the process group; rank 0 runs `run()` and then releases the others, which train."""
     import torch.distributed as dist
-
-    from models.device import resolve_device
-    from tasks.ranks import end_run, follow_ranks
-    from training.distributed import init_from_environment
+    from rlpipe.models.device import resolve_device
+    from rlpipe.tasks.ranks import end_run, follow_ranks
+    from rlpipe.training.distributed import init_from_environment
 
     env = init_from_environment(resolve_device(config.device).type, config.train.parallel_timeout_s)
     try:
@@ -218,7 +223,7 @@ def _run_rank(config: RunConfig, run) -> int:
 
 
 def _execute(config: RunConfig, overwrite: bool = False) -> int:
-    from models.device import resolve_device
+    from rlpipe.models.device import resolve_device
 
     try:  # before any run directory or tracking run exists
         resolve_device(config.device)

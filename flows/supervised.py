@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.timeout import with_reward_timeout
-from flows.common import (
+from rlpipe.envs.timeout import with_reward_timeout
+from rlpipe.flows.common import (
     RunState,
     Stopwatch,
     make_tracker,
@@ -16,14 +16,14 @@ from flows.common import (
     run_phase,
     stage_io,
 )
-from flows.config import RunConfig
-from flows.progress import progress
-from tasks.checkpoint import checkpoint_task, reloaded_by_vllm_servers
-from tasks.evaluate import eval_metrics, eval_step
-from tasks.origin import record_origin
-from tasks.ranks import make_trainer
-from tasks.record import load_rows, step_metrics, train_step_row
-from tasks.setup import (
+from rlpipe.flows.config import RunConfig
+from rlpipe.flows.progress import progress
+from rlpipe.tasks.checkpoint import checkpoint_task, reloaded_by_vllm_servers
+from rlpipe.tasks.evaluate import eval_metrics, eval_step
+from rlpipe.tasks.origin import record_origin
+from rlpipe.tasks.ranks import make_trainer
+from rlpipe.tasks.record import load_rows, step_metrics, train_step_row
+from rlpipe.tasks.setup import (
     engine_dtype,
     make_env,
     make_model_and_tokenizer,
@@ -32,11 +32,11 @@ from tasks.setup import (
     sft_data,
     stop_token_ids,
 )
-from tasks.supervised import supervised_train_task
-from training import metric_names as m
-from training.checkpoint import latest_checkpoint, load_checkpoint
-from training.lora import lora_from_config
-from training.losses import nll_loss
+from rlpipe.tasks.supervised import supervised_train_task
+from rlpipe.training import metric_names as m
+from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
+from rlpipe.training.lora import lora_from_config
+from rlpipe.training.losses import nll_loss
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -46,7 +46,7 @@ def due(step: int, every: int, last: int) -> bool:
 def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | None = None,
                    start_checkpoint: str | None = None) -> dict:
     """Train `config.<phase>` (pretrain | sft); returns the final checkpoint and eval metrics."""
-    from engines.torch_engine import TorchEngine
+    from rlpipe.engines.torch_engine import TorchEngine
 
     section = getattr(config, phase)
     state: RunState = open_run(config, phase)
@@ -78,7 +78,7 @@ def _train(config, phase, section, state, tracker, start_checkpoint, engine_cls)
     trainer = make_trainer(config, model, section.optim, section.steps, ("nll",), resume_from)
     model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     if phase == "pretrain":
-        from tasks.setup import pretrain_data
+        from rlpipe.tasks.setup import pretrain_data
 
         sequences = pretrain_data(env, tokenizer, section, config.seed)
     else:

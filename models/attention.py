@@ -38,11 +38,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rlpipe.models.varlen_plan import FlashViews, VarlenPlan, make_flash_views, make_plan
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from models.varlen_plan import FlashViews, VarlenPlan, make_flash_views, make_plan
 
 VARLEN_ATTENTION = "rlpipe_varlen"
 

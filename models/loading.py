@@ -19,9 +19,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from rlpipe.models.attention import VARLEN_ATTENTION
 from transformers import AutoModelForCausalLM, PreTrainedModel
-
-from models.attention import VARLEN_ATTENTION
 
 
 def _check_checkpoint(path: Path) -> None:

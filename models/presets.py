@@ -1,6 +1,6 @@
 """Named model presets: small Qwen3 (dense) and Qwen3-MoE shapes built from configs, no hub.
 
-    from models.presets import build_model
+    from rlpipe.models.presets import build_model
     model = build_model("tiny-dense", vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id, ...)
 
 Every model built here uses the packed (varlen) attention of `models.attention` and
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from rlpipe.models.attention import VARLEN_ATTENTION
 from transformers import (
     PretrainedConfig,
     PreTrainedModel,
@@ -25,8 +26,6 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
-
-from models.attention import VARLEN_ATTENTION
 
 _ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
 

@@ -22,18 +22,18 @@ Plain Python, no Prefect and no torch.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from training import metric_names as m
+from rlpipe.core.user_code import import_user_object
+from rlpipe.training import metric_names as m
 
 if TYPE_CHECKING:
-    from flows.config import RLConfig
-    from rollouts.records import Rollout, Score
-    from training.advantages import Group
-    from training.oversampling import GroupDecision
+    from rlpipe.flows.config import RLConfig
+    from rlpipe.rollouts.records import Rollout, Score
+    from rlpipe.training.advantages import Group
+    from rlpipe.training.oversampling import GroupDecision
 
 STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_error", "truncated", "filtered")
 
@@ -41,11 +41,7 @@ STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_
 @functools.cache
 def user_filter(spec: str) -> Callable[[Rollout, Score], bool | str]:
     """The function a "module:function" spec names; ValueError naming the spec otherwise."""
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name) if module and name else None
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"rl.sample_filter {spec!r}: {error}") from None
+    fn = import_user_object(spec, "rl.sample_filter")
     if not callable(fn):
         raise ValueError(f"rl.sample_filter must name a function as 'module:function', got {spec!r}")
     return fn

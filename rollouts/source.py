@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollouts.fates import (
+from rlpipe.rollouts.fates import (
     decision_rows,
     drop_rows,
     fate_metrics,
@@ -41,16 +41,16 @@ from rollouts.fates import (
     sample_drop,
     user_filter,
 )
-from rollouts.records import Rollout, Score
-from training import metric_names as m
-from training.advantages import Group, make_groups
-from training.oversampling import BatchFillError, GroupBuffer, GroupDecision
-from training.timing import Stopwatch
+from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.training import metric_names as m
+from rlpipe.training.advantages import Group, make_groups
+from rlpipe.training.oversampling import BatchFillError, GroupBuffer, GroupDecision
+from rlpipe.training.timing import Stopwatch
 
 if TYPE_CHECKING:
-    from envs.base import Example
-    from envs.prompts import PromptSource
-    from flows.config import RLConfig
+    from rlpipe.envs.base import Example
+    from rlpipe.envs.prompts import PromptSource
+    from rlpipe.flows.config import RLConfig
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ def _groups(rollouts: list[Rollout], scores: list[Score], rl: RLConfig, attempt:
 
 
 def _train_samples(batch: list[Group], rows: dict[str, Rollout], rl: RLConfig) -> list[TrainSample]:
-    from training.advantages import group_advantages
+    from rlpipe.training.advantages import group_advantages
 
     advantages = group_advantages(batch, rl)
     return [TrainSample(rows[sid], reward, advantages[sid]) for g in batch

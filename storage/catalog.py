@@ -37,16 +37,15 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow.parquet as pq
-
-from storage.layout import (
+from rlpipe.storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,
     partition_files,
     schema_file,
     tables_root,
 )
-from storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
-from storage.views import VIEWS
+from rlpipe.storage.schemas import META_VERSION, SCHEMA_VERSION, TABLES, schema_for
+from rlpipe.storage.views import VIEWS
 
 if TYPE_CHECKING:
     import polars as pl

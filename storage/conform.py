@@ -10,8 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-
-from storage.schemas import schema_for
+from rlpipe.storage.schemas import schema_for
 
 TableData = pa.Table | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 

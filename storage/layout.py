@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from storage.schemas import schema_for
+from rlpipe.storage.schemas import schema_for
 
 PART_NAME = "part-0.parquet"
 SCHEMA_NAME = "_schema.parquet"

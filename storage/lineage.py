@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-
-from storage.catalog import connect, has_data
-from storage.cliargs import fail, parse_args
-from storage.schemas import TABLES
+from rlpipe.storage.catalog import connect, has_data
+from rlpipe.storage.cliargs import fail, parse_args
+from rlpipe.storage.schemas import TABLES
 
 PROG = "rlpipe lineage"
 _MAX_DEPTH = 8  # a chain longer than this is a cycle in hand-made tags
@@ -110,7 +109,7 @@ def _rows(result: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 def version_lineage(client: Any, model_uri: str, samples: int = 5) -> list[dict[str, Any]]:
     """The chain from `model_uri` up through the versions it started from, one dict per version:
     model, MLflow run, run dir and step, steps and samples trained, and the parent."""
-    from storage.tracking import resolve_model_version
+    from rlpipe.storage.tracking import resolve_model_version
 
     chain: list[dict[str, Any]] = []
     while model_uri and len(chain) < _MAX_DEPTH:

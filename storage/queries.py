@@ -18,8 +18,7 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-
-from storage.catalog import RunDirs, connect
+from rlpipe.storage.catalog import RunDirs, connect
 
 
 @dataclass(frozen=True)

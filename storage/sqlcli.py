@@ -28,11 +28,10 @@ import duckdb
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-
-from storage.catalog import connect, discover_runs, has_data, run_dirs_list
-from storage.cliargs import fail, parse_args
-from storage.queries import canned_queries, canned_sql
-from storage.schemas import TABLES
+from rlpipe.storage.catalog import connect, discover_runs, has_data, run_dirs_list
+from rlpipe.storage.cliargs import fail, parse_args
+from rlpipe.storage.queries import canned_queries, canned_sql
+from rlpipe.storage.schemas import TABLES
 
 PROG = "rlpipe sql"
 

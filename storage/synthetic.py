@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-
-from storage.schemas import schema_for
+from rlpipe.storage.schemas import schema_for
 
 ENVS = ("arithmetic", "countdown")
 

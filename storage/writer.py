@@ -27,10 +27,9 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from storage import catalog
-from storage.conform import TableData, conform
-from storage.layout import (
+from rlpipe.storage import catalog
+from rlpipe.storage.conform import TableData, conform
+from rlpipe.storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,
     check_step,
@@ -40,7 +39,7 @@ from storage.layout import (
     partition_files,
     table_dir,
 )
-from storage.schemas import schema_for
+from rlpipe.storage.schemas import schema_for
 
 
 def default_run_id(run_dir: str | os.PathLike) -> str:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollouts.records import Rollout
-from tasks._prefect import stage
-from tasks.record import load_rows, persist
-from training.advantages import Group, group_row
-from training.oversampling import GroupDecision
+from rlpipe.rollouts.records import Rollout
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.record import load_rows, persist
+from rlpipe.training.advantages import Group, group_row
+from rlpipe.training.oversampling import GroupDecision
 
 
 def step_of_group(group_id: str) -> int:

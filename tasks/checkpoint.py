@@ -8,9 +8,9 @@ import datetime as dt
 import json
 from pathlib import Path
 
-from tasks._prefect import stage
-from tasks.record import drain_writes, load_rows, persist, persist_now
-from training.checkpoint import save_checkpoint
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.record import drain_writes, load_rows, persist, persist_now
+from rlpipe.training.checkpoint import save_checkpoint
 
 
 def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, model_name: str | None,
@@ -31,7 +31,7 @@ def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, mode
 def reloaded_by_vllm_servers(engine_config) -> bool:
     """Whether the run's checkpoints are reloaded by vLLM servers (`vllm+http://` engine urls):
     then a tied model's checkpoints name their lm_head (training/checkpoint.py says why)."""
-    from engines.http import parse_engine_url
+    from rlpipe.engines.http import parse_engine_url
 
     return engine_config.type == "http" and any(parse_engine_url(u)[0] == "vllm" for u in engine_config.urls)
 

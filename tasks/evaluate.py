@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.base import Engine, SamplingParams
-from envs.base import Environment, Example
-from tasks._prefect import stage
-from tasks.generate import encode_prompts
-from tasks.record import load_rows, persist
-from tasks.score import reward_of
-from training import metric_names as m
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.envs.base import Environment, Example
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.generate import encode_prompts
+from rlpipe.tasks.record import load_rows, persist
+from rlpipe.tasks.score import reward_of
+from rlpipe.training import metric_names as m
 
 
 def evaluate_greedy(
@@ -42,7 +42,7 @@ def evaluate_greedy(
 
 def _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, max_context):
     """Greedy multi-turn episodes (envs/multiturn.py), judged on their transcripts."""
-    from envs.multiturn import episode_fields, run_episodes, with_turn_rewards
+    from rlpipe.envs.multiturn import episode_fields, run_episodes, with_turn_rewards
 
     groups = run_episodes(engine, tokenizer, env, examples, params, max_turns=env.max_turns,
                           max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
@@ -85,8 +85,7 @@ def best_accuracy_before(run_dir, step: int, checkpointed: set[int]) -> float:
     moves the `best` alias only for a better eval: the step-0 accuracy, raised by every eval at a
     checkpointed step up to `step` (the alias only ever pointed at checkpoints). -inf if none."""
     import duckdb
-
-    from storage.writer import read_table
+    from rlpipe.storage.writer import read_table
 
     evals = read_table(run_dir, "evals")
     if not evals.num_rows:

@@ -11,11 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engines.base import Engine, SamplingParams
-from envs.base import Environment, Example
-from rollouts.records import Rollout
-from tasks._prefect import stage
-from tasks.record import load_rows_beyond, persist
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.envs.base import Environment, Example
+from rlpipe.rollouts.records import Rollout
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.record import load_rows_beyond, persist
 
 
 class PromptTooLongError(ValueError):
@@ -100,7 +100,7 @@ def generate_rollouts(
 
 
 def _episode_rows(engine, tokenizer, env, examples, params, max_context, ids) -> list[Rollout]:
-    from envs.multiturn import episode_fields, run_episodes
+    from rlpipe.envs.multiturn import episode_fields, run_episodes
 
     run_id, step, attempt, policy_version, first_group_index = ids
     engines = engine if isinstance(engine, list) else [engine]

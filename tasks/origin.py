@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storage.lineage import checkpoint_origin
-from tasks.record import persist_now
+from rlpipe.storage.lineage import checkpoint_origin
+from rlpipe.tasks.record import persist_now
 
 
 def record_origin(run_dir: Path, run_id: str, checkpoint: str | None, tracker) -> dict | None:

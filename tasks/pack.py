@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.multiturn import model_token_mask, segment_bounds
-from rollouts.source import TrainSample
-from tasks._prefect import stage
-from tasks.record import persist
-from training.batch import PackedBatch, Sequence, pack, shared_prefix_units
-from training.distributed import balanced_budget
+from rlpipe.envs.multiturn import model_token_mask, segment_bounds
+from rlpipe.rollouts.source import TrainSample
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.record import persist
+from rlpipe.training.batch import PackedBatch, Sequence, pack, shared_prefix_units
+from rlpipe.training.distributed import balanced_budget
 
 
 def rollout_sequences(sample: TrainSample) -> list[Sequence]:

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from tasks.setup import make_optimizer, place_model
-from training.dist_state import broadcast_weights, load_full_optimizer_state
-from training.distributed import (
+from rlpipe.tasks.setup import make_optimizer, place_model
+from rlpipe.training.dist_state import broadcast_weights, load_full_optimizer_state
+from rlpipe.training.distributed import (
     DataParallel,
     GatheredOptimizer,
     data_parallel,
@@ -81,7 +80,7 @@ def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_fro
     """Rank 0: the optimizer and scheduler of `model` (weights already placed, a resumed
     checkpoint's already loaded), data-parallel over every rank when train.parallel is set.
     ref_model: the KL reference, which every rank then holds (sharded in place under FSDP2)."""
-    from training.checkpoint import read_optimizer_state
+    from rlpipe.training.checkpoint import read_optimizer_state
 
     state = read_optimizer_state(resume_from) if resume_from is not None else None
     if config.train.parallel == "none":
@@ -102,13 +101,13 @@ def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_fro
 def _collective_setup(spec: TrainerSpec, model, state: dict | None, ref_model=None):
     """Every rank: rank 0's weights everywhere, wrap, optimizer after wrapping, resumed state;
     rank 0's KL reference (`ref_model` there, a fresh model on the others) on every rank."""
-    from models.device import resolve_device
+    from rlpipe.models.device import resolve_device
 
     broadcast_weights(model)
     device = resolve_device(spec.device)
     dp = data_parallel(model, spec.parallel, device)
     if spec.reference:
-        from training.dist_reference import place_reference
+        from rlpipe.training.dist_reference import place_reference
 
         ref = ref_model if ref_model is not None else _fresh_model(spec)
         broadcast_weights(ref)
@@ -153,7 +152,7 @@ def _fresh_model(spec: TrainerSpec):
     model = place_model(model, spec.device, str(spec.dtype).removeprefix("torch."), spec.activation_checkpointing,
                         spec.compile)
     if spec.lora is not None:  # the same adapters as rank 0 (open_rl / the supervised setup)
-        from training.lora import lora_from_config
+        from rlpipe.training.lora import lora_from_config
 
         model = lora_from_config(model, spec.lora)
     return model
@@ -161,9 +160,9 @@ def _fresh_model(spec: TrainerSpec):
 
 def _loss(loss: tuple):
     if loss[0] == "nll":
-        from training.losses import nll_loss
+        from rlpipe.training.losses import nll_loss
 
         return nll_loss
-    from tasks.rl_setup import loss_for
+    from rlpipe.tasks.rl_setup import loss_for
 
     return loss_for(loss[1])

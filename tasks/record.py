@@ -15,9 +15,15 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-from storage.layout import partition_file
-from storage.writer import BackgroundWriter, is_complete, read_partition, read_table, write_table
-from training import metric_names as m
+from rlpipe.storage.layout import partition_file
+from rlpipe.storage.writer import (
+    BackgroundWriter,
+    is_complete,
+    read_partition,
+    read_table,
+    write_table,
+)
+from rlpipe.training import metric_names as m
 
 # the writer of the enclosing `background_writes()` block; a ContextVar, not a global, so each
 # flow (thread, context) sees only its own. Prefect runs sync task runs in the caller's context.

@@ -33,12 +33,11 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import torch
-
-from storage.layout import tables_root
-from storage.writer import read_table
-from tasks.tokens import capture_logprobs, packed_batch
-from tasks.train import train_on_batches
-from training.checkpoint import checkpoint_dir, checkpoint_steps, load_checkpoint
+from rlpipe.storage.layout import tables_root
+from rlpipe.storage.writer import read_table
+from rlpipe.tasks.tokens import capture_logprobs, packed_batch
+from rlpipe.tasks.train import train_on_batches
+from rlpipe.training.checkpoint import checkpoint_dir, checkpoint_steps, load_checkpoint
 
 PARALLEL_TOLERANCE = 1e-4
 """How far a data-parallel step's replay may be from the logged figures. Measured on configs/tiny.toml
@@ -81,7 +80,7 @@ class Replay:
 
 
 def load_config(run_dir: Path):
-    from flows.config import validate_config  # the run's own validated config
+    from rlpipe.flows.config import validate_config  # the run's own validated config
 
     path = run_dir / "config.json"
     if not path.is_file():
@@ -124,7 +123,7 @@ def start_weights(run_dir: Path, config, start: str | None) -> str:
 def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
     """(model, optimizer, scheduler, origin text, start path): the trainer state after step
     `from_step` (its checkpoint; 0: the starting weights and a fresh optimizer)."""
-    from tasks.setup import make_model_and_tokenizer, make_optimizer, place_model
+    from rlpipe.tasks.setup import make_model_and_tokenizer, make_optimizer, place_model
 
     rl = config.rl
     # the starting weights only when the replay starts there, or the KL penalty's reference needs them
@@ -141,7 +140,7 @@ def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
 
 def train_options(config) -> dict[str, Any]:
     """The options flows/rl.py trains with (tasks/rl_setup.open_rl's train_options)."""
-    from training.rl_loss import loss_normaliser
+    from rlpipe.training.rl_loss import loss_normaliser
 
     rl = config.rl
     normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
@@ -154,8 +153,8 @@ def reference_model(config, first: str):
     """The KL penalty's frozen starting policy (rl.kl_coef > 0), else None."""
     if config.rl.kl_coef <= 0:
         return None
-    from tasks.setup import make_model_and_tokenizer, place_model
-    from training.kl import frozen_copy
+    from rlpipe.tasks.setup import make_model_and_tokenizer, place_model
+    from rlpipe.training.kl import frozen_copy
 
     model, _ = make_model_and_tokenizer(config.model.preset, first, config.model.overrides, config.seed)
     place_model(model, config.device, config.model.weights_dtype)
@@ -166,8 +165,8 @@ def step_loss(loss_fn, ref, batches, config):
     """RLRun.batch_inputs, bound: the reference's log-probs per micro-batch when there is a KL penalty."""
     if ref is None or not batches:
         return loss_fn
-    from training.kl import reference_logprobs
-    from training.rl_loss import bind_batch_inputs
+    from rlpipe.training.kl import reference_logprobs
+    from rlpipe.training.rl_loss import bind_batch_inputs
 
     logprobs = reference_logprobs(ref, batches, temperature=config.rl.sampling.temperature,
                                   autocast=config.model.bf16_autocast)
@@ -224,7 +223,7 @@ def compare(step: int, logged: dict, metrics: dict, rows: list[dict],
 
 def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Replay:
     """Replay `step` (and, from an earlier checkpoint, the steps before it); see the module docstring."""
-    from tasks.rl_setup import loss_for
+    from rlpipe.tasks.rl_setup import loss_for
 
     run_dir = Path(run_dir).resolve()
     config = load_config(run_dir)

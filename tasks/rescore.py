@@ -28,24 +28,30 @@ views of the run's own four (storage/catalog.py).
 from __future__ import annotations
 
 import datetime as dt
-import importlib
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from envs.base import Environment, Example, Messages, RewardResult, completion_text_of
-from envs.rewards import RewardFn, evaluate_reward, get_reward
-from envs.timeout import with_reward_timeout
-from rollouts.fates import decision_rows, drop_rows, sample_drop
-from rollouts.records import Rollout, Score
-from storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
-from storage.layout import partition_files
-from storage.writer import read_table, write_table
-from tasks.score import score_rollouts
-from training.advantages import ZERO_VARIANCE_EPS, Group, group_advantages, group_row, make_groups
-from training.oversampling import GroupDecision
+from rlpipe.core.user_code import import_user_object
+from rlpipe.envs.base import Environment, Example, Messages, RewardResult, completion_text_of
+from rlpipe.envs.rewards import RewardFn, evaluate_reward, get_reward
+from rlpipe.envs.timeout import with_reward_timeout
+from rlpipe.rollouts.fates import decision_rows, drop_rows, sample_drop
+from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
+from rlpipe.storage.layout import partition_files
+from rlpipe.storage.writer import read_table, write_table
+from rlpipe.tasks.score import score_rollouts
+from rlpipe.training.advantages import (
+    ZERO_VARIANCE_EPS,
+    Group,
+    group_advantages,
+    group_row,
+    make_groups,
+)
+from rlpipe.training.oversampling import GroupDecision
 
 TABLES = ("scores", "groups", "advantages", "decisions")
 
@@ -54,14 +60,9 @@ def load_reward(spec: str) -> RewardFn:
     """`module:function` (imported), or the name of a registered reward (envs/rewards.py)."""
     if ":" not in spec:
         return get_reward(spec)
-    module_name, _, attribute = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"--reward {spec!r}: cannot import module {module_name!r}: {error}") from None
-    fn = getattr(module, attribute, None)
+    fn = import_user_object(spec, "--reward")
     if not callable(fn):
-        raise ValueError(f"--reward {spec!r}: module {module_name!r} has no function {attribute!r}")
+        raise ValueError(f"--reward {spec!r}: {spec.partition(':')[2]!r} is not a function")
     return fn
 
 

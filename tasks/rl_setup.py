@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.base import Engine, SamplingParams
-from envs.base import Environment, Example
-from envs.timeout import with_reward_timeout
-from rollouts.source import RolloutSource
-from tasks.checkpoint import repair_checkpoint_row
-from tasks.evaluate import eval_step
-from tasks.ranks import make_trainer
-from tasks.rollout_stages import RunStages
-from tasks.setup import (
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.envs.base import Environment, Example
+from rlpipe.envs.timeout import with_reward_timeout
+from rlpipe.rollouts.source import RolloutSource
+from rlpipe.tasks.checkpoint import repair_checkpoint_row
+from rlpipe.tasks.evaluate import eval_step
+from rlpipe.tasks.ranks import make_trainer
+from rlpipe.tasks.rollout_stages import RunStages
+from rlpipe.tasks.setup import (
     engine_dtype,
     make_env,
     make_model_and_tokenizer,
@@ -28,13 +28,13 @@ from tasks.setup import (
     place_model,
     stop_token_ids,
 )
-from tasks.sync import sync_task
-from training.advantages import overlong_penalty
-from training.checkpoint import latest_checkpoint, load_checkpoint
-from training.kl import frozen_copy
-from training.lora import lora_from_config
-from training.oversampling import GroupBuffer
-from training.rl_loss import loss_normaliser
+from rlpipe.tasks.sync import sync_task
+from rlpipe.training.advantages import overlong_penalty
+from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
+from rlpipe.training.kl import frozen_copy
+from rlpipe.training.lora import lora_from_config
+from rlpipe.training.oversampling import GroupBuffer
+from rlpipe.training.rl_loss import loss_normaliser
 
 
 @dataclass
@@ -71,7 +71,7 @@ class RLRun:
         train.parallel each rank computes its own share's instead (training/dist_reference.py)."""
         if self.ref_model is None or not batches or self.world_size > 1:
             return {}  # data-parallel: every rank scores its own share (training/dist_reference.py)
-        from training.kl import reference_logprobs
+        from rlpipe.training.kl import reference_logprobs
 
         return {"ref_logprobs": reference_logprobs(self.ref_model, batches, **self.ref_options)}
 
@@ -93,13 +93,13 @@ class RLRun:
 def make_engines(config, model) -> list[Engine]:
     """The rollout engines of `config.engine`; in-process async RL samples from a weights snapshot."""
     if config.engine.type == "http":
-        from engines.http import engines_from_config
+        from rlpipe.engines.http import engines_from_config
 
         # a tied model's checkpoints name their lm_head for vLLM servers (tasks/checkpoint.py)
         return engines_from_config(config.engine)
     dtype = engine_dtype(model, config.model.bf16_autocast)
     if config.engine.type == "vllm":
-        from engines.vllm_engine import VllmEngine  # optional extra
+        from rlpipe.engines.vllm_engine import VllmEngine  # optional extra
 
         # the sampling dtype of the torch engine: else vLLM takes the fp32 master weights' dtype.
         # Async RL keeps vLLM awake: waking up pushes the trainer's tensors, and the producer
@@ -110,10 +110,10 @@ def make_engines(config, model) -> list[Engine]:
                            enforce_eager=not config.engine.cuda_graphs,
                            sleep_between_calls=config.rl.max_off_policy_steps == 0)]
     if config.rl.max_off_policy_steps > 0:
-        from engines.snapshot import SnapshotEngine
+        from rlpipe.engines.snapshot import SnapshotEngine
 
         return [SnapshotEngine(model, dtype=dtype)]
-    from engines.torch_engine import TorchEngine
+    from rlpipe.engines.torch_engine import TorchEngine
 
     return [TorchEngine(model, dtype=dtype, cuda_graphs=config.engine.cuda_graphs)]
 
@@ -121,8 +121,8 @@ def make_engines(config, model) -> list[Engine]:
 def loss_for(rl):
     """The policy loss; async RL (k >= 1) gets truncated importance weights by default, the
     sequence mask of rl.off_policy_sequence_mask, and the mismatch metrics."""
-    from training.off_policy import with_sequence_mask
-    from training.rl_loss import build_rl_loss
+    from rlpipe.training.off_policy import with_sequence_mask
+    from rlpipe.training.rl_loss import build_rl_loss
 
     tis_cap = rl.tis_cap
     if rl.max_off_policy_steps > 0 and tis_cap == 0 and rl.loss == "reinforce":
@@ -144,8 +144,8 @@ def overlong_penalty_fn(rl):
 
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, model_name: str) -> RLRun:
     """Build (or restore, from the run's newest checkpoint) everything the RL loop needs."""
-    from engines.torch_engine import TorchEngine
-    from envs.prompts import PromptSource
+    from rlpipe.engines.torch_engine import TorchEngine
+    from rlpipe.envs.prompts import PromptSource
 
     rl = config.rl
     env = with_reward_timeout(make_env(config.task.env, config.task.options, config.task.reward_models,

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.base import Engine, SamplingParams
-from envs.base import Environment, Example
-from tasks.advantages import load_group_rows, select_task
-from tasks.generate import generate_stage
-from tasks.record import persist
-from tasks.score import score_stage
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.envs.base import Environment, Example
+from rlpipe.tasks.advantages import load_group_rows, select_task
+from rlpipe.tasks.generate import generate_stage
+from rlpipe.tasks.record import persist
+from rlpipe.tasks.score import score_stage
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from envs.base import Environment, Example, RewardResult
-from envs.multiturn import transcript_of, with_turn_rewards
-from envs.rewards import RewardError, format_traceback
-from rollouts.records import Rollout, Score
-from tasks._prefect import stage
-from tasks.record import load_rows_beyond, persist
+from rlpipe.envs.base import Environment, Example, RewardResult
+from rlpipe.envs.multiturn import transcript_of, with_turn_rewards
+from rlpipe.envs.rewards import RewardError, format_traceback
+from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.record import load_rows_beyond, persist
 
 
 def reward_of(env: Environment, example: Example, transcript: str | list[dict]) -> RewardResult:

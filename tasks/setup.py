@@ -10,15 +10,15 @@ import random
 from pathlib import Path
 from typing import Any
 
-from envs.base import Environment, Example, build_env
-from envs.dataset import jsonl_records, read_utf8
-from models.device import resolve_device
-from models.loading import load_model
-from models.presets import build_model
-from models.tokenizer import build_tokenizer, load_tokenizer
-from training.batch import Sequence
-from training.data import sft_sequences
-from training.step import build_optimizer, build_scheduler
+from rlpipe.envs.base import Environment, Example, build_env
+from rlpipe.envs.dataset import jsonl_records, read_utf8
+from rlpipe.models.device import resolve_device
+from rlpipe.models.loading import load_model
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
+from rlpipe.training.batch import Sequence
+from rlpipe.training.data import sft_sequences
+from rlpipe.training.step import build_optimizer, build_scheduler
 
 
 def make_env(env_name: str, options: dict[str, Any], reward_models: list[Any] | tuple = (),
@@ -27,7 +27,7 @@ def make_env(env_name: str, options: dict[str, Any], reward_models: list[Any] | 
     env = build_env(env_name, **options)
     if not reward_models:
         return env
-    from envs.reward_models import WithModelRewards, build_scorer
+    from rlpipe.envs.reward_models import WithModelRewards, build_scorer
 
     scorers = {rm.name: (build_scorer(rm), rm.weight) for rm in reward_models}
     return WithModelRewards(env, scorers, env_weight=env_reward_weight)
@@ -64,7 +64,7 @@ def place_model(model, device: str, weights_dtype: str = "float32",
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     if compile:
-        from models.compile import compile_layers
+        from rlpipe.models.compile import compile_layers
 
         compile_layers(model)
     return model
@@ -167,7 +167,7 @@ def read_documents(path: Path) -> list[str]:
 
 def pretrain_data(env: Environment, tokenizer, section, seed: int) -> list[Sequence]:
     """Pretraining sequences (weights 1): a corpus file, or the env's problems with answers."""
-    from training.data import pretrain_sequences
+    from rlpipe.training.data import pretrain_sequences
 
     if section.data_path:
         docs = read_documents(Path(section.data_path))

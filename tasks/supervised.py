@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from tasks._prefect import stage
-from tasks.train import train_on_batches
-from training.batch import Sequence, pack
-from training.distributed import balanced_budget
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.train import train_on_batches
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.distributed import balanced_budget
 
 
 def step_indices(n_items: int, per_step: int, step: int, seed: int) -> tuple[list[int], dict]:

@@ -11,9 +11,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engines.base import Engine
-from tasks._prefect import stage
-from tasks.record import load_rows, persist_now
+from rlpipe.engines.base import Engine
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.record import load_rows, persist_now
 
 
 class SyncError(RuntimeError):

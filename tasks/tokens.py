@@ -20,13 +20,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from envs.multiturn import segment_bounds
-from rollouts.source import TrainSample
-from tasks.record import persist
-from training.batch import PackedBatch
-from training.distributed import capture_logprobs  # noqa: F401  (re-exported: replay, tests)
-from training.losses import loss_token_mask, sequence_index
+from rlpipe.envs.multiturn import segment_bounds
+from rlpipe.rollouts.source import TrainSample
+from rlpipe.tasks.record import persist
+from rlpipe.training.batch import PackedBatch
+from rlpipe.training.distributed import capture_logprobs  # noqa: F401  (re-exported: replay, tests)
+from rlpipe.training.losses import loss_token_mask, sequence_index
 
 
 def completion_ends(samples: list[TrainSample]) -> dict[str, int]:

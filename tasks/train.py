@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 import time
 
-from tasks._prefect import stage
-from training.batch import PackedBatch
-from training.distributed import capture_logprobs, lead_step, with_batch_inputs
-from training.step import forward_backward, optim_step
+from rlpipe.tasks._prefect import stage
+from rlpipe.training.batch import PackedBatch
+from rlpipe.training.distributed import capture_logprobs, lead_step, with_batch_inputs
+from rlpipe.training.step import forward_backward, optim_step
 
 
 class NonFiniteLossError(FloatingPointError):

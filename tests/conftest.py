@@ -8,8 +8,7 @@ CLI's defaults).
 import os
 
 import torch
-
-from flows.common import quiet_defaults
+from rlpipe.core.environment import quiet_defaults
 
 quiet_defaults()
 os.environ.setdefault("RLPIPE_PROGRESS", "0")

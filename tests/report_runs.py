@@ -16,9 +16,9 @@ import json
 import re
 from pathlib import Path
 
-from storage.queries import run_sql
-from storage.synthetic import synthetic_step
-from storage.writer import write_table
+from rlpipe.storage.queries import run_sql
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import write_table
 
 NASTY = 'ends a script early? </script><script>document.title="pwned"</script> <!-- ünïcode'
 EPISODE = {"n_turns": 2, "completion_text": "calc 51*92<|im_end|>\n<|im_start|>tool\n4692<|im_end|>\nans 4692",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.base import Completion, SamplingParams
+from rlpipe.engines.base import Completion, SamplingParams
 
 
 class ScriptedEngine:

@@ -9,14 +9,13 @@ import tempfile
 import time
 
 import torch
-
-from engines.base import SamplingParams
-from engines.vllm_engine import VllmEngine, vllm_unavailable_reason
-from models.loading import load_model
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from training.batch import Sequence, pack_one
-from training.logprobs import token_logprobs
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.vllm_engine import VllmEngine, vllm_unavailable_reason
+from rlpipe.models.loading import load_model
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.batch import Sequence, pack_one
+from rlpipe.training.logprobs import token_logprobs
 
 
 def recompute(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:

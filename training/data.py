@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Literal
 
+from rlpipe.training.batch import PackedBatch, Sequence, pack
+from rlpipe.training.chat import chat_segments, shared_prefix_len
 from transformers import PreTrainedTokenizerBase
-
-from training.batch import PackedBatch, Sequence, pack
-from training.chat import chat_segments, shared_prefix_len
 
 Overflow = Literal["error", "truncate", "drop"]
 

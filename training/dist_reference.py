@@ -12,11 +12,10 @@ each step. The log-probs are the single-process ones: same function, same option
 from __future__ import annotations
 
 import torch
+from rlpipe.models.loading import autocast_context
+from rlpipe.training.batch import PackedBatch
+from rlpipe.training.distributed import DataParallel, PackedPolicy, is_filler, shard_policy
 from torch import nn
-
-from models.loading import autocast_context
-from training.batch import PackedBatch
-from training.distributed import DataParallel, PackedPolicy, is_filler, shard_policy
 
 
 def place_reference(ref: nn.Module, kind: str, device: torch.device) -> nn.Module:

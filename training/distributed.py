@@ -29,14 +29,13 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from rlpipe.training.batch import PackedBatch, Sequence, pack
+from rlpipe.training.dist_state import full_optimizer_state, refresh_view
+from rlpipe.training.entropy import token_logprobs_and_entropy
+from rlpipe.training.logprobs import token_logprobs
+from rlpipe.training.losses import Normaliser, normaliser_totals
+from rlpipe.training.rl_loss import bind_batch_inputs
 from torch import nn
-
-from training.batch import PackedBatch, Sequence, pack
-from training.dist_state import full_optimizer_state, refresh_view
-from training.entropy import token_logprobs_and_entropy
-from training.logprobs import token_logprobs
-from training.losses import Normaliser, normaliser_totals
-from training.rl_loss import bind_batch_inputs
 
 Parallel = Literal["none", "ddp", "fsdp2"]
 FILLER_ID = "<filler>"
@@ -313,12 +312,12 @@ def capture_logprobs(loss_fn, sink: dict[tuple[str, ...], torch.Tensor]):
 def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, batch_inputs, gather):
     """This rank's share of a step; returns (metrics, the log-probs of every rank's micro-batches
     on rank 0 when `gather`, else {})."""
-    from training.step import forward_backward, optim_step  # step imports this module
+    from rlpipe.training.step import forward_backward, optim_step  # step imports this module
 
     mine = share_of(batches, dp.rank, dp.world_size)
     seen: dict[tuple[str, ...], torch.Tensor] = {}
     if dp.reference is not None:  # this rank scores its own share (training/dist_reference.py)
-        from training.dist_reference import local_reference_inputs
+        from rlpipe.training.dist_reference import local_reference_inputs
 
         if batch_inputs:
             raise ValueError(f"batch inputs {sorted(batch_inputs)} sent from rank 0 while every rank holds "

@@ -13,9 +13,8 @@ the same as TRL's GRPOTrainer, which computes entropies on every step.
 from __future__ import annotations
 
 import torch
-
-from models.attention import model_hidden_states
-from training.logprobs import _chunk_logits, _compute_dtype, selective_log_softmax
+from rlpipe.models.attention import model_hidden_states
+from rlpipe.training.logprobs import _chunk_logits, _compute_dtype, selective_log_softmax
 
 
 @torch.no_grad()

@@ -22,10 +22,9 @@ import copy
 from collections.abc import Sequence
 
 import torch
-
-from models.loading import autocast_context
-from training.batch import PackedBatch
-from training.logprobs import token_logprobs
+from rlpipe.models.loading import autocast_context
+from rlpipe.training.batch import PackedBatch
+from rlpipe.training.logprobs import token_logprobs
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 _MAX_LOG_RATIO = 20.0  # exp(±20) stays finite in float32

@@ -23,10 +23,9 @@ the weights), so LoRA, DDP/FSDP2 and the compiled layers do not reach them.
 from __future__ import annotations
 
 import torch
-
-from models.attention import model_hidden_states
-from models.compile import is_compiled
-from training import logprob_kernels as K
+from rlpipe.models.attention import model_hidden_states
+from rlpipe.models.compile import is_compiled
+from rlpipe.training import logprob_kernels as K
 
 IGNORE_INDEX = -100
 KERNELS = ("auto", "compiled", "eager")

@@ -23,8 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
-
-from training.batch import IGNORE_INDEX, PackedBatch
+from rlpipe.training.batch import IGNORE_INDEX, PackedBatch
 
 Normaliser = Literal["token", "sequence", "constant"]
 NORMALISERS: tuple[str, ...] = ("token", "sequence", "constant")

@@ -19,9 +19,8 @@ The per-token importance weights themselves are the loss's `tis_cap` (training/r
 from __future__ import annotations
 
 import torch
-
-from training.batch import PackedBatch
-from training.losses import LossFn, loss_token_mask, sequence_index
+from rlpipe.training.batch import PackedBatch
+from rlpipe.training.losses import LossFn, loss_token_mask, sequence_index
 
 
 def with_sequence_mask(loss_fn: LossFn, max_log_ratio: float = 0.0) -> LossFn:

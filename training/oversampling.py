@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from training import metric_names as m
-from training.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
+from rlpipe.training import metric_names as m
+from rlpipe.training.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
 
 if TYPE_CHECKING:
-    from flows.config import RLConfig
+    from rlpipe.flows.config import RLConfig
 
 
 class BatchFillError(RuntimeError):

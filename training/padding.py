@@ -10,8 +10,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
-
-from training.batch import IGNORE_INDEX, Sequence, assign_bins, check_packable
+from rlpipe.training.batch import IGNORE_INDEX, Sequence, assign_bins, check_packable
 
 
 @dataclass(frozen=True)

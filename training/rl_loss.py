@@ -56,10 +56,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
-
-from training.batch import PackedBatch
-from training.kl import KL_ESTIMATORS, kl_estimate
-from training.losses import LossFn, Normaliser, loss_token_mask, sequence_index
+from rlpipe.training.batch import PackedBatch
+from rlpipe.training.kl import KL_ESTIMATORS, kl_estimate
+from rlpipe.training.losses import LossFn, Normaliser, loss_token_mask, sequence_index
 
 LOSSES = ("reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo")
 # the normaliser each loss's objective is defined with; the others follow optim.normaliser

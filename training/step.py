@@ -18,14 +18,13 @@ import time
 from collections.abc import Sequence
 
 import torch
-
-from models.device import model_device
-from models.loading import autocast_context
-from training.batch import PackedBatch
-from training.distributed import DataParallel, is_filler
-from training.entropy import token_logprobs_and_entropy
-from training.logprobs import token_logprobs
-from training.losses import (
+from rlpipe.models.device import model_device
+from rlpipe.models.loading import autocast_context
+from rlpipe.training.batch import PackedBatch
+from rlpipe.training.distributed import DataParallel, is_filler
+from rlpipe.training.entropy import token_logprobs_and_entropy
+from rlpipe.training.logprobs import token_logprobs
+from rlpipe.training.losses import (
     LossFn,
     Normaliser,
     batch_counts,

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engines.base import SamplingParams
-from engines.torch_engine import TorchEngine
-from models.attention import flash_kernel, model_hidden_states, use_flash
-from models.loading import autocast_context
-from models.presets import build_model
-from tasks.setup import place_model
-from training.batch import Sequence, pack, pack_one
-from training.logprobs import token_logprobs
-from training.losses import nll_loss
-from training.rl_loss import build_rl_loss
-from training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.models.attention import flash_kernel, model_hidden_states, use_flash
+from rlpipe.models.loading import autocast_context
+from rlpipe.models.presets import build_model
+from rlpipe.tasks.setup import place_model
+from rlpipe.training.batch import Sequence, pack, pack_one
+from rlpipe.training.logprobs import token_logprobs
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.rl_loss import build_rl_loss
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -208,7 +207,7 @@ def test_compiled_logprob_kernels_match_float64_on_cuda():
     """kernels="compiled" (what "auto" runs on CUDA with train.compile; training/logprob_kernels.py):
     under bf16 autocast its log-probs and gradients match a float64 full-logits reference from the
     same bf16-rounded inputs, and the eager kernels; a new token count does not recompile."""
-    from training.logprobs import selective_log_softmax, use_fused_kernels
+    from rlpipe.training.logprobs import selective_log_softmax, use_fused_kernels
 
     assert use_fused_kernels("auto", torch.device("cuda"), compiled_model=True)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engines import decode_graphs as dg
-from engines import qwen3_fast
-from engines.base import SamplingParams
-from engines.torch_engine import TorchEngine, _left_pad
-from models.presets import build_model
+from rlpipe.engines import decode_graphs as dg
+from rlpipe.engines import qwen3_fast
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.torch_engine import TorchEngine, _left_pad
+from rlpipe.models.presets import build_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -116,9 +115,9 @@ def test_replayed_steps_never_wait_for_the_gpu():
 
 
 def test_weights_updated_by_a_training_step_are_seen_by_the_next_generate():
-    from training.batch import Sequence, pack
-    from training.losses import nll_loss
-    from training.step import build_optimizer, forward_backward, optim_step
+    from rlpipe.training.batch import Sequence, pack
+    from rlpipe.training.losses import nll_loss
+    from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
     model = _model("small-dense")
     prompts = _prompts([8, 20, 5])

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from rlpipe.training.ports import free_port
 
 from tests.prefect_server import stop_group, wait_healthy
-from training.ports import free_port
 
 
 @pytest.fixture(scope="session")

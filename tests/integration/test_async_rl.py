@@ -39,13 +39,13 @@ def untracked_groups(run_dir: Path) -> int:
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
-    import flows.rl
-    from flows.config import validate_config
-    from flows.rl import run_rl
-    from storage.tracking import NullTracker
+    import rlpipe.flows.rl
+    from rlpipe.flows.config import validate_config
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.storage.tracking import NullTracker
 
     tracker = NullTracker()
-    monkeypatch.setattr(flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
+    monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
 
     # no over-sampling carry (max_staleness 0): the bound is k itself
     config = validate_config(config_dict(tmp_path, f"k{k}", {"max_off_policy_steps": k, "max_staleness": 0,

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rlpipe.models.presets import build_model
+from rlpipe.training.distributed import data_parallel, is_filler, shard_micro_batches
+from rlpipe.training.rl_loss import build_rl_loss
 from test_distributed import _full_state, _steps, _train  # same folder: pytest puts it on sys.path
 from test_resume import env_for
-
-from models.presets import build_model
-from training.distributed import data_parallel, is_filler, shard_micro_batches
-from training.rl_loss import build_rl_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 64
@@ -32,7 +31,7 @@ def test_a_tiny_run_with_compile_finishes_with_loadable_checkpoints(tmp_path):
     from transformers import AutoModelForCausalLM
 
     runs = tmp_path / "runs"
-    command = [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
+    command = [sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
                "--set", f"runs_root={runs}", "--set", "train.compile=true", "--set", "sft.steps=3",
                "--set", "rl.steps=2", "--set", "rl.kl_coef=0.05", "--set", "threads=1"]
     done = subprocess.run(command, env=env_for(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -50,8 +49,7 @@ def test_a_tiny_run_with_compile_finishes_with_loadable_checkpoints(tmp_path):
 
 def _rank(rank: int, world: int, store: str, kind: str, out: str) -> None:
     import torch.distributed as dist
-
-    from models.compile import compile_layers
+    from rlpipe.models.compile import compile_layers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -74,7 +72,7 @@ def _rank(rank: int, world: int, store: str, kind: str, out: str) -> None:
 def test_compiled_layers_on_two_ranks_equal_one_process(tmp_path, kind):
     """Against one compiled process: compiled vs eager differs by float noise that AdamW magnifies
     (~4e-5 here, tests/unit/test_compile.py), which would hide a wrong rank gradient's ~1e-3."""
-    from models.compile import compile_layers
+    from rlpipe.models.compile import compile_layers
 
     torch.set_num_threads(1)
     single = compile_layers(build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0))

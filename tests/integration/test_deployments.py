@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from rlpipe.training.ports import free_port
 
 from tests.prefect_server import stop_group, wait_healthy
-from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -94,8 +94,7 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
 
     # the run it made: both phases' tables and checkpoints, registered in MLflow with aliases
     from mlflow import MlflowClient
-
-    from storage.writer import read_table
+    from rlpipe.storage.writer import read_table
 
     run_dir = runs / "tiny"
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"

@@ -9,16 +9,15 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from models.presets import build_model
-from training.batch import PackedBatch, Sequence, pack
-from training.dist_state import (
+from rlpipe.models.presets import build_model
+from rlpipe.training.batch import PackedBatch, Sequence, pack
+from rlpipe.training.dist_state import (
     broadcast_weights,
     full_model_state,
     full_optimizer_state,
     load_full_optimizer_state,
 )
-from training.distributed import (
+from rlpipe.training.distributed import (
     balanced_budget,
     data_parallel,
     follow,
@@ -28,9 +27,9 @@ from training.distributed import (
     share_of,
     stop_followers,
 )
-from training.ports import free_port
-from training.rl_loss import build_rl_loss
-from training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.ports import free_port
+from rlpipe.training.rl_loss import build_rl_loss
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
 VOCAB = 64
 STEPS = 3

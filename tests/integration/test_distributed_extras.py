@@ -14,18 +14,17 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rlpipe.models.presets import build_model
+from rlpipe.tasks.train import train_on_batches
+from rlpipe.training.dist_reference import place_reference
+from rlpipe.training.dist_state import broadcast_weights
+from rlpipe.training.distributed import data_parallel, follow, lead_step, stop_followers
+from rlpipe.training.kl import frozen_copy, reference_logprobs
+from rlpipe.training.lora import LoraOptions, add_lora
+from rlpipe.training.ports import free_port
+from rlpipe.training.rl_loss import build_rl_loss
+from rlpipe.training.step import build_optimizer
 from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same folder
-
-from models.presets import build_model
-from tasks.train import train_on_batches
-from training.dist_reference import place_reference
-from training.dist_state import broadcast_weights
-from training.distributed import data_parallel, follow, lead_step, stop_followers
-from training.kl import frozen_copy, reference_logprobs
-from training.lora import LoraOptions, add_lora
-from training.ports import free_port
-from training.rl_loss import build_rl_loss
-from training.step import build_optimizer
 
 # a reference far from the policy (another init), so a KL term missing or bound to the wrong
 # micro-batch on any rank moves the weights by ~lr, far above the tolerance

@@ -30,7 +30,7 @@ TABLES = ("rollouts", "scores", "groups", "advantages", "batches", "train_steps"
 
 
 def command(runs: Path, name: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--nproc-per-node", "2",
+    return [sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "tiny.toml"), "--nproc-per-node", "2",
             "--set", f"runs_root={runs}", "--set", f"run_name={name}", *OVERRIDES]
 
 
@@ -69,11 +69,11 @@ def test_tiny_pipeline_completes_on_two_ranks(straight):
 def test_every_trained_token_has_the_trainer_logprob_one_process_computes(straight):
     """Every rank's share of a step reaches the tokens view; step 3's trainer log-probs equal a
     single-process recomputation from checkpoint step 2 (the weights step 3 trained)."""
-    from models.loading import autocast_context, load_model
-    from storage.catalog import connect
-    from storage.writer import read_table
-    from tasks.tokens import packed_batch
-    from training.logprobs import token_logprobs
+    from rlpipe.models.loading import autocast_context, load_model
+    from rlpipe.storage.catalog import connect
+    from rlpipe.storage.writer import read_table
+    from rlpipe.tasks.tokens import packed_batch
+    from rlpipe.training.logprobs import token_logprobs
 
     run = straight / "rl"
     con = connect([run])
@@ -98,7 +98,7 @@ def test_every_trained_token_has_the_trainer_logprob_one_process_computes(straig
 
 def test_a_two_rank_step_replays_in_one_process_within_the_tolerance(straight, tmp_path):
     # step 4: no checkpoint after step 2, so steps 3 and 4 are replayed forward
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "replay", str(straight / "rl"), "--step", "4"],
+    done = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "replay", str(straight / "rl"), "--step", "4"],
                           env=env_for(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "not bit for bit" in done.stdout and "OK: step 4 matches within 0.0001" in done.stdout, done.stdout
@@ -148,7 +148,7 @@ def test_a_killed_rank_fails_the_run_naming_it_and_resume_loses_nothing(straight
     assert json.loads((killed / "rl" / "run.json").read_text())["status"] == "failed"
     assert json.loads((killed / "run.json").read_text())["status"] == "failed"
 
-    resumed = subprocess.run([sys.executable, "-m", "flows.cli", "resume", str(killed), "--nproc-per-node", "2"],
+    resumed = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "resume", str(killed), "--nproc-per-node", "2"],
                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((killed / "run.json").read_text())["status"] == "finished"

@@ -29,20 +29,20 @@ def no_nines(rollout, score):
 
 
 def test_every_rollout_has_one_fate_and_the_counters_match(sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
-    import flows.rl
-    from envs.arithmetic import ArithmeticEnv
-    from flows.config import validate_config
-    from storage.catalog import connect
-    from storage.tracking import NullTracker
+    import rlpipe.flows.rl
+    from rlpipe.envs.arithmetic import ArithmeticEnv
+    from rlpipe.flows.config import validate_config
+    from rlpipe.storage.catalog import connect
+    from rlpipe.storage.tracking import NullTracker
 
     tracker = NullTracker()
-    monkeypatch.setattr(flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
+    monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
     monkeypatch.setattr(ArithmeticEnv, "score", flaky_score(ArithmeticEnv.score))
     config = validate_config(config_dict(tmp_path, "fates", {
         "steps": 4, "drop_truncated": True, "max_reward_error_fraction": 1.0, "max_attempts": 20,
         "sampling": {"max_new_tokens": 2},
         "sample_filter": "tests.integration.test_fates_run:no_nines"}))
-    flows.rl.run_rl(config, start_checkpoint=sft_checkpoint)
+    rlpipe.flows.rl.run_rl(config, start_checkpoint=sft_checkpoint)
     con = connect(config.run_dir / "rl")
 
     def one(sql: str):

@@ -23,10 +23,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from rlpipe.training.checkpoint import METADATA_FILE, _verify
 from safetensors.torch import load_file
 from test_resume import ONE_THREAD, cli, env_for, rows  # same folder: pytest puts it on sys.path
-
-from training.checkpoint import METADATA_FILE, _verify
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -226,12 +225,12 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
     """Afterwards: the sync fails within its timeout and retries (no hang), its `syncs` row says
     not ok with an error naming the server, the step's raise_failed names it too; a server
     restarted on the old checkpoint takes the same sync (what a resume does first)."""
-    from engines.http import HttpEngine
-    from engines.serve_process import serve_url, start_serve, stop_processes
-    from models.presets import build_model
-    from models.tokenizer import build_tokenizer
-    from tasks.sync import SyncError, raise_failed, sync_engines
-    from training.checkpoint import save_checkpoint
+    from rlpipe.engines.http import HttpEngine
+    from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
+    from rlpipe.models.presets import build_model
+    from rlpipe.models.tokenizer import build_tokenizer
+    from rlpipe.tasks.sync import SyncError, raise_failed, sync_engines
+    from rlpipe.training.checkpoint import save_checkpoint
 
     tok = build_tokenizer()
     old = save_checkpoint(tmp_path, 0, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)

@@ -39,9 +39,8 @@ def table_steps(run_dir: Path, table: str) -> list[int]:
 def test_pipeline_runs_sft_then_rl_and_records_everything(prefect_api, tmp_path, monkeypatch):
     import mlflow
     from mlflow import MlflowClient
+    from rlpipe.flows.pipeline import pipeline_flow
     from transformers import AutoModelForCausalLM
-
-    from flows.pipeline import pipeline_flow
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     config = tiny_config(tmp_path, tracking__registered_model="tiny-test")
@@ -57,7 +56,7 @@ def test_pipeline_runs_sft_then_rl_and_records_everything(prefect_api, tmp_path,
     assert table_steps(sft_dir, "train_steps") == list(range(1, config["sft"]["steps"] + 1))
 
     # the RL run starts from the SFT checkpoint: step-0 eval equals SFT's final eval
-    from storage.writer import read_table
+    from rlpipe.storage.writer import read_table
 
     sft_final = read_table(sft_dir, "evals", config["sft"]["steps"]).to_pylist()
     rl_start = read_table(rl_dir, "evals", 0).to_pylist()
@@ -89,9 +88,8 @@ def test_stages_are_named_task_runs_unless_turned_off(prefect_api, tmp_path):
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    from flows.sft import sft_flow
-    from storage.writer import read_table
+    from rlpipe.flows.sft import sft_flow
+    from rlpipe.storage.writer import read_table
 
     def task_names(flow_run_id) -> list[str]:
         async def read():
@@ -115,8 +113,8 @@ def test_stages_are_named_task_runs_unless_turned_off(prefect_api, tmp_path):
 
 
 def test_pretrain_flow_lowers_loss(prefect_api, tmp_path):
-    from flows.pretrain import pretrain_flow
-    from storage.writer import read_table
+    from rlpipe.flows.pretrain import pretrain_flow
+    from rlpipe.storage.writer import read_table
 
     config = tiny_config(tmp_path, flow="pretrain", tracking__enabled=False,
                          pretrain__steps=12, pretrain__seq_len=64, pretrain__sequences_per_step=16,
@@ -128,8 +126,8 @@ def test_pretrain_flow_lowers_loss(prefect_api, tmp_path):
 
 
 def test_bad_inputs_fail_with_the_culprit_named(prefect_api, tmp_path):
-    from flows.rl import rl_flow
-    from flows.sft import sft_flow
+    from rlpipe.flows.rl import rl_flow
+    from rlpipe.flows.sft import sft_flow
 
     missing = tiny_config(tmp_path, flow="sft", tracking__enabled=False, sft__data_path=str(tmp_path / "nope.jsonl"))
     with pytest.raises(Exception, match="nope.jsonl"):

@@ -18,9 +18,9 @@ MODEL = "lineage-test"
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    from flows.config import validate_config
-    from flows.rl import run_rl
-    from flows.supervised import run_supervised
+    from rlpipe.flows.config import validate_config
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.flows.supervised import run_supervised
 
     runs = tmp_path_factory.mktemp("lineage") / "runs"
     data = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
@@ -55,8 +55,8 @@ def test_rl_versions_and_run_are_tagged_with_the_sft_version_they_started_from(p
 
 
 def test_lineage_lists_the_run_steps_and_rollouts_then_the_sft_version(pipeline, capsys):
-    from storage.catalog import connect
-    from storage.lineage import main
+    from rlpipe.storage.catalog import connect
+    from rlpipe.storage.lineage import main
 
     rl_dir = pipeline / "lin" / "rl"
     trained = dict(connect([rl_dir]).sql("select step, count(*) from advantages group by 1").fetchall())
@@ -79,8 +79,8 @@ def test_lineage_lists_the_run_steps_and_rollouts_then_the_sft_version(pipeline,
 
 
 def test_canned_lineage_query_gives_the_same_from_the_tables(pipeline):
-    from storage.catalog import connect, discover_runs
-    from storage.queries import canned_sql
+    from rlpipe.storage.catalog import connect, discover_runs
+    from rlpipe.storage.queries import canned_sql
 
     labels = discover_runs(pipeline)
     assert sorted(labels.values()) == ["lin/rl", "lin/sft"]
@@ -94,8 +94,8 @@ def test_canned_lineage_query_gives_the_same_from_the_tables(pipeline):
 
 
 def test_rescore_of_the_rl_run_with_another_reward(pipeline, tmp_path, monkeypatch, capsys):
-    from flows.rescore import main
-    from storage.catalog import connect
+    from rlpipe.flows.rescore import main
+    from rlpipe.storage.catalog import connect
 
     (tmp_path / "lineage_rewards.py").write_text("def constant(text, answer, example):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))

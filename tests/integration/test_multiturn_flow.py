@@ -14,9 +14,8 @@ pytestmark = pytest.mark.slow
 
 def test_multiturn_config_runs_and_records_turns(tmp_path, monkeypatch):
     from prefect.testing.utilities import prefect_test_harness
-
-    from flows.pipeline import pipeline_flow
-    from storage.catalog import connect
+    from rlpipe.flows.pipeline import pipeline_flow
+    from rlpipe.storage.catalog import connect
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     config = tomllib.loads((ROOT / "configs" / "multiturn.toml").read_text())

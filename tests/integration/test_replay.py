@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def rl_run(sft_checkpoint, tmp_path_factory) -> Path:  # noqa: F811
-    from flows.config import validate_config
-    from flows.rl import run_rl
+    from rlpipe.flows.config import validate_config
+    from rlpipe.flows.rl import run_rl
 
     torch.set_num_threads(1)
     config = validate_config(config_dict(tmp_path_factory.mktemp("replay"), "rl",
@@ -28,7 +28,7 @@ def rl_run(sft_checkpoint, tmp_path_factory) -> Path:  # noqa: F811
 
 
 def replay(capsys, *args: str) -> tuple[int, str]:
-    from flows.cli import main
+    from rlpipe.flows.cli import main
 
     code = main(["replay", *args])
     captured = capsys.readouterr()
@@ -51,7 +51,7 @@ def test_a_step_without_one_replays_forward_from_the_nearest_earlier(rl_run, sft
 
 
 def test_a_tampered_stored_value_is_named(rl_run, tmp_path, capsys):
-    from storage.writer import read_table, write_table
+    from rlpipe.storage.writer import read_table, write_table
 
     copy = tmp_path / "rl"
     shutil.copytree(rl_run, copy)
@@ -82,8 +82,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_async_kl_ppo_epochs_and_partial_batches_replay_forward(variant, sft_checkpoint, tmp_path, capsys):  # noqa: F811
-    from flows.config import validate_config
-    from flows.rl import run_rl
+    from rlpipe.flows.config import validate_config
+    from rlpipe.flows.rl import run_rl
 
     torch.set_num_threads(1)
     config = validate_config(config_dict(tmp_path, variant, {"steps": 3, "checkpoint_every": 0,

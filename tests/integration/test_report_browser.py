@@ -19,11 +19,11 @@ import subprocess
 import urllib.parse
 
 import pytest
+from rlpipe.dashboards import report
+from rlpipe.storage.queries import run_canned
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import write_table
 
-from dashboards import report
-from storage.queries import run_canned
-from storage.synthetic import synthetic_step
-from storage.writer import write_table
 from tests.report_runs import write_fated_run
 
 STEPS = (0, 1, 2, 3, 4)

@@ -26,7 +26,7 @@ KILL_POINTS = [("rollouts", 2), ("scores", 2), ("groups", 3), ("batches", 3), ("
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return [sys.executable, "-m", "rlpipe.flows.cli", *args]
 
 
 def env_for(tmp_path: Path, prefect_api_url: str | None = None) -> dict[str, str]:
@@ -155,7 +155,7 @@ def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_pa
 
 KILL_AFTER_RENAME = """
 import os, sys
-import tasks.checkpoint as checkpoint
+import rlpipe.tasks.checkpoint as checkpoint
 real = checkpoint.save_and_register
 def save_then_die(**kwargs):
     row = real(**kwargs)
@@ -164,7 +164,7 @@ def save_then_die(**kwargs):
         # an embedded Prefect server (if any) would otherwise outlive us and hold our output pipes open
     return row
 checkpoint.save_and_register = save_then_die
-from flows.cli import main
+from rlpipe.flows.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_lora_cispo_with_kl_and_overlong_penalty(prefect_api, tmp_path):  # noqa: F811
     pytest.importorskip("peft")
-    from flows.pipeline import pipeline_flow
-    from storage.queries import run_canned
-    from storage.writer import read_table
+    from rlpipe.flows.pipeline import pipeline_flow
+    from rlpipe.storage.queries import run_canned
+    from rlpipe.storage.writer import read_table
 
     config = tiny_config(tmp_path, tracking__enabled=False, sft__steps=20, rl__steps=2, rl__eval_every=0,
                          rl__checkpoint_every=0, rl__loss="cispo", rl__kl_coef=0.05, rl__kl_estimator="k3",

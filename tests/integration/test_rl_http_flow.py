@@ -10,13 +10,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from engines.http import HttpEngine
-from engines.serve_process import serve_url, start_serve, stop_processes
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from storage.writer import read_table
-from training.checkpoint import save_checkpoint
+from rlpipe.engines.http import HttpEngine
+from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.storage.writer import read_table
+from rlpipe.training.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +48,7 @@ def files_holding(root: Path, secret: bytes) -> list[Path]:
 
 def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, tmp_path, monkeypatch,
                                                                     capfd, caplog):
-    from flows.rl import rl_flow
+    from rlpipe.flows.rl import rl_flow
 
     monkeypatch.setenv("RLPIPE_API_TOKEN", TOKEN)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the store lands under runs_root (tmp)

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.snapshot import SnapshotEngine
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.envs.prompts import PromptSource
+from rlpipe.flows.config import RLConfig
+from rlpipe.rollouts.source import RolloutSource
+from rlpipe.tasks.pack import pack_rollouts
+from rlpipe.tasks.rl_setup import loss_for
+from rlpipe.tasks.setup import make_model_and_tokenizer, stop_token_ids
+from rlpipe.tasks.train import train_on_batches
+from rlpipe.training.oversampling import GroupBuffer
+from rlpipe.training.step import build_optimizer, build_scheduler
 
 from benchmarks.bench_losses import MemoryStages, digits_env
-from engines.base import SamplingParams
-from engines.snapshot import SnapshotEngine
-from engines.torch_engine import TorchEngine
-from envs.prompts import PromptSource
-from flows.config import RLConfig
-from rollouts.source import RolloutSource
-from tasks.pack import pack_rollouts
-from tasks.rl_setup import loss_for
-from tasks.setup import make_model_and_tokenizer, stop_token_ids
-from tasks.train import train_on_batches
-from training.oversampling import GroupBuffer
-from training.step import build_optimizer, build_scheduler
 
 
 @pytest.mark.parametrize("ahead", [0, 1])

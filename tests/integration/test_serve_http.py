@@ -11,16 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-from engines.base import SamplingParams
-from engines.http import EngineUnavailableError, HttpEngine
-from engines.serve_process import serve_url, start_serve, stop_processes
-from models.loading import load_model
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from training.batch import Sequence, pack_one
-from training.checkpoint import save_checkpoint
-from training.logprobs import token_logprobs
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.http import EngineUnavailableError, HttpEngine
+from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
+from rlpipe.models.loading import load_model
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.batch import Sequence, pack_one
+from rlpipe.training.checkpoint import save_checkpoint
+from rlpipe.training.logprobs import token_logprobs
 
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 120.0

@@ -11,13 +11,12 @@ import random
 import time
 
 import torch
-
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from training.data import batches_for_step, sft_sequences
-from training.logprobs import token_logprobs
-from training.losses import loss_token_mask, nll_loss
-from training.step import build_optimizer, build_scheduler, forward_backward, optim_step
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.data import batches_for_step, sft_sequences
+from rlpipe.training.logprobs import token_logprobs
+from rlpipe.training.losses import loss_token_mask, nll_loss
+from rlpipe.training.step import build_optimizer, build_scheduler, forward_backward, optim_step
 
 LETTERS = "abcdefgh"
 

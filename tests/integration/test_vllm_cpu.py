@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.http import HttpEngine
+from rlpipe.models.loading import load_model
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.checkpoint import LM_HEAD_FILE, write_explicit_lm_head
+from rlpipe.training.ports import free_port
 
-from engines.base import SamplingParams
-from engines.http import HttpEngine
-from models.loading import load_model
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
 from tests.prefect_server import stop_group, wait_healthy
 from tests.vllm_cpu_colocated import gap, recompute
-from training.checkpoint import LM_HEAD_FILE, write_explicit_lm_head
-from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("RLPIPE_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
@@ -143,9 +143,10 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
     # the whole loop: SFT, then RL whose start (the SFT result) and every step's checkpoint are
     # reloaded into vLLM, which samples; the trainer's recomputed log-probs of the sampled tokens
     # match vLLM's at every step (a server holding other weights would show in logprob_gap)
-    from storage.writer import read_table
+    from rlpipe.storage.writer import read_table
+    from rlpipe.training.checkpoint import save_checkpoint
+
     from tests.integration.test_resume import ONE_THREAD, cli, env_for
-    from training.checkpoint import save_checkpoint
 
     tok = build_tokenizer()
     # tied, like Qwen3-0.6B: the run's checkpoints name their lm_head for the server's reload
@@ -188,11 +189,12 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
     # `pip install rlpipe[vllm]` gives): the whole pipeline, then RL with LoRA adapters from its
     # SFT result, and async RL. vLLM in the trainer's process samples; its log-probs of the
     # sampled tokens match the trainer's recomputation, so it always held the trainer's weights
-    from storage.writer import read_table
+    from rlpipe.storage.writer import read_table
+
     from tests.integration.test_resume import ONE_THREAD, env_for
 
     def start(name: str, *overrides: str) -> tuple[subprocess.Popen, Path]:
-        args = [str(VLLM_PYTHON), "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
+        args = [str(VLLM_PYTHON), "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
                 "--set", f"run_name={name}", "--set", f"runs_root={tmp_path / 'runs'}",
                 "--set", "engine.type=vllm", "--set", "rl.steps=3", "--set", "rl.eval_every=0",
                 "--set", "rl.max_staleness=0", *FLOAT32, *overrides, *ONE_THREAD]
@@ -239,7 +241,7 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
 def assert_sampled_by_recorded_versions(run_dir: Path, start: Path, max_lag: int) -> None:
     """Every completion of an async run carries the log-probs of exactly the policy version it
     records (the version's checkpoint recomputes them), and the run sampled ahead."""
-    from storage.writer import read_table
+    from rlpipe.storage.writer import read_table
 
     rollouts = read_table(run_dir, "rollouts").to_pylist()
     lags = {r["step"] - r["policy_version"] for r in rollouts}

@@ -6,9 +6,8 @@ import json
 import math
 
 import pytest
-
-from flows.config import RLConfig
-from training.advantages import (
+from rlpipe.flows.config import RLConfig
+from rlpipe.training.advantages import (
     Group,
     compute_advantages,
     group_advantages,
@@ -16,7 +15,7 @@ from training.advantages import (
     group_stats,
     make_groups,
 )
-from training.oversampling import BatchFillError, GroupBuffer
+from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 
 def fill_batch(buffer, version, sample):

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import rlpipe.models.attention as attention
 import torch
 import torch.nn.functional as F
-
-import models.attention as attention
-from models.attention import (
+from rlpipe.models.attention import (
     model_hidden_states,
     packed_forward_kwargs,
     packed_logits,
 )
-from models.presets import build_model
-from models.varlen_plan import make_plan, plan_buckets
-from training.batch import Sequence, pack
-from training.padding import pad_batch
+from rlpipe.models.presets import build_model
+from rlpipe.models.varlen_plan import make_plan, plan_buckets
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.padding import pad_batch
 
 VOCAB = 64
 LENGTHS = [7, 33, 2, 64, 1, 40, 19]

@@ -12,10 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from storage.layout import partition_files
-from storage.writer import BackgroundWriter, TableWriteError, read_table
-from tasks.record import background_writes, drain_writes, load_rows, load_rows_beyond, persist
+from rlpipe.storage.layout import partition_files
+from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table
+from rlpipe.tasks.record import (
+    background_writes,
+    drain_writes,
+    load_rows,
+    load_rows_beyond,
+    persist,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +96,7 @@ def test_sigkill_leaves_a_prefix_of_the_writes_and_no_partial_file(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from storage.writer import BackgroundWriter
+        from rlpipe.storage.writer import BackgroundWriter
         writer = BackgroundWriter()
         for step in range(1, {total} + 1):
             writer.submit({str(tmp_path)!r}, "train_steps", step,
@@ -122,7 +127,7 @@ def test_sigkill_leaves_a_prefix_of_the_writes_and_no_partial_file(tmp_path):
 def test_a_durable_drain_fsyncs_every_written_file_and_its_folders_before_returning(tmp_path, monkeypatch):
     # what must hold before a checkpoint marks a step done: each partition written since the last
     # durable drain, and every folder from its own up to the run dir, has been fsynced
-    import storage.layout as layout
+    import rlpipe.storage.layout as layout
 
     synced: list[Path] = []
     real = layout.fsync_path
@@ -145,8 +150,8 @@ def test_a_durable_drain_fsyncs_every_written_file_and_its_folders_before_return
 
 
 def test_write_table_durable_fsyncs_the_folders_up_to_the_run_dir(tmp_path, monkeypatch):
-    import storage.layout as layout
-    from storage.writer import write_table
+    import rlpipe.storage.layout as layout
+    from rlpipe.storage.writer import write_table
 
     synced: list[Path] = []
     real = layout.fsync_path

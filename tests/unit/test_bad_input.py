@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from envs.dataset import read_rows
-from tasks.setup import read_chat_jsonl, read_documents
+from rlpipe.envs.dataset import read_rows
+from rlpipe.tasks.setup import read_chat_jsonl, read_documents
 
 LATIN1 = "café".encode("latin-1")  # b"caf\xe9": not UTF-8
 
@@ -63,7 +62,7 @@ class Hangs:
         self.release = threading.Event()
 
     def reward(self, example, transcript):
-        from envs.base import RewardResult
+        from rlpipe.envs.base import RewardResult
 
         if transcript == "hang":
             self.release.wait(60)  # bounded so the abandoned thread ends with the test
@@ -82,10 +81,10 @@ def rollouts(texts: list[str]) -> list:
 def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():
     import time
 
-    from envs.base import Example
-    from envs.rewards import RewardError
-    from envs.timeout import with_reward_timeout
-    from tasks.score import score_rollouts
+    from rlpipe.envs.base import Example
+    from rlpipe.envs.rewards import RewardError
+    from rlpipe.envs.timeout import with_reward_timeout
+    from rlpipe.tasks.score import score_rollouts
 
     inner = Hangs()
     env = with_reward_timeout(inner, 0.2)
@@ -107,7 +106,7 @@ def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():
 
 
 def test_reward_timeout_is_a_config_key_that_refuses_negatives():
-    from flows.config import ConfigError, validate_config
+    from rlpipe.flows.config import ConfigError, validate_config
 
     assert validate_config({"task": {"reward_timeout_s": 2.5}}).task.reward_timeout_s == 2.5
     with pytest.raises(ConfigError, match=r"task\.reward_timeout_s"):

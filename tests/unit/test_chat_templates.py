@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import CHAT_TEMPLATE
+from rlpipe.training.batch import pack
+from rlpipe.training.chat import chat_segments, template_ids
+from rlpipe.training.data import sft_sequences
+from rlpipe.training.logprobs import token_logprobs
 
-from models.presets import build_model
-from models.tokenizer import CHAT_TEMPLATE
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
-from training.batch import pack
-from training.chat import chat_segments, template_ids
-from training.data import sft_sequences
-from training.logprobs import token_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from rlpipe.models.attention import VARLEN_ATTENTION
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.step import build_optimizer, build_scheduler, forward_backward, optim_step
 from transformers import AutoModelForCausalLM
-
-from models.attention import VARLEN_ATTENTION
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from training.batch import Sequence, pack
-from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.losses import nll_loss
-from training.step import build_optimizer, build_scheduler, forward_backward, optim_step
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +191,8 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_not_run(tmp_path, tokenizer
 
 @pytest.mark.parametrize("shard", [None, "20KB"])
 def test_a_tied_model_can_name_its_lm_head_for_vllm_servers(tmp_path, tokenizer, shard, monkeypatch):
+    from rlpipe.training.checkpoint import LM_HEAD_FILE
     from safetensors.torch import load_file
-
-    from training.checkpoint import LM_HEAD_FILE
 
     model = _model(tokenizer).eval()  # tied, like Qwen3-0.6B
     if shard:  # a sharded checkpoint: vLLM reads only the files its index names

@@ -11,18 +11,17 @@ import copy
 
 import pytest
 import torch
+from rlpipe.flows.config import ConfigError, validate_config
+from rlpipe.models.compile import compile_layers, is_compiled
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.tasks.setup import place_model
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.kl import frozen_copy, reference_logprobs
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 from torch._dynamo.utils import counters
-
-from flows.config import ConfigError, validate_config
-from models.compile import compile_layers, is_compiled
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from tasks.setup import place_model
-from training.batch import Sequence, pack
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.kl import frozen_copy, reference_logprobs
-from training.losses import nll_loss
-from training.step import build_optimizer, forward_backward, optim_step
 
 VOCAB = 48
 
@@ -85,7 +84,8 @@ def test_compiled_layers_trace_the_varlen_kernel_into_one_graph(monkeypatch):
     """On the flash path (CUDA's; here through a CPU kernel for the same op) a compiled layer is
     one graph, attention included: no graph break, the same losses and gradients as eager, and
     no recompile for new token counts or longest sequences once the shapes went dynamic."""
-    import models.attention as attention
+    import rlpipe.models.attention as attention
+
     from tests.varlen_cpu_kernel import register_cpu_varlen_kernel
 
     if attention.flash_kernel() is None:
@@ -133,7 +133,7 @@ def test_a_deep_copy_of_a_compiled_model_runs_its_own_weights():
 def test_lora_adapters_train_the_same_compiled():
     """peft swaps the layers' Linears for LoRA ones inside the compiled layer: same gradients
     for the adapters, none for the frozen base, merged weights under the plain names."""
-    from training.lora import LoraOptions, add_lora, merged_state_dict
+    from rlpipe.training.lora import LoraOptions, add_lora, merged_state_dict
 
     models = []
     for compile in (False, True):

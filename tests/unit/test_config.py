@@ -3,8 +3,7 @@
 from pathlib import Path
 
 import pytest
-
-from flows.config import (
+from rlpipe.flows.config import (
     ConfigError,
     RunConfig,
     apply_overrides,

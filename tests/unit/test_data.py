@@ -5,10 +5,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-
-from models.tokenizer import build_tokenizer
-from training.batch import pack
-from training.data import batches_for_step, pretrain_sequences, sft_sequences
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.batch import pack
+from rlpipe.training.data import batches_for_step, pretrain_sequences, sft_sequences
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlpipe.engines import decode_graphs as dg
+from rlpipe.engines import qwen3_fast
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
+from rlpipe.flows.config import RunConfig
+from rlpipe.models.presets import build_model
+from rlpipe.tasks.rl_setup import (
+    make_engines,  # imported here: importing Prefect resets logging handlers
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-from engines import decode_graphs as dg
-from engines import qwen3_fast
-from engines.base import SamplingParams
-from engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
-from flows.config import RunConfig
-from models.presets import build_model
-from tasks.rl_setup import make_engines  # imported here: importing Prefect resets logging handlers
 
 VOCAB = 64
 CPU = torch.device("cpu")
@@ -223,7 +224,7 @@ def test_engine_sees_weights_updated_in_place_between_generate_calls(monkeypatch
 
 def test_cuda_graphs_key_is_ignored_off_cuda_with_one_log_line(caplog):
     model = model_of("tiny-dense")
-    with caplog.at_level("INFO", logger="engines.torch_engine"):
+    with caplog.at_level("INFO", logger="rlpipe.engines.torch_engine"):
         engine = TorchEngine(model, cuda_graphs=True)
     assert engine._graphs is None
     assert [r.getMessage() for r in caplog.records if "cuda_graphs" in r.getMessage()] == [
@@ -280,7 +281,7 @@ def test_stale_cache_columns_from_an_earlier_call_do_not_leak():
 def test_config_key_reaches_the_rl_engine(caplog):
     config = RunConfig.model_validate({"device": "cpu", "engine": {"cuda_graphs": True}})
     assert config.engine.cuda_graphs and not RunConfig().engine.cuda_graphs
-    with caplog.at_level("INFO", logger="engines.torch_engine"):
+    with caplog.at_level("INFO", logger="rlpipe.engines.torch_engine"):
         (engine,) = make_engines(config, model_of("tiny-dense"))
     assert isinstance(engine, TorchEngine) and engine._graphs is None
     assert any("engine.cuda_graphs ignored" in r.getMessage() for r in caplog.records)

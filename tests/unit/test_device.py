@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from flows.config import ConfigError, validate_config
-from models.device import resolve_device
-from models.presets import build_model
-from models.varlen_plan import make_flash_views
-from tasks.setup import engine_dtype, place_model
-from training.batch import Sequence, pack
-from training.losses import nll_loss
-from training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.flows.config import ConfigError, validate_config
+from rlpipe.models.device import resolve_device
+from rlpipe.models.presets import build_model
+from rlpipe.models.varlen_plan import make_flash_views
+from rlpipe.tasks.setup import engine_dtype, place_model
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the error path cannot run")
@@ -48,7 +47,7 @@ def test_cuda_without_cuda_names_the_setting(setting):
 @NO_CUDA
 def test_cli_fails_with_one_line_before_creating_the_run(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs/tiny.toml"), "--set", "device=cuda",
+        [sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs/tiny.toml"), "--set", "device=cuda",
          "--set", f"runs_root={tmp_path}"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
@@ -107,8 +106,8 @@ def _dense_reference(q, k, v, views):
 def test_flash_views_give_the_attention_of_the_bucket_plan():
     """The varlen-kernel layout (run on CUDA) checked on the CPU against the same maths: shared
     prefixes included, each continuation sees its whole prefix, then its own tokens causally."""
-    from models.attention import varlen_attention
-    from models.varlen_plan import make_plan
+    from rlpipe.models.attention import varlen_attention
+    from rlpipe.models.varlen_plan import make_plan
 
     cu = torch.tensor([0, 6, 9, 13, 17, 20, 27, 30], dtype=torch.int32)
     prefix_index = torch.tensor([-1, 0, 0, 0, -1, -1, 5])

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-import storage.layout as layout
-import training.checkpoint as checkpoint
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from storage.writer import BackgroundWriter, TableWriteError, read_table, write_table
-from tasks.record import load_rows
-from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+import rlpipe.storage.layout as layout
+import rlpipe.training.checkpoint as checkpoint
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table, write_table
+from rlpipe.tasks.record import load_rows
+from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 
 def disk_full(*_args, **_kwargs):
@@ -57,7 +56,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch, fail_at):
     checkpoint is the previous one and loads with its sha256 verified."""
     tok = build_tokenizer()
     model = build_model("tiny-dense", vocab_size=len(tok), seed=0)
-    from training.step import build_optimizer
+    from rlpipe.training.step import build_optimizer
 
     optimizer = build_optimizer(model, lr=1e-3)
     save_checkpoint(tmp_path, 1, model, tok, optimizer=optimizer)

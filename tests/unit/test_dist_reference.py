@@ -5,12 +5,11 @@ step's PPO epochs served from the first epoch's figures."""
 from __future__ import annotations
 
 import torch
-
-from models.presets import build_model
-from training.batch import Sequence, pack
-from training.dist_reference import local_reference_inputs, place_reference
-from training.distributed import FILLER_ID, DataParallel
-from training.kl import frozen_copy, reference_logprobs
+from rlpipe.models.presets import build_model
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.dist_reference import local_reference_inputs, place_reference
+from rlpipe.training.distributed import FILLER_ID, DataParallel
+from rlpipe.training.kl import frozen_copy, reference_logprobs
 
 VOCAB = 48
 

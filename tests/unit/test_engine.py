@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlpipe.engines import qwen3_fast
+from rlpipe.engines.base import Completion, Engine, SamplingParams
+from rlpipe.engines.torch_engine import TorchEngine
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -12,10 +15,6 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
-
-from engines import qwen3_fast
-from engines.base import Completion, Engine, SamplingParams
-from engines.torch_engine import TorchEngine
 
 VOCAB = 96
 
@@ -342,7 +341,7 @@ def test_bf16_engine_runs_on_fp32_weights_with_close_logprobs():
 
 
 def test_preset_models_with_packed_attention_config():
-    presets = pytest.importorskip("models.presets")
+    presets = pytest.importorskip("rlpipe.models.presets")
     for name in ("tiny-dense", "tiny-moe"):
         model = presets.build_model(name, vocab_size=VOCAB)  # train mode, varlen attention
         engine = TorchEngine(model)

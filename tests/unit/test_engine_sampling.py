@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engines.base import Completion, SamplingParams
-from engines.sampling import kept_mask, sample_next
+from rlpipe.engines.base import Completion, SamplingParams
+from rlpipe.engines.sampling import kept_mask, sample_next
 
 
 @pytest.mark.parametrize(

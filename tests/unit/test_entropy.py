@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-
-from training.batch import Sequence, pack_one
-from training.entropy import chunked_entropy
-from training.losses import loss_token_mask
-from training.rl_loss import build_rl_loss
+from rlpipe.training.batch import Sequence, pack_one
+from rlpipe.training.entropy import chunked_entropy
+from rlpipe.training.losses import loss_token_mask
+from rlpipe.training.rl_loss import build_rl_loss
 
 
 def test_entropy_by_hand():
@@ -31,15 +30,15 @@ def test_chunked_entropy_matches_full_softmax(temperature):
 
 
 def test_forward_backward_logs_mean_entropy_of_loss_tokens():
-    from tasks.setup import make_model_and_tokenizer
-    from training.logprobs import token_logprobs
-    from training.step import forward_backward
+    from rlpipe.tasks.setup import make_model_and_tokenizer
+    from rlpipe.training.logprobs import token_logprobs
+    from rlpipe.training.step import forward_backward
 
     model, _ = make_model_and_tokenizer("tiny-dense", "", {}, seed=0)
     batch = pack_one([Sequence(tokens=[5, 6, 7, 8, 9, 10], weights=[0, 0, 0, 1.0, 1.0, 1.0], sample_id="a"),
                       Sequence(tokens=[5, 6, 11, 12], weights=[0, 0, -1.0, -1.0], sample_id="b")])
     metrics = forward_backward(model, [batch], build_rl_loss("reinforce"), entropy=True, temperature=0.8)
-    from models.attention import model_hidden_states
+    from rlpipe.models.attention import model_hidden_states
 
     with torch.no_grad():
         hidden, _ = model_hidden_states(model, batch)

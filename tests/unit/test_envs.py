@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from envs.arithmetic import ArithmeticConfig, ArithmeticEnv, format_answer, parse_answer
-from envs.base import Environment, Example, build_env, completion_text_of
-from envs.countdown import CountdownEnv, check_solution
-from envs.expr import ExpressionError, evaluate
+from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv, format_answer, parse_answer
+from rlpipe.envs.base import Environment, Example, build_env, completion_text_of
+from rlpipe.envs.countdown import CountdownEnv, check_solution
+from rlpipe.envs.expr import ExpressionError, evaluate
 
 
 def test_build_env_registry_and_unknown_names():
@@ -166,7 +165,7 @@ def test_countdown_verifier_cases():
 def test_reversed_padded_operands_and_carry_forgetting_teacher():
     import random
 
-    from envs.arithmetic import ArithmeticEnv, carry_blind_sum
+    from rlpipe.envs.arithmetic import ArithmeticEnv, carry_blind_sum
 
     assert carry_blind_sum(347, 586) == 823  # 7+6=13→3, 4+8=12→2, 3+5=8
     assert carry_blind_sum(12, 34) == 46

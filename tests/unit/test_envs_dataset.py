@@ -7,9 +7,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from envs.base import build_env
-from envs.dataset import DatasetConfig, DatasetEnv
+from rlpipe.envs.base import build_env
+from rlpipe.envs.dataset import DatasetConfig, DatasetEnv
 
 
 def _write_jsonl(path, rows):

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
-from envs.base import Example
-from envs.prompts import PromptSource
-from flows.config import RLConfig
-from rollouts.fates import STATUSES, decision_rows, fate_metrics, sample_drop
-from rollouts.records import Rollout, Score
-from rollouts.source import RolloutSource
-from training.advantages import Group
-from training.oversampling import BatchFillError, GroupBuffer
+from rlpipe.envs.base import Example
+from rlpipe.envs.prompts import PromptSource
+from rlpipe.flows.config import RLConfig
+from rlpipe.rollouts.fates import STATUSES, decision_rows, fate_metrics, sample_drop
+from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.rollouts.source import RolloutSource
+from rlpipe.training.advantages import Group
+from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 
 def group(gid: str, example: str, version: int, rewards: list[float]) -> Group:
@@ -153,8 +152,8 @@ def test_a_step_that_cannot_fill_its_batch_records_its_samples_before_failing():
 
 
 def test_the_rl_flow_logs_a_failed_steps_fate_counters_before_stopping():
-    from flows.rl import _step_batch
-    from storage.tracking import NullTracker
+    from rlpipe.flows.rl import _step_batch
+    from rlpipe.storage.tracking import NullTracker
 
     class FailingSource:
         def batch(self, step):

@@ -8,14 +8,14 @@ the custom op's autograd, compiled layers tracing it) is checked against the buc
 from __future__ import annotations
 
 import pytest
+import rlpipe.models.attention as attention
 import torch
+from rlpipe.models.attention import takes_gqa_flag
+from rlpipe.models.presets import build_model
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.logprobs import token_logprobs
 
-import models.attention as attention
-from models.attention import takes_gqa_flag
-from models.presets import build_model
 from tests.varlen_cpu_kernel import register_cpu_varlen_kernel
-from training.batch import Sequence, pack
-from training.logprobs import token_logprobs
 
 VOCAB = 64
 

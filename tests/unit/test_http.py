@@ -8,9 +8,8 @@ import json
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
-from engines.base import Engine, SamplingParams
-from engines.http import (
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.engines.http import (
     EngineResponseError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -19,13 +18,13 @@ from engines.http import (
     parse_engine_url,
     read_token,
 )
-from engines.server import build_app
-from engines.torch_engine import TorchEngine
-from flows.config import EngineConfig
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.ports import free_port
+from rlpipe.engines.server import build_app
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.flows.config import EngineConfig
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.ports import free_port
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 

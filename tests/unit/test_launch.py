@@ -8,10 +8,8 @@ import json
 
 import pytest
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-from flows.config import ConfigError, validate_config
-from flows.launch import (
+from rlpipe.flows.config import ConfigError, validate_config
+from rlpipe.flows.launch import (
     add_launch_arguments,
     check_launch_arguments,
     failure_message,
@@ -19,9 +17,10 @@ from flows.launch import (
     mark_failed,
     strip_launch_flags,
 )
-from flows.runner import main_resume, main_run
-from training.batch import Sequence, pack
-from training.distributed import balanced_budget, is_filler, share_of
+from rlpipe.flows.runner import main_resume, main_run
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.distributed import balanced_budget, is_filler, share_of
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 CONFIG = "configs/tiny.toml"
 
@@ -77,7 +76,7 @@ def test_each_rank_runs_the_command_without_the_launch_flags():
 def test_the_failure_names_the_rank_that_died_first():
     failures = {0: ProcessFailure(local_rank=0, pid=11, exitcode=143, error_file=""),
                 1: ProcessFailure(local_rank=1, pid=12, exitcode=-9, error_file="")}
-    message = failure_message(ChildFailedError("flows.cli", failures))
+    message = failure_message(ChildFailedError("rlpipe.flows.cli", failures))
     assert message.startswith("rank 1 (local rank 1, pid 12) killed by SIGKILL")
     assert "then rank 0 (local rank 0, pid 11) exit code 143" in message
 
@@ -113,7 +112,7 @@ def test_the_colocated_vllm_engine_is_refused_with_data_parallel_training(tmp_pa
         with pytest.raises(ConfigError, match="engine.type = 'vllm' with train.parallel"):
             validate_config({"train": {"parallel": kind}, "engine": {"type": "vllm"}})
     # `--nproc-per-node` turns 'none' into ddp for the ranks: refused before any rank starts
-    monkeypatch.setattr("flows.runner.launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr("rlpipe.flows.runner.launch", lambda *a, **k: pytest.fail("launched"))
     code = main_run([CONFIG, "--nproc-per-node", "2", "--set", f"runs_root={tmp_path}", "--set", "engine.type=vllm"])
     assert code == 2
     assert "sample from vLLM servers instead" in capsys.readouterr().err
@@ -125,7 +124,7 @@ def test_the_colocated_vllm_engine_is_refused_with_data_parallel_training(tmp_pa
     (run_dir / "config.json").write_text(config.model_dump_json())
     assert main_resume([str(run_dir), "--nproc-per-node", "2"]) == 2
     assert "sample from vLLM servers instead" in capsys.readouterr().err
-    from flows.runner import _rank_config
+    from rlpipe.flows.runner import _rank_config
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(name, value)
     assert "sample from vLLM servers instead" in _rank_config(config)
@@ -166,7 +165,7 @@ def test_small_steps_get_smaller_micro_batches_so_every_rank_has_work():
 
 
 def test_a_launched_rank_trains_with_ddp_by_default_and_each_rank_on_its_own_gpu(monkeypatch):
-    from flows.runner import _rank_config
+    from rlpipe.flows.runner import _rank_config
 
     config = validate_config({})
     assert _rank_config(config) is config  # a single process

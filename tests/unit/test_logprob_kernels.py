@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from training.logprobs import selective_log_softmax, use_fused_kernels
+from rlpipe.training.logprobs import selective_log_softmax, use_fused_kernels
 
 
 def _reference(hidden, weight, labels, temperature=1.0, bias=None):

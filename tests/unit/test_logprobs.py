@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.attention import packed_logits
-from models.loading import bf16_autocast_supported
-from models.presets import build_model
-from training.batch import Sequence, pack
-from training.logprobs import selective_log_softmax, token_logprobs
+from rlpipe.models.attention import packed_logits
+from rlpipe.models.loading import bf16_autocast_supported
+from rlpipe.models.presets import build_model
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.logprobs import selective_log_softmax, token_logprobs
 
 
 def _full(hidden, weight, labels, temperature=1.0, bias=None):

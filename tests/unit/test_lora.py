@@ -8,16 +8,16 @@ import torch
 
 pytest.importorskip("peft")
 
-from engines.base import SamplingParams  # noqa: E402
-from engines.torch_engine import TorchEngine  # noqa: E402
-from models.loading import load_model  # noqa: E402
-from tasks.setup import make_model_and_tokenizer  # noqa: E402
-from training.batch import Sequence, pack_one  # noqa: E402
-from training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from training.logprobs import token_logprobs  # noqa: E402
-from training.lora import LoraOptions, add_lora, has_lora, merged_state_dict  # noqa: E402
-from training.rl_loss import build_rl_loss  # noqa: E402
-from training.step import build_optimizer, forward_backward, optim_step  # noqa: E402
+from rlpipe.engines.base import SamplingParams  # noqa: E402
+from rlpipe.engines.torch_engine import TorchEngine  # noqa: E402
+from rlpipe.models.loading import load_model  # noqa: E402
+from rlpipe.tasks.setup import make_model_and_tokenizer  # noqa: E402
+from rlpipe.training.batch import Sequence, pack_one  # noqa: E402
+from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from rlpipe.training.logprobs import token_logprobs  # noqa: E402
+from rlpipe.training.lora import LoraOptions, add_lora, has_lora, merged_state_dict  # noqa: E402
+from rlpipe.training.rl_loss import build_rl_loss  # noqa: E402
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step  # noqa: E402
 
 
 def _batch():

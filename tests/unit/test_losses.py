@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from training.batch import Sequence, pack, pack_one
-from training.losses import (
+from rlpipe.training.batch import Sequence, pack, pack_one
+from rlpipe.training.losses import (
     loss_token_mask,
     nll_loss,
     normaliser_totals,

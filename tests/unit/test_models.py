@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
-
-from models.attention import VARLEN_ATTENTION, packed_logits
-from models.loading import autocast_context, load_model
-from models.presets import PRESETS, build_config, build_model
-from training.batch import Sequence, pack
+from rlpipe.models.attention import VARLEN_ATTENTION, packed_logits
+from rlpipe.models.loading import autocast_context, load_model
+from rlpipe.models.presets import PRESETS, build_config, build_model
+from rlpipe.training.batch import Sequence, pack
 
 VOCAB = 50
 

@@ -7,24 +7,24 @@ import random
 
 import duckdb
 import pytest
-
-from engines.base import SamplingParams
-from envs.base import Example, StepResult
-from envs.calculator import CalculatorConfig, CalculatorEnv, run_tool
-from envs.multiturn import (
+from rlpipe.engines.base import SamplingParams
+from rlpipe.envs.base import Example, StepResult
+from rlpipe.envs.calculator import CalculatorConfig, CalculatorEnv, run_tool
+from rlpipe.envs.multiturn import (
     env_tokens,
     episode_fields,
     episode_reward,
     model_token_mask,
     run_episodes,
 )
-from models.tokenizer import build_tokenizer
-from storage.writer import conform
-from tasks.pack import pack_rollouts, rollout_sequence, rollout_sequences
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.storage.writer import conform
+from rlpipe.tasks.pack import pack_rollouts, rollout_sequence, rollout_sequences
+from rlpipe.training.chat import template_ids
+
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
 from tests.rollout_rows import train_sample
 from tests.scripted_engine import ScriptedEngine
-from training.chat import template_ids
 
 
 def _calc_script(tok, turns_text):
@@ -90,7 +90,7 @@ def test_sampled_tokens_are_never_re_encoded():
             return StepResult([{"role": "user", "content": "again"}], done=False, reward=0.25)
 
         def reward(self, example, transcript):
-            from envs.base import RewardResult
+            from rlpipe.envs.base import RewardResult
             return RewardResult(1.0, {"correct": 1.0})
 
     engine = ScriptedEngine(lambda prompt: odd, end)
@@ -183,7 +183,7 @@ class Feedback:
         return StepResult([{"role": "user", "content": "Hello there"}], done=False)
 
     def reward(self, example, transcript):
-        from envs.base import RewardResult
+        from rlpipe.envs.base import RewardResult
         return RewardResult(1.0)
 
 
@@ -241,7 +241,7 @@ def test_template_context_equals_token_context_on_a_stable_template():
 
 
 def test_generate_stage_spreads_episodes_over_engines():
-    from tasks.generate import generate_rollouts
+    from rlpipe.tasks.generate import generate_rollouts
 
     tok = build_tokenizer()
     env = CalculatorEnv(CalculatorConfig(eval_size=10))
@@ -256,8 +256,8 @@ def test_generate_stage_spreads_episodes_over_engines():
 
 
 def test_turns_by_step_canned_query(tmp_path):
-    from storage.queries import run_canned
-    from storage.writer import write_table
+    from rlpipe.storage.queries import run_canned
+    from rlpipe.storage.writer import write_table
 
     tok = build_tokenizer()
     env = CalculatorEnv(CalculatorConfig(eval_size=10))

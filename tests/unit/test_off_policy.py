@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from training.batch import Sequence, pack
-from training.off_policy import with_sequence_mask
-from training.rl_loss import build_rl_loss
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.off_policy import with_sequence_mask
+from rlpipe.training.rl_loss import build_rl_loss
 
 
 def two_sequences(engine_shift: float):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 
-from storage.lineage import checkpoint_origin, main, trained_by_step
-from storage.tracking import NullTracker
-from storage.writer import read_table, write_table
-from tasks.origin import record_origin
+from rlpipe.storage.lineage import checkpoint_origin, main, trained_by_step
+from rlpipe.storage.tracking import NullTracker
+from rlpipe.storage.writer import read_table, write_table
+from rlpipe.tasks.origin import record_origin
 
 
 def _sft_run(tmp_path):

@@ -6,15 +6,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from training.batch import (
+from rlpipe.training.batch import (
     IGNORE_INDEX,
     PackedBatch,
     Sequence,
     assign_bins,
     pack,
 )
-from training.padding import pack_stats, pad_batch, padding_fraction
+from rlpipe.training.padding import pack_stats, pad_batch, padding_fraction
 
 
 def _seq(n: int, start: int = 0, sample_id: str | None = None, rl: bool = False) -> Sequence:

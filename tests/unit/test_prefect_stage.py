@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from tasks._prefect import call_with_retries, stage, stage_task_runs
+from rlpipe.tasks._prefect import call_with_retries, stage, stage_task_runs
 
 
 def _flaky(failures: int):
@@ -35,7 +34,7 @@ def test_plain_call_raises_after_the_last_retry():
 
 
 def test_task_runs_are_the_default_and_restored_after_the_block():
-    import tasks._prefect as module
+    import rlpipe.tasks._prefect as module
 
     assert module._TASK_RUNS.get() is True
     with stage_task_runs(False):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from envs.base import Example
-from envs.prompts import PromptSource
+from rlpipe.envs.base import Example
+from rlpipe.envs.prompts import PromptSource
 
 
 def _examples(n):

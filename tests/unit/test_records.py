@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from rollouts.records import Rollout, Score
-from storage.schemas import schema_for
+from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.storage.schemas import schema_for
 
 
 @pytest.mark.parametrize(("record", "table"), [(Rollout, "rollouts"), (Score, "scores")])

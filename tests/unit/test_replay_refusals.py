@@ -7,11 +7,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from flows.config import validate_config
-from flows.replay import main
-from storage.writer import write_table
-from tasks.replay import ReplayError, refuse_unsupported, start_weights
+from rlpipe.flows.config import validate_config
+from rlpipe.flows.replay import main
+from rlpipe.storage.writer import write_table
+from rlpipe.tasks.replay import ReplayError, refuse_unsupported, start_weights
 
 
 def run_dir_with(tmp_path, **rl):

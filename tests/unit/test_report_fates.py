@@ -8,12 +8,12 @@ import itertools
 
 import pyarrow.parquet as pq
 import pytest
+from rlpipe.dashboards import report, report_rollouts
+from rlpipe.storage.catalog import connect
+from rlpipe.storage.queries import canned_sql, run_sql
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import write_table
 
-from dashboards import report, report_rollouts
-from storage.catalog import connect
-from storage.queries import canned_sql, run_sql
-from storage.synthetic import synthetic_step
-from storage.writer import write_table
 from tests.report_runs import (
     EPISODE,
     NASTY,

@@ -10,13 +10,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from envs.base import build_env
-from flows.config import validate_config
-from storage.catalog import connect
-from storage.queries import canned_sql
-from storage.writer import read_table, write_table
-from tasks.rescore import find_examples, load_reward, prepare_out, rescore_run, scoring_env
+from rlpipe.envs.base import build_env
+from rlpipe.flows.config import validate_config
+from rlpipe.storage.catalog import connect
+from rlpipe.storage.queries import canned_sql
+from rlpipe.storage.writer import read_table, write_table
+from rlpipe.tasks.rescore import find_examples, load_reward, prepare_out, rescore_run, scoring_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "r"
@@ -228,7 +227,7 @@ def test_an_output_folder_keeps_its_reward(tmp_path):
 
 
 def test_cli_rescores_and_prints_the_comparison(tmp_path, monkeypatch, capsys):
-    from flows.rescore import main
+    from rlpipe.flows.rescore import main
 
     run_dir = make_run(tmp_path / "run")
     (tmp_path / "cli_rewards.py").write_text(

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import textwrap
 
-from storage.writer import write_table
-from tasks.evaluate import best_accuracy_before
+from rlpipe.storage.writer import write_table
+from rlpipe.tasks.evaluate import best_accuracy_before
 
 
 def write_evals(run_dir, step: int, correct: list[bool]) -> None:
@@ -30,7 +30,7 @@ def test_best_is_the_best_checkpointed_eval_up_to_the_resumed_step(tmp_path):
 
 def other_process_locks(run_dir) -> subprocess.CompletedProcess:
     code = textwrap.dedent(f"""
-        from storage.runlock import acquire_run_lock
+        from rlpipe.storage.runlock import acquire_run_lock
         acquire_run_lock({str(run_dir)!r})
         print("locked")
     """)
@@ -40,7 +40,7 @@ def other_process_locks(run_dir) -> subprocess.CompletedProcess:
 def test_a_second_process_cannot_lock_a_locked_run_dir_and_is_told_who_holds_it(tmp_path):
     import os
 
-    from storage.runlock import acquire_run_lock, release_run_lock
+    from rlpipe.storage.runlock import acquire_run_lock, release_run_lock
 
     run_dir = tmp_path / "run"
     acquire_run_lock(run_dir)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlpipe.engines.base import Completion
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv
+from rlpipe.envs.base import Example
+from rlpipe.envs.reward_models import ClassifierReward, JudgeReward, WithModelRewards, build_scorer
+from rlpipe.flows.config import RewardModelConfig
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.tasks.score import score_rollouts
+from rlpipe.tasks.setup import make_env
 from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
-from engines.base import Completion
-from engines.torch_engine import TorchEngine
-from envs.arithmetic import ArithmeticConfig, ArithmeticEnv
-from envs.base import Example
-from envs.reward_models import ClassifierReward, JudgeReward, WithModelRewards, build_scorer
-from flows.config import RewardModelConfig
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from tasks.score import score_rollouts
-from tasks.setup import make_env
 from tests.rollout_rows import rollout
 
 EXAMPLES = [Example("arithmetic", f"e{i}", f"{i}+{i}=", 2 * i) for i in range(5)]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from envs.base import Example, RewardResult, SingleTurnEnv
-from envs.rewards import (
+from rlpipe.envs.base import Example, RewardResult, SingleTurnEnv
+from rlpipe.envs.rewards import (
     RewardError,
     RewardRegistry,
     evaluate_reward,

@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-
-from training.batch import Sequence, pack_one
-from training.losses import normaliser_totals, reduce_loss
-from training.rl_loss import (
+from rlpipe.training.batch import Sequence, pack_one
+from rlpipe.training.losses import normaliser_totals, reduce_loss
+from rlpipe.training.rl_loss import (
     RLLossConfig,
     bind_old_logprobs,
     build_rl_loss,

@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-
-from training.batch import Sequence, pack_one
-from training.kl import frozen_copy, kl_estimate, reference_logprobs
-from training.losses import normaliser_totals, reduce_loss
-from training.rl_loss import (
+from rlpipe.training.batch import Sequence, pack_one
+from rlpipe.training.kl import frozen_copy, kl_estimate, reference_logprobs
+from rlpipe.training.losses import normaliser_totals, reduce_loss
+from rlpipe.training.rl_loss import (
     RLLossConfig,
     bind_batch_inputs,
     build_rl_loss,
@@ -138,8 +137,8 @@ def test_kl_penalty_in_the_loss_needs_bound_reference():
 
 
 def test_reference_is_the_frozen_start():
-    from tasks.setup import make_model_and_tokenizer
-    from training.step import build_optimizer, forward_backward, optim_step
+    from rlpipe.tasks.setup import make_model_and_tokenizer
+    from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 
     model, _ = make_model_and_tokenizer("tiny-dense", "", {}, seed=0)
     ref = frozen_copy(model)
@@ -150,7 +149,7 @@ def test_reference_is_the_frozen_start():
     optimizer = build_optimizer(model, lr=1e-2)
     forward_backward(model, [batch], build_rl_loss("reinforce"))
     optim_step(model, optimizer)
-    from training.logprobs import token_logprobs
+    from rlpipe.training.logprobs import token_logprobs
 
     with torch.no_grad():
         now = token_logprobs(model.eval(), batch)[0]

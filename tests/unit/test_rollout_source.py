@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from envs.base import Example
-from envs.prompts import PromptSource
-from flows.config import RLConfig
-from rollouts.records import Rollout, Score
-from rollouts.source import RolloutSource
-from training.oversampling import BatchFillError, GroupBuffer
+from rlpipe.envs.base import Example
+from rlpipe.envs.prompts import PromptSource
+from rlpipe.flows.config import RLConfig
+from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.rollouts.source import RolloutSource
+from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 
 class FakeStages:

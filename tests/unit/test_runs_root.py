@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from storage.catalog import connect, discover_runs
-from storage.sqlcli import expand_runs, main
-from storage.writer import write_table
+from rlpipe.storage.catalog import connect, discover_runs
+from rlpipe.storage.sqlcli import expand_runs, main
+from rlpipe.storage.writer import write_table
 
 
 def _scores(run_dir, run_id, rewards):

@@ -11,14 +11,13 @@ import shutil
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
-from engines.base import SamplingParams
-from engines.protocol import ServeLimits
-from engines.server import build_app, group_jobs, load_served_model
-from engines.torch_engine import TorchEngine
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.engines.base import SamplingParams
+from rlpipe.engines.protocol import ServeLimits
+from rlpipe.engines.server import build_app, group_jobs, load_served_model
+from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from rlpipe.engines.protocol import ServeLimits
+from rlpipe.engines.server import build_app
 
-from engines.protocol import ServeLimits
-from engines.server import build_app
 from tests.unit.test_server import ckpt, client, run_dir  # noqa: F401 - fixtures
 
 
@@ -78,7 +78,7 @@ def test_only_allowed_host_names_are_served(run_dir):  # noqa: F811
 
 
 def test_allowed_hosts_from_the_command_line():
-    from engines.serve_cli import allowed_hosts
+    from rlpipe.engines.serve_cli import allowed_hosts
 
     assert allowed_hosts(None, "127.0.0.1") == ("localhost", "127.0.0.1", "::1")
     assert allowed_hosts(None, "10.0.0.5") == ("localhost", "127.0.0.1", "::1", "10.0.0.5")

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.presets import build_model
-from models.varlen_plan import make_plan
-from training.batch import Sequence, pack
-from training.logprobs import token_logprobs
-from training.losses import batch_counts
-from training.rl_loss import bind_old_logprobs, build_rl_loss
-from training.step import forward_backward
+from rlpipe.models.presets import build_model
+from rlpipe.models.varlen_plan import make_plan
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.logprobs import token_logprobs
+from rlpipe.training.losses import batch_counts
+from rlpipe.training.rl_loss import bind_old_logprobs, build_rl_loss
+from rlpipe.training.step import forward_backward
 
 VOCAB = 64
 
@@ -196,8 +195,8 @@ def test_loss_mask_on_a_shared_prefix_is_refused():
 
 
 def test_a_step_whose_advantages_are_all_zero_is_skipped_without_touching_the_weights():
-    from tasks.train import train_on_batches
-    from training.step import build_optimizer
+    from rlpipe.tasks.train import train_on_batches
+    from rlpipe.training.step import build_optimizer
 
     seqs = _with_loss_mask(_groups(n_groups=1), zero_group="g0")
     model = _model()

@@ -12,12 +12,11 @@ from collections import defaultdict
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from flows.cli import main as rlpipe
-from storage.queries import canned_queries, run_canned, run_sql
-from storage.sqlcli import main as sql_main
-from storage.synthetic import synthetic_step
-from storage.writer import write_table
+from rlpipe.flows.cli import main as rlpipe
+from rlpipe.storage.queries import canned_queries, run_canned, run_sql
+from rlpipe.storage.sqlcli import main as sql_main
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import write_table
 
 RUNS = ("run-a", "run-b")
 STEPS = (1, 2, 3)

@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-
-from models.loading import bf16_autocast_supported
-from models.presets import build_model
-from training.batch import Sequence, pack, pack_one
-from training.losses import nll_loss
-from training.step import (
+from rlpipe.models.loading import bf16_autocast_supported
+from rlpipe.models.presets import build_model
+from rlpipe.training.batch import Sequence, pack, pack_one
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.step import (
     build_optimizer,
     build_scheduler,
     forward_backward,

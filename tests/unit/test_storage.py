@@ -11,12 +11,18 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from storage import catalog
-from storage.layout import partition_file, schema_file
-from storage.schemas import META_TABLE, META_VERSION, SCHEMA_VERSION, SCHEMAS, TABLES, schema_for
-from storage.views import VIEWS
-from storage.writer import conform, is_complete, read_table, write_table
+from rlpipe.storage import catalog
+from rlpipe.storage.layout import partition_file, schema_file
+from rlpipe.storage.schemas import (
+    META_TABLE,
+    META_VERSION,
+    SCHEMA_VERSION,
+    SCHEMAS,
+    TABLES,
+    schema_for,
+)
+from rlpipe.storage.views import VIEWS
+from rlpipe.storage.writer import conform, is_complete, read_table, write_table
 
 # One full row per table (run_id and step left to the writer), values exact in float32.
 EXAMPLE_ROWS: dict[str, dict] = {

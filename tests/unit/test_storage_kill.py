@@ -18,18 +18,17 @@ from pathlib import Path
 import duckdb
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
-from storage.layout import partition_files
-from storage.synthetic import synthetic_step
-from storage.writer import write_table
+from rlpipe.storage.layout import partition_files
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import write_table
 
 ROWS = 2400
 STEPS = 6
 CHILD = f"""
 import sys
 import pyarrow as pa
-from storage.synthetic import synthetic_step
-from storage.writer import write_table
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import write_table
 run, version = sys.argv[1], int(sys.argv[2])
 table = synthetic_step(1, run_id="r", n_groups=300, group_size=8, n_token_rows=2400)["rollouts"].drop_columns(["step"])
 table = table.set_column(table.schema.get_field_index("attempt"), "attempt", pa.array([version] * table.num_rows, pa.int32()))

@@ -5,14 +5,13 @@ import signal
 import weakref
 
 import pytest
-
-from flows.termination import (
+from rlpipe.flows.termination import (
     Terminated,
     raise_if_terminated,
     sigterm_is_sticky,
     sigterm_stops_the_run,
 )
-from tasks._prefect import stage, stage_task_runs
+from rlpipe.tasks._prefect import stage, stage_task_runs
 
 
 class Prefects(BaseException):
@@ -70,8 +69,8 @@ def test_sticky_handler_still_runs_the_flows_own_handler():
 def test_a_sigterm_that_surfaces_as_another_error_still_exits_143(tmp_path, monkeypatch, capsys):
     # SIGTERM landing while Prefect starts a task run came out as Prefect's "Task run is not set"
     # (exit 1, "run failed"); the CLI calls it what it was
-    from flows import runner
-    from flows.config import RunConfig
+    from rlpipe.flows import runner
+    from rlpipe.flows.config import RunConfig
 
     def start(config):
         try:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from rlpipe.models.tokenizer import EOS, IM_END, IM_START, UNK, build_tokenizer, load_tokenizer
 from transformers import AutoTokenizer
-
-from models.tokenizer import EOS, IM_END, IM_START, UNK, build_tokenizer, load_tokenizer
 
 TEXT = "12+34=46\nWhat is (7*8)/2? Answer: 28.  Done!"
 CHAT = [

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import mlflow.artifacts
 import pytest
-
-from storage.tracking import (
+from rlpipe.storage.tracking import (
     MlflowTracker,
     NullTracker,
     default_artifact_root,

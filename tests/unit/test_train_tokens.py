@@ -4,12 +4,11 @@ tensor for tensor, and each trained completion token maps to its sample and posi
 from __future__ import annotations
 
 import torch
-
-from rollouts.records import Rollout
-from rollouts.source import TrainSample
-from tasks.pack import pack_rollouts
-from tasks.tokens import capture_logprobs, packed_batch, train_token_rows
-from training.batch import PackedBatch
+from rlpipe.rollouts.records import Rollout
+from rlpipe.rollouts.source import TrainSample
+from rlpipe.tasks.pack import pack_rollouts
+from rlpipe.tasks.tokens import capture_logprobs, packed_batch, train_token_rows
+from rlpipe.training.batch import PackedBatch
 
 
 def sample(group: int, index: int, prompt: list[int], completion: list[int], advantage: float,

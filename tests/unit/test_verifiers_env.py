@@ -7,11 +7,12 @@ import pytest
 
 vf = pytest.importorskip("verifiers.v1", reason="the optional `verifiers` extra is not installed")
 
-from engines.base import SamplingParams  # noqa: E402
-from envs.base import build_env  # noqa: E402
-from envs.multiturn import run_episodes  # noqa: E402
-from envs.verifiers_env import VerifiersEnv  # noqa: E402
-from tasks.score import score_rollouts  # noqa: E402
+from rlpipe.engines.base import SamplingParams  # noqa: E402
+from rlpipe.envs.base import build_env  # noqa: E402
+from rlpipe.envs.multiturn import run_episodes  # noqa: E402
+from rlpipe.envs.verifiers_env import VerifiersEnv  # noqa: E402
+from rlpipe.tasks.score import score_rollouts  # noqa: E402
+
 from tests.rollout_rows import rollout  # noqa: E402
 from tests.scripted_engine import ScriptedEngine  # noqa: E402
 
@@ -53,7 +54,7 @@ def test_taskset_becomes_examples_and_rewards():
 
 def test_score_stage_batches_sampled_completions_through_the_tasks():
     env = VerifiersEnv(AddTaskset(vf.TasksetConfig()), eval_size=2)
-    from models.tokenizer import build_tokenizer
+    from rlpipe.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     end = tok.convert_tokens_to_ids("<|im_end|>")

@@ -9,13 +9,12 @@ import sys
 
 import pytest
 import torch
-
-from engines.base import Engine, SamplingParams
-from engines.vllm_engine import vllm_unavailable_reason, write_vllm_config
-from models.presets import build_model
-from models.tokenizer import build_tokenizer
-from training.batch import Sequence, pack_one
-from training.logprobs import token_logprobs
+from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.engines.vllm_engine import vllm_unavailable_reason, write_vllm_config
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.batch import Sequence, pack_one
+from rlpipe.training.logprobs import token_logprobs
 
 REASON = vllm_unavailable_reason()
 
@@ -28,7 +27,7 @@ def test_import_is_lazy():
 
 @pytest.mark.skipif(REASON is None, reason="vLLM can run here: the error path cannot")
 def test_constructor_says_what_is_missing():
-    from engines.vllm_engine import VllmEngine
+    from rlpipe.engines.vllm_engine import VllmEngine
 
     model = build_model("tiny-dense", vocab_size=len(build_tokenizer()))
     with pytest.raises(RuntimeError, match="CUDA GPU|vllm extra"):
@@ -53,7 +52,7 @@ def _recompute(model, prompt, completion, temperature):
                     reason=REASON or "needs a CUDA GPU (vLLM's CPU build: tests/integration/test_vllm_cpu.py)")
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])  # MoE: vLLM's fused-expert layout
 def test_logprobs_match_trainer_and_follow_the_optimizer(preset):
-    from engines.vllm_engine import VllmEngine
+    from rlpipe.engines.vllm_engine import VllmEngine
 
     tok = build_tokenizer()
     model = build_model(preset, vocab_size=len(tok), seed=0).to("cuda")
@@ -83,11 +82,11 @@ def test_logprobs_match_trainer_and_follow_the_optimizer(preset):
 
 
 def test_config_keys_reach_the_vllm_engine(monkeypatch):
-    from flows.config import RunConfig
-    from tasks.rl_setup import make_engines
+    from rlpipe.flows.config import RunConfig
+    from rlpipe.tasks.rl_setup import make_engines
 
     built = []
-    monkeypatch.setattr("engines.vllm_engine.VllmEngine", lambda model, **kw: built.append(kw) or kw)
+    monkeypatch.setattr("rlpipe.engines.vllm_engine.VllmEngine", lambda model, **kw: built.append(kw) or kw)
     model = build_model("tiny-dense", vocab_size=len(build_tokenizer()))
     config = RunConfig.model_validate(
         {"device": "cpu", "engine": {"type": "vllm", "gpu_memory_utilization": 0.55, "max_model_len": 2048,
@@ -110,8 +109,8 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
 
 
 def test_checkpoints_name_the_lm_head_only_where_vllm_servers_reload_them():
-    from flows.config import RunConfig
-    from tasks.checkpoint import reloaded_by_vllm_servers
+    from rlpipe.flows.config import RunConfig
+    from rlpipe.tasks.checkpoint import reloaded_by_vllm_servers
 
     def engine(section: dict):
         return RunConfig.model_validate({"device": "cpu", "engine": section}).engine
@@ -123,8 +122,8 @@ def test_checkpoints_name_the_lm_head_only_where_vllm_servers_reload_them():
 
 
 def test_weights_for_vllm_have_hf_names_an_lm_head_and_lora_folded_in(tmp_path):
-    from engines.vllm_weights import checkpoint_weights, trainer_weights
-    from training.lora import LoraOptions, add_lora, merged_state_dict
+    from rlpipe.engines.vllm_weights import checkpoint_weights, trainer_weights
+    from rlpipe.training.lora import LoraOptions, add_lora, merged_state_dict
 
     tok = build_tokenizer()
     model = build_model("tiny-dense", vocab_size=len(tok))  # tied
@@ -151,7 +150,7 @@ def test_weights_for_vllm_have_hf_names_an_lm_head_and_lora_folded_in(tmp_path):
 
 
 def test_vllm_versions_compare_by_major_and_minor():
-    from engines.vllm_weights import version_tuple
+    from rlpipe.engines.vllm_weights import version_tuple
 
     assert version_tuple("0.32.0") == (0, 32)
     assert version_tuple("0.10.1rc1+cpu") == (0, 10)
@@ -161,7 +160,7 @@ def test_vllm_versions_compare_by_major_and_minor():
 def test_vllm_logging_is_quiet_but_keeps_real_warnings(monkeypatch):
     import logging
 
-    from engines.vllm_engine import quiet_vllm_logging
+    from rlpipe.engines.vllm_engine import quiet_vllm_logging
 
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     seen: list[str] = []
@@ -189,7 +188,7 @@ def test_vllm_logging_is_quiet_but_keeps_real_warnings(monkeypatch):
 
 
 def test_moe_experts_are_pinned_to_the_kernel_that_reads_pushed_weights():
-    from engines.vllm_weights import moe_backend_kwargs
+    from rlpipe.engines.vllm_weights import moe_backend_kwargs
 
     tok = build_tokenizer()
     moe = build_model("tiny-moe", vocab_size=len(tok)).config
@@ -203,9 +202,8 @@ def test_moe_experts_are_pinned_to_the_kernel_that_reads_pushed_weights():
 def test_moe_kernels_that_reorder_experts_are_refused_by_name():
     from types import SimpleNamespace
 
+    from rlpipe.engines.vllm_weights import check_pushable_moe_backends, moe_backend_names
     from torch import nn
-
-    from engines.vllm_weights import check_pushable_moe_backends, moe_backend_names
 
     def experts(backend: str, wrapped: bool = False) -> nn.Module:
         layer = nn.Module()
@@ -225,7 +223,7 @@ def test_moe_kernels_that_reorder_experts_are_refused_by_name():
 def test_a_moe_model_whose_kernels_vllm_does_not_name_is_warned_about(caplog):
     from types import SimpleNamespace
 
-    from engines.vllm_weights import check_pushable_moe_backends, is_moe
+    from rlpipe.engines.vllm_weights import check_pushable_moe_backends, is_moe
 
     assert is_moe(SimpleNamespace(num_experts=8)) and is_moe(SimpleNamespace(num_local_experts=8))
     assert not is_moe(SimpleNamespace(num_experts=0)) and not is_moe(SimpleNamespace())

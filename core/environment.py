@@ -1,0 +1,23 @@
+"""Process-wide defaults for a machine without telemetry or hub access: set before the first
+Prefect, MLflow or Hugging Face import, each only where the user has not set it."""
+
+from __future__ import annotations
+
+import os
+
+
+def quiet_defaults() -> None:
+    """Environment defaults for an offline machine: no telemetry, patient embedded server."""
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # one INFO line per task run would drown the phase progress bars; the Prefect UI keeps them
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would drown the phase bars
+    hf_logging.set_verbosity_error()
