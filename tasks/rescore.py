@@ -62,7 +62,8 @@ def load_reward(spec: str) -> RewardFn:
         return get_reward(spec)
     fn = import_user_object(spec, "--reward")
     if not callable(fn):
-        raise ValueError(f"--reward {spec!r}: {spec.partition(':')[2]!r} is not a function")
+        module_name, _, attribute = spec.partition(":")
+        raise ValueError(f"--reward {spec!r}: module {module_name!r} has no function {attribute!r}")
     return fn
 
 

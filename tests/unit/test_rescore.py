@@ -239,7 +239,7 @@ def test_cli_rescores_and_prints_the_comparison(tmp_path, monkeypatch, capsys):
     assert "samples trained 6: 6 kept, 6 with their advantage's sign flipped" in out
     assert (run_dir / "rescore" / "reversed_reward" / "catalog.duckdb").is_file()
     assert main([str(run_dir), "--reward", "cli_rewards:missing"]) == 2
-    assert "has no function 'missing'" in capsys.readouterr().err
+    assert "module 'cli_rewards' has no attribute 'missing'" in capsys.readouterr().err
     assert main([str(tmp_path / "nowhere"), "--reward", "exact_match"]) == 2
     assert "no config.json" in capsys.readouterr().err
     del sys.modules["cli_rewards"]
