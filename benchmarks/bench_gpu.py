@@ -243,6 +243,20 @@ def bench_rl_vs_trl(args) -> dict:
     return result
 
 
+def measured_on() -> str:
+    """The hardware and software a report was measured on: GPU, torch, transformers, TRL and vLLM
+    (those installed)."""
+    import importlib.metadata
+
+    versions = []
+    for name in ("transformers", "trl", "vllm"):
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ", ".join([f"one {torch.cuda.get_device_name()}", f"torch {torch.__version__}", *versions])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", nargs="+", default=["train", "engine", "rl_vs_trl", "logprobs"],
@@ -265,11 +279,11 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU (torch sees none)")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    report = {"measured": measured_on(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "peak_bf16_tflops": (peak_flops() or 0) / 1e12,
               "notes": ["rl_vs_trl: TRL generates with transformers' generate and rlpipe with its torch engine"
                         + ("; rl_vs_trl_vllm: both with vLLM colocated" if vllm_installed() else
-                           "; vLLM is not installed on this machine")]}
+                           "; vLLM is not installed")]}
     parts = {"train": lambda: bench_train(args.tokens_per_step, args.token_budget, args.repeats),
              "engine": lambda: bench_engine(prompts=64, n=8, max_new=256),
              "rl_vs_trl": lambda: bench_rl_vs_trl(args),
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
              "logprobs": lambda: bench_logprobs_gpu(args.tokens_per_step, args.repeats)}
     for name in args.parts:
         report[name] = parts[name]()
-        write_results(args.out, report)  # each part kept as it ends: GPU time is short, a later one may hang
+        write_results(args.out, report)  # each part kept as it ends: a later one may fail or hang
     if args.profile:  # eager, then compiled: what the fused layers leave
         profile_train_step(args.tokens_per_step, args.token_budget, Path(args.out).with_suffix(".profile.txt"))
         profile_train_step(args.tokens_per_step, args.token_budget,

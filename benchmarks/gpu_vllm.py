@@ -186,7 +186,7 @@ def render_rl_vs_trl_vllm(r: dict) -> list[str]:
         lines.append(f"| {name} | {figures['seconds_per_step']:.2f} | {cell(figures.get('tokens_per_second'), ',.0f')} | "
                      f"{cell(figures.get('load_s_median'))} | {cell(figures.get('wake_s_median'))} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
-    return [*lines, "", "Targets (issue 15): step time <= 0.5x TRL's; weight sync <= 0.2 s for 0.6B.", ""]
+    return [*lines, "", "Targets: step time <= 0.5x TRL's; weight sync <= 0.2 s for 0.6B.", ""]
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:

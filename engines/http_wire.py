@@ -2,9 +2,8 @@
 and the errors an answer can raise. Pure functions over dicts (no HTTP here); `engines/http.py`
 does the calls, retries and weight sync.
 
-Request shapes per flavor, checked against source and docs (not against live servers: no GPU
-here, and the vLLM / SGLang snapshots were read in GitHub's stored copies, 2026-11; the vllm
-flavor has since run against a real vLLM 0.32 server on the CPU, tests/integration/test_vllm_cpu.py):
+Request shapes per flavor, checked against the servers' source and docs; the vllm flavor also
+runs against a real vLLM 0.32 server on the CPU (tests/integration/test_vllm_cpu.py):
 
 - rlpipe: `engines/server.py` (this repository) — POST /v1/completions with `prompt` as a batch of
   token ids and `logprobs: 0`, reading `choices[i].token_ids` and
