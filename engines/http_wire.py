@@ -25,8 +25,7 @@ runs against a real vLLM 0.32 server on the CPU (tests/integration/test_vllm_cpu
   `vllm/v1/worker/gpu_worker.py`); then POST /reset_prefix_cache so no KV computed with the old
   weights is reused. Newer vLLM main
   also has a weight-transfer API (/init_weight_transfer_engine, /update_weights; a "disk"
-  backend in `vllm/distributed/weight_transfer/disk_engine.py`) that was not yet registered in
-  the snapshot read; it is not used here.
+  backend in `vllm/distributed/weight_transfer/disk_engine.py`); it is not used here.
 - sglang: `python/sglang/srt/managers/io_struct.py` — sync: POST /update_weights_from_disk
   {"model_path", "weight_version"} → UpdateWeightFromDiskReqOutput {"success", "message",
   "num_paused_requests"}; sampling through the native POST /generate {"input_ids",
