@@ -243,7 +243,7 @@ def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
              f"seeds {settings.get('seeds', [0])} per side, interleaved seed by seed (one process per side and seed), "
              f"the same prompts at each step on both sides, gradient checkpointing off on both sides, "
              f"torch threads {settings['torch_threads']}, CPU. rlpipe runs its `rl` flow with a Prefect task run per "
-             f"stage. Anchor (ECOSYSTEM.md): TRL {anchor['trl_version']}, {anchor['model']}, {anchor['completions']} "
+             f"stage. Anchor ({anchor['source']}): TRL {anchor['trl_version']}, {anchor['model']}, {anchor['completions']} "
              f"completions × {anchor['completion_tokens']} tokens: {anchor['seconds_per_step'][0]}–"
              f"{anchor['seconds_per_step'][1]} s per step.", ""]
     lines += table(["", "s / step (median, all seeds)", "stage functions only", "greedy accuracy after",
