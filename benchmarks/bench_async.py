@@ -4,7 +4,7 @@ with one `rlpipe serve` engine in a separate process, side by side in one run.
 One short SFT (demo shapes, fewer steps) gives the start checkpoint; each RL run then trains the
 same number of steps from it (tracking off, stages as plain calls). Reported per run: RL wall
 clock, completion tokens sampled per second of RL wall clock, end-to-end speedup over k = 0 of
-the same engine, and the final held-out greedy accuracy. On 2 shared cores, generation and
+the same engine, and the final held-out greedy accuracy. On a CPU with few cores, generation and
 training compete for the same cores, so the overlap can gain little; with a server on its own
 cores (or a GPU) it is where async pays.
 

@@ -13,8 +13,7 @@ Each setting runs in fresh processes; settings alternate per repeat so they see 
 load, and the median over repeats is reported. Real tokens/s = the step's tokens (no padding
 exists in packed batches) / wall seconds on rank 0, first step (warm-up) excluded.
 
-Honest note: this machine has 2 cores shared with other work, so 2 ranks can at best match
-1 process using both cores; what this measures is the overhead of the distributed path
+On a CPU with 2 cores, 2 ranks can at best match 1 process using both cores; what this measures is the overhead of the distributed path
 (broadcast of the batch, gradient all-reduce, fillers), not a speed-up you would see with a GPU
 per rank (NCCL).
 

@@ -17,7 +17,7 @@ same batches and draws (`no_stop`, small-dense and small-moe). It is the CPU cos
 
 Runs alternate engine / generate (so load from other processes hits both), `--repeats` times;
 the table shows medians. ms per decode step = (time for 128 tokens - time for 1 token) / 127.
-Timings on a shared 2-core CPU are noisy: the load average is recorded with the results.
+CPU timings swing with the machine's load: the load average is recorded with the results.
 
     python -m benchmarks.bench_engine [--repeats 3] [--batch 64] [--new-tokens 128]
         [--bf16] [--threads N] [--out runs/bench/engine.json]

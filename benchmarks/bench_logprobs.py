@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", default="float32",
                         help="comma-separated: float32 and/or bfloat16 (CPU autocast) for that comparison; "
                         "bfloat16 only where the CPU has fast bf16 GEMMs (AVX512-BF16/AMX): without, they are "
-                        "emulated, and one old fwd+bwd at T=1,024 ran > 4 min on the 2-core machine")
+                        "emulated, and one old fwd+bwd at T=1,024 ran > 4 min on a CPU with 2 cores")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="runs/bench/bench_logprobs.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -7,7 +7,7 @@ steps at lr 3e-3, ~35% greedy accuracy) so that rewards vary and every step trai
 (`rl.drop_zero_variance = false`, so no step can fail to fill its batch). Both phases are the
 real Prefect flows (`sft_flow`, `rl_flow`) on the embedded Prefect API (a fresh PREFECT_HOME),
 with Parquet tables and MLflow on a temporary folder; torch runs 1 thread by default (2 threads
-on 2 shared cores ran SFT steps 10-30x slower and far less steadily here).
+on a loaded CPU with 2 cores ran SFT steps 10-30x slower and far less steadily).
 
 What is timed, in the same process and the same steps:
 - `seconds_<stage>` of the `train_steps` table: the flow's Stopwatch around each stage, i.e. the

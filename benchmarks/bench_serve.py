@@ -17,12 +17,12 @@ prompts (64 by default, lengths 16-32 of the character vocabulary), same samplin
 Sync latency: the median over --syncs round trips of /update_weights_from_disk, alternating two
 checkpoints (load, sha256 check, swap). Runs are repeated --repeats times; medians are shown,
 and the best run too (on a loaded machine the least disturbed run is the better estimate).
-Timings on a shared 2-core CPU are noisy (other engineers' jobs run beside it): the load
-average is recorded with the results. Servers bind 127.0.0.1 and are always killed at the end.
+CPU timings swing with whatever else runs on the machine: the load average is recorded with
+the results. Servers bind 127.0.0.1 and are always killed at the end.
 
-Threads default to 1: on this 2-core machine under load (load average ~9), two torch threads
-in the main thread ran the same decode 10-80x slower (3-35 s instead of 0.4 s; measured
-2026-11), an OpenMP oversubscription effect that would swamp what this benchmark measures.
+Threads default to 1: on a CPU with 2 cores under load (load average ~9), two torch threads
+in the main thread ran the same decode 10-80x slower (3-35 s instead of 0.4 s), an OpenMP
+oversubscription effect that would swamp what this benchmark measures.
 
     python -m benchmarks.bench_serve [--preset tiny-dense] [--prompts 64] [--new-tokens 64]
         [--repeats 3] [--syncs 5] [--threads N] [--out runs/bench/serve.json]

@@ -1,7 +1,7 @@
 """rlpipe's `rl` flow against TRL's GRPOTrainer: seconds per optimizer step and reward, same setup.
 
 Both sides start from the same weights: a short SFT (rlpipe's `sft` flow, 200 steps) of the
-`small-dense` preset (3.2M parameters, the size of ECOSYSTEM.md's TRL anchor) on the demo's task
+`small-dense` preset (3.2M parameters, about the size of the model in the TRL anchor) on the demo's task
 at 1-2 digits (reversed digits, a teacher that forgets 30% of carries), in fp32: a partly trained
 start (greedy accuracy ~0.6, see `start`), so rewards vary from the first step. Then each side
 runs `--steps` optimizer steps of the same algorithm, on CPU, once per seed (`--seeds`, default 5),
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> dict:
         "final_eval_seconds": evals.get("seconds"),
         "final_eval_error": evals.get("error"),
         "seconds": time.perf_counter() - started,
-        "anchor": {"source": "ECOSYSTEM.md", "trl_version": "1.16", "model": "3.7M dense",
+        "anchor": {"source": "TRL's GRPOTrainer measured alone", "trl_version": "1.16", "model": "3.7M dense",
                    "completions": 64, "completion_tokens": 16, "seconds_per_step": [0.72, 0.85],
                    "target": "rlpipe step <= half of TRL's, reward no worse"},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),

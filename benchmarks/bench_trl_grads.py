@@ -15,7 +15,7 @@ Identical algorithms give cosine ~1, norm ratio ~1 and a drift at float noise, s
 then a reward gap comes from the sampling (engines, RNG streams), i.e. run-to-run noise. It also
 records what shapes TRL's sampling (its EOS ids and generation config) next to rlpipe's.
 
-Measured 2026-11-23 (fp32, 5 steps, bench_trl's SFT start): cosine 1 − <1e-9 every step, norm
+Measured (fp32, 5 steps, bench_trl's SFT start): cosine 1 − <1e-9 every step, norm
 ratio 1 ± 2e-7, max |Δgrad| 1e-7, weights 7e-7 apart after 5 steps (not growing): the same update.
 Both sides also put the same prompt tokens in front of the model, stop at the same EOS ids
 ([0, 2]) and sample at temperature 1, top-p 1, top-k 0. (A first run left TRL's bf16 at its

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from rlpipe.models.device import model_device, synchronize
 
+from benchmarks.gpu_steps import rlpipe_steps, trl_steps
 from benchmarks.results import write_atomic
 
 SIDES = ("trl", "rlpipe", "rlpipe_compiled")
@@ -83,8 +84,6 @@ def rlpipe_side(args, checkpoint: Path, compile: bool) -> dict:
     from rlpipe.models.tokenizer import load_tokenizer
     from rlpipe.tasks.setup import place_model
 
-    from benchmarks.bench_gpu import rlpipe_steps
-
     on_cuda = torch.cuda.is_available()
     model = place_model(load_model(checkpoint), "cuda" if on_cuda else "cpu", compile=compile)
     engine = VllmEngine(model, dtype="bfloat16" if on_cuda else "float32",
@@ -105,8 +104,6 @@ def trl_side(args, checkpoint: Path, workdir: Path) -> dict:
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
     from rlpipe.tasks.setup import place_model
-
-    from benchmarks.bench_gpu import trl_steps
 
     on_cuda = torch.cuda.is_available()
     model = place_model(load_model(checkpoint), "cuda" if on_cuda else "cpu")
@@ -189,7 +186,7 @@ def render_rl_vs_trl_vllm(r: dict) -> list[str]:
         lines.append(f"| {name} | {figures['seconds_per_step']:.2f} | {cell(figures.get('tokens_per_second'), ',.0f')} | "
                      f"{cell(figures.get('load_s_median'))} | {cell(figures.get('wake_s_median'))} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
-    return [*lines, "", "Targets (issue 15): step time <= 0.5x TRL's; weight sync <= 0.2 s for 0.6B.", ""]
+    return [*lines, "", "Targets: step time <= 0.5x TRL's; weight sync <= 0.2 s for 0.6B.", ""]
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:

@@ -243,7 +243,7 @@ def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
              f"seeds {settings.get('seeds', [0])} per side, interleaved seed by seed (one process per side and seed), "
              f"the same prompts at each step on both sides, gradient checkpointing off on both sides, "
              f"torch threads {settings['torch_threads']}, CPU. rlpipe runs its `rl` flow with a Prefect task run per "
-             f"stage. Anchor (ECOSYSTEM.md): TRL {anchor['trl_version']}, {anchor['model']}, {anchor['completions']} "
+             f"stage. Anchor ({anchor['source']}): TRL {anchor['trl_version']}, {anchor['model']}, {anchor['completions']} "
              f"completions × {anchor['completion_tokens']} tokens: {anchor['seconds_per_step'][0]}–"
              f"{anchor['seconds_per_step'][1]} s per step.", ""]
     lines += table(["", "s / step (median, all seeds)", "stage functions only", "greedy accuracy after",
@@ -264,7 +264,7 @@ def headline_trl(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                   "both compute the entropy, and both take one forward and one backward per step.",
                   "", "The update itself is the same on both sides: `python -m benchmarks.bench_trl_grads` feeds "
                   "identical rollouts to rlpipe's `forward_backward` and TRL's `_compute_loss`, step by step from "
-                  "the same SFT start, and measured (2026-11-23, fp32, 5 steps) gradient cosine 1 − <1e-9, norm "
+                  "the same SFT start, and measured (fp32, 5 steps) gradient cosine 1 − <1e-9, norm "
                   "ratio 1 ± 2e-7, the two models' weights 7e-7 apart after 5 AdamW steps (not growing); both "
                   "sample from the same distribution (same prompt tokens, EOS ids, temperature/top-p/top-k; "
                   "engine vs trainer log-probs within 1e-5). A reward difference between the sides therefore "
@@ -314,7 +314,7 @@ def headline_distributed(results: dict, ceiling: dict) -> tuple[str, list[str]]:
              " ".join(f"{x:,.0f}" for x in r["all"])] for r in results["runs"]]
     ddp, fsdp = runs["2 ranks DDP, 1 thread each"], runs["2 ranks FSDP2, 1 thread each"]
     summary = (f"2 ranks ×{ddp['vs_1_process_1_thread']:.2f} (DDP), ×{fsdp['vs_1_process_1_thread']:.2f} (FSDP2) "
-               "the real tok/s of one 1-thread process (medians on 2 shared cores: see the spread)")
+               "the real tok/s of one 1-thread process (medians on a CPU with 2 cores: see the spread)")
     load = results["machine"].get("loadavg")
     note = ("Two ranks share the machine's 2 cores (other work ran beside them"
             + (f"; load average {load[0]:.1f} at the end" if load else "") + "): they can at best match one "

@@ -113,8 +113,8 @@ def render(report: dict) -> str:
              f"{sum(e.get('seconds', 0) for e in report['benchmarks'].values()) / 60:.1f} min in all.", "",
              "GPU figures (an H100: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in "
              "[BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py` where a GPU is present.", "",
-             "Timings come from a shared 2-core machine: other processes ran beside them, so read them as "
-             "ranges, not digits." + (" This was a `--quick` run (fewer repeats and steps)." if report.get("quick")
+             "Timings come from a CPU that other processes shared (the load averages above), so read "
+             "them as ranges, not digits." + (" This was a `--quick` run (fewer repeats and steps)." if report.get("quick")
                                       else ""), "",
              "## Summary", ""]
     lines += table(["benchmark", "headline"],

@@ -24,7 +24,7 @@ import duckdb
 Rows = list[dict[str, Any]]
 
 PENDING = "pending"  # the queries' status of a completion without a decision yet (its step was being filled)
-# the fates in the order they stack, each with its colour (DESIGN.md, "Steps and versions")
+# the fates in the order they stack, each with its colour (docs/DESIGN.md, "Steps and versions")
 FATES: tuple[tuple[str, str], ...] = (
     ("trained", "#2ca02c"),
     ("carried", "#1f77b4"),

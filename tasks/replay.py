@@ -102,11 +102,11 @@ def tolerance_for(config) -> float:
 
 
 def start_weights(run_dir: Path, config, start: str | None) -> str:
-    """The run's starting weights: `start`, the `origins` table (issue 17 lineage), model.path, or
+    """The run's starting weights: `start`, the `origins` table (the run's lineage), model.path, or
     '' for the seeded preset. A pipeline's RL phase without a recorded origin is refused."""
     if start:
         return start
-    # read by path: the origins table (issue 17's lineage) may be newer than this module's schemas
+    # read by path: the origins table may be newer than this module's schemas
     for origin in sorted((tables_root(run_dir) / "origins").glob("step=*/part-*.parquet")):
         rows = pq.read_table(origin, columns=["parent_checkpoint"]).column(0).to_pylist()
         if rows and rows[0]:

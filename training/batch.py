@@ -2,7 +2,7 @@
 
 Every data source (pretrain documents, SFT chats, RL rollouts) yields `Sequence`s; `pack()`
 concatenates them, without padding, into micro-batches of at most `token_budget` tokens, and does
-the causal shift once (`labels[t] = tokens[t+1]`), so a loss never shifts again. See DESIGN.md,
+the causal shift once (`labels[t] = tokens[t+1]`), so a loss never shifts again. See docs/DESIGN.md,
 "The one batch contract".
 
 Shared prefixes: the completions of one RL group repeat the same prompt. A `Sequence` may declare

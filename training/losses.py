@@ -6,7 +6,7 @@ per optimizer step by `normaliser_totals`, so that the sum of `reduce_loss` over
 micro-batches of a step equals the loss of the whole step as one batch (gradient accumulation
 is exact whatever the micro-batch split).
 
-Normalisers (DESIGN.md "Algorithm = advantages + loss"):
+Normalisers (docs/DESIGN.md "Algorithm = advantages + loss"):
 - `token`:    Σ loss / number of loss tokens in the whole step.
 - `sequence`: mean over each sequence's loss tokens, then mean over the step's sequences
               (sequences with no loss token are left out: they carry no signal).

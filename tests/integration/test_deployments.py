@@ -36,7 +36,7 @@ def prefect_env(tmp_path: Path, port: int) -> dict[str, str]:
         PREFECT_UI_ENABLED="false",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
-        # SQLite on a busy 2-core machine: be patient with locks instead of failing a call
+        # SQLite on a busy machine: be patient with locks instead of failing a call
         PREFECT_API_REQUEST_TIMEOUT="120",
         PREFECT_LOGGING_LEVEL="WARNING",
         RLPIPE_PROGRESS="0",

@@ -44,7 +44,7 @@ def env_for(tmp_path: Path, prefect_api_url: str | None = None) -> dict[str, str
 
 # One torch thread per CLI process (the `threads` knob): tiny models gain nothing from a second one,
 # and two runs side by side (test_faults) or a busy machine make torch's threads wait on each other:
-# 20 SFT steps took 6-8 s with one thread, 24-49 s with torch's default of 2 on 2 shared cores.
+# 20 SFT steps took 6-8 s with one thread, 24-49 s with torch's default of 2 on a loaded CPU with 2 cores.
 ONE_THREAD = ["--set", "threads=1"]
 
 

@@ -1,12 +1,13 @@
 """Regression guard for the RL loop: k = 0 (synchronous) must train bit-identical weights to the
-loop before the redesign of issue 12, on the same seed.
+loop before its redesign (a RolloutSource owning sampling rounds and the group buffer), on the
+same seed.
 
 The expected sha256 of the final `model.safetensors` were computed with the pre-redesign loop
 (commit 900ca3a, torch 2.13 CPU, one thread) by this very test; any change to what the loop samples,
 selects, packs or trains (order included) changes them. If a deliberate algorithmic change moves
 them, say so in the commit and recompute them.
 
-Recomputed once since (session 6): the chunked log-softmax saves the logsumexp and folds 1/τ
+Recomputed once since: the chunked log-softmax saves the logsumexp and folds 1/τ
 into the GEMM (training/logprob_kernels.py), which changes float rounding only. With the previous
 training/logprobs.py on the same tree both hashes above were still reproduced; the new weights
 differ from them by at most 1.2e-3 after 6 steps (Adam's first steps move each weight by ~lr =
@@ -18,7 +19,7 @@ A result that matches none of them fails on a known kind and is skipped, saying 
 The runs are float32 throughout (`model.bf16_autocast = false`): on a CPU with AVX512-BF16 the
 default would train under bf16 autocast, which the earlier machines could not run (there it was
 a no-op, so their hashes are float32 too). The AuthenticAMD/AVX512 hashes were recorded
-(2026-11-25) from commit 0867608, the tree whose runs gave the first hashes on the earlier
+from commit 0867608, the tree whose runs gave the first hashes on the earlier
 machines, and from this commit: both gave the same.
 """
 

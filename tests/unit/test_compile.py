@@ -1,6 +1,6 @@
 """train.compile (models/compile.py): compiled decoder layers train like eager ones.
 
-Compiling is slow on a shared 2-core CPU (~30-60 s for the first graphs, far less once inductor's
+Compiling is slow on a small CPU (~30-60 s for the first graphs, far less once inductor's
 on-disk cache is warm), so the tests that run a compiled forward are few and marked slow; they
 share one process-wide compiled function, so each mode (grad / no-grad) compiles once.
 """
