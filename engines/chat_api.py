@@ -93,7 +93,7 @@ def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
 
 def chat_prompt_ids(tokenizer: Any, req: ChatRequest) -> list[int]:
     """The chat template's token ids for the request's messages, ending in the generation prompt."""
-    from rlpipe.training.chat import template_ids
+    from rlpipe.models.chat import template_ids
 
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
