@@ -216,7 +216,7 @@ def bench_engine_graphs(model, batch, params, generated: int) -> dict:
 
 
 def arithmetic_prompts(tokenizer, count: int, seed: int):
-    from rlpipe.envs.base import build_env
+    from rlpipe.envs.registry import build_env
     from rlpipe.tasks.generate import encode_messages
 
     env = build_env("arithmetic")
