@@ -186,6 +186,8 @@ def describe_circle(component: list[str], graph: dict[str, set[str]], files: dic
 def test_the_layer_folders_are_all_scanned():
     modules, found = collect()
     assert set(LAYERS) == set(ALLOWED)
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert packages == set(LAYERS), "a new layer folder gets its row in LAYERS and ALLOWED"
     assert {layer_of(m) for m in modules} == set(LAYERS), "every layer folder holds modules"
     assert sum(is_rlpipe(i.target) for i in found) > 100, "the scan finds the imports"
 
