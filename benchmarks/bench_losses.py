@@ -46,7 +46,8 @@ TAIL = 5
 
 
 def digits_env():
-    from rlpipe.envs.base import Example, LazyExamples, SingleTurnEnv
+    from rlpipe.envs.base import Example, LazyExamples
+    from rlpipe.envs.single_turn import SingleTurnEnv
 
     class DigitsEnv(SingleTurnEnv):
         """Write digits: reward = share of digits among the completion's characters."""

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from rlpipe.storage.schemas import PHASES as STAGES  # noqa: E402
+from rlpipe.core.phases import PHASES as STAGES  # noqa: E402
 
 from benchmarks.results import write_results  # noqa: E402
 

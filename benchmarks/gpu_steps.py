@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.torch_engine import TorchEngine
-from rlpipe.envs.base import build_env
+from rlpipe.envs.registry import build_env
+from rlpipe.models.chat import template_ids
 from rlpipe.models.device import model_device, synchronize
 from rlpipe.tasks.setup import stop_token_ids
 from rlpipe.training.batch import Sequence, pack
-from rlpipe.training.chat import template_ids
 from rlpipe.training.rl_loss import build_rl_loss
 from rlpipe.training.step import build_optimizer, forward_backward, optim_step
 

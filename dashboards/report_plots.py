@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from decimal import Decimal
 from typing import Any
 
-from rlpipe.storage.schemas import PHASES
+from rlpipe.core.phases import PHASES
 
 Rows = list[dict[str, Any]]
 

@@ -29,7 +29,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ValidationError, field_validator
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.protocol import OpenAIRequest, sampling_params
+from rlpipe.engines.protocol import (
+    OpenAIRequest,
+    RequestError,
+    check_request_limits,
+    read_json_body,
+    sampling_params,
+    until_answered,
+    validation_message,
+)
+from rlpipe.models.chat import template_ids
 
 
 class ChatRequest(OpenAIRequest):
@@ -93,8 +102,6 @@ def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
 
 def chat_prompt_ids(tokenizer: Any, req: ChatRequest) -> list[int]:
     """The chat template's token ids for the request's messages, ending in the generation prompt."""
-    from rlpipe.training.chat import template_ids
-
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
         kwargs["tools"] = req.tools
@@ -127,9 +134,7 @@ def chat_choice(index: int, completion, tokenizer: Any, req: ChatRequest) -> dic
 
 
 def add_chat_completions(app: FastAPI, state: Any) -> None:
-    """Register POST /v1/chat/completions on `app` (engines/server.py's state and helpers)."""
-    from rlpipe.engines.protocol import RequestError, check_request_limits, read_json_body
-    from rlpipe.engines.server import _max_len, _validation_message, until_answered
+    """Register POST /v1/chat/completions on `app`; `state` is engines/server.py's ServerState."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -139,10 +144,10 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
         current = state.slot.current
         try:
             req = ChatRequest.model_validate(body)
-            default_max = max(1, (_max_len(current) or 4096) - 1)
+            default_max = max(1, (current.max_model_len or 4096) - 1)
             params = req.sampling_params(end_of_turn_ids(current.tokenizer), default_max)
         except ValidationError as err:
-            raise RequestError(_validation_message(err)) from err
+            raise RequestError(validation_message(err)) from err
         except ValueError as err:
             raise RequestError(str(err)) from err
         if req.model is not None and req.model != state.model_name:
@@ -151,7 +156,7 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
             prompt = chat_prompt_ids(current.tokenizer, req)
         except Exception as err:  # noqa: BLE001 - a template that refuses the messages (jinja raise)
             raise RequestError(f"the chat template cannot render these messages: {err}") from err
-        limit = _max_len(current)
+        limit = current.max_model_len
         if limit is not None and len(prompt) + params.max_new_tokens > limit:
             params = replace(params, max_new_tokens=max(1, limit - len(prompt)))
             if len(prompt) >= limit:

@@ -6,6 +6,8 @@ calls the same functions:
     check_content_type(headers)             415 unless the body is application/json
     body = await read_json_body(request, limits)   413 over limits.max_body_bytes; 400 for bad JSON
     check_request_limits(prompts, params, limits, context)   400 naming the cap a request exceeds
+    result = await until_answered(request, work, timeout_s)  499 when the client left, 504 past the timeout
+    validation_message(err)                 a pydantic error as one line for a 400
 
 Every refusal is a `RequestError` carrying its HTTP status; the app turns it into an OpenAI-style
 error body. Nothing a client sends gives a 500: bad JSON (also too deep), non-finite numbers, a
@@ -14,12 +16,13 @@ seed outside [0, 2**64), a temperature so small the log-probs overflow, are all 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from rlpipe.engines.base import SamplingParams
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -112,6 +115,38 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
         raise RequestError(f"request body is not valid JSON: {err}") from None
     except RecursionError:
         raise RequestError("request body is nested too deeply") from None
+
+
+def validation_message(err: ValidationError) -> str:
+    """The first five problems of a rejected request body, as "field: message; ..."."""
+    parts = []
+    for e in err.errors()[:5]:
+        where = ".".join(str(x) for x in e["loc"]) or "body"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+async def _disconnected(request: Any) -> None:
+    """Returns once the client has gone (after the body was read, receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_answered(request: Any, work: Any, timeout_s: float) -> Any:
+    """`await work`, unless the client goes away first (the work is cancelled: a request's
+    remaining parts are dropped) or `timeout_s` passes (the same, and a 504)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    if gone in done:
+        raise RequestError("client closed the connection", 499)
+    raise RequestError(f"request took longer than request_timeout_s={timeout_s:g} (--request-timeout-s)", 504)
 
 
 class OpenAIRequest(BaseModel):

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from rlpipe.engines.qwen3_moe import moe_sparse
-from rlpipe.engines.qwen3_support import SUPPORTED_MODEL_TYPES, unsupported_reason  # noqa: F401 (callers read them here)
+from rlpipe.engines.qwen3_moe import MoeMLP, moe_sparse
+from rlpipe.engines.qwen3_support import unsupported_reason
 from torch import nn
 
 
@@ -33,15 +33,6 @@ from torch import nn
 class DenseMLP:
     gate_up: torch.Tensor  # [2I, H]: gate rows then up rows
     down: torch.Tensor  # [H, I]
-
-
-@dataclass
-class MoeMLP:
-    router: torch.Tensor  # [E, H]
-    gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows
-    down: torch.Tensor  # [E, H, I]
-    top_k: int
-    norm_topk_prob: bool
 
 
 @dataclass

@@ -14,13 +14,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from rlpipe.engines.qwen3_fast import MoeMLP
+
+@dataclass
+class MoeMLP:
+    """One MoE layer's weights as `engines.qwen3_fast` holds them."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows
+    down: torch.Tensor  # [E, H, I]
+    top_k: int
+    norm_topk_prob: bool
 
 
 def route(mlp: MoeMLP, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from rlpipe.engines.base import Completion
+from rlpipe.engines.chat_api import add_chat_completions
 from rlpipe.engines.protocol import (
     LOOPBACK_HOSTS,
     CompletionRequest,
@@ -71,12 +72,13 @@ from rlpipe.engines.protocol import (
     prompt_token_ids,
     read_json_body,
     resolve_model_path,
+    until_answered,
+    validation_message,
 )
 from rlpipe.engines.serving import (
     Batcher,
     ModelSlot,
     ServedModel,
-    group_jobs,  # noqa: F401 - re-exported: callers and tests import it from here
     load_served_model,
 )
 from starlette.datastructures import Headers
@@ -119,37 +121,6 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": kind, "code": status}}
     )
-
-
-def _validation_message(err: ValidationError) -> str:
-    parts = []
-    for e in err.errors()[:5]:
-        where = ".".join(str(x) for x in e["loc"]) or "body"
-        parts.append(f"{where}: {e['msg']}")
-    return "; ".join(parts)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (after the body was read, receive() waits for that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_answered(request: Request, work: Any, timeout_s: float) -> Any:
-    """`await work`, unless the client goes away first (the work is cancelled: a request's
-    remaining parts are dropped) or `timeout_s` passes (the same, and a 504)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    if gone in done:
-        raise RequestError("client closed the connection", 499)
-    raise RequestError(f"request took longer than request_timeout_s={timeout_s:g} (--request-timeout-s)", 504)
 
 
 class Guard:
@@ -261,7 +232,7 @@ def build_app(
                     "created": 0,
                     "owned_by": "rlpipe",
                     "root": str(current.path),
-                    "max_model_len": _max_len(current),
+                    "max_model_len": current.max_model_len,
                     "policy_version": current.policy_version,
                 }
             ],
@@ -277,7 +248,7 @@ def build_app(
             req = CompletionRequest.model_validate(body)
             params = req.sampling_params()
         except ValidationError as err:
-            raise RequestError(_validation_message(err)) from err
+            raise RequestError(validation_message(err)) from err
         except ValueError as err:
             raise RequestError(str(err)) from err
         if req.model is not None and req.model != state.model_name:
@@ -286,7 +257,7 @@ def build_app(
             )
         current = state.slot.current
         prompts = prompt_token_ids(req.prompt, current.tokenizer, current.vocab_size)
-        check_request_limits(prompts, params, state.limits, _max_len(current))
+        check_request_limits(prompts, params, state.limits, current.max_model_len)
         try:
             groups, served = await until_answered(
                 request, state.batcher.submit(prompts, params), state.limits.request_timeout_s)
@@ -317,8 +288,6 @@ def build_app(
             "policy_version": served.policy_version,
         }
 
-    from rlpipe.engines.chat_api import add_chat_completions  # here: chat_api imports this module
-
     add_chat_completions(app, state)  # POST /v1/chat/completions
 
     @app.post("/update_weights_from_disk")
@@ -346,8 +315,3 @@ def build_app(
         }
 
     return app
-
-
-def _max_len(served: ServedModel) -> int | None:
-    value = getattr(served.engine.model.config, "max_position_embeddings", None)
-    return int(value) if value is not None else None

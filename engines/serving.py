@@ -36,6 +36,12 @@ class ServedModel:
     def vocab_size(self) -> int:
         return int(self.engine.model.config.vocab_size)
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The model's context length (max_position_embeddings), None when its config has none."""
+        value = getattr(self.engine.model.config, "max_position_embeddings", None)
+        return int(value) if value is not None else None
+
 
 def load_served_model(path: str | Path, device: str = "auto") -> ServedModel:
     """Load and verify a checkpoint written by `training.checkpoint.save_checkpoint`.

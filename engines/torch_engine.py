@@ -32,6 +32,7 @@ import torch
 from rlpipe.engines import qwen3_fast
 from rlpipe.engines.base import Completion, SamplingParams
 from rlpipe.engines.decode_graphs import DecodeGraphs, GraphBackend
+from rlpipe.engines.qwen3_support import unsupported_reason
 from rlpipe.engines.sampling import sample_next
 from torch import nn
 
@@ -73,7 +74,7 @@ class TorchEngine:
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype or param.dtype
         self.max_batch_size = max_batch_size
-        self.fast_path_reason = qwen3_fast.unsupported_reason(model)
+        self.fast_path_reason = unsupported_reason(model)
         """None when the lean Qwen3 forward is used; otherwise why the HF forward is."""
         if self.fast_path_reason is not None and self.device != param.device:
             raise ValueError(

@@ -32,16 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rlpipe.envs.base import (
-    Example,
-    LazyExamples,
-    SingleTurnEnv,
-    Split,
-    check_split,
-    options_to_config,
-)
+from rlpipe.envs.base import Example, LazyExamples, Split, check_split, options_to_config
 from rlpipe.envs.expr import evaluate
 from rlpipe.envs.rewards import format_integer, format_then_correct
+from rlpipe.envs.single_turn import SingleTurnEnv
 
 ALPHABET = "0123456789+-*="
 """Every character of an arithmetic prompt or completion."""

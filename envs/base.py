@@ -26,10 +26,9 @@ Contract:
   message list. Returns a `RewardResult`; it never raises for a bad completion, and a reward
   function that raises is caught and recorded in `RewardResult.error` (see `envs.rewards`).
 
-`build_env(name, **options)` builds a registered environment: `arithmetic`, `calculator` (multi-turn
-tool use), `countdown`, `dataset`, `verifiers` (a verifiers taskset; envs/verifiers_env.py). A multi-turn environment has a `max_turns` attribute above 1
-(and optionally `rollout_context`, "tokens" or "template"); envs/multiturn.py runs its episodes.
-Unknown options raise `ValueError` naming them.
+A multi-turn environment has a `max_turns` attribute above 1 (and optionally `rollout_context`,
+"tokens" or "template"); envs/multiturn.py runs its episodes. Single-turn tasks build on
+`SingleTurnEnv` (envs/single_turn.py); envs/registry.py builds an environment by name.
 """
 
 from __future__ import annotations
@@ -121,36 +120,6 @@ def completion_text_of(transcript: str | Messages) -> str:
     raise ValueError("transcript has no assistant message to score")
 
 
-class SingleTurnEnv:
-    """Base for single-turn verifiable tasks: one user prompt, one completion, then done.
-
-    Subclasses set `name` and implement `examples` and `score(example, completion_text)`; `reward`
-    wraps `score` so that an exception becomes `RewardResult(0.0, error=traceback)`.
-    """
-
-    name: str = "single_turn"
-
-    def examples(self, split: Split, seed: int = 0) -> Sequence[Example]:
-        raise NotImplementedError
-
-    def reset(self, example: Example) -> Messages:
-        return prompt_messages(example)
-
-    def step(self, example: Example, messages: Messages, completion_text: str) -> StepResult:
-        return StepResult(messages_to_append=[], done=True)
-
-    def score(
-        self, example: Example, completion_text: str
-    ) -> float | tuple[float, dict[str, float]]:
-        raise NotImplementedError
-
-    def reward(self, example: Example, transcript: str | Messages) -> RewardResult:
-        from rlpipe.envs.rewards import evaluate_reward  # envs.rewards imports this module
-
-        text = completion_text_of(transcript)
-        return evaluate_reward(lambda t, _a, ex: self.score(ex, t), text, example.answer, example)
-
-
 class LazyExamples(Sequence[Example]):
     """A read-only sequence of examples generated on access by `make(index)`."""
 
@@ -179,38 +148,6 @@ def check_split(split: str) -> Split:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return split  # type: ignore[return-value]
-
-
-def _env_factories() -> dict[str, Callable[..., Environment]]:
-    # Imported here: the env modules import this one.
-    from rlpipe.envs.arithmetic import ArithmeticEnv
-    from rlpipe.envs.calculator import CalculatorEnv
-    from rlpipe.envs.countdown import CountdownEnv
-    from rlpipe.envs.dataset import DatasetEnv
-
-    def verifiers_env(**options: Any) -> Environment:
-        from rlpipe.envs.verifiers_env import VerifiersEnv  # the optional `verifiers` extra
-
-        return VerifiersEnv.from_options(**options)
-
-    return {
-        "arithmetic": ArithmeticEnv.from_options,
-        "calculator": CalculatorEnv.from_options,
-        "countdown": CountdownEnv.from_options,
-        "dataset": DatasetEnv.from_options,
-        "verifiers": verifiers_env,
-    }
-
-
-ENV_NAMES = ("arithmetic", "calculator", "countdown", "dataset", "verifiers")
-
-
-def build_env(name: str, **options: Any) -> Environment:
-    """Build the environment registered as `name` with its options (unknown ones raise)."""
-    factories = _env_factories()
-    if name not in factories:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(factories))}")
-    return factories[name](**options)
 
 
 def options_to_config(cls: type, options: dict[str, Any], env_name: str) -> Any:

@@ -19,16 +19,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from rlpipe.envs.base import (
-    Example,
-    LazyExamples,
-    SingleTurnEnv,
-    Split,
-    check_split,
-    options_to_config,
-)
+from rlpipe.envs.base import Example, LazyExamples, Split, check_split, options_to_config
 from rlpipe.envs.expr import ExpressionError, evaluate
 from rlpipe.envs.rewards import format_then_correct
+from rlpipe.envs.single_turn import SingleTurnEnv
 
 ALPHABET = "0123456789+-*/() from:"
 """Every character of a countdown prompt or completion ("from" and ":" come from the prompt)."""

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.core.user_code import import_user_module
-from rlpipe.envs.base import Example, SingleTurnEnv, Split, check_split, options_to_config
+from rlpipe.envs.base import Example, Split, check_split, options_to_config
 from rlpipe.envs.rewards import RewardValue, get_reward
+from rlpipe.envs.single_turn import SingleTurnEnv
 
 
 @dataclass(frozen=True, kw_only=True)

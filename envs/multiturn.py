@@ -16,7 +16,7 @@ Token fidelity (the bug reports of every multi-turn trainer are about this):
 - The context of turn k (`context="tokens"`, the default) is the stream so far: the tokens the
   model actually saw and wrote.
 - `context="template"` builds each turn's context the way the chat template renders the
-  conversation at that point, as the SFT data does (training/chat.py): for Qwen3, earlier `<think>`
+  conversation at that point, as the SFT data does (models/chat.py): for Qwen3, earlier `<think>`
   blocks are dropped once a new user query arrives. Where that rendering extends the stream, the
   difference is the environment's span; where it rewrites earlier tokens, a "context" span holds
   the whole new rendering and a new segment starts there (weight 0; the packer trains each segment
@@ -37,7 +37,7 @@ from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example, RewardResult
-from rlpipe.training.chat import end_of_turn_id, template_ids
+from rlpipe.models.chat import end_of_turn_id, template_ids
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class JudgeReward:
     max_new_tokens: int = 8
 
     def judge_prompts(self, examples: Sequence[Example], transcripts: Sequence[str | Messages]) -> list[list[int]]:
-        from rlpipe.training.chat import template_ids
+        from rlpipe.models.chat import template_ids
 
         prompts = []
         for example, transcript in zip(examples, transcripts, strict=True):

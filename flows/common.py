@@ -105,7 +105,7 @@ def stage_io(config: RunConfig) -> Iterator[None]:
 def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
     """Run a phase's body; close its MLflow run and run.json as finished or failed (also on
     SIGTERM, which flows/runner.py turns into an exception); release the run dir's lock."""
-    from rlpipe.flows.termination import sigterm_is_sticky
+    from rlpipe.core.termination import sigterm_is_sticky
     from rlpipe.storage.runlock import release_run_lock
 
     try:

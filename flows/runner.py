@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from rlpipe.core.environment import quiet_defaults
+from rlpipe.core.termination import Terminated, sigterm_received, sigterm_stops_the_run
 from rlpipe.flows.config import (
     ConfigError,
     RunConfig,
@@ -35,7 +36,6 @@ from rlpipe.flows.launch import (
     launched_rank,
     strip_launch_flags,
 )
-from rlpipe.flows.termination import Terminated, sigterm_received, sigterm_stops_the_run
 from rlpipe.storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.training import metric_names as m
 

@@ -20,6 +20,7 @@ by column name, so adding a nullable column needs no bump.
 from __future__ import annotations
 
 import pyarrow as pa
+from rlpipe.core.phases import PHASES
 
 SCHEMA_VERSION = 1
 META_TABLE = b"rlpipe.table"
@@ -44,8 +45,7 @@ _TURN = pa.struct([_f("turn", pa.int32()), _f("producer", pa.string()), _f("star
 
 
 _KEY = [_f("run_id", pa.string()), _f("step", pa.int64())]
-# the phases of an RL step, in order: the seconds_* columns of train_steps, the report's plots
-PHASES: tuple[str, ...] = ("generate", "score", "filter", "pack", "train", "checkpoint", "sync", "eval")
+# the phases of an RL step, in order (core/phases.py): the seconds_* columns of train_steps
 _SECONDS = [_opt(f"seconds_{phase}", pa.float64()) for phase in (*PHASES, "total")]
 
 _FIELDS: dict[str, list[pa.Field]] = {

@@ -27,14 +27,13 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from rlpipe.core.files import clean_leftovers, fsync_written
 from rlpipe.storage import catalog
 from rlpipe.storage.conform import TableData, conform
 from rlpipe.storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,
     check_step,
-    clean_leftovers,
-    fsync_written,
     partition_file,
     partition_files,
     table_dir,
@@ -60,7 +59,7 @@ def write_table(
 
     run_id: defaults to the run_id column of `data`, else the run folder's name.
     durable: fsync the file before the rename and the folders up to run_dir after it, so the
-    partition survives a power cut (see storage.layout.atomic_write_parquet).
+    partition survives a power cut (see core/files.py).
     Returns the partition's file. An empty `data` writes an empty, complete partition.
     """
     return _write(run_dir, table, step, data, run_id=run_id, durable=durable, prepared=None)

@@ -23,7 +23,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
-from rlpipe.flows.termination import raise_if_terminated
+from rlpipe.core.termination import raise_if_terminated
 
 # per flow run (a ContextVar, so concurrent flows in one process do not see each other's choice)
 _TASK_RUNS: ContextVar[bool] = ContextVar("rlpipe_stage_task_runs", default=True)

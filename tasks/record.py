@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
+from rlpipe.core.phases import PHASES
 from rlpipe.storage.layout import partition_file
 from rlpipe.storage.writer import (
     BackgroundWriter,
@@ -109,7 +110,7 @@ def train_step_row(run_id: str, step: int, mode: str, metrics: dict, seconds: di
         "logprob_gap": metrics.get("logprob_gap"),
         "entropy": metrics.get("entropy"), "kl": metrics.get("kl"),
     }
-    for phase in m.PHASES:
+    for phase in PHASES:
         row[f"seconds_{phase}"] = seconds.get(phase)
     row["seconds_total"] = sum(seconds.values())
     return row

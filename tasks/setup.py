@@ -10,8 +10,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from rlpipe.envs.base import Environment, Example, build_env
+from rlpipe.envs.base import Environment, Example
 from rlpipe.envs.dataset import jsonl_records, read_utf8
+from rlpipe.envs.registry import build_env
 from rlpipe.models.device import resolve_device
 from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model

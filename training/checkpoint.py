@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from rlpipe.core.files import fsync_path
 from rlpipe.models.loading import load_model
 from rlpipe.models.tokenizer import load_tokenizer
-from rlpipe.storage.layout import fsync_path
 from rlpipe.training.lora import ADAPTER_DIR, has_lora, load_adapter, save_model_files
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 

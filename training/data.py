@@ -2,7 +2,7 @@
 
 - `pretrain_sequences`: token documents → windows of at most seq_len tokens, weight 1.
 - `sft_sequences`: chat conversations → chat-template tokens with the assistant mask as weights,
-  found by incremental chat-template tokenisation (training/chat.py), so the mask is exactly what
+  found by incremental chat-template tokenisation (models/chat.py), so the mask is exactly what
   the template renders, whatever the template. Templates that are not prefix-stable (Qwen3 drops
   earlier `<think>` blocks) give one sequence per context the template renders, sharing their
   common prefix in packing.
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Literal
 
+from rlpipe.models.chat import chat_segments, shared_prefix_len
 from rlpipe.training.batch import PackedBatch, Sequence, pack
-from rlpipe.training.chat import chat_segments, shared_prefix_len
 from transformers import PreTrainedTokenizerBase
 
 Overflow = Literal["error", "truncate", "drop"]
@@ -62,7 +62,7 @@ def sft_sequences(
     """Chat conversations ([{role, content}, ...] each) → sequences weighted by the assistant mask.
 
     One sequence per conversation when its template is prefix-stable; otherwise one per context the
-    template renders for its assistant turns (training/chat.py), sharing their common prefix.
+    template renders for its assistant turns (models/chat.py), sharing their common prefix.
     A sequence longer than max_len tokens raises ValueError naming it (overflow="error"),
     is cut to max_len ("truncate"), or is left out ("drop"). A conversation whose assistant
     tokens are all cut or absent is left out. Raises ValueError if nothing remains.

@@ -1,8 +1,6 @@
 """Metric names, in one place: what the loop logs to MLflow and what the report, the progress
 bar and the CLI summary read back. Prefixes: `train/*`, `rollout/*`, `perf/*`, `eval/*`."""
 
-from rlpipe.storage.schemas import PHASES  # noqa: F401 - the phases of a step, named once
-
 # rollout/*: the batch filling of one step (training/oversampling.py, rollouts/source.py)
 ZERO_VAR_GROUPS = "rollout/zero_var_groups"
 VALID_GROUPS = "rollout/valid_groups"

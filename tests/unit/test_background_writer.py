@@ -127,11 +127,11 @@ def test_sigkill_leaves_a_prefix_of_the_writes_and_no_partial_file(tmp_path):
 def test_a_durable_drain_fsyncs_every_written_file_and_its_folders_before_returning(tmp_path, monkeypatch):
     # what must hold before a checkpoint marks a step done: each partition written since the last
     # durable drain, and every folder from its own up to the run dir, has been fsynced
-    import rlpipe.storage.layout as layout
+    import rlpipe.core.files as core_files
 
     synced: list[Path] = []
-    real = layout.fsync_path
-    monkeypatch.setattr(layout, "fsync_path", lambda path: (synced.append(Path(path)), real(path)))
+    real = core_files.fsync_path
+    monkeypatch.setattr(core_files, "fsync_path", lambda path: (synced.append(Path(path)), real(path)))
     run_dir = tmp_path / "run"
     with BackgroundWriter() as writer:
         writer.submit(run_dir, "train_steps", 1, [step_row(1, 0.5)], run_id="r")
@@ -150,11 +150,11 @@ def test_a_durable_drain_fsyncs_every_written_file_and_its_folders_before_return
 
 
 def test_write_table_durable_fsyncs_the_folders_up_to_the_run_dir(tmp_path, monkeypatch):
-    import rlpipe.storage.layout as layout
+    import rlpipe.core.files as core_files
     from rlpipe.storage.writer import write_table
 
     synced: list[Path] = []
-    real = layout.fsync_path
-    monkeypatch.setattr(layout, "fsync_path", lambda path: (synced.append(Path(path)), real(path)))
+    real = core_files.fsync_path
+    monkeypatch.setattr(core_files, "fsync_path", lambda path: (synced.append(Path(path)), real(path)))
     write_table(tmp_path, "train_steps", 4, [step_row(4, 0.1)], run_id="r")
     assert {tmp_path, tmp_path / "tables", tmp_path / "tables" / "train_steps"} <= set(synced)

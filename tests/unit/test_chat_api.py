@@ -8,9 +8,9 @@ from fastapi.testclient import TestClient
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.server import build_app
 from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.models.chat import template_ids
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.training.chat import template_ids
 from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
 
 MESSAGES = [{"role": "system", "content": "You add."}, {"role": "user", "content": "12+30="}]

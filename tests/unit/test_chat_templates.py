@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlpipe.models.chat import chat_segments, template_ids
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import CHAT_TEMPLATE
 from rlpipe.training.batch import pack
-from rlpipe.training.chat import chat_segments, template_ids
 from rlpipe.training.data import sft_sequences
 from rlpipe.training.logprobs import token_logprobs
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rlpipe.engines import decode_graphs as dg
-from rlpipe.engines import qwen3_fast
+from rlpipe.engines import qwen3_fast, qwen3_moe
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
 from rlpipe.flows.config import RunConfig
@@ -246,7 +246,7 @@ def test_bind_reallocates_on_a_new_weight_layout(monkeypatch):
         assert runner.graphs
         runner.bind(qwen3_fast.QwenWeights.from_model(model_of("tiny-moe")))
     assert not runner.graphs and runner.cache is None
-    assert isinstance(runner.weights.layers[0].mlp, qwen3_fast.MoeMLP)
+    assert isinstance(runner.weights.layers[0].mlp, qwen3_moe.MoeMLP)
 
 
 def test_layout_tells_tied_from_untied_weights():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlpipe.engines import qwen3_fast
+from rlpipe.engines import qwen3_fast, qwen3_support
 from rlpipe.engines.base import Completion, Engine, SamplingParams
 from rlpipe.engines.torch_engine import TorchEngine
 from transformers import (
@@ -104,7 +104,7 @@ def recompute_logprobs(model, prompt, completion: Completion, temperature: float
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_fast_forward_logits_match_hf_forward(kind):
     model = MODELS[kind]()
-    assert qwen3_fast.unsupported_reason(model) is None
+    assert qwen3_support.unsupported_reason(model) is None
     lengths = [3, 8, 5]
     prompts = prompts_of(lengths)
     extra = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv, format_answer, parse_answer
-from rlpipe.envs.base import Environment, Example, build_env, completion_text_of
+from rlpipe.envs.base import Environment, Example, completion_text_of
 from rlpipe.envs.countdown import CountdownEnv, check_solution
 from rlpipe.envs.expr import ExpressionError, evaluate
+from rlpipe.envs.registry import build_env
 
 
 def test_build_env_registry_and_unknown_names():

@@ -7,8 +7,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rlpipe.envs.base import build_env
 from rlpipe.envs.dataset import DatasetConfig, DatasetEnv
+from rlpipe.envs.registry import build_env
 
 
 def _write_jsonl(path, rows):

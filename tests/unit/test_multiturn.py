@@ -17,10 +17,10 @@ from rlpipe.envs.multiturn import (
     model_token_mask,
     run_episodes,
 )
+from rlpipe.models.chat import template_ids
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import conform
 from rlpipe.tasks.pack import pack_rollouts, rollout_sequence, rollout_sequences
-from rlpipe.training.chat import template_ids
 
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
 from tests.rollout_rows import train_sample

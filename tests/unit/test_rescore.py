@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from rlpipe.envs.base import build_env
+from rlpipe.envs.registry import build_env
 from rlpipe.flows.config import validate_config
 from rlpipe.storage.catalog import connect
 from rlpipe.storage.queries import canned_sql

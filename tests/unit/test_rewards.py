@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from rlpipe.envs.base import Example, RewardResult, SingleTurnEnv
+from rlpipe.envs.base import Example, RewardResult
 from rlpipe.envs.rewards import (
     RewardError,
     RewardRegistry,
@@ -18,6 +18,7 @@ from rlpipe.envs.rewards import (
     reward_metrics,
     score_completions,
 )
+from rlpipe.envs.single_turn import SingleTurnEnv
 
 EX = Example("t", "0", "1+1=", 2, {})
 

@@ -13,7 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.protocol import ServeLimits
-from rlpipe.engines.server import build_app, group_jobs, load_served_model
+from rlpipe.engines.server import build_app
+from rlpipe.engines.serving import group_jobs, load_served_model
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer

@@ -5,7 +5,7 @@ import signal
 import weakref
 
 import pytest
-from rlpipe.flows.termination import (
+from rlpipe.core.termination import (
     Terminated,
     raise_if_terminated,
     sigterm_is_sticky,

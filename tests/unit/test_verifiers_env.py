@@ -8,8 +8,8 @@ import pytest
 vf = pytest.importorskip("verifiers.v1", reason="the optional `verifiers` extra is not installed")
 
 from rlpipe.engines.base import SamplingParams  # noqa: E402
-from rlpipe.envs.base import build_env  # noqa: E402
 from rlpipe.envs.multiturn import run_episodes  # noqa: E402
+from rlpipe.envs.registry import build_env  # noqa: E402
 from rlpipe.envs.verifiers_env import VerifiersEnv  # noqa: E402
 from rlpipe.tasks.score import score_rollouts  # noqa: E402
 
