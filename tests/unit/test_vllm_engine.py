@@ -83,7 +83,7 @@ def test_logprobs_match_trainer_and_follow_the_optimizer(preset):
 
 def test_config_keys_reach_the_vllm_engine(monkeypatch):
     from rlpipe.flows.config import RunConfig
-    from rlpipe.tasks.rl_setup import make_engines
+    from rlpipe.tasks.build import make_engines
 
     built = []
     monkeypatch.setattr("rlpipe.engines.vllm_engine.VllmEngine", lambda model, **kw: built.append(kw) or kw)
