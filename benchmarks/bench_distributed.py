@@ -60,15 +60,11 @@ def _worker(rank: int, world: int, port: int, kind: str, threads: int, args: dic
     import torch.distributed as dist
     from rlpipe.models.presets import build_model
     from rlpipe.training.batch import pack
-    from rlpipe.training.distributed import (
-        balanced_budget,
-        data_parallel,
-        follow,
-        lead_step,
-        stop_followers,
-    )
+    from rlpipe.training.dist_trainer import follow, lead_step, stop_followers
+    from rlpipe.training.distributed import balanced_budget, data_parallel
     from rlpipe.training.losses import nll_loss
     from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+    from rlpipe.training.trainer import TrainOptions
 
     torch.set_num_threads(threads)
     steps = step_sequences(args["steps"] + 1, args["sequences"])
@@ -97,7 +93,8 @@ def _worker(rank: int, world: int, port: int, kind: str, threads: int, args: dic
             start = time.perf_counter()
             total, longest = sum(len(s.tokens) for s in seqs), max(len(s.tokens) for s in seqs)
             batches = pack(seqs, balanced_budget(total, longest, args["budget"], world))
-            lead_step(dp, optimizer, None, batches, nll_loss, 1.0, normaliser="token")
+            lead_step(dp, optimizer, None, batches, nll_loss,
+                      TrainOptions(normaliser="token", max_grad_norm=1.0, entropy=False))
             seconds.append(time.perf_counter() - start)
         stop_followers(dp)
         Path(out).write_text(json.dumps(seconds))

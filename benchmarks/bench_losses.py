@@ -137,21 +137,22 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
                  prompts: int = 8, group: int = 8) -> dict:
     """One RL run of `variant` (a VARIANTS key) on `task`: mean reward and entropy per step, the
     gain, and for arithmetic the greedy accuracy before and after. The loss comes from the run
-    config's [rl] section (`tasks.rl_setup.loss_for`), as in the `rl` flow."""
+    config's [rl] section (`tasks.losses.loss_for`), as in the `rl` flow."""
     import torch
     from rlpipe.engines.base import SamplingParams
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.envs.prompts import PromptSource
     from rlpipe.flows.config import RLConfig
     from rlpipe.rollouts.source import RolloutSource
+    from rlpipe.tasks.losses import loss_for
     from rlpipe.tasks.pack import pack_rollouts
-    from rlpipe.tasks.rl_setup import loss_for
     from rlpipe.tasks.setup import stop_token_ids
     from rlpipe.tasks.train import train_on_batches
-    from rlpipe.training.kl import frozen_copy, reference_logprobs
+    from rlpipe.training.kl import frozen_copy
     from rlpipe.training.oversampling import GroupBuffer
-    from rlpipe.training.rl_loss import bind_batch_inputs, loss_normaliser
+    from rlpipe.training.rl_loss import loss_normaliser
     from rlpipe.training.step import build_optimizer, build_scheduler
+    from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
     name, options = VARIANTS[variant]
     lr, max_new_tokens = TASKS[task]
@@ -166,6 +167,9 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=steps, min_lr_ratio=0.1)
     loss_fn = loss_for(rl)
     normaliser, constant = loss_normaliser(name, "token", prompts * group, max_new_tokens)
+    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(normaliser=normaliser, constant=constant,
+                                                                     max_grad_norm=1.0, autocast=False),
+                           reference=ref)
     params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                             seed=seed)
     stages = MemoryStages(engine, tokenizer, env, params)
@@ -176,11 +180,7 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
         for step in range(1, steps + 1):
             batch = source.batch(step)
             batches, _ = pack_rollouts(batch.samples, 8192, "b", step)
-            step_loss = loss_fn
-            if ref is not None:
-                step_loss = bind_batch_inputs(loss_fn, batches, ref_logprobs=reference_logprobs(ref, batches))
-            metrics = train_on_batches(model, optimizer, scheduler, batches, step_loss, normaliser=normaliser,
-                                       constant=constant, max_grad_norm=1.0, autocast=False, step=step)
+            metrics = train_on_batches(trainer, batches, loss_fn, step=step)
             source.publish(step)
             rewards.append(statistics.mean(stages.rewards.get(step) or [0.0]))
             entropies.append(metrics.get("entropy"))

@@ -93,12 +93,10 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         batch = _step_batch(source, step, tracker)  # generate → score → filter/advantages, each writing its table
         watch, version, step_evals = Stopwatch(batch.seconds), step * rl.ppo_epochs, {}
         with watch("pack"):
-            batches = pack_task(batch.samples, rl.optim.token_budget, step=step, world_size=run.world_size, **io)
+            batches = pack_task(batch.samples, rl.optim.token_budget, step=step, budget=run.trainer.budget, **io)
         with watch("train"):
             seen: dict = {}  # the trainer's per-token log-probs, for train_tokens (replay, the tokens view)
-            train = train_task(run.model, run.optimizer, run.scheduler, batches, run.loss_fn,
-                               batch_inputs=run.batch_inputs(batches), trainer_logprobs=seen, step=step,
-                               **run.train_options)
+            train = train_task(run.trainer, batches, run.loss_fn, trainer_logprobs=seen, step=step)
             record_train_tokens(batch.samples, batches, seen, step=step, **io)
         if due(step, rl.eval_every, rl.steps):
             with watch("eval"):
@@ -109,8 +107,8 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
             row = checkpoint_task(train_row=train_step_row(io["run_id"], step, "rl", train, watch.seconds),
                                   checkpoint=due(step, rl.checkpoint_every, rl.steps)
                                   or (sync and run.needs_checkpoint_to_sync), policy_version=version,
-                                  model=run.model, tokenizer=run.tokenizer, optimizer=run.optimizer,
-                                  scheduler=run.scheduler, data_state=batch.state, metrics=train,
+                                  model=run.model, tokenizer=run.tokenizer, optimizer=run.trainer.optimizer,
+                                  scheduler=run.trainer.scheduler, data_state=batch.state, metrics=train,
                                   tracker=tracker, model_name=model_name, step=step,
                                   explicit_lm_head=reloaded_by_vllm_servers(config.engine), **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
@@ -131,7 +129,6 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         bar.set_postfix(reward=f"{batch.metrics.get(m.REWARD_MEAN, 0):.2f}",
                         **({"acc": f"{step_evals[m.EVAL_ACCURACY]:.2f}"} if step_evals else {}))
     bar.close()
-    if run.finish:
-        run.finish()
+    run.trainer.finish()
     last = last or latest_checkpoint(io["run_dir"])
     return {"checkpoint": str(last) if last else None, "eval": evals, "steps": rl.steps}

@@ -9,6 +9,7 @@ so a group's completions carry it once per micro-batch (training.batch, "Shared 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from rlpipe.envs.multiturn import model_token_mask, segment_bounds
@@ -16,7 +17,9 @@ from rlpipe.rollouts.source import TrainSample
 from rlpipe.tasks._prefect import stage
 from rlpipe.tasks.record import persist
 from rlpipe.training.batch import PackedBatch, Sequence, pack, shared_prefix_units
-from rlpipe.training.distributed import balanced_budget
+
+Budget = Callable[[list[int], int], int]
+"""(packing unit sizes, configured token budget) → the step's micro-batch token budget."""
 
 
 def rollout_sequences(sample: TrainSample) -> list[Sequence]:
@@ -76,24 +79,30 @@ def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]
     return rows
 
 
-def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int, world_size: int = 1
-                  ) -> tuple[list[PackedBatch], list[dict]]:
+def whole_budget(sizes: list[int], token_budget: int) -> int:
+    """The configured budget whatever the step's sizes (one process: training/trainer.py)."""
+    return token_budget
+
+
+def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int,
+                  budget: Budget = whole_budget) -> tuple[list[PackedBatch], list[dict]]:
     """Micro-batches of the selected samples (a multi-turn episode may give several sequences),
-    and their `batches` rows; with several data-parallel ranks, small enough that each gets work."""
+    and their `batches` rows. budget: the trainer's `budget` (data-parallel ranks: small enough
+    that each gets work), given the step's packing units' sizes."""
     sequences = [seq for s in samples for seq in rollout_sequences(s)]
-    if sequences and world_size > 1:
+    if sequences:
         # sized by packing units (a group sharing its prompt, else a sequence), not sequence
         # lengths: counting a shared prompt per sequence packed small steps into one micro-batch
         # (the other ranks idle), and a budget under a group's size would split it, repeating its prompt
-        sizes = [unit.size for unit in shared_prefix_units(sequences, token_budget)]
-        token_budget = balanced_budget(sum(sizes), max(sizes), token_budget, world_size)
+        token_budget = budget([unit.size for unit in shared_prefix_units(sequences, token_budget)], token_budget)
     batches = pack(sequences, token_budget) if sequences else []
     return batches, batch_rows(batches, run_id, step)
 
 
 @stage("pack")
 def pack_task(samples: list[TrainSample], token_budget: int, *, run_dir: Path, run_id: str, step: int,
-              world_size: int = 1) -> list[PackedBatch]:
-    batches, rows = pack_rollouts(samples, token_budget, run_id, step, world_size)
+              budget: Budget = whole_budget) -> list[PackedBatch]:
+    """The `pack` stage: `pack_rollouts`, its rows written to the `batches` table."""
+    batches, rows = pack_rollouts(samples, token_budget, run_id, step, budget)
     persist(run_dir, "batches", step, rows, run_id)
     return batches

@@ -11,21 +11,19 @@ Not a stage: nothing is persisted here (the flows on rank 0 write every table).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from rlpipe.tasks.setup import make_optimizer, place_model
+from rlpipe.tasks.losses import phase_loss
+from rlpipe.tasks.setup import Placement, make_optimizer, placement, prepare_model
 from rlpipe.training.dist_state import broadcast_weights, load_full_optimizer_state
-from rlpipe.training.distributed import (
-    DataParallel,
-    GatheredOptimizer,
-    data_parallel,
-    follow,
-    stop_followers,
-)
+from rlpipe.training.dist_trainer import ParallelTrainer, follow
+from rlpipe.training.distributed import GatheredOptimizer, data_parallel
+from rlpipe.training.trainer import LocalTrainer, Trainer, TrainOptions
 
 
 @dataclass(frozen=True)
@@ -35,67 +33,48 @@ class TrainerSpec:
     model_class: type
     model_config: Any
     dtype: torch.dtype
-    device: str
-    activation_checkpointing: bool
+    placement: Placement
+    """Device, activation checkpointing, compilation and the LoRA adapters every rank injects
+    before rank 0's weights (adapters included) are broadcast."""
     parallel: str
     optim: Any
     total_steps: int
     loss: tuple
-    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (each rank builds loss_for(rl))."""
-    compile: bool = False
-    """train.compile: each rank compiles its decoder layers (models/compile.py)."""
-    lora: Any = None
-    """The run's `model.lora` section: each rank injects the same adapters before rank 0's
-    weights (adapters included) are broadcast."""
+    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (tasks/losses.phase_loss on each rank)."""
     reference: bool = False
     """A KL reference (rl.kl_coef > 0): every rank holds one, loaded with rank 0's, and scores its
     own micro-batches (training/dist_reference.py)."""
 
 
-@dataclass
-class Trainer:
-    """model: whole weights (rank 0's engines, evals, checkpoints read it); optimizer: checkpoints
-    save its whole state; dp: pass to the train stage (None in a single process)."""
-
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    dp: DataParallel | None = None
-
-    def finish(self) -> None:
-        """End of the phase on rank 0: the other ranks stop following (they wait for the next)."""
-        if self.dp is not None:
-            stop_followers(self.dp)
-
-
 def spec_for(config, model, optim, total_steps: int, loss: tuple, reference: bool = False) -> TrainerSpec:
+    """The TrainerSpec of `model` (placed, adapters injected) under `config`."""
     return TrainerSpec(model_class=type(model), model_config=model.config, dtype=next(model.parameters()).dtype,
-                       device=config.device, activation_checkpointing=config.train.activation_checkpointing,
-                       parallel=config.train.parallel, optim=optim, total_steps=total_steps, loss=loss,
-                       lora=config.model.lora, compile=config.train.compile, reference=reference)
+                       placement=placement(config), parallel=config.train.parallel, optim=optim,
+                       total_steps=total_steps, loss=loss, reference=reference)
 
 
 def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_from: Path | None,
-                 ref_model=None) -> Trainer:
-    """Rank 0: the optimizer and scheduler of `model` (weights already placed, a resumed
-    checkpoint's already loaded), data-parallel over every rank when train.parallel is set.
-    ref_model: the KL reference, which every rank then holds (sharded in place under FSDP2)."""
+                 options: TrainOptions, ref_model=None, single_process: bool = False) -> Trainer:
+    """Rank 0: the trainer of `model` (weights already placed, a resumed checkpoint's already
+    loaded): a LocalTrainer, or a ParallelTrainer over every rank when train.parallel is set.
+    ref_model: the KL reference, which every rank then holds (sharded in place under FSDP2).
+    single_process: a LocalTrainer whatever train.parallel says (replay)."""
     from rlpipe.training.checkpoint import read_optimizer_state
 
     state = read_optimizer_state(resume_from) if resume_from is not None else None
-    if config.train.parallel == "none":
+    if single_process or config.train.parallel == "none":
         optimizer, scheduler = make_optimizer(model, optim, total_steps)
         if state is not None:
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
-        return Trainer(model, optimizer, scheduler)
+        return LocalTrainer(model, optimizer, scheduler, options, reference=ref_model)
     if not dist.is_initialized():
         raise ValueError(f"train.parallel = {config.train.parallel!r} needs a distributed launch: "
                          "`rlpipe run CONFIG --nproc-per-node N` or torchrun")
     spec = spec_for(config, model, optim, total_steps, loss, reference=ref_model is not None)
     dist.broadcast_object_list([("begin", spec)], src=0)
     dp, optimizer, scheduler = _collective_setup(spec, model, state, ref_model)
-    return Trainer(dp.view, GatheredOptimizer(dp, optimizer), scheduler, dp)
+    return ParallelTrainer(dp, GatheredOptimizer(dp, optimizer), scheduler, options)
 
 
 def _collective_setup(spec: TrainerSpec, model, state: dict | None, ref_model=None):
@@ -104,7 +83,7 @@ def _collective_setup(spec: TrainerSpec, model, state: dict | None, ref_model=No
     from rlpipe.models.device import resolve_device
 
     broadcast_weights(model)
-    device = resolve_device(spec.device)
+    device = resolve_device(spec.placement.device)
     dp = data_parallel(model, spec.parallel, device)
     if spec.reference:
         from rlpipe.training.dist_reference import place_reference
@@ -137,7 +116,7 @@ def follow_ranks() -> int:
         spec: TrainerSpec = message[0][1]
         model = _fresh_model(spec)
         dp, optimizer, scheduler = _collective_setup(spec, model, None)
-        steps += follow(dp, optimizer, scheduler, _loss(spec.loss))
+        steps += follow(dp, optimizer, scheduler, phase_loss(spec.loss))
 
 
 def end_run() -> None:
@@ -146,23 +125,10 @@ def end_run() -> None:
 
 
 def _fresh_model(spec: TrainerSpec):
-    model = spec.model_class(spec.model_config)  # weights come from rank 0
+    """A model of rank 0's class and config, placed like rank 0's with the same adapters (its
+    weights come from rank 0)."""
+    model = spec.model_class(spec.model_config)
     model.to(dtype=spec.dtype)
     model.train()
-    model = place_model(model, spec.device, str(spec.dtype).removeprefix("torch."), spec.activation_checkpointing,
-                        spec.compile)
-    if spec.lora is not None:  # the same adapters as rank 0 (open_rl / the supervised setup)
-        from rlpipe.training.lora import lora_from_config
-
-        model = lora_from_config(model, spec.lora)
-    return model
-
-
-def _loss(loss: tuple):
-    if loss[0] == "nll":
-        from rlpipe.training.losses import nll_loss
-
-        return nll_loss
-    from rlpipe.tasks.rl_setup import loss_for
-
-    return loss_for(loss[1])
+    return prepare_model(model, dataclasses.replace(spec.placement,
+                                                    weights_dtype=str(spec.dtype).removeprefix("torch.")))

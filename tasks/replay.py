@@ -8,8 +8,8 @@ scheduler state). Without one, the nearest earlier checkpoint (or, before any, t
 weights: `--start`, the `origins` table, `model.path`, else the seeded preset) is loaded and the
 steps in between are replayed forward with their stored micro-batches, so the optimizer state
 evolves exactly as in the run. Each step's micro-batches come back tensor for tensor from
-`train_tokens` (tasks/tokens.py) and go through the run's own `train_on_batches` with the loss and
-options its config.json names. On CPU in fp32 with the run's thread count, every number matches
+`train_tokens` (tasks/tokens.py) and go through the run's own `train_on_batches` with the trainer,
+loss and options its config.json builds (tasks/build.py, in one process). On CPU in fp32 with the run's thread count, every number matches
 bit for bit; a GPU run is replayed on its device but is not bit-exact in general.
 
 Supported: async runs (rl.max_off_policy_steps >= 1: the step trains on stored batches, however
@@ -25,19 +25,21 @@ Not a Prefect stage: nothing is written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pyarrow.parquet as pq
 import torch
 from rlpipe.storage.layout import tables_root
 from rlpipe.storage.writer import read_table
-from rlpipe.tasks.tokens import capture_logprobs, packed_batch
+from rlpipe.tasks.build import StartPoint, build, rl_plan
+from rlpipe.tasks.losses import loss_for
+from rlpipe.tasks.tokens import packed_batch
 from rlpipe.tasks.train import train_on_batches
-from rlpipe.training.checkpoint import checkpoint_dir, checkpoint_steps, load_checkpoint
+from rlpipe.training.checkpoint import checkpoint_dir, checkpoint_steps
 
 PARALLEL_TOLERANCE = 1e-4
 """How far a data-parallel step's replay may be from the logged figures. Measured on configs/tiny.toml
@@ -121,56 +123,18 @@ def start_weights(run_dir: Path, config, start: str | None) -> str:
 
 
 def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
-    """(model, optimizer, scheduler, origin text, start path): the trainer state after step
-    `from_step` (its checkpoint; 0: the starting weights and a fresh optimizer)."""
-    from rlpipe.tasks.setup import make_model_and_tokenizer, make_optimizer, place_model
-
+    """(trainer, origin text): the trainer state after step `from_step` (its checkpoint; 0: the
+    starting weights and a fresh optimizer), built in this process by the run's own builder
+    (tasks/build.py), with the KL reference of the starting weights when the run had one."""
     rl = config.rl
     # the starting weights only when the replay starts there, or the KL penalty's reference needs them
     first = start_weights(run_dir, config, start) if not from_step or rl.kl_coef > 0 else None
-    path = str(checkpoint_dir(run_dir, from_step)) if from_step else first
-    model, _ = make_model_and_tokenizer(config.model.preset, path, config.model.overrides, config.seed)
-    place_model(model, config.device, config.model.weights_dtype, config.train.activation_checkpointing,
-                config.train.compile)
-    optimizer, scheduler = make_optimizer(model, rl.optim, rl.steps * rl.ppo_epochs)
-    if from_step:
-        load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, restore_rng=False)
-    return model, optimizer, scheduler, path or f"the seeded preset {config.model.preset!r}", first
-
-
-def train_options(config) -> dict[str, Any]:
-    """The options flows/rl.py trains with (tasks/rl_setup.open_rl's train_options)."""
-    from rlpipe.training.rl_loss import loss_normaliser
-
-    rl = config.rl
-    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
-                                           rl.sampling.max_new_tokens)
-    return dict(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
-                autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs, temperature=rl.sampling.temperature)
-
-
-def reference_model(config, first: str):
-    """The KL penalty's frozen starting policy (rl.kl_coef > 0), else None."""
-    if config.rl.kl_coef <= 0:
-        return None
-    from rlpipe.tasks.setup import make_model_and_tokenizer, place_model
-    from rlpipe.training.kl import frozen_copy
-
-    model, _ = make_model_and_tokenizer(config.model.preset, first, config.model.overrides, config.seed)
-    place_model(model, config.device, config.model.weights_dtype)
-    return frozen_copy(model)
-
-
-def step_loss(loss_fn, ref, batches, config):
-    """RLRun.batch_inputs, bound: the reference's log-probs per micro-batch when there is a KL penalty."""
-    if ref is None or not batches:
-        return loss_fn
-    from rlpipe.training.kl import reference_logprobs
-    from rlpipe.training.rl_loss import bind_batch_inputs
-
-    logprobs = reference_logprobs(ref, batches, temperature=config.rl.sampling.temperature,
-                                  autocast=config.model.bf16_autocast)
-    return bind_batch_inputs(loss_fn, batches, ref_logprobs=logprobs)
+    resume = checkpoint_dir(run_dir, from_step) if from_step else None
+    weights = first if first is not None else str(resume)
+    plan = dataclasses.replace(rl_plan(config), engines="none", single_process=True)
+    built = build(config, plan, StartPoint(weights=weights, resume=resume, restore_rng=False))
+    origin = str(resume) if resume is not None else first or f"the seeded preset {config.model.preset!r}"
+    return built.trainer, origin
 
 
 def stored_step(run_dir: Path, step: int) -> tuple[list[dict], dict]:
@@ -223,8 +187,6 @@ def compare(step: int, logged: dict, metrics: dict, rows: list[dict],
 
 def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Replay:
     """Replay `step` (and, from an earlier checkpoint, the steps before it); see the module docstring."""
-    from rlpipe.tasks.rl_setup import loss_for
-
     run_dir = Path(run_dir).resolve()
     config = load_config(run_dir)
     refuse_unsupported(config)
@@ -235,16 +197,14 @@ def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Rep
         stored_step(run_dir, s)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model, optimizer, scheduler, origin, first = trainer_state(run_dir, config, from_step, start)
-    loss_fn, options, ref = loss_for(config.rl), train_options(config), reference_model(config, first)
+    trainer, origin = trainer_state(run_dir, config, from_step, start)
+    loss_fn = loss_for(config.rl)
     checks = []
     for s in range(from_step + 1, step + 1):
         rows, logged = stored_step(run_dir, s)
         batches = [packed_batch(row) for row in rows]
         seen: dict[tuple[str, ...], torch.Tensor] = {}
-        metrics = train_on_batches(model, optimizer, scheduler, batches,
-                                   capture_logprobs(step_loss(loss_fn, ref, batches, config), seen), step=s,
-                                   **options)
+        metrics = train_on_batches(trainer, batches, loss_fn, step=s, trainer_logprobs=seen)
         checks.append(compare(s, logged, metrics, rows, seen, tolerance_for(config)))
     return Replay(run_dir, step, origin, checks, tolerance_for(config))
 

@@ -7,6 +7,7 @@ variables for the whole run.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
 from rlpipe.training.batch import Sequence
 from rlpipe.training.data import sft_sequences
+from rlpipe.training.lora import LoraOptions, with_lora
 from rlpipe.training.step import build_optimizer, build_scheduler
 
 
@@ -71,6 +73,39 @@ def place_model(model, device: str, weights_dtype: str = "float32",
     return model
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a trained model sits: device, weights dtype, activation checkpointing,
+    regional compilation and LoRA adapters (the same on every data-parallel rank)."""
+
+    device: str = "cpu"
+    weights_dtype: str = "float32"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    lora: LoraOptions | None = None
+
+
+def lora_options(section) -> LoraOptions | None:
+    """The run config's `model.lora` section as LoraOptions (None when rank is 0: LoRA off)."""
+    if section.rank == 0:
+        return None
+    return LoraOptions(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
+                       targets=tuple(section.targets))
+
+
+def placement(config) -> Placement:
+    """The run config's placement of its trained model."""
+    return Placement(device=config.device, weights_dtype=config.model.weights_dtype,
+                     activation_checkpointing=config.train.activation_checkpointing,
+                     compile=config.train.compile, lora=lora_options(config.model.lora))
+
+
+def prepare_model(model, where: Placement):
+    """`place_model`, then LoRA adapters (only they train, training/lora.py); returns the model."""
+    place_model(model, where.device, where.weights_dtype, where.activation_checkpointing, where.compile)
+    return with_lora(model, where.lora)
+
+
 def engine_dtype(model, bf16_autocast: bool):
     """The dtype the in-process engine samples in: bf16 on CUDA when training autocasts to it
     (what vLLM would do), else the model's own (fp32 decoding is faster than bf16 on CPU)."""
@@ -81,6 +116,7 @@ def engine_dtype(model, bf16_autocast: bool):
 
 
 def make_optimizer(model, optim, total_steps: int):
+    """AdamW and its warmup-cosine schedule from an optim section, over `total_steps` steps."""
     optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay)
     scheduler = build_scheduler(optimizer, warmup_steps=optim.warmup_steps,
                                 total_steps=max(total_steps, 1), min_lr_ratio=optim.min_lr_ratio)
@@ -94,6 +130,7 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
 
 def max_context(model) -> int:
+    """The model's context length (max_position_embeddings, else 4096)."""
     return int(getattr(model.config, "max_position_embeddings", 4096))
 
 

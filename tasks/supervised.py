@@ -11,7 +11,7 @@ import random
 from rlpipe.tasks._prefect import stage
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.batch import Sequence, pack
-from rlpipe.training.distributed import balanced_budget
+from rlpipe.training.trainer import Trainer
 
 
 def step_indices(n_items: int, per_step: int, step: int, seed: int) -> tuple[list[int], dict]:
@@ -31,24 +31,19 @@ def step_indices(n_items: int, per_step: int, step: int, seed: int) -> tuple[lis
     return indices, {"epoch": epoch, "offset": offset, "seed": seed, "position": position}
 
 
-def supervised_train_step(
-    model, optimizer, scheduler, sequences: list[Sequence], loss_fn, *, step: int, seed: int,
-    per_step: int, token_budget: int, normaliser: str, max_grad_norm: float, autocast: bool, parallel=None,
-) -> tuple[dict[str, float], dict]:
-    """One optimizer step of pretrain/SFT; returns metrics and the data cursor. parallel: a
-    DataParallel (tasks/ranks.py): the step is shared out over its ranks by tokens."""
+def supervised_train_step(trainer: Trainer, sequences: list[Sequence], loss_fn, *, step: int, seed: int,
+                          per_step: int, token_budget: int) -> tuple[dict[str, float], dict]:
+    """One optimizer step of pretrain/SFT; returns metrics and the data cursor. The trainer sizes
+    the micro-batches (data-parallel: small enough that every rank gets work)."""
     indices, cursor = step_indices(len(sequences), per_step, step, seed)
     chosen = [sequences[i] for i in indices]
-    if parallel is not None:  # small enough micro-batches that every rank gets work
-        token_budget = balanced_budget(sum(len(s.tokens) for s in chosen), max(len(s.tokens) for s in chosen),
-                                       token_budget, parallel.world_size)
-    batches = pack(chosen, token_budget)
-    metrics = train_on_batches(model, optimizer, scheduler, batches, loss_fn, normaliser=normaliser,
-                               max_grad_norm=max_grad_norm, autocast=autocast, step=step, parallel=parallel)
+    batches = pack(chosen, trainer.budget([len(s.tokens) for s in chosen], token_budget))
+    metrics = train_on_batches(trainer, batches, loss_fn, step=step)
     metrics["micro_batches"] = len(batches)
     return metrics, cursor
 
 
 @stage("train")
-def supervised_train_task(model, optimizer, scheduler, sequences, loss_fn, **kwargs):
-    return supervised_train_step(model, optimizer, scheduler, sequences, loss_fn, **kwargs)
+def supervised_train_task(trainer: Trainer, sequences: list[Sequence], loss_fn, **kwargs):
+    """The `train` stage of pretrain/SFT: `supervised_train_step`."""
+    return supervised_train_step(trainer, sequences, loss_fn, **kwargs)

@@ -6,7 +6,7 @@ and what the `tokens` view (storage/views.py) unnests to one row per trained com
     train = train_task(..., trainer_logprobs=sink, ...)   # the loss's log-probs, every rank's
     record_train_tokens(samples, batches, sink, run_dir=..., run_id=..., step=...)
 
-The trainer's log-probs are taken where the loss receives them (training/distributed.py
+The trainer's log-probs are taken where the loss receives them (training/loss_inputs.py
 `capture_logprobs`, a pass-through wrapper, so the step is computed exactly as without it), keyed
 by the micro-batch's sample_ids (unique in a run, and they survive `batch.to(device)`); with
 several epochs the last epoch's are kept, the one whose loss and grad norm are logged. Under
@@ -24,7 +24,6 @@ from rlpipe.envs.multiturn import segment_bounds
 from rlpipe.rollouts.source import TrainSample
 from rlpipe.tasks.record import persist
 from rlpipe.training.batch import PackedBatch
-from rlpipe.training.distributed import capture_logprobs  # noqa: F401  (re-exported: replay, tests)
 from rlpipe.training.losses import loss_token_mask, sequence_index
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from rlpipe.models.loading import autocast_context
 from rlpipe.training.batch import PackedBatch
-from rlpipe.training.distributed import DataParallel, PackedPolicy, is_filler, shard_policy
+from rlpipe.training.distributed import DataParallel, PackedPolicy, shard_policy
+from rlpipe.training.loss_inputs import is_filler
 from torch import nn
 
 
@@ -29,23 +30,23 @@ def place_reference(ref: nn.Module, kind: str, device: torch.device) -> nn.Modul
 
 
 @torch.no_grad()
-def local_reference_inputs(dp: DataParallel, mine: list[PackedBatch], options: dict
+def local_reference_inputs(dp: DataParallel, mine: list[PackedBatch], options
                            ) -> tuple[list[PackedBatch], dict[str, list[torch.Tensor]]]:
     """This rank's micro-batches that carry loss (fillers dropped) and their reference log-probs
     (`ref_logprobs`, float32 [T] each on the CPU), as `with_batch_inputs` takes them.
 
     Fillers run through the reference too: under FSDP2 its forwards gather parameters with
     collectives, so every rank runs as many as the others. A step's PPO epochs reuse the first
-    epoch's figures (`dp.reference_cache`)."""
+    epoch's figures (`dp.reference_cache`). options: the step's TrainOptions (autocast,
+    temperature)."""
     keys = tuple(tuple(b.sample_ids) for b in mine)
     if dp.reference_cache is not None and dp.reference_cache[0] == keys:
         return dp.reference_cache[1]
     device = next(dp.reference.parameters()).device
     real, logprobs = [], []
     for batch in mine:
-        with autocast_context(device, bool(options.get("autocast", False))):
-            out, _ = dp.reference(batch.to(device), temperature=float(options.get("temperature", 1.0)),
-                                  chunk_size=int(options.get("chunk_size", 1024)))
+        with autocast_context(device, options.autocast):
+            out, _ = dp.reference(batch.to(device), temperature=options.temperature)
         if not is_filler(batch):
             real.append(batch)
             logprobs.append(out.float().cpu())

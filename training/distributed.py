@@ -3,7 +3,7 @@
     dist_env = init_from_environment()                  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK
     dp = data_parallel(model, "ddp" | "fsdp2", device)  # build the optimizer after this (FSDP2 shards)
     mine = shard_micro_batches(sequences, token_budget, dp.rank, dp.world_size)
-    forward_backward(model, mine, loss_fn, data_parallel=dp)
+    forward_backward(model, mine, loss_fn, ranks=dp)
     optim_step(model, optimizer, scheduler, max_grad_norm)
 
 Exactness: every rank runs the same number of micro-batches (a rank with less work runs
@@ -30,22 +30,14 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from rlpipe.training.batch import PackedBatch, Sequence, pack
-from rlpipe.training.dist_state import full_optimizer_state, refresh_view
+from rlpipe.training.dist_state import full_optimizer_state
 from rlpipe.training.entropy import token_logprobs_and_entropy
 from rlpipe.training.logprobs import token_logprobs
-from rlpipe.training.losses import Normaliser, normaliser_totals
-from rlpipe.training.rl_loss import bind_batch_inputs
+from rlpipe.training.loss_inputs import filler_batch, is_filler
+from rlpipe.training.losses import Normaliser, batch_counts, normaliser_totals
 from torch import nn
 
 Parallel = Literal["none", "ddp", "fsdp2"]
-FILLER_ID = "<filler>"
-"""sample_id of the zero-weight micro-batch a rank runs when it has fewer than the others."""
-
-
-def is_filler(batch: PackedBatch) -> bool:
-    return list(batch.sample_ids) == [FILLER_ID]
-
-
 class PackedPolicy(nn.Module):
     """`model`'s per-token log-probs of a PackedBatch as one module forward."""
 
@@ -104,7 +96,12 @@ class DataParallel:
     reference: nn.Module | None = None  # the KL reference on this rank (training/dist_reference.py)
     reference_cache: tuple | None = None  # the last step's reference inputs, for its PPO epochs
 
-    def global_totals(self, batches, normaliser: Normaliser) -> dict[str, int]:
+    @property
+    def grad_scale(self) -> float:
+        """DDP and FSDP2 average gradients over ranks: each rank's loss is scaled back to a sum."""
+        return float(self.world_size)
+
+    def totals(self, batches, normaliser: Normaliser) -> dict[str, int]:
         """The step's normaliser counts summed over every rank's micro-batches."""
         real = [b for b in batches if not is_filler(b)] or batches[:1]
         local = normaliser_totals(real, "constant")  # counts only; the check comes below
@@ -118,6 +115,24 @@ class DataParallel:
             raise ValueError(f"normaliser {normaliser!r}: the step has no loss tokens on any rank")
         return totals
 
+    def counts(self, batch: PackedBatch) -> dict[str, int]:
+        """What one of this rank's micro-batches adds to the counts (a filler: nothing)."""
+        counts = batch_counts(batch)
+        return dict.fromkeys(counts, 0) if is_filler(batch) else counts
+
+    def forward(self, model: nn.Module, batch: PackedBatch, *, temperature: float, chunk_size: int,
+                entropy: bool):
+        """The wrapped policy's (log-probs, aux loss or None, entropy or None) of `batch`: through
+        the DDP/FSDP2 module's forward (`model` is the module it wraps)."""
+        logprobs, aux, *rest = self.module(batch, temperature=temperature, chunk_size=chunk_size, entropy=entropy)
+        return logprobs, aux, rest[0] if rest else None
+
+    def reduce(self, loss_sum: float, aux_sum: float, fn_sums: dict[str, float], fn_weights: dict[str, float]):
+        """The step's figures over every rank: losses summed, the aux loss averaged, loss_fn
+        metrics as global loss-token-weighted sums."""
+        return (self.sum(loss_sum), self.sum(aux_sum) / self.world_size, self.sum_by_key(fn_sums),
+                self.sum_by_key(fn_weights))
+
     def sync(self, last: bool):
         """Gradients are reduced across ranks only on the step's last micro-batch."""
         if last:
@@ -127,6 +142,7 @@ class DataParallel:
         return _fsdp_no_sync(self.module)
 
     def sum(self, value: float) -> float:
+        """`value` summed over every rank."""
         tensor = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(tensor)
         return float(tensor)
@@ -218,7 +234,7 @@ def share_of(batches: list[PackedBatch], rank: int, world_size: int) -> list[Pac
         loads[target] += batches[index].n_tokens
         mine_by_rank[target].append(batches[index])
     count = max(1, max(len(m) for m in mine_by_rank))
-    filler = pack([Sequence(tokens=[0, 0], weights=[0.0, 0.0], sample_id=FILLER_ID)], 2)[0]
+    filler = filler_batch()
     return mine_by_rank[rank] + [filler] * (count - len(mine_by_rank[rank]))
 
 
@@ -230,108 +246,3 @@ def shard_micro_batches(
     total = sum(len(s.tokens) for s in sequences)
     longest = max((len(s.tokens) for s in sequences), default=2)
     return share_of(pack(sequences, balanced_budget(total, longest, token_budget, world_size)), rank, world_size)
-
-
-# Rank 0 runs the flow (tables, MLflow, engines); the other ranks only train. Each optimizer
-# step, rank 0 broadcasts the step's packed micro-batches, their per-batch loss inputs (the KL
-# reference's log-probs, computed on rank 0 where single-process training computes them) and
-# settings; every rank then takes its share and runs the same step, and with `trainer_logprobs`
-# sends rank 0 the per-token log-probs its loss saw. The loss function is built on each rank
-# (tasks/ranks.py: a closure does not cross processes). Messages: ("train", ...),
-# ("optimizer_state",), ("stop",).
-
-
-def lead_step(dp: DataParallel, optimizer, scheduler, batches: list[PackedBatch], loss_fn,
-              max_grad_norm: float | None, *, batch_inputs: dict[str, list[torch.Tensor]] | None = None,
-              trainer_logprobs: dict[tuple[str, ...], torch.Tensor] | None = None,
-              **step_options) -> dict[str, float]:
-    """Rank 0: send a step to the other ranks, take part in it, return its metrics.
-
-    batch_inputs: per micro-batch loss inputs in the order of `batches` (`ref_logprobs=[...]`),
-    bound on every rank (training/rl_loss.bind_batch_inputs). trainer_logprobs: filled with
-    every rank's per-token trainer log-probs (CPU float32 [T]) under each micro-batch's sample_ids."""
-    batch_inputs = batch_inputs or {}
-    gather = trainer_logprobs is not None
-    dist.broadcast_object_list([("train", batches, max_grad_norm, step_options, batch_inputs, gather)], src=0)
-    metrics, seen = _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, step_options,
-                          batch_inputs, gather)
-    if gather:
-        trainer_logprobs.update(seen)
-    return metrics
-
-
-def stop_followers(dp: DataParallel | None = None) -> None:
-    """Rank 0: let the other ranks' `follow` return."""
-    dist.broadcast_object_list([("stop",)], src=0)
-
-
-def follow(dp: DataParallel, optimizer, scheduler, loss_fn) -> int:
-    """Ranks > 0: run what rank 0 sends until it stops them; returns the steps run."""
-    steps = 0
-    while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0)
-        kind = message[0][0]
-        if kind == "stop":
-            return steps
-        if kind == "optimizer_state":
-            full_optimizer_state(optimizer)
-            continue
-        if kind != "train":
-            raise RuntimeError(f"rank {dp.rank}: unexpected message {kind!r} from rank 0 while training")
-        _, batches, max_grad_norm, options, batch_inputs, gather = message[0]
-        _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, batch_inputs, gather)
-        steps += 1
-
-
-def with_batch_inputs(loss_fn, batches: list[PackedBatch], inputs: dict[str, list[torch.Tensor]]):
-    """`loss_fn` with each micro-batch's `inputs` bound by sample_ids; a filler (no loss
-    tokens, so no input matters) gets zeros."""
-    if not inputs:
-        return loss_fn
-    bound = bind_batch_inputs(loss_fn, batches, **inputs)
-
-    def loss(logprobs: torch.Tensor, batch: PackedBatch):
-        if is_filler(batch):
-            return loss_fn(logprobs, batch, **{name: torch.zeros_like(logprobs) for name in inputs})
-        return bound(logprobs, batch)
-    return loss
-
-
-def capture_logprobs(loss_fn, sink: dict[tuple[str, ...], torch.Tensor]):
-    """`loss_fn` that first keeps the trainer's log-probs it is given (detached, CPU float32) in
-    `sink`, under the micro-batch's sample_ids (fillers are not kept). A pass-through: the step
-    is computed exactly as without it."""
-    def loss(logprobs: torch.Tensor, batch: PackedBatch, **kwargs):
-        if not is_filler(batch):
-            sink[tuple(batch.sample_ids)] = logprobs.detach().to("cpu", torch.float32)
-        return loss_fn(logprobs, batch, **kwargs)
-    return loss
-
-
-def _step(dp, optimizer, scheduler, batches, loss_fn, max_grad_norm, options, batch_inputs, gather):
-    """This rank's share of a step; returns (metrics, the log-probs of every rank's micro-batches
-    on rank 0 when `gather`, else {})."""
-    from rlpipe.training.step import forward_backward, optim_step  # step imports this module
-
-    mine = share_of(batches, dp.rank, dp.world_size)
-    seen: dict[tuple[str, ...], torch.Tensor] = {}
-    if dp.reference is not None:  # this rank scores its own share (training/dist_reference.py)
-        from rlpipe.training.dist_reference import local_reference_inputs
-
-        if batch_inputs:
-            raise ValueError(f"batch inputs {sorted(batch_inputs)} sent from rank 0 while every rank holds "
-                             "the KL reference: compute them on the ranks, or keep the reference on rank 0")
-        batches, batch_inputs = local_reference_inputs(dp, mine, options)
-    loss_fn = with_batch_inputs(loss_fn, batches, batch_inputs)
-    if gather:
-        loss_fn = capture_logprobs(loss_fn, seen)
-    metrics = forward_backward(dp.model, mine, loss_fn, data_parallel=dp, **options)
-    metrics |= optim_step(dp.model, optimizer, scheduler, max_grad_norm)
-    if gather:  # a list of small dicts: every rank's [T] log-probs, once per step
-        parts = [None] * dp.world_size if dp.rank == 0 else None
-        dist.gather_object(seen, parts, dst=0)
-        seen = {key: value for part in (parts or []) for key, value in part.items()}
-    if dp.kind == "fsdp2":  # rank 0's engines and checkpoints read whole weights
-        refresh_view(dp.model, dp.view)
-    return metrics, seen

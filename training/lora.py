@@ -1,6 +1,7 @@
 """LoRA adapters through `peft` (the optional extra `lora`): train low-rank adapters, keep the base.
 
     add_lora(model, LoraOptions(rank=8))   inject adapters in place; only they stay trainable
+    with_lora(model, options or None)      the same, or the model unchanged without options
     merged_state_dict(model)               base weights + scale · B·A, under the plain HF names
     save_model_files(model, folder)        what a checkpoint holds (below)
     load_adapter(model, folder / "adapter") restore the adapters of a checkpoint
@@ -30,10 +31,11 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 @dataclass(frozen=True, kw_only=True)
 class LoraOptions:
-    """What `add_lora` injects."""
+    """What `add_lora` injects. The run config's `model.lora` section is where a run's values
+    come from (its `options()`: None when LoRA is off); the defaults here are that section's."""
 
-    rank: int = 8
-    """Adapter rank r."""
+    rank: int
+    """Adapter rank r (>= 1; no default: an adapter's rank is always chosen)."""
     alpha: float = 16.0
     """Scale numerator: the update is (alpha / rank) · B·A."""
     dropout: float = 0.0
@@ -127,12 +129,9 @@ def load_adapter(model: torch.nn.Module, folder: Path) -> None:
         raise ValueError(f"adapter {str(file)!r} does not fit this model: unexpected {result.unexpected_keys[:3]}")
 
 
-def lora_from_config(model: torch.nn.Module, section) -> torch.nn.Module:
-    """`add_lora` with a run config's `model.lora` section (rank 0: the model unchanged)."""
-    if section.rank == 0:
-        return model
-    return add_lora(model, LoraOptions(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
-                                       targets=tuple(section.targets)))
+def with_lora(model: torch.nn.Module, options: LoraOptions | None) -> torch.nn.Module:
+    """`add_lora(model, options)`, or `model` unchanged when `options` is None (LoRA off)."""
+    return model if options is None else add_lora(model, options)
 
 
 def save_model_files(model, folder: Path) -> None:

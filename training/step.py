@@ -21,7 +21,6 @@ import torch
 from rlpipe.models.device import model_device
 from rlpipe.models.loading import autocast_context
 from rlpipe.training.batch import PackedBatch
-from rlpipe.training.distributed import DataParallel, is_filler
 from rlpipe.training.entropy import token_logprobs_and_entropy
 from rlpipe.training.logprobs import token_logprobs
 from rlpipe.training.losses import (
@@ -43,6 +42,47 @@ def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -
     )
 
 
+class SingleProcess:
+    """The ranks of a step when one process trains it: its counts, figures and gradients are
+    its own. training/distributed.DataParallel is the same interface over several ranks."""
+
+    grad_scale = 1.0
+    """Factor on each micro-batch's loss before backward (1: nothing averages gradients)."""
+
+    def totals(self, batches: Sequence[PackedBatch], normaliser: Normaliser) -> dict[str, int]:
+        """The step's normaliser counts (losses.normaliser_totals)."""
+        return normaliser_totals(batches, normaliser)
+
+    def counts(self, batch: PackedBatch) -> dict[str, int]:
+        """What one micro-batch adds to the step's counts."""
+        return batch_counts(batch)
+
+    def sync(self, last: bool):
+        """No gradient reduction to defer: a null context."""
+        return contextlib.nullcontext()
+
+    def forward(self, model: torch.nn.Module, batch: PackedBatch, *, temperature: float, chunk_size: int,
+                entropy: bool):
+        """(per-token log-probs, router aux loss or None, per-token entropy or None)."""
+        return policy_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size, entropy=entropy)
+
+    def reduce(self, loss_sum: float, aux_sum: float, fn_sums: dict[str, float], fn_weights: dict[str, float]):
+        """The step's figures as reported: this process's own."""
+        return loss_sum, aux_sum, fn_sums, fn_weights
+
+
+SINGLE_PROCESS = SingleProcess()
+
+
+def policy_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
+                    chunk_size: int = 1024, entropy: bool = False):
+    """(log-probs [T], aux loss or None, entropy [T] without gradient, or None without `entropy`)."""
+    if entropy:
+        return token_logprobs_and_entropy(model, batch, temperature=temperature, chunk_size=chunk_size)
+    logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+    return logprobs, aux, None
+
+
 def forward_backward(
     model: torch.nn.Module,
     batches: Sequence[PackedBatch],
@@ -53,8 +93,8 @@ def forward_backward(
     temperature: float = 1.0,
     aux_loss_coef: float | None = None,
     chunk_size: int = 1024,
-    data_parallel: DataParallel | None = None,
     entropy: bool = False,
+    ranks=SINGLE_PROCESS,
 ) -> dict[str, float]:
     """Accumulate the gradients of one optimizer step over `batches` (its micro-batches).
 
@@ -66,17 +106,14 @@ def forward_backward(
     by their loss tokens; with `entropy`, also the policy's mean entropy over the
     loss tokens (training/entropy.py, one more LM-head matmul per token). Raises FloatingPointError
     on a NaN/inf loss, after clearing the gradients (the caller must not step).
-    data_parallel: this rank's share of a step run on several ranks (training.distributed):
-    `batches` are this rank's micro-batches, the normaliser counts and the returned loss cover
-    every rank, and the gradients equal one process's over all ranks' batches.
+    ranks: who shares the step (`SingleProcess`, or a training.distributed.DataParallel whose
+    `batches` are this rank's micro-batches: the normaliser counts and the returned figures then
+    cover every rank, and the gradients equal one process's over all ranks' batches).
     """
     if len(batches) == 0:
         raise ValueError("forward_backward: no micro-batches")
     start = time.perf_counter()
-    dp = data_parallel
-    totals = normaliser_totals(batches, normaliser) if dp is None else dp.global_totals(batches, normaliser)
-    # DDP and FSDP2 average gradients over ranks: scale each rank's loss back to a sum
-    grad_scale = 1.0 if dp is None else float(dp.world_size)
+    totals = ranks.totals(batches, normaliser)
     device = model_device(model)
     if aux_loss_coef is None:
         aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -88,29 +125,18 @@ def forward_backward(
     fn_weights: dict[str, float] = {}
     for i, batch in enumerate(batches):
         batch = batch.to(device)
-        counts = batch_counts(batch)
-        if dp is not None and is_filler(batch):  # lines up collectives; counts for nothing
-            counts = dict.fromkeys(counts, 0)
-        sync = contextlib.nullcontext() if dp is None else dp.sync(last=i == len(batches) - 1)
-        with sync:  # forward and backward: DDP decides in its forward whether to reduce
+        counts = ranks.counts(batch)
+        with ranks.sync(last=i == len(batches) - 1):  # forward and backward: DDP decides in its forward
             with autocast_context(device, autocast):
-                token_entropy = None
-                if dp is not None:
-                    logprobs, aux, *rest = dp.module(batch, temperature=temperature, chunk_size=chunk_size,
-                                                     entropy=entropy)
-                    token_entropy = rest[0] if rest else None
-                elif entropy:
-                    logprobs, aux, token_entropy = token_logprobs_and_entropy(
-                        model, batch, temperature=temperature, chunk_size=chunk_size)
-                else:
-                    logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+                logprobs, aux, token_entropy = ranks.forward(model, batch, temperature=temperature,
+                                                             chunk_size=chunk_size, entropy=entropy)
                 per_token, fn_metrics = loss_fn(logprobs, batch)
                 if token_entropy is not None:
                     mask = loss_token_mask(batch).to(token_entropy.device)
                     fn_metrics = {**fn_metrics,
                                   "entropy": float(token_entropy[mask].sum() / max(int(mask.sum()), 1))}
                 loss = reduce_loss(per_token, batch, normaliser, totals, constant)
-            _backward_after_checks(model, loss, aux, i, batch, counts, totals, aux_loss_coef, grad_scale)
+            _backward_after_checks(model, loss, aux, i, batch, counts, totals, aux_loss_coef, ranks.grad_scale)
         if aux is not None:
             has_aux = True
             aux_sum += float(aux.detach()) * counts["tokens"] / totals["tokens"]
@@ -121,10 +147,8 @@ def forward_backward(
             fn_sums[key] = fn_sums.get(key, 0.0) + w * float(value)
             fn_weights[key] = fn_weights.get(key, 0.0) + w
 
-    if dp is not None:  # the step's figures over every rank, as one process would report them
-        loss_sum, aux_sum = dp.sum(loss_sum), dp.sum(aux_sum) / dp.world_size
-        # loss_fn metrics (entropy, kl, clip fractions): global loss-token-weighted means
-        fn_sums, fn_weights = dp.sum_by_key(fn_sums), dp.sum_by_key(fn_weights)
+    # the step's figures over every rank, as one process would report them
+    loss_sum, aux_sum, fn_sums, fn_weights = ranks.reduce(loss_sum, aux_sum, fn_sums, fn_weights)
     metrics: dict[str, float] = {k: fn_sums[k] / fn_weights[k] for k in fn_sums}
     metrics.update(
         loss=loss_sum,

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from rlpipe.models.presets import build_model
-from rlpipe.training.distributed import data_parallel, is_filler, shard_micro_batches
+from rlpipe.training.distributed import data_parallel, shard_micro_batches
+from rlpipe.training.loss_inputs import is_filler
 from rlpipe.training.rl_loss import build_rl_loss
 from test_distributed import _full_state, _steps, _train  # same folder: pytest puts it on sys.path
 from test_resume import env_for

@@ -17,21 +17,22 @@ from rlpipe.training.dist_state import (
     full_optimizer_state,
     load_full_optimizer_state,
 )
+from rlpipe.training.dist_trainer import follow, lead_step, stop_followers
 from rlpipe.training.distributed import (
     balanced_budget,
     data_parallel,
-    follow,
-    is_filler,
-    lead_step,
     shard_micro_batches,
     share_of,
-    stop_followers,
 )
+from rlpipe.training.loss_inputs import is_filler
 from rlpipe.training.ports import free_port
 from rlpipe.training.rl_loss import build_rl_loss
-from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.step import SINGLE_PROCESS, build_optimizer, forward_backward, optim_step
+from rlpipe.training.trainer import TrainOptions
 
 VOCAB = 64
+ONE_STEP = TrainOptions(max_grad_norm=1.0, entropy=False)
+"""forward_backward's own defaults (token normaliser, no entropy), clipped at 1."""
 STEPS = 3
 
 
@@ -53,11 +54,11 @@ def _steps(seed: int = 0) -> list[list[Sequence]]:
     return out
 
 
-def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=None) -> list[float]:
+def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=SINGLE_PROCESS) -> list[float]:
     optimizer = build_optimizer(model, lr=1e-3)
     losses = []
     for seqs in steps:
-        metrics = forward_backward(model, micro_batches_of(seqs), loss_fn, normaliser=normaliser, data_parallel=dp)
+        metrics = forward_backward(model, micro_batches_of(seqs), loss_fn, normaliser=normaliser, ranks=dp)
         optim_step(model, optimizer, None, max_grad_norm=1.0)
         losses.append(metrics["loss"])
     return losses
@@ -146,7 +147,7 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
         dp = data_parallel(model, "ddp", torch.device("cpu"))
         optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce")
         if rank == 0:  # only rank 0 knows the data, as in a flow
-            losses = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, 1.0)["loss"] for seqs in _steps()]
+            losses = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, ONE_STEP)["loss"] for seqs in _steps()]
             stop_followers(dp)
             torch.save({"losses": losses, "state": model.state_dict()}, out)
         else:  # DDP replicas hold whole tensors
@@ -187,7 +188,7 @@ def _restore_rank(rank: int, world: int, port: int, preset: str, out: str) -> No
 
         def step(model, dp, optimizer, seqs):
             forward_backward(model, shard_micro_batches(seqs, 96, rank, world), loss_fn, normaliser="sequence",
-                             data_parallel=dp)
+                             ranks=dp)
             optim_step(model, optimizer, None, max_grad_norm=1.0)
 
         model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)

@@ -18,12 +18,14 @@ from rlpipe.models.presets import build_model
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.dist_reference import place_reference
 from rlpipe.training.dist_state import broadcast_weights
-from rlpipe.training.distributed import data_parallel, follow, lead_step, stop_followers
+from rlpipe.training.dist_trainer import follow, lead_step, stop_followers
+from rlpipe.training.distributed import data_parallel
 from rlpipe.training.kl import frozen_copy, reference_logprobs
 from rlpipe.training.lora import LoraOptions, add_lora
 from rlpipe.training.ports import free_port
 from rlpipe.training.rl_loss import build_rl_loss
 from rlpipe.training.step import build_optimizer
+from rlpipe.training.trainer import LocalTrainer, TrainOptions
 from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same folder
 
 # a reference far from the policy (another init), so a KL term missing or bound to the wrong
@@ -73,8 +75,8 @@ def _rank(rank: int, world: int, port: int, kind: str, lora: bool, ref_on: str, 
             for seqs in _named_steps():
                 batches, seen = _packed(seqs), {}
                 inputs = {"ref_logprobs": reference_logprobs(ref, batches)} if ref_on == "rank0" else None
-                metrics = lead_step(dp, optimizer, None, batches, loss_fn, 1.0, batch_inputs=inputs,
-                                    trainer_logprobs=seen, entropy=True)
+                metrics = lead_step(dp, optimizer, None, batches, loss_fn, TrainOptions(max_grad_norm=1.0, entropy=True),
+                                    batch_inputs=inputs, trainer_logprobs=seen)
                 result["metrics"].append({k: metrics[k] for k in METRICS})
                 result["logprobs"].append(seen)
             stop_followers(dp)
@@ -96,9 +98,9 @@ def _one_process(lora: bool, kl: dict):
     metrics, logprobs = [], []
     for step, seqs in enumerate(_named_steps(), start=1):
         batches, seen = _packed(seqs), {}
-        inputs = {"ref_logprobs": reference_logprobs(ref, batches)} if kl else {}
-        m = train_on_batches(model, optimizer, None, batches, loss_fn, normaliser="token", max_grad_norm=1.0,
-                             autocast=False, step=step, batch_inputs=inputs, trainer_logprobs=seen)
+        trainer = LocalTrainer(model, optimizer, None, TrainOptions(normaliser="token", max_grad_norm=1.0,
+                                                                    autocast=False), reference=ref if kl else None)
+        m = train_on_batches(trainer, batches, loss_fn, step=step, trainer_logprobs=seen)
         metrics.append(m)
         logprobs.append(seen)
     return model.state_dict(), metrics, logprobs

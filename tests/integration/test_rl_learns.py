@@ -15,12 +15,13 @@ from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.envs.prompts import PromptSource
 from rlpipe.flows.config import RLConfig
 from rlpipe.rollouts.source import RolloutSource
+from rlpipe.tasks.losses import loss_for
 from rlpipe.tasks.pack import pack_rollouts
-from rlpipe.tasks.rl_setup import loss_for
 from rlpipe.tasks.setup import make_model_and_tokenizer, stop_token_ids
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.oversampling import GroupBuffer
 from rlpipe.training.step import build_optimizer, build_scheduler
+from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
 from benchmarks.bench_losses import MemoryStages, digits_env
 
@@ -36,6 +37,8 @@ def test_reinforce_raises_reward_on_a_learnable_env(ahead):
     rl = RLConfig(steps=40, prompts_per_step=8, group_size=8, drop_zero_variance=False,
                   max_off_policy_steps=ahead)
     loss_fn = loss_for(rl)
+    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(normaliser="token", max_grad_norm=1.0,
+                                                                     autocast=False))
     params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer), seed=0)
     stages = MemoryStages(engine, tokenizer, env, params)
     source = RolloutSource(rl, PromptSource(env.examples("train"), seed=0), GroupBuffer(rl), stages,
@@ -46,8 +49,7 @@ def test_reinforce_raises_reward_on_a_learnable_env(ahead):
             batch = source.batch(step)
             lags.append(batch.metrics["rollout/policy_lag_max"])
             batches, _ = pack_rollouts(batch.samples, 2048, "t", step)
-            train_on_batches(model, optimizer, scheduler, batches, loss_fn, normaliser="token",
-                             max_grad_norm=1.0, autocast=False, step=step)
+            train_on_batches(trainer, batches, loss_fn, step=step)
             engine.sync(None, step)
             source.publish(step)
 

@@ -16,7 +16,7 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
 from rlpipe.flows.config import RunConfig
 from rlpipe.models.presets import build_model
-from rlpipe.tasks.rl_setup import (
+from rlpipe.tasks.build import (
     make_engines,  # imported here: importing Prefect resets logging handlers
 )
 from torch.utils._python_dispatch import TorchDispatchMode

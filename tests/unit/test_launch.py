@@ -19,7 +19,8 @@ from rlpipe.flows.launch import (
 )
 from rlpipe.flows.runner import main_resume, main_run
 from rlpipe.training.batch import Sequence, pack
-from rlpipe.training.distributed import balanced_budget, is_filler, share_of
+from rlpipe.training.distributed import balanced_budget, share_of
+from rlpipe.training.loss_inputs import is_filler
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 CONFIG = "configs/tiny.toml"

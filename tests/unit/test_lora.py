@@ -57,7 +57,7 @@ def test_only_adapters_train_and_start_is_unchanged():
     merged_names = set(merged_state_dict(model))
     assert merged_names == set(base)  # the plain HF names, nothing extra
     with pytest.raises(ValueError, match="not modules"):
-        add_lora(make_model_and_tokenizer("tiny-dense", "", {}, seed=0)[0], LoraOptions(targets=("nope",)))
+        add_lora(make_model_and_tokenizer("tiny-dense", "", {}, seed=0)[0], LoraOptions(rank=8, targets=("nope",)))
 
 
 def test_checkpoint_is_merged_hf_folder_plus_peft_adapter(tmp_path):

@@ -197,12 +197,13 @@ def test_loss_mask_on_a_shared_prefix_is_refused():
 def test_a_step_whose_advantages_are_all_zero_is_skipped_without_touching_the_weights():
     from rlpipe.tasks.train import train_on_batches
     from rlpipe.training.step import build_optimizer
+    from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
     seqs = _with_loss_mask(_groups(n_groups=1), zero_group="g0")
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(model, lr=1e-2)
-    metrics = train_on_batches(model, optimizer, None, pack(seqs, 4096), build_rl_loss("reinforce"),
-                               normaliser="token", max_grad_norm=1.0, autocast=False, step=1)
+    trainer = LocalTrainer(model, optimizer, None, TrainOptions(normaliser="token", max_grad_norm=1.0, autocast=False))
+    metrics = train_on_batches(trainer, pack(seqs, 4096), build_rl_loss("reinforce"), step=1)
     assert metrics["skipped"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

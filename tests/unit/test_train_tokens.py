@@ -7,8 +7,12 @@ import torch
 from rlpipe.rollouts.records import Rollout
 from rlpipe.rollouts.source import TrainSample
 from rlpipe.tasks.pack import pack_rollouts
-from rlpipe.tasks.tokens import capture_logprobs, packed_batch, train_token_rows
+from rlpipe.tasks.tokens import packed_batch, train_token_rows
 from rlpipe.training.batch import PackedBatch
+from rlpipe.training.dist_trainer import ParallelTrainer
+from rlpipe.training.distributed import DataParallel
+from rlpipe.training.loss_inputs import capture_logprobs
+from rlpipe.training.trainer import TrainOptions
 
 
 def sample(group: int, index: int, prompt: list[int], completion: list[int], advantage: float,
@@ -75,8 +79,10 @@ def test_a_small_step_with_shared_prompts_gives_every_rank_a_micro_batch():
     # ranks' budget by the former (304) packed the whole step into one micro-batch: rank 1 idled.
     samples = [sample(g, j, list(range(20 * g + 1, 20 * g + 16)), [90 + j, 91, 92, 93], 1.0 - j / 4)
                for g in range(4) for j in range(8)]
-    batches, _ = pack_rollouts(samples, token_budget=2048, run_id="r", step=1, world_size=2)
+    two_ranks = ParallelTrainer(DataParallel(module=None, kind="ddp", rank=0, world_size=2), None, None,
+                                TrainOptions()).budget
+    batches, _ = pack_rollouts(samples, token_budget=2048, run_id="r", step=1, budget=two_ranks)
     assert [b.n_tokens for b in batches] == [108, 108]
     # one group: its prompt is shared, not split into per-sequence micro-batches (rank 1 idles)
-    batches, _ = pack_rollouts(samples[:8], token_budget=2048, run_id="r", step=1, world_size=2)
+    batches, _ = pack_rollouts(samples[:8], token_budget=2048, run_id="r", step=1, budget=two_ranks)
     assert [b.n_tokens for b in batches] == [54]

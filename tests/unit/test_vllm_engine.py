@@ -39,7 +39,7 @@ def test_config_for_vllm_is_portable(tmp_path):
 
 def test_config_keys_reach_the_vllm_engine(monkeypatch):
     from rlpipe.flows.config import RunConfig
-    from rlpipe.tasks.rl_setup import make_engines
+    from rlpipe.tasks.build import make_engines
 
     built = []
     monkeypatch.setattr("rlpipe.engines.vllm_engine.VllmEngine", lambda model, **kw: built.append(kw) or kw)

@@ -1,0 +1,168 @@
+"""The one builder of a phase's trainer state: model, tokenizer, LoRA, the KL reference,
+optimizer and scheduler (one process or data-parallel, tasks/ranks.py), and the engines, from a
+config and a starting point.
+
+    built = build(config, TrainerPlan(...), start_point(config, run_dir, start_checkpoint))
+    built.trainer.step(...)      # training/trainer.py; built.engines sample, built.eval_engine evals
+
+Pretrain/SFT (tasks/supervised_run.py), RL (tasks/rl_setup.py) and replay (tasks/replay.py) call
+it; every data-parallel rank builds the same model through `prepare_model` (tasks/setup.py) and
+the same optimizer in `make_trainer`. Not a stage: nothing is persisted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rlpipe.engines.base import Engine
+from rlpipe.tasks.ranks import make_trainer
+from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
+from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
+from rlpipe.training.trainer import Trainer, TrainOptions
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Where a phase's weights come from."""
+
+    weights: str = ""
+    """A model folder to start from (a start checkpoint or model.path; '' = the seeded preset)."""
+    resume: Path | None = None
+    """A checkpoint to continue: its weights, optimizer and scheduler state, data state and step."""
+    restore_rng: bool = True
+    """Set the RNGs to the resumed checkpoint's (a run resuming; not a replay)."""
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """What a phase trains: its optimizer section and steps, its loss and train options."""
+
+    optim: Any
+    total_steps: int
+    loss: tuple
+    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (tasks/losses.phase_loss)."""
+    options: TrainOptions
+    reference: bool = False
+    """Keep a frozen copy of the starting weights as the KL penalty's reference."""
+    engines: Literal["none", "eval", "rollout"] = "none"
+    """none: no engine; eval: an in-process engine for evals; rollout: config.engine's engines,
+    and an eval engine that reads the trainer's weights."""
+    single_process: bool = False
+    """Train in this process whatever train.parallel says (replaying a data-parallel step)."""
+
+
+@dataclass
+class Built:
+    """A phase's trainer state."""
+
+    model: Any
+    """Whole weights (rank 0's view under data parallelism): engines, evals, checkpoints read it."""
+    tokenizer: Any
+    trainer: Trainer
+    start_step: int = 0
+    data_state: dict = field(default_factory=dict)
+    """The resumed checkpoint's data state ({} when starting)."""
+    engines: list[Engine] = field(default_factory=list)
+    eval_engine: Engine | None = None
+
+    @property
+    def closing(self) -> list[Engine]:
+        """Every engine once, to close at the end of the phase."""
+        return list(dict.fromkeys([*self.engines, *([self.eval_engine] if self.eval_engine else [])]))
+
+
+def start_point(config, run_dir: Path, start_checkpoint: str | None) -> StartPoint:
+    """A run phase's start: `start_checkpoint` or model.path, resumed from the run's newest checkpoint."""
+    return StartPoint(weights=start_checkpoint or config.model.path, resume=latest_checkpoint(run_dir))
+
+
+def build(config, plan: TrainerPlan, start: StartPoint) -> Built:
+    """Model and tokenizer at `start`, placed with LoRA, the KL reference (the starting weights,
+    before a resume loads), a resumed checkpoint's weights, the trainer (optimizer after any
+    data-parallel wrapping) and the engines of `plan`."""
+    model, tokenizer = make_model_and_tokenizer(config.model.preset, start.weights, config.model.overrides,
+                                                config.seed)
+    model = prepare_model(model, placement(config))
+    reference = None
+    if plan.reference:
+        from rlpipe.training.kl import frozen_copy
+
+        reference = frozen_copy(model)
+    start_step, data_state = 0, {}
+    if start.resume is not None:
+        loaded = load_checkpoint(start.resume, model=model, restore_rng=start.restore_rng)
+        start_step, data_state = int(loaded.metadata["step"]), loaded.data_state
+    trainer = make_trainer(config, model, plan.optim, plan.total_steps, plan.loss, start.resume, plan.options,
+                           ref_model=reference, single_process=plan.single_process)
+    model = trainer.model  # under data parallelism: rank 0's whole-weight view
+    engines, eval_engine = open_engines(config, model, plan.engines)
+    return Built(model=model, tokenizer=tokenizer, trainer=trainer, start_step=start_step, data_state=data_state,
+                 engines=engines, eval_engine=eval_engine)
+
+
+def open_engines(config, model, which: str) -> tuple[list[Engine], Engine | None]:
+    """(rollout engines, eval engine) of `which` (TrainerPlan.engines). Evals read the trainer's
+    weights in-process: other engines may lag a sync behind."""
+    if which == "none":
+        return [], None
+    engines = make_engines(config, model) if which == "rollout" else []
+    if engines and engines[0].shares_weights:
+        return engines, engines[0]
+    from rlpipe.engines.torch_engine import TorchEngine
+
+    return engines, TorchEngine(model, dtype=engine_dtype(model, config.model.bf16_autocast))
+
+
+def make_engines(config, model) -> list[Engine]:
+    """The rollout engines of `config.engine`; in-process async RL samples from a weights snapshot."""
+    if config.engine.type == "http":
+        from rlpipe.engines.http import engines_from_config
+
+        # a tied model's checkpoints name their lm_head for vLLM servers (tasks/checkpoint.py)
+        return engines_from_config(config.engine)
+    dtype = engine_dtype(model, config.model.bf16_autocast)
+    if config.engine.type == "vllm":
+        from rlpipe.engines.vllm_engine import VllmEngine  # optional extra
+
+        # the sampling dtype of the torch engine: else vLLM takes the fp32 master weights' dtype.
+        # Async RL keeps vLLM awake: waking up pushes the trainer's tensors, and the producer
+        # thread would read them in the middle of an optimizer step.
+        return [VllmEngine(model, dtype=str(dtype).removeprefix("torch."),
+                           gpu_memory_utilization=config.engine.gpu_memory_utilization,
+                           max_model_len=config.engine.max_model_len or None,
+                           enforce_eager=not config.engine.cuda_graphs,
+                           sleep_between_calls=config.rl.max_off_policy_steps == 0)]
+    if config.rl.max_off_policy_steps > 0:
+        from rlpipe.engines.snapshot import SnapshotEngine
+
+        return [SnapshotEngine(model, dtype=dtype)]
+    from rlpipe.engines.torch_engine import TorchEngine
+
+    return [TorchEngine(model, dtype=dtype, cuda_graphs=config.engine.cuda_graphs)]
+
+
+def rl_plan(config) -> TrainerPlan:
+    """The RL phase's trainer: rl.optim over steps × ppo_epochs optimizer steps, the policy loss,
+    the KL reference when rl.kl_coef > 0, rollout engines. gspo normalises per sequence, dr_grpo
+    by a constant (training/rl_loss.loss_normaliser)."""
+    from rlpipe.training.rl_loss import loss_normaliser
+
+    rl = config.rl
+    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
+                                           rl.sampling.max_new_tokens)
+    options = TrainOptions(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
+                           autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
+                           temperature=rl.sampling.temperature)
+    return TrainerPlan(optim=rl.optim, total_steps=rl.steps * rl.ppo_epochs, loss=("rl", rl), options=options,
+                       reference=rl.kl_coef > 0, engines="rollout")
+
+
+def supervised_plan(config, phase: str) -> TrainerPlan:
+    """The pretrain or SFT phase's trainer: its optim section, next-token NLL, an eval engine."""
+    section = getattr(config, phase)
+    options = TrainOptions(normaliser=section.optim.normaliser, max_grad_norm=section.optim.max_grad_norm,
+                           autocast=config.model.bf16_autocast)
+    return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=("nll",), options=options,
+                       engines="eval")

@@ -1,0 +1,71 @@
+"""The one builder (tasks/build.py) and the one trainer interface (training/trainer.py): what a
+plan builds from a config and a starting point, and that a LocalTrainer step is the functional
+step (forward_backward + optim_step) bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from rlpipe.flows.config import RunConfig
+from rlpipe.tasks.build import StartPoint, build, rl_plan, supervised_plan
+from rlpipe.tasks.setup import lora_options
+from rlpipe.training.batch import Sequence, pack
+from rlpipe.training.losses import nll_loss
+from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.trainer import LocalTrainer, TrainOptions
+
+
+def _config(**sections) -> RunConfig:
+    return RunConfig.model_validate({"device": "cpu", "model": {"bf16_autocast": False}, **sections})
+
+
+def test_a_supervised_plan_builds_a_local_trainer_and_an_eval_engine_only():
+    config = _config()
+    built = build(config, supervised_plan(config, "sft"), StartPoint())
+    assert isinstance(built.trainer, LocalTrainer) and built.trainer.reference is None
+    assert built.model is built.trainer.model and built.start_step == 0 and built.data_state == {}
+    assert built.engines == [] and built.eval_engine is not None and built.closing == [built.eval_engine]
+    assert built.trainer.options == TrainOptions(normaliser=config.sft.optim.normaliser,
+                                                 max_grad_norm=config.sft.optim.max_grad_norm, autocast=False)
+
+
+def test_an_rl_plan_with_a_kl_penalty_keeps_the_starting_weights_frozen_as_the_reference():
+    config = _config(rl={"kl_coef": 0.1, "ppo_epochs": 2})
+    plan = dataclasses.replace(rl_plan(config), engines="none")
+    assert plan.total_steps == config.rl.steps * 2 and plan.options.epochs == 2 and plan.reference
+    built = build(config, plan, StartPoint())
+    reference = built.trainer.reference
+    assert reference is not None and not any(p.requires_grad for p in reference.parameters())
+    for (name, a), b in zip(built.model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.options.epochs = 3
+
+
+def test_lora_is_off_at_rank_zero_and_otherwise_takes_the_config_section_values():
+    config = _config(model={"lora": {"rank": 4, "alpha": 8.0, "targets": ["q_proj"]}})
+    options = lora_options(config.model.lora)
+    assert (options.rank, options.alpha, options.dropout, options.targets) == (4, 8.0, 0.0, ("q_proj",))
+    assert lora_options(_config().model.lora) is None
+
+
+def test_a_local_trainer_step_is_forward_backward_then_optim_step():
+    config = _config()
+    g = torch.Generator().manual_seed(0)
+    seqs = [Sequence(tokens=torch.randint(1, 60, (n,), generator=g).tolist(), weights=[1.0] * n,
+                     sample_id=f"s{n}") for n in (7, 12, 5)]
+    batches = pack(seqs, 16)
+    models = [build(config, supervised_plan(config, "sft"), StartPoint()).model for _ in range(2)]
+    options = TrainOptions(normaliser="sequence", max_grad_norm=0.5, entropy=False)
+    trainer = LocalTrainer(models[0], build_optimizer(models[0], lr=1e-2), None, options)
+    seen: dict = {}
+    got = trainer.step(batches, nll_loss, {}, seen)
+    optimizer = build_optimizer(models[1], lr=1e-2)
+    want = forward_backward(models[1], batches, nll_loss, normaliser="sequence")
+    want |= optim_step(models[1], optimizer, None, 0.5)
+    assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in want.items() if k != "seconds"}
+    assert sorted(seen) == sorted(tuple(b.sample_ids) for b in batches)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
