@@ -16,9 +16,9 @@ from rlpipe.flows.common import (
     run_phase,
     stage_io,
 )
-from rlpipe.flows.config import RunConfig
 from rlpipe.flows.progress import progress
 from rlpipe.tasks.checkpoint import checkpoint_task, reloaded_by_vllm_servers
+from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import eval_metrics, eval_step
 from rlpipe.tasks.origin import record_origin
 from rlpipe.tasks.ranks import make_trainer

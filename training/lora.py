@@ -128,11 +128,10 @@ def load_adapter(model: torch.nn.Module, folder: Path) -> None:
 
 
 def lora_from_config(model: torch.nn.Module, section) -> torch.nn.Module:
-    """`add_lora` with a run config's `model.lora` section (rank 0: the model unchanged)."""
-    if section.rank == 0:
-        return model
-    return add_lora(model, LoraOptions(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
-                                       targets=tuple(section.targets)))
+    """`add_lora` with the options of a run config's `model.lora` section (training/config.py
+    `LoraSection.options()`; None at rank 0: the model unchanged)."""
+    options = section.options()
+    return model if options is None else add_lora(model, options)
 
 
 def save_model_files(model, folder: Path) -> None:

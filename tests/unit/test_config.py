@@ -3,14 +3,8 @@
 from pathlib import Path
 
 import pytest
-from rlpipe.flows.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    describe_fields,
-    load_config,
-    validate_config,
-)
+from rlpipe.core.config import ConfigError, apply_overrides, describe_fields
+from rlpipe.tasks.config import RunConfig, load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +51,7 @@ def test_http_engine_needs_urls():
 
 
 def test_every_field_has_a_docstring():
-    lines = describe_fields()
+    lines = describe_fields(RunConfig)
     assert len(lines) > 40
     assert all(not line.rstrip().endswith("#") for line in lines if " = " in line), \
         [line for line in lines if line.rstrip().endswith("#")]

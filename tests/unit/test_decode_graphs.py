@@ -14,8 +14,8 @@ from rlpipe.engines import decode_graphs as dg
 from rlpipe.engines import qwen3_fast
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
-from rlpipe.flows.config import RunConfig
 from rlpipe.models.presets import build_model
+from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.rl_setup import (
     make_engines,  # imported here: importing Prefect resets logging handlers
 )

@@ -82,7 +82,7 @@ def test_logprobs_match_trainer_and_follow_the_optimizer(preset):
 
 
 def test_config_keys_reach_the_vllm_engine(monkeypatch):
-    from rlpipe.flows.config import RunConfig
+    from rlpipe.tasks.config import RunConfig
     from rlpipe.tasks.rl_setup import make_engines
 
     built = []
@@ -109,8 +109,8 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
 
 
 def test_checkpoints_name_the_lm_head_only_where_vllm_servers_reload_them():
-    from rlpipe.flows.config import RunConfig
     from rlpipe.tasks.checkpoint import reloaded_by_vllm_servers
+    from rlpipe.tasks.config import RunConfig
 
     def engine(section: dict):
         return RunConfig.model_validate({"device": "cpu", "engine": section}).engine
