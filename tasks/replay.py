@@ -140,11 +140,8 @@ def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
 
 def train_options(config) -> dict[str, Any]:
     """The options flows/rl.py trains with (tasks/rl_setup.open_rl's train_options)."""
-    from rlpipe.training.rl_loss import loss_normaliser
-
     rl = config.rl
-    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
-                                           rl.sampling.max_new_tokens)
+    normaliser, constant = rl.loss_normaliser()
     return dict(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
                 autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs, temperature=rl.sampling.temperature)
 

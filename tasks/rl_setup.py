@@ -34,7 +34,6 @@ from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
 from rlpipe.training.kl import frozen_copy
 from rlpipe.training.lora import lora_from_config
 from rlpipe.training.oversampling import GroupBuffer
-from rlpipe.training.rl_loss import loss_normaliser
 
 
 @dataclass
@@ -119,16 +118,12 @@ def make_engines(config, model) -> list[Engine]:
 
 
 def loss_for(rl):
-    """The policy loss; async RL (k >= 1) gets truncated importance weights by default, the
-    sequence mask of rl.off_policy_sequence_mask, and the mismatch metrics."""
+    """The policy loss of `rl.loss_options()` (async RL, k >= 1, gets truncated importance weights
+    by default), with the sequence mask of rl.off_policy_sequence_mask and the mismatch metrics."""
     from rlpipe.training.off_policy import with_sequence_mask
-    from rlpipe.training.rl_loss import build_rl_loss
+    from rlpipe.training.rl_loss import rl_loss_fn
 
-    tis_cap = rl.tis_cap
-    if rl.max_off_policy_steps > 0 and tis_cap == 0 and rl.loss == "reinforce":
-        tis_cap = rl.off_policy_tis_cap
-    loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high, tis_cap=tis_cap,
-                            cispo_cap=rl.cispo_cap, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
+    loss_fn = rl_loss_fn(rl.loss_options())
     if rl.max_off_policy_steps > 0 or rl.off_policy_sequence_mask > 0:
         loss_fn = with_sequence_mask(loss_fn, rl.off_policy_sequence_mask)
     return loss_fn
@@ -188,9 +183,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
                        max_context=context, max_error_fraction=rl.max_reward_error_fraction,
                        run_dir=run_dir, run_id=run_id, length_penalty=overlong_penalty_fn(rl))
     source = RolloutSource(rl, prompts, buffer, stages, start_step=start_step, published_version=version)
-    # gspo normalises per sequence, dr_grpo by a constant (training/rl_loss.py, loss_normaliser)
-    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
-                                           rl.sampling.max_new_tokens)
+    # gspo normalises per sequence, dr_grpo by a constant (training/rl_loss.py, LOSSES)
+    normaliser, constant = rl.loss_normaliser()
     return RLRun(model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                  loss_fn=loss_for(rl), env=env, engines=engines, eval_engine=eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],

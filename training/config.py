@@ -13,7 +13,14 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from rlpipe.core.config import Section
 from rlpipe.training.lora import DEFAULT_TARGETS, LoraOptions
-from rlpipe.training.rl_loss import LOSS_NAMES, RLLossOptions, check_loss_choice
+from rlpipe.training.losses import Normaliser
+from rlpipe.training.rl_loss import (
+    LOSS_NAMES,
+    LOSSES,
+    RLLossOptions,
+    check_loss_choice,
+    loss_normaliser,
+)
 
 
 class LoraSection(Section):
@@ -209,10 +216,21 @@ class RLConfig(Section):
     """Fail the step once this share of reward calls raised."""
 
     def loss_options(self) -> RLLossOptions:
-        """The policy loss's options (training/rl_loss.py); building them validates them."""
+        """The policy loss's options (training/rl_loss.py; building them validates them). Async RL
+        (max_off_policy_steps >= 1) gives a loss that weights by the engine's log-probs truncated
+        importance weights capped at off_policy_tis_cap when tis_cap is 0."""
+        tis_cap = self.tis_cap
+        if self.max_off_policy_steps > 0 and tis_cap == 0 and LOSSES[self.loss].tis == "engine":
+            tis_cap = self.off_policy_tis_cap
         return RLLossOptions(name=self.loss, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-                             tis_cap=self.tis_cap, cispo_cap=self.cispo_cap, kl_coef=self.kl_coef,
+                             tis_cap=tis_cap, cispo_cap=self.cispo_cap, kl_coef=self.kl_coef,
                              kl_estimator=self.kl_estimator)
+
+    def loss_normaliser(self) -> tuple[Normaliser, float]:
+        """(normaliser, constant) of the optimizer step: the loss's own (gspo: per sequence; dr_grpo:
+        a constant) or optim.normaliser; the constant is the most completion tokens a step holds."""
+        return loss_normaliser(self.loss, self.optim.normaliser, self.prompts_per_step * self.group_size,
+                               self.sampling.max_new_tokens)
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:

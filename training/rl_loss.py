@@ -341,16 +341,20 @@ LOSS_NAMES = tuple(LOSSES)
 
 
 def build_rl_loss(name: str = "reinforce", **options: Any) -> LossFn:
-    """A loss_fn(logprobs, batch, *, old_logprobs=None, ref_logprobs=None) for `name` with
-    RLLossOptions options (unknown ones raise). With kl_coef > 0 it needs ref_logprobs
-    (`bind_batch_inputs`)."""
+    """`rl_loss_fn` of loss `name` with RLLossOptions options given by keyword (unknown ones raise)."""
     known = {f.name for f in fields(RLLossOptions)} - {"name"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(
             f"unknown option(s) for RL loss {name!r}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
-    config = RLLossOptions(name=name, **options)  # validates name and options
+    return rl_loss_fn(RLLossOptions(name=name, **options))  # validates name and options
+
+
+def rl_loss_fn(config: RLLossOptions) -> LossFn:
+    """A loss_fn(logprobs, batch, *, old_logprobs=None, ref_logprobs=None) of the registry's loss
+    `config.name`. With kl_coef > 0 it needs ref_logprobs (`bind_batch_inputs`)."""
+    name = config.name
     policy_loss = functools.partial(LOSSES[name].policy_loss, config=config)
     if config.kl_coef == 0:
         return policy_loss
