@@ -14,6 +14,8 @@ from rlpipe.core.config import Section
 
 
 class EngineConfig(Section):
+    """`[engine]`: the rollout engines."""
+
     type: Literal["torch", "http", "vllm"] = "torch"
     """Inference engine: in-process torch, OpenAI-compatible HTTP servers, or in-process vLLM."""
     urls: list[str] = Field(default_factory=list)

@@ -14,6 +14,8 @@ from rlpipe.core.config import Section
 
 
 class RewardModelConfig(Section):
+    """One `[[task.reward_models]]` entry: a model whose score adds to the reward."""
+
     name: str
     """Component name in scores.components (e.g. "rm", "judge")."""
     type: Literal["classifier", "judge"]
@@ -32,6 +34,8 @@ class RewardModelConfig(Section):
 
 
 class TaskConfig(Section):
+    """`[task]`: the environment and its rewards."""
+
     env: str = "arithmetic"
     """Environment name: arithmetic | calculator | countdown | dataset | verifiers."""
     options: dict[str, Any] = Field(default_factory=dict)

@@ -10,6 +10,8 @@ from rlpipe.core.config import Section
 
 
 class TrackingConfig(Section):
+    """`[tracking]`: MLflow, the report and per-stage task runs."""
+
     enabled: bool = True
     """Log to MLflow (a SQLite database under runs_root unless MLFLOW_TRACKING_URI is set)."""
     experiment: str = "rlpipe"

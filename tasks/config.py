@@ -31,6 +31,8 @@ from rlpipe.training.config import ModelConfig, RLConfig, SupervisedConfig, Trai
 
 
 class RunConfig(Section):
+    """A whole run: top-level keys and every section; holds the checks that span sections."""
+
     flow: Literal["pretrain", "sft", "rl", "pipeline"] = "pipeline"
     """Which flow `rlpipe run` starts."""
     run_name: str = "run"

@@ -24,6 +24,8 @@ from rlpipe.training.rl_loss import (
 
 
 class LoraSection(Section):
+    """`[model.lora]`: low-rank adapters instead of training every weight."""
+
     rank: int = Field(0, ge=0)
     """LoRA adapter rank (0 = off: every weight trains). Needs the `lora` extra (peft). Works
     under train.parallel (ddp and fsdp2): every rank injects the same adapters."""
@@ -42,6 +44,8 @@ class LoraSection(Section):
 
 
 class ModelConfig(Section):
+    """`[model]`: the model to train, where it starts and its dtypes."""
+
     preset: str = "tiny-dense"
     """Named model preset (models/presets.py) used when `path` is empty."""
     path: str = ""
@@ -59,6 +63,8 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
+    """`[train]`: how the trainer runs, shared by every phase."""
+
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them:
     much less memory for long packs, about a third more compute."""
@@ -89,6 +95,8 @@ class TrainConfig(Section):
 
 
 class OptimConfig(Section):
+    """`optim` of a phase: the optimizer, its schedule and the micro-batch size."""
+
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -106,6 +114,8 @@ class OptimConfig(Section):
 
 
 class SupervisedConfig(Section):
+    """`[pretrain]` and `[sft]`: a supervised phase."""
+
     steps: int = Field(100, ge=0)
     """Optimizer steps."""
     sequences_per_step: int = Field(64, ge=1)
@@ -126,6 +136,8 @@ class SupervisedConfig(Section):
 
 
 class SamplingConfig(Section):
+    """`[rl.sampling]`: how completions are sampled."""
+
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (the loss evaluates the same tempered policy)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -137,6 +149,8 @@ class SamplingConfig(Section):
 
 
 class RLConfig(Section):
+    """`[rl]`: the RL phase: batches, groups, advantages, the policy loss and off-policy bounds."""
+
     steps: int = Field(50, ge=0)
     """Optimizer steps of RL."""
     prompts_per_step: int = Field(16, ge=1)
