@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from rlpipe.core.config import Section
+from rlpipe.training.kl import KL_ESTIMATORS
 from rlpipe.training.lora import DEFAULT_TARGETS, LoraOptions
 from rlpipe.training.losses import Normaliser
 from rlpipe.training.rl_loss import (
@@ -207,7 +208,7 @@ class RLConfig(Section):
     """Weight of a KL penalty to the starting policy (a frozen copy kept in memory; 0 = off).
     Under train.parallel only rank 0 holds the copy: it computes the reference log-probs of every
     micro-batch and they travel with the step's batches to the rank that trains each."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal[KL_ESTIMATORS] = "k3"
     """Per-token KL estimator: k1 = log ratio, k2 = squared / 2, k3 = exp(r) - r - 1 (TRL's)."""
     overlong_buffer: int = Field(0, ge=0)
     """DAPO soft overlong penalty: over the last N tokens before sampling.max_new_tokens the

@@ -85,7 +85,7 @@ class RLLossOptions:
     """cispo: the importance weight is truncated at this value (ε_max)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (0 = off, no reference needed)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = "k3"
     """Per-token KL estimator (training/kl.py)."""
 
     def __post_init__(self) -> None:
