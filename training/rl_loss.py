@@ -5,7 +5,7 @@ completion tokens and 0 on prompt tokens), so the losses never see groups or rew
 UNNORMALISED per-token losses; `training.losses.reduce_loss` normalises over the optimizer step
 (`loss_normaliser` says with which normaliser each loss is meant to run).
 
-Choosing a loss is decided in one place, the registry `LOSSES` at the end of this module: per
+Choosing a loss is decided in one place, the registry `LOSSES` below the loss functions: per
 loss its per-token function, the normaliser its objective is defined with, whether it takes
 truncated importance weights and whether it allows std-scaled advantages. `RLLossOptions` refuses
 options a loss does not define and `check_loss_choice` what a run may not combine with it; the
