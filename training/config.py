@@ -251,6 +251,9 @@ class RLConfig(Section):
     def _check(self) -> RLConfig:
         normaliser = self.optim.normaliser if "normaliser" in self.optim.model_fields_set else None
         check_loss_choice(self.loss_options(), normalize_std=self.normalize_std, normaliser=normaliser)
+        own = LOSSES[self.loss].normaliser
+        if own and self.optim.normaliser != own:  # record what the step runs with: config.json validates again
+            self.optim = self.optim.model_copy(update={"normaliser": own})
         if self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(f"rl.overlong_buffer ({self.overlong_buffer}) exceeds rl.sampling.max_new_tokens "
                              f"({self.sampling.max_new_tokens})")

@@ -129,3 +129,12 @@ def test_the_lora_section_builds_the_adapters_options():
     assert validate_config({}).model.lora.options() is None  # rank 0: LoRA off
     options = validate_config({"model": {"lora": {"rank": 4, "alpha": 8.0}}}).model.lora.options()
     assert options == LoraOptions(rank=4, alpha=8.0, dropout=0.0, targets=DEFAULT_TARGETS)
+
+
+@pytest.mark.parametrize("loss", ["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"])
+def test_a_resolved_config_validates_again_for_every_loss(loss):
+    # flows receive the config as a dict (config.json, Prefect parameters) and validate it again;
+    # a loss with its own normaliser records it, so the dict does not contradict the loss
+    config = load_config(ROOT / "configs" / "tiny.toml", [f'rl.loss="{loss}"'])
+    assert validate_config(config.model_dump(mode="json")) == config
+    assert config.rl.optim.normaliser == config.rl.loss_normaliser()[0]
