@@ -46,9 +46,9 @@ def completion_tokens(run_dir: Path) -> int:
 def run(args: argparse.Namespace) -> dict:
     import torch
     from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.rl import run_rl
     from rlpipe.flows.supervised import run_supervised
+    from rlpipe.tasks.config import validate_config
 
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="bench-async-"))

@@ -142,12 +142,12 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     from rlpipe.engines.base import SamplingParams
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.envs.prompts import PromptSource
-    from rlpipe.flows.config import RLConfig
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.tasks.losses import loss_for
     from rlpipe.tasks.pack import pack_rollouts
     from rlpipe.tasks.setup import stop_token_ids
     from rlpipe.tasks.train import train_on_batches
+    from rlpipe.training.config import RLConfig
     from rlpipe.training.kl import frozen_copy
     from rlpipe.training.oversampling import GroupBuffer
     from rlpipe.training.rl_loss import loss_normaliser

@@ -63,10 +63,10 @@ def trl_inputs(samples: list, pad_id: int) -> dict:
 
 def make_trainer(start: str, env, root: Path, steps: int, dtype):
     """A GRPOTrainer configured like bench_trl's, on its own copy of the start."""
-    from rlpipe.flows.config import OptimConfig
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
     from rlpipe.tasks.setup import make_optimizer
+    from rlpipe.training.config import OptimConfig
     from transformers import TrainerCallback  # noqa: F401 - transformers first, as TRL expects
     from trl import GRPOConfig, GRPOTrainer
 
@@ -92,12 +92,12 @@ def compare(args: argparse.Namespace) -> dict:
     from rlpipe.engines.base import SamplingParams
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.envs.prompts import PromptSource
-    from rlpipe.flows.config import OptimConfig, RLConfig
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.tasks.pack import pack_rollouts
     from rlpipe.tasks.setup import make_optimizer, stop_token_ids
+    from rlpipe.training.config import OptimConfig, RLConfig
     from rlpipe.training.oversampling import GroupBuffer
     from rlpipe.training.rl_loss import build_rl_loss
     from rlpipe.training.step import forward_backward, optim_step

@@ -230,10 +230,10 @@ def time_calls(obj, name: str) -> list[float]:
 
 
 def trl_once(args: argparse.Namespace, root: Path, start: str, seed: int) -> dict:
-    from rlpipe.flows.config import OptimConfig
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
     from rlpipe.tasks.setup import make_env, make_optimizer
+    from rlpipe.training.config import OptimConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 

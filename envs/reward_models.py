@@ -203,7 +203,7 @@ class WithModelRewards:
 
 
 def build_scorer(spec: Any) -> BatchScorer:
-    """A scorer from a `task.reward_models` entry (flows/config.py RewardModelConfig)."""
+    """A scorer from a `task.reward_models` entry (envs/config.py RewardModelConfig)."""
     if spec.type == "classifier":
         return ClassifierReward.from_dir(spec.path, label=spec.label, batch_size=spec.batch_size)
     if spec.type == "judge":

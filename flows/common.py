@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpipe.flows.config import RunConfig
+from rlpipe.tasks.config import RunConfig
 from rlpipe.training.timing import Stopwatch  # noqa: F401 - re-exported for the flows
 
 
@@ -128,7 +128,8 @@ def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
     """The flow parameters (a TOML path and overrides, or a config dict) → a validated config;
     applies its process-wide settings (torch threads)."""
-    from rlpipe.flows.config import apply_overrides, load_config, validate_config
+    from rlpipe.core.config import apply_overrides
+    from rlpipe.tasks.config import load_config, validate_config
 
     if config is not None:
         resolved = validate_config(apply_overrides(config, list(overrides or [])), "(parameters)")

@@ -74,9 +74,9 @@ def summary(rows: list[dict]) -> str:
 def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tuple[Path, dict[str, int]]:
     """Load the run's config and the reward, re-score into the rescore folder; (folder, counts)."""
     from rlpipe.envs.registry import build_env
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.progress import progress
     from rlpipe.storage.layout import partition_files
+    from rlpipe.tasks.config import validate_config
     from rlpipe.tasks.rescore import load_reward, rescore_run, scoring_env
     from rlpipe.tasks.rl_setup import overlong_penalty_fn
 

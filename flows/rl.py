@@ -27,10 +27,10 @@ from rlpipe.flows.common import (
     stage_io,
     write_run_report,
 )
-from rlpipe.flows.config import RunConfig
 from rlpipe.flows.progress import progress
 from rlpipe.flows.supervised import due
 from rlpipe.tasks.checkpoint import checkpoint_task, promote_best, reloaded_by_vllm_servers
+from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before
 from rlpipe.tasks.origin import record_origin
 from rlpipe.tasks.pack import pack_task

@@ -20,15 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from rlpipe.core.config import ConfigError, describe_fields
 from rlpipe.core.environment import quiet_defaults
 from rlpipe.core.termination import Terminated, sigterm_received, sigterm_stops_the_run
-from rlpipe.flows.config import (
-    ConfigError,
-    RunConfig,
-    describe_fields,
-    load_config,
-    validate_config,
-)
 from rlpipe.flows.launch import (
     add_launch_arguments,
     check_launch_arguments,
@@ -37,6 +31,7 @@ from rlpipe.flows.launch import (
     strip_launch_flags,
 )
 from rlpipe.storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
+from rlpipe.tasks.config import RunConfig, load_config, validate_config
 from rlpipe.training import metric_names as m
 
 
@@ -112,7 +107,7 @@ def main_run(argv: list[str]) -> int:
     if problem := check_launch_arguments(args):
         parser.error(problem)
     if args.help_config:
-        print("\n".join(describe_fields()))
+        print("\n".join(describe_fields(RunConfig)))
         return 0
     if not args.config:
         parser.error("a CONFIG file is required")

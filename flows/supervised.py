@@ -15,9 +15,9 @@ from rlpipe.flows.common import (
     run_phase,
     stage_io,
 )
-from rlpipe.flows.config import RunConfig
 from rlpipe.flows.progress import progress
 from rlpipe.tasks.checkpoint import checkpoint_task, reloaded_by_vllm_servers
+from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import eval_metrics
 from rlpipe.tasks.origin import record_origin
 from rlpipe.tasks.record import load_rows, step_metrics, train_step_row

@@ -30,9 +30,9 @@ from rlpipe.core.user_code import import_user_object
 from rlpipe.training import metric_names as m
 
 if TYPE_CHECKING:
-    from rlpipe.flows.config import RLConfig
     from rlpipe.rollouts.records import Rollout, Score
     from rlpipe.training.advantages import Group
+    from rlpipe.training.config import RLConfig
     from rlpipe.training.oversampling import GroupDecision
 
 STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_error", "truncated", "filtered")

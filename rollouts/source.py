@@ -50,7 +50,7 @@ from rlpipe.training.timing import Stopwatch
 if TYPE_CHECKING:
     from rlpipe.envs.base import Example
     from rlpipe.envs.prompts import PromptSource
-    from rlpipe.flows.config import RLConfig
+    from rlpipe.training.config import RLConfig
 
 
 @dataclass(frozen=True)

@@ -146,12 +146,9 @@ def make_engines(config, model) -> list[Engine]:
 def rl_plan(config) -> TrainerPlan:
     """The RL phase's trainer: rl.optim over steps × ppo_epochs optimizer steps, the policy loss,
     the KL reference when rl.kl_coef > 0, rollout engines. gspo normalises per sequence, dr_grpo
-    by a constant (training/rl_loss.loss_normaliser)."""
-    from rlpipe.training.rl_loss import loss_normaliser
-
+    by a constant (training/rl_loss.py, LOSSES)."""
     rl = config.rl
-    normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
-                                           rl.sampling.max_new_tokens)
+    normaliser, constant = rl.loss_normaliser()
     options = TrainOptions(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
                            autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
                            temperature=rl.sampling.temperature)

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 
 def loss_for(rl):
-    """The policy loss; async RL (k >= 1) gets truncated importance weights by default, the
-    sequence mask of rl.off_policy_sequence_mask, and the mismatch metrics."""
+    """The policy loss of `rl.loss_options()` (async RL, k >= 1, gets truncated importance weights
+    by default), with the sequence mask of rl.off_policy_sequence_mask and the mismatch metrics."""
     from rlpipe.training.off_policy import with_sequence_mask
-    from rlpipe.training.rl_loss import build_rl_loss
+    from rlpipe.training.rl_loss import rl_loss_fn
 
-    tis_cap = rl.tis_cap
-    if rl.max_off_policy_steps > 0 and tis_cap == 0 and rl.loss == "reinforce":
-        tis_cap = rl.off_policy_tis_cap
-    loss_fn = build_rl_loss(rl.loss, epsilon_low=rl.epsilon_low, epsilon_high=rl.epsilon_high, tis_cap=tis_cap,
-                            cispo_cap=rl.cispo_cap, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
+    loss_fn = rl_loss_fn(rl.loss_options())
     if rl.max_off_policy_steps > 0 or rl.off_policy_sequence_mask > 0:
         loss_fn = with_sequence_mask(loss_fn, rl.off_policy_sequence_mask)
     return loss_fn

@@ -82,7 +82,7 @@ class Replay:
 
 
 def load_config(run_dir: Path):
-    from rlpipe.flows.config import validate_config  # the run's own validated config
+    from rlpipe.tasks.config import validate_config  # the run's own validated config
 
     path = run_dir / "config.json"
     if not path.is_file():

@@ -85,19 +85,11 @@ class Placement:
     lora: LoraOptions | None = None
 
 
-def lora_options(section) -> LoraOptions | None:
-    """The run config's `model.lora` section as LoraOptions (None when rank is 0: LoRA off)."""
-    if section.rank == 0:
-        return None
-    return LoraOptions(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
-                       targets=tuple(section.targets))
-
-
 def placement(config) -> Placement:
     """The run config's placement of its trained model."""
     return Placement(device=config.device, weights_dtype=config.model.weights_dtype,
                      activation_checkpointing=config.train.activation_checkpointing,
-                     compile=config.train.compile, lora=lora_options(config.model.lora))
+                     compile=config.train.compile, lora=config.model.lora.options())
 
 
 def prepare_model(model, where: Placement):

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlpipe.flows.config import RLConfig
+    from rlpipe.training.config import RLConfig
 
 ESTIMATORS = ("grpo", "rloo")
 ZERO_VARIANCE_EPS = 1e-6

@@ -26,7 +26,7 @@ from rlpipe.training import metric_names as m
 from rlpipe.training.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
 
 if TYPE_CHECKING:
-    from rlpipe.flows.config import RLConfig
+    from rlpipe.training.config import RLConfig
 
 
 class BatchFillError(RuntimeError):

@@ -5,6 +5,12 @@ completion tokens and 0 on prompt tokens), so the losses never see groups or rew
 UNNORMALISED per-token losses; `training.losses.reduce_loss` normalises over the optimizer step
 (`loss_normaliser` says with which normaliser each loss is meant to run).
 
+Choosing a loss is decided in one place, the registry `LOSSES` below the loss functions: per
+loss its per-token function, the normaliser its objective is defined with, whether it takes
+truncated importance weights and whether it allows std-scaled advantages. `RLLossOptions` refuses
+options a loss does not define and `check_loss_choice` what a run may not combine with it; the
+run config's `[rl]` section (training/config.py) validates through both.
+
 Three log-probs of the same label tokens appear here; keep them apart:
 
     logprobs       [T]  the trainer's, under the weights being updated (carries the gradient)
@@ -12,7 +18,7 @@ Three log-probs of the same label tokens appear here; keep them apart:
     old_logprobs   [T]  the trainer's under the weights that sampled the batch, no gradient
                         (optional; on the first update of an on-policy batch = logprobs.detach())
 
-Losses (`build_rl_loss(name, **options)`), A = advantage, r = exp(logprobs − old) per token,
+Losses (`build_rl_loss(name, **options)`, options of `RLLossOptions`), A = advantage, r = exp(logprobs − old) per token,
 old = old_logprobs when given, else the engine's batch.log_probs (then r also absorbs the
 engine/trainer mismatch); log-ratios are clamped to ±20 so that a wild token cannot give inf:
 
@@ -51,7 +57,7 @@ tokens whose clipped branch is active; cispo: whose weight hit the cap), `tis_we
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -60,18 +66,15 @@ from rlpipe.training.batch import PackedBatch
 from rlpipe.training.kl import KL_ESTIMATORS, kl_estimate
 from rlpipe.training.losses import LossFn, Normaliser, loss_token_mask, sequence_index
 
-LOSSES = ("reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo")
-# the normaliser each loss's objective is defined with; the others follow optim.normaliser
-LOSS_NORMALISERS: dict[str, Normaliser] = {"gspo": "sequence", "dr_grpo": "constant"}
 _MAX_LOG_RATIO = 20.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class RLLossConfig:
+class RLLossOptions:
     """Options of the policy loss (rl.loss, rl.epsilon_low, ... in a run config)."""
 
-    name: Literal["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"] = "reinforce"
-    """Which loss."""
+    name: str = "reinforce"
+    """Which loss (a key of `LOSSES`)."""
     epsilon_low: float = 0.2
     """ppo_clip, gspo, dr_grpo: the ratio is clipped below at 1 − epsilon_low."""
     epsilon_high: float = 0.28
@@ -82,7 +85,7 @@ class RLLossConfig:
     """cispo: the importance weight is truncated at this value (ε_max)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (0 = off, no reference needed)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = "k3"
     """Per-token KL estimator (training/kl.py)."""
 
     def __post_init__(self) -> None:
@@ -94,9 +97,10 @@ class RLLossConfig:
             raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
         if self.tis_cap < 0:
             raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
-        if self.tis_cap > 0 and self.name not in ("reinforce", "ppo_clip"):
-            raise ValueError(f"tis_cap is for reinforce and ppo_clip; {self.name!r} weights its "
-                             "tokens by its own importance ratio")
+        if self.tis_cap > 0 and LOSSES[self.name].tis == "never":
+            with_tis = " and ".join(name for name, kind in LOSSES.items() if kind.tis != "never")
+            raise ValueError(f"rl.tis_cap is for {with_tis}; rl.loss = {self.name!r} weights tokens by its "
+                             "own importance ratio")
         if not self.cispo_cap > 0:
             raise ValueError(f"cispo_cap must be > 0, got {self.cispo_cap}")
         if self.kl_coef < 0:
@@ -105,12 +109,27 @@ class RLLossConfig:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
+def check_loss_choice(options: RLLossOptions, *, normalize_std: bool, normaliser: Normaliser | None) -> None:
+    """Raise ValueError for what a run may not combine with its loss: truncated importance weights
+    a run's ratio already covers, std-scaled advantages the loss removes, and a configured
+    normaliser (`normaliser`, None when the config leaves it unset) other than the loss's own."""
+    kind = LOSSES[options.name]
+    if options.tis_cap > 0 and kind.tis == "with_old_logprobs":
+        raise ValueError(f"rl.tis_cap with rl.loss = {options.name!r} is not supported: the PPO ratio "
+                         "against the engine's log-probs already absorbs the mismatch")
+    if normalize_std and not kind.std_scaling:
+        raise ValueError(f"rl.loss = {options.name!r} removes the std normalisation: set rl.normalize_std = false")
+    if kind.normaliser and normaliser is not None and normaliser != kind.normaliser:
+        raise ValueError(f"rl.loss = {options.name!r} is normalised per {kind.normaliser}; rl.optim.normaliser = "
+                         f"{normaliser!r} contradicts it (leave it unset)")
+
+
 def loss_normaliser(name: str, configured: Normaliser, sequences_per_step: int,
                     max_new_tokens: int) -> tuple[Normaliser, float]:
     """(normaliser, constant) for loss `name`: its own (gspo: per sequence; dr_grpo: the constant
     sequences_per_step × max_new_tokens), else `configured`. The constant also serves a
     configured 'constant' normaliser: the most completion tokens a step can hold."""
-    mode = LOSS_NORMALISERS.get(name, configured)
+    mode = LOSSES[name].normaliser or configured
     return mode, float(sequences_per_step * max_new_tokens)
 
 
@@ -149,10 +168,11 @@ def reinforce_loss(
     logprobs: torch.Tensor,
     batch: PackedBatch,
     *,
-    config: RLLossConfig = RLLossConfig(),
+    config: RLLossOptions | None = None,
     old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """per_token = −A · logprobs (× truncated IS weight). logprobs float32 [T] → ([T], metrics)."""
+    config = config or RLLossOptions()
     mask = _loss_mask(batch, logprobs.device)
     adv = batch.token_weights.to(logprobs.device, logprobs.dtype)
     per_token = torch.where(mask, -adv * logprobs, torch.zeros_like(logprobs))
@@ -175,10 +195,11 @@ def ppo_clip_loss(
     logprobs: torch.Tensor,
     batch: PackedBatch,
     *,
-    config: RLLossConfig = RLLossConfig(name="ppo_clip"),
+    config: RLLossOptions | None = None,
     old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """per_token = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), r = exp(logprobs − old). [T] → [T]."""
+    config = config or RLLossOptions(name="ppo_clip")
     mask = _loss_mask(batch, logprobs.device)
     engine = _engine_logprobs(batch, logprobs, "ppo_clip")
     old = engine if old_logprobs is None else old_logprobs.to(logprobs.device, logprobs.dtype)
@@ -230,11 +251,12 @@ def gspo_loss(
     logprobs: torch.Tensor,
     batch: PackedBatch,
     *,
-    config: RLLossConfig = RLLossConfig(name="gspo"),
+    config: RLLossOptions | None = None,
     old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: s_i = exp(mean_t (logprobs − old)) per sequence; per_token = −min(s·A, clip(s)·A)
     on each of the sequence's loss tokens (gradient through the mean). [T] → [T]."""
+    config = config or RLLossOptions(name="gspo")
     mask = _loss_mask(batch, logprobs.device)
     old = _old_logprobs(logprobs, batch, old_logprobs, "gspo")
     zeros = torch.zeros_like(logprobs)
@@ -260,10 +282,11 @@ def cispo_loss(
     logprobs: torch.Tensor,
     batch: PackedBatch,
     *,
-    config: RLLossConfig = RLLossConfig(name="cispo"),
+    config: RLLossOptions | None = None,
     old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO: per_token = −sg(min(r, cispo_cap)) · A · logprobs, r = exp(logprobs − old). [T] → [T]."""
+    config = config or RLLossOptions(name="cispo")
     mask = _loss_mask(batch, logprobs.device)
     old = _old_logprobs(logprobs, batch, old_logprobs, "cispo")
     zeros = torch.zeros_like(logprobs)
@@ -281,30 +304,58 @@ def dr_grpo_loss(
     logprobs: torch.Tensor,
     batch: PackedBatch,
     *,
-    config: RLLossConfig = RLLossConfig(name="dr_grpo"),
+    config: RLLossOptions | None = None,
     old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Dr. GRPO: the ppo_clip per-token loss; what differs is the normaliser (LOSS_NORMALISERS:
-    a constant, not the sequence's length) and advantages without std scaling (the config checks)."""
+    """Dr. GRPO: the ppo_clip per-token loss; what differs is the normaliser (its `LOSSES` entry:
+    a constant, not the sequence's length) and advantages without std scaling (check_loss_choice)."""
+    config = config or RLLossOptions(name="dr_grpo")
     return ppo_clip_loss(logprobs, batch, config=config, old_logprobs=old_logprobs)
 
 
-_LOSS_FNS = {"reinforce": reinforce_loss, "ppo_clip": ppo_clip_loss, "gspo": gspo_loss,
-             "cispo": cispo_loss, "dr_grpo": dr_grpo_loss}
+@dataclass(frozen=True, kw_only=True)
+class LossKind:
+    """One policy loss of the registry: everything that choosing it decides."""
+
+    policy_loss: Callable[..., tuple[torch.Tensor, dict[str, float]]]
+    """fn(logprobs [T], batch, *, config: RLLossOptions, old_logprobs=None) -> (per_token [T], metrics)."""
+    normaliser: Normaliser | None = None
+    """The normaliser its objective is defined with; None: it follows rl.optim.normaliser."""
+    tis: Literal["engine", "with_old_logprobs", "never"] = "never"
+    """Truncated importance weights (tis_cap): against the engine's log-probs; only with the trainer's
+    old log-probs (which a run does not bind: its ratio against the engine covers the mismatch); never
+    (the loss weights tokens by its own importance ratio)."""
+    std_scaling: bool = True
+    """Whether the group's advantages may be divided by their std (rl.normalize_std)."""
+
+
+LOSSES: dict[str, LossKind] = {
+    "reinforce": LossKind(policy_loss=reinforce_loss, tis="engine"),
+    "ppo_clip": LossKind(policy_loss=ppo_clip_loss, tis="with_old_logprobs"),
+    "gspo": LossKind(policy_loss=gspo_loss, normaliser="sequence"),
+    "cispo": LossKind(policy_loss=cispo_loss),
+    "dr_grpo": LossKind(policy_loss=dr_grpo_loss, normaliser="constant", std_scaling=False),
+}
+"""The policy losses by name, in the order `rl.loss` lists them."""
+LOSS_NAMES = tuple(LOSSES)
 
 
 def build_rl_loss(name: str = "reinforce", **options: Any) -> LossFn:
-    """A loss_fn(logprobs, batch, *, old_logprobs=None, ref_logprobs=None) for `name` with
-    RLLossConfig options (unknown ones raise). With kl_coef > 0 it needs ref_logprobs
-    (`bind_batch_inputs`)."""
-    known = {f.name for f in fields(RLLossConfig)} - {"name"}
+    """`rl_loss_fn` of loss `name` with RLLossOptions options given by keyword (unknown ones raise)."""
+    known = {f.name for f in fields(RLLossOptions)} - {"name"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(
             f"unknown option(s) for RL loss {name!r}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
-    config = RLLossConfig(name=name, **options)  # validates name
-    policy_loss = functools.partial(_LOSS_FNS[name], config=config)
+    return rl_loss_fn(RLLossOptions(name=name, **options))  # validates name and options
+
+
+def rl_loss_fn(config: RLLossOptions) -> LossFn:
+    """A loss_fn(logprobs, batch, *, old_logprobs=None, ref_logprobs=None) of the registry's loss
+    `config.name`. With kl_coef > 0 it needs ref_logprobs (`bind_batch_inputs`)."""
+    name = config.name
+    policy_loss = functools.partial(LOSSES[name].policy_loss, config=config)
     if config.kl_coef == 0:
         return policy_loss
 

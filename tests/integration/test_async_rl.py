@@ -40,9 +40,9 @@ def untracked_groups(run_dir: Path) -> int:
 @pytest.mark.parametrize("k", [1, 2])
 def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
     import rlpipe.flows.rl
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.rl import run_rl
     from rlpipe.storage.tracking import NullTracker
+    from rlpipe.tasks.config import validate_config
 
     tracker = NullTracker()
     monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)

@@ -31,9 +31,9 @@ def no_nines(rollout, score):
 def test_every_rollout_has_one_fate_and_the_counters_match(sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
     import rlpipe.flows.rl
     from rlpipe.envs.arithmetic import ArithmeticEnv
-    from rlpipe.flows.config import validate_config
     from rlpipe.storage.catalog import connect
     from rlpipe.storage.tracking import NullTracker
+    from rlpipe.tasks.config import validate_config
 
     tracker = NullTracker()
     monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)

@@ -18,9 +18,9 @@ MODEL = "lineage-test"
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.rl import run_rl
     from rlpipe.flows.supervised import run_supervised
+    from rlpipe.tasks.config import validate_config
 
     runs = tmp_path_factory.mktemp("lineage") / "runs"
     data = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def rl_run(sft_checkpoint, tmp_path_factory) -> Path:  # noqa: F811
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.rl import run_rl
+    from rlpipe.tasks.config import validate_config
 
     torch.set_num_threads(1)
     config = validate_config(config_dict(tmp_path_factory.mktemp("replay"), "rl",
@@ -82,8 +82,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_async_kl_ppo_epochs_and_partial_batches_replay_forward(variant, sft_checkpoint, tmp_path, capsys):  # noqa: F811
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.rl import run_rl
+    from rlpipe.tasks.config import validate_config
 
     torch.set_num_threads(1)
     config = validate_config(config_dict(tmp_path, variant, {"steps": 3, "checkpoint_every": 0,

@@ -74,8 +74,8 @@ def config_dict(runs_root: Path, name: str, rl: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def sft_checkpoint(tmp_path_factory) -> str:
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.supervised import run_supervised
+    from rlpipe.tasks.config import validate_config
 
     root = tmp_path_factory.mktemp("sft")
     return run_supervised(validate_config(config_dict(root, "sft", {})), "sft")["checkpoint"]
@@ -88,8 +88,8 @@ def final_weights_sha(run_dir: Path) -> str:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_synchronous_loop_trains_the_same_weights_as_before_the_redesign(variant, sft_checkpoint, tmp_path):
-    from rlpipe.flows.config import validate_config
     from rlpipe.flows.rl import run_rl
+    from rlpipe.tasks.config import validate_config
 
     torch.set_num_threads(1)
     config = validate_config(config_dict(tmp_path, variant, VARIANTS[variant]))

@@ -6,7 +6,6 @@ import json
 import math
 
 import pytest
-from rlpipe.flows.config import RLConfig
 from rlpipe.training.advantages import (
     Group,
     compute_advantages,
@@ -15,6 +14,7 @@ from rlpipe.training.advantages import (
     group_stats,
     make_groups,
 )
+from rlpipe.training.config import RLConfig
 from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 

@@ -106,7 +106,8 @@ def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():
 
 
 def test_reward_timeout_is_a_config_key_that_refuses_negatives():
-    from rlpipe.flows.config import ConfigError, validate_config
+    from rlpipe.core.config import ConfigError
+    from rlpipe.tasks.config import validate_config
 
     assert validate_config({"task": {"reward_timeout_s": 2.5}}).task.reward_timeout_s == 2.5
     with pytest.raises(ConfigError, match=r"task\.reward_timeout_s"):

@@ -8,9 +8,8 @@ import dataclasses
 
 import pytest
 import torch
-from rlpipe.flows.config import RunConfig
 from rlpipe.tasks.build import StartPoint, build, rl_plan, supervised_plan
-from rlpipe.tasks.setup import lora_options
+from rlpipe.tasks.config import RunConfig
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import build_optimizer, forward_backward, optim_step
@@ -46,9 +45,9 @@ def test_an_rl_plan_with_a_kl_penalty_keeps_the_starting_weights_frozen_as_the_r
 
 def test_lora_is_off_at_rank_zero_and_otherwise_takes_the_config_section_values():
     config = _config(model={"lora": {"rank": 4, "alpha": 8.0, "targets": ["q_proj"]}})
-    options = lora_options(config.model.lora)
+    options = config.model.lora.options()
     assert (options.rank, options.alpha, options.dropout, options.targets) == (4, 8.0, 0.0, ("q_proj",))
-    assert lora_options(_config().model.lora) is None
+    assert _config().model.lora.options() is None
 
 
 def test_a_local_trainer_step_is_forward_backward_then_optim_step():

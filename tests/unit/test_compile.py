@@ -11,10 +11,11 @@ import copy
 
 import pytest
 import torch
-from rlpipe.flows.config import ConfigError, validate_config
+from rlpipe.core.config import ConfigError
 from rlpipe.models.compile import compile_layers, is_compiled
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.tasks.config import validate_config
 from rlpipe.tasks.setup import place_model
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint

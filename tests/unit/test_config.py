@@ -1,16 +1,11 @@
 """Config validation: typed sections, dotted names in errors, overrides, shipped configs valid."""
 
+import re
 from pathlib import Path
 
 import pytest
-from rlpipe.flows.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    describe_fields,
-    load_config,
-    validate_config,
-)
+from rlpipe.core.config import ConfigError, apply_overrides, describe_fields
+from rlpipe.tasks.config import RunConfig, load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +52,7 @@ def test_http_engine_needs_urls():
 
 
 def test_every_field_has_a_docstring():
-    lines = describe_fields()
+    lines = describe_fields(RunConfig)
     assert len(lines) > 40
     assert all(not line.rstrip().endswith("#") for line in lines if " = " in line), \
         [line for line in lines if line.rstrip().endswith("#")]
@@ -99,3 +94,47 @@ def test_epsilon_low_must_stay_below_one():
 def test_an_inline_api_token_is_refused_with_where_to_put_it():
     with pytest.raises(ConfigError, match="RLPIPE_API_TOKEN"):
         load_config(ROOT / "configs" / "tiny.toml", ['engine.api_token="s3cret"'])
+
+
+@pytest.mark.parametrize(("rl", "message"), [
+    ({"loss": "ppo_clip", "tis_cap": 2.0}, "rl.tis_cap with rl.loss = 'ppo_clip' is not supported"),
+    ({"loss": "gspo", "tis_cap": 2.0}, "rl.tis_cap is for reinforce and ppo_clip; rl.loss = 'gspo'"),
+    ({"loss": "dr_grpo", "normalize_std": True}, "rl.loss = 'dr_grpo' removes the std normalisation"),
+    ({"loss": "gspo", "optim": {"normaliser": "token"}},
+     "rl.loss = 'gspo' is normalised per sequence; rl.optim.normaliser = 'token' contradicts it"),
+])
+def test_a_loss_combination_is_refused_at_validation(rl, message):
+    # the loss registry (training/rl_loss.py) decides; the config refuses before a run starts
+    with pytest.raises(ConfigError, match=r"rl: Value error, " + re.escape(message)):
+        validate_config({"rl": rl})
+
+
+def test_a_loss_option_set_to_its_own_value_is_accepted():
+    assert validate_config({"rl": {"loss": "gspo", "optim": {"normaliser": "sequence"}}}).rl.loss == "gspo"
+    assert validate_config({"rl": {"loss": "dr_grpo"}}).rl.loss_normaliser() == ("constant", 16.0 * 16 * 8)
+
+
+def test_async_rl_gives_truncated_is_to_the_losses_that_weight_by_the_engine():
+    async_rl = {"max_off_policy_steps": 1, "off_policy_tis_cap": 3.0}
+    assert validate_config({"rl": async_rl}).rl.loss_options().tis_cap == 3.0
+    assert validate_config({"rl": async_rl | {"tis_cap": 1.5}}).rl.loss_options().tis_cap == 1.5
+    assert validate_config({"rl": async_rl | {"loss": "ppo_clip"}}).rl.loss_options().tis_cap == 0.0
+    assert validate_config({"rl": async_rl | {"loss": "gspo"}}).rl.loss_options().tis_cap == 0.0
+    assert validate_config({}).rl.loss_options().tis_cap == 0.0
+
+
+def test_the_lora_section_builds_the_adapters_options():
+    from rlpipe.training.lora import DEFAULT_TARGETS, LoraOptions
+
+    assert validate_config({}).model.lora.options() is None  # rank 0: LoRA off
+    options = validate_config({"model": {"lora": {"rank": 4, "alpha": 8.0}}}).model.lora.options()
+    assert options == LoraOptions(rank=4, alpha=8.0, dropout=0.0, targets=DEFAULT_TARGETS)
+
+
+@pytest.mark.parametrize("loss", ["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"])
+def test_a_resolved_config_validates_again_for_every_loss(loss):
+    # flows receive the config as a dict (config.json, Prefect parameters) and validate it again;
+    # a loss with its own normaliser records it, so the dict does not contradict the loss
+    config = load_config(ROOT / "configs" / "tiny.toml", [f'rl.loss="{loss}"'])
+    assert validate_config(config.model_dump(mode="json")) == config
+    assert config.rl.optim.normaliser == config.rl.loss_normaliser()[0]

@@ -14,11 +14,11 @@ from rlpipe.engines import decode_graphs as dg
 from rlpipe.engines import qwen3_fast, qwen3_moe
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
-from rlpipe.flows.config import RunConfig
 from rlpipe.models.presets import build_model
 from rlpipe.tasks.build import (
     make_engines,  # imported here: importing Prefect resets logging handlers
 )
+from rlpipe.tasks.config import RunConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rlpipe.flows.config import load_config
+from rlpipe.tasks.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENTS = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]

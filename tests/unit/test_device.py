@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlpipe.flows.config import ConfigError, validate_config
+from rlpipe.core.config import ConfigError
 from rlpipe.models.device import resolve_device
 from rlpipe.models.presets import build_model
 from rlpipe.models.varlen_plan import make_flash_views
+from rlpipe.tasks.config import validate_config
 from rlpipe.tasks.setup import engine_dtype, place_model
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.losses import nll_loss

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
-from rlpipe.flows.config import RLConfig
 from rlpipe.rollouts.fates import STATUSES, decision_rows, fate_metrics, sample_drop
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.training.advantages import Group
+from rlpipe.training.config import RLConfig
 from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.engines.config import EngineConfig
 from rlpipe.engines.http import (
     EngineResponseError,
     EngineTimeoutError,
@@ -20,7 +21,6 @@ from rlpipe.engines.http import (
 )
 from rlpipe.engines.server import build_app
 from rlpipe.engines.torch_engine import TorchEngine
-from rlpipe.flows.config import EngineConfig
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from rlpipe.flows.config import ConfigError, validate_config
+from rlpipe.core.config import ConfigError
 from rlpipe.flows.launch import (
     add_launch_arguments,
     check_launch_arguments,
@@ -18,6 +18,7 @@ from rlpipe.flows.launch import (
     strip_launch_flags,
 )
 from rlpipe.flows.runner import main_resume, main_run
+from rlpipe.tasks.config import validate_config
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.distributed import balanced_budget, share_of
 from rlpipe.training.loss_inputs import is_filler

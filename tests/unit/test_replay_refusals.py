@@ -7,9 +7,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rlpipe.flows.config import validate_config
 from rlpipe.flows.replay import main
 from rlpipe.storage.writer import write_table
+from rlpipe.tasks.config import validate_config
 from rlpipe.tasks.replay import ReplayError, refuse_unsupported, start_weights
 
 

@@ -9,8 +9,8 @@ from rlpipe.engines.base import Completion
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv
 from rlpipe.envs.base import Example
+from rlpipe.envs.config import RewardModelConfig
 from rlpipe.envs.reward_models import ClassifierReward, JudgeReward, WithModelRewards, build_scorer
-from rlpipe.flows.config import RewardModelConfig
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.tasks.score import score_rollouts

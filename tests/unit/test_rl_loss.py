@@ -10,7 +10,7 @@ import torch
 from rlpipe.training.batch import Sequence, pack_one
 from rlpipe.training.losses import normaliser_totals, reduce_loss
 from rlpipe.training.rl_loss import (
-    RLLossConfig,
+    RLLossOptions,
     bind_old_logprobs,
     build_rl_loss,
     ppo_clip_loss,
@@ -94,7 +94,7 @@ def test_ppo_first_step_ratio_is_exactly_one():
 
 
 def test_ppo_asymmetric_clip_hand_computed():
-    cfg = RLLossConfig(name="ppo_clip", epsilon_low=0.2, epsilon_high=0.28)
+    cfg = RLLossOptions(name="ppo_clip", epsilon_low=0.2, epsilon_high=0.28)
     batch = _batch(advantages=(1.0, -1.0), engine=((0.0, 0.0), (0.0, 0.0)))
     batch.log_probs = torch.zeros(10)
     ratios = {2: 1.25, 3: 1.40, 7: 0.85, 8: 0.70}  # A>0: in, clipped; A<0: in, clipped

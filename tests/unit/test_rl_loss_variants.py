@@ -10,7 +10,7 @@ from rlpipe.training.batch import Sequence, pack_one
 from rlpipe.training.kl import frozen_copy, kl_estimate, reference_logprobs
 from rlpipe.training.losses import normaliser_totals, reduce_loss
 from rlpipe.training.rl_loss import (
-    RLLossConfig,
+    RLLossOptions,
     bind_batch_inputs,
     build_rl_loss,
     cispo_loss,
@@ -72,7 +72,7 @@ def test_cispo_truncated_detached_weight_by_hand():
     batch = _batch()
     lp = _logprobs({2: math.log(2.0), 3: math.log(8.0), 7: math.log(0.5), 8: 0.0})
     values = lp.detach().clone()
-    per_token, metrics = cispo_loss(lp, batch, config=RLLossConfig(name="cispo", cispo_cap=5.0))
+    per_token, metrics = cispo_loss(lp, batch, config=RLLossOptions(name="cispo", cispo_cap=5.0))
     w = {2: 2.0, 3: 5.0, 7: 0.5, 8: 1.0}  # ratio 8 truncated at the cap
     adv = {2: 1.0, 3: 1.0, 7: -1.0, 8: -1.0}
     for t in w:

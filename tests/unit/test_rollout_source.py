@@ -7,9 +7,9 @@ import threading
 import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
-from rlpipe.flows.config import RLConfig
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
+from rlpipe.training.config import RLConfig
 from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 

@@ -70,7 +70,7 @@ def test_a_sigterm_that_surfaces_as_another_error_still_exits_143(tmp_path, monk
     # SIGTERM landing while Prefect starts a task run came out as Prefect's "Task run is not set"
     # (exit 1, "run failed"); the CLI calls it what it was
     from rlpipe.flows import runner
-    from rlpipe.flows.config import RunConfig
+    from rlpipe.tasks.config import RunConfig
 
     def start(config):
         try:

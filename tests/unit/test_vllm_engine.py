@@ -38,8 +38,8 @@ def test_config_for_vllm_is_portable(tmp_path):
 
 
 def test_config_keys_reach_the_vllm_engine(monkeypatch):
-    from rlpipe.flows.config import RunConfig
     from rlpipe.tasks.build import make_engines
+    from rlpipe.tasks.config import RunConfig
 
     built = []
     monkeypatch.setattr("rlpipe.engines.vllm_engine.VllmEngine", lambda model, **kw: built.append(kw) or kw)
@@ -65,8 +65,8 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
 
 
 def test_checkpoints_name_the_lm_head_only_where_vllm_servers_reload_them():
-    from rlpipe.flows.config import RunConfig
     from rlpipe.tasks.checkpoint import reloaded_by_vllm_servers
+    from rlpipe.tasks.config import RunConfig
 
     def engine(section: dict):
         return RunConfig.model_validate({"device": "cpu", "engine": section}).engine

@@ -1,26 +1,32 @@
-"""The sections of a run's config (`[model]`, `[train]`, `[rl]`, ...): typed, documented, strict.
+"""The config sections of what trains: the model and its LoRA adapters (`[model]`), the trainer
+(`[train]`), optimizers (`optim` of each phase), the supervised phases (`[pretrain]`, `[sft]`) and
+RL (`[rl]`, with its `[rl.sampling]`).
 
-`flows.config` assembles them into `RunConfig` and holds the cross-section checks and loading;
-import from there (it re-exports every section).
+Typed, documented, strict (core/config.py `Section`); tasks/config.py composes them into a run's
+`RunConfig`. The policy loss's choices are checked by its registry (training/rl_loss.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True,
-                              allow_inf_nan=False)
+from pydantic import Field, model_validator
+from rlpipe.core.config import Section
+from rlpipe.training.kl import KL_ESTIMATORS
+from rlpipe.training.lora import DEFAULT_TARGETS, LoraOptions
+from rlpipe.training.losses import Normaliser
+from rlpipe.training.rl_loss import (
+    LOSS_NAMES,
+    LOSSES,
+    RLLossOptions,
+    check_loss_choice,
+    loss_normaliser,
+)
 
 
 class LoraSection(Section):
+    """`[model.lora]`: low-rank adapters instead of training every weight."""
+
     rank: int = Field(0, ge=0)
     """LoRA adapter rank (0 = off: every weight trains). Needs the `lora` extra (peft). Works
     under train.parallel (ddp and fsdp2): every rank injects the same adapters."""
@@ -28,12 +34,19 @@ class LoraSection(Section):
     """LoRA scale numerator: the update is alpha / rank x B.A."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapters' input."""
-    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj"])
+    targets: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
     """Linear modules that get adapters."""
+
+    def options(self) -> LoraOptions | None:
+        """What `training.lora.add_lora` injects; None when rank is 0 (LoRA off)."""
+        if self.rank == 0:
+            return None
+        return LoraOptions(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets))
 
 
 class ModelConfig(Section):
+    """`[model]`: the model to train, where it starts and its dtypes."""
+
     preset: str = "tiny-dense"
     """Named model preset (models/presets.py) used when `path` is empty."""
     path: str = ""
@@ -51,6 +64,8 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
+    """`[train]`: how the trainer runs, shared by every phase."""
+
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them:
     much less memory for long packs, about a third more compute."""
@@ -72,42 +87,17 @@ class TrainConfig(Section):
     """Seconds a rank waits in a collective before failing: the other ranks wait while rank 0
     generates, scores, evaluates and checkpoints, so it must exceed the longest of those."""
 
-
-class RewardModelConfig(Section):
-    name: str
-    """Component name in scores.components (e.g. "rm", "judge")."""
-    type: Literal["classifier", "judge"]
-    """classifier: a sequence-classification reward model; judge: an LLM judge (torch engine)."""
-    path: str
-    """classifier: a Hugging Face AutoModelForSequenceClassification directory; judge: a causal
-    LM checkpoint directory."""
-    weight: float = 1.0
-    """Weight of this score in the reward (reward = env_reward_weight * env reward + sum)."""
-    label: int | str | None = None
-    """classifier with several labels: the label whose probability is the score (default: the last)."""
-    batch_size: int = Field(16, ge=1)
-    """classifier: sequences per forward pass."""
-    prompt: str = ""
-    """judge: prompt with a {conversation} field; '' = envs.reward_models.JUDGE_PROMPT."""
-
-
-class TaskConfig(Section):
-    env: str = "arithmetic"
-    """Environment name: arithmetic | calculator | countdown | dataset | verifiers."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Environment options (e.g. digits, operators, path, prompt_column); checked by the env."""
-    eval_examples: int = Field(200, ge=1)
-    """Held-out prompts used for greedy evaluation."""
-    reward_models: list[RewardModelConfig] = Field(default_factory=list)
-    """Model rewards added to the environment's (envs/reward_models.py), each a scores component."""
-    env_reward_weight: float = 1.0
-    """Weight of the environment's own reward when reward_models are set."""
-    reward_timeout_s: float = Field(0.0, ge=0)
-    """Seconds one reward call may take (0 = no limit). A call over it is recorded as a reward
-    error (reward 0), counted in the share that fails a step (rl.max_reward_error_fraction)."""
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.compile and self.activation_checkpointing:
+            raise ValueError("train.compile with train.activation_checkpointing is not supported: the "
+                             "checkpointed layers would run uncompiled (models/compile.py); turn one off")
+        return self
 
 
 class OptimConfig(Section):
+    """`optim` of a phase: the optimizer, its schedule and the micro-batch size."""
+
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -125,6 +115,8 @@ class OptimConfig(Section):
 
 
 class SupervisedConfig(Section):
+    """`[pretrain]` and `[sft]`: a supervised phase."""
+
     steps: int = Field(100, ge=0)
     """Optimizer steps."""
     sequences_per_step: int = Field(64, ge=1)
@@ -145,6 +137,8 @@ class SupervisedConfig(Section):
 
 
 class SamplingConfig(Section):
+    """`[rl.sampling]`: how completions are sampled."""
+
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (the loss evaluates the same tempered policy)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -156,6 +150,8 @@ class SamplingConfig(Section):
 
 
 class RLConfig(Section):
+    """`[rl]`: the RL phase: batches, groups, advantages, the policy loss and off-policy bounds."""
+
     steps: int = Field(50, ge=0)
     """Optimizer steps of RL."""
     prompts_per_step: int = Field(16, ge=1)
@@ -196,7 +192,7 @@ class RLConfig(Section):
     """A user filter "module:function", called as f(rollout, score) on every scored completion
     (rollouts.records): True keeps it; False or a reason string leaves it out of its group, with
     the fate `filtered` ("" = none)."""
-    loss: Literal["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"] = "reinforce"
+    loss: Literal[LOSS_NAMES] = "reinforce"
     """Policy loss (training/rl_loss.py): on-policy REINFORCE; PPO clipped token ratio against the
     engine's log-probs; GSPO sequence ratio (normalised per sequence); CISPO clipped, detached IS
     weight; Dr. GRPO (PPO clip normalised by prompts_per_step x group_size x max_new_tokens, no
@@ -212,7 +208,7 @@ class RLConfig(Section):
     """Weight of a KL penalty to the starting policy (a frozen copy kept in memory; 0 = off).
     Under train.parallel only rank 0 holds the copy: it computes the reference log-probs of every
     micro-batch and they travel with the step's batches to the rank that trains each."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal[KL_ESTIMATORS] = "k3"
     """Per-token KL estimator: k1 = log ratio, k2 = squared / 2, k3 = exp(r) - r - 1 (TRL's)."""
     overlong_buffer: int = Field(0, ge=0)
     """DAPO soft overlong penalty: over the last N tokens before sampling.max_new_tokens the
@@ -234,59 +230,34 @@ class RLConfig(Section):
     max_reward_error_fraction: float = Field(0.5, ge=0, le=1)
     """Fail the step once this share of reward calls raised."""
 
+    def loss_options(self) -> RLLossOptions:
+        """The policy loss's options (training/rl_loss.py; building them validates them). Async RL
+        (max_off_policy_steps >= 1) gives a loss that weights by the engine's log-probs truncated
+        importance weights capped at off_policy_tis_cap when tis_cap is 0."""
+        tis_cap = self.tis_cap
+        if self.max_off_policy_steps > 0 and tis_cap == 0 and LOSSES[self.loss].tis == "engine":
+            tis_cap = self.off_policy_tis_cap
+        return RLLossOptions(name=self.loss, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                             tis_cap=tis_cap, cispo_cap=self.cispo_cap, kl_coef=self.kl_coef,
+                             kl_estimator=self.kl_estimator)
 
-class EngineConfig(Section):
-    type: Literal["torch", "http", "vllm"] = "torch"
-    """Inference engine: in-process torch, OpenAI-compatible HTTP servers, or in-process vLLM."""
-    urls: list[str] = Field(default_factory=list)
-    """HTTP engine: server base URLs (requests are spread across them)."""
-    timeout_s: float = Field(60.0, gt=0)
-    """HTTP engine: per-request timeout."""
-    retries: int = Field(3, ge=0)
-    """HTTP engine and sync: retries on connection errors (with backoff)."""
-    api_token_env: str = "RLPIPE_API_TOKEN"
-    """HTTP engine: environment variable holding the servers' bearer token (unset or empty = none).
-    The token itself is never a config value, so it never reaches config.json, MLflow or logs."""
-    api_token_file: str = ""
-    """HTTP engine: a file holding the bearer token (first line); takes precedence over api_token_env."""
+    def loss_normaliser(self) -> tuple[Normaliser, float]:
+        """(normaliser, constant) of the optimizer step: the loss's own (gspo: per sequence; dr_grpo:
+        a constant) or optim.normaliser; the constant is the most completion tokens a step holds."""
+        return loss_normaliser(self.loss, self.optim.normaliser, self.prompts_per_step * self.group_size,
+                               self.sampling.max_new_tokens)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_inline_token(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "api_token" in data:
-            raise ValueError("engine.api_token is not accepted: a token in the config would be written to "
-                             "config.json and MLflow; put it in $RLPIPE_API_TOKEN (engine.api_token_env) "
-                             "or a file (engine.api_token_file)")
-        return data
-    sync_every: int = Field(1, ge=1)
-    """Send the trainer's weights to the engines every N steps (servers: a checkpoint each time);
-    at most rl.max_off_policy_steps + 1, so that samples stay within the staleness bound."""
-    cuda_graphs: bool = False
-    """Torch engine on CUDA: replay each decode step as one CUDA graph (engines/decode_graphs.py),
-    which removes the kernel-launch overhead that bounds decoding of small models at large
-    batches. Costs: its KV cache (engine max batch x longest prompt + max_new_tokens) stays
-    allocated while the trainer trains, and MoE blocks run every expert on every token. Off by
-    default until a GPU run has measured it (docs/BENCHMARKS_GPU.md); ignored, with a log line,
-    on CPU and for models without the fast Qwen3 path; not used by the snapshot engine of
-    rl.max_off_policy_steps > 0. vLLM engine: let vLLM compile and capture its CUDA graphs
-    (its own default, as TRL runs it; false = enforce_eager, which starts faster)."""
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """vLLM engine: share of GPU memory vLLM may hold while generating (weights + KV cache); it
-    sleeps, releasing it, while the trainer trains. Ignored by vLLM's CPU build."""
-    max_model_len: int = Field(0, ge=0)
-    """vLLM engine: longest prompt + completion it plans its KV cache for; 0 = the model's
-    max_position_embeddings (40,960 for Qwen3: lower it to leave memory to a smaller GPU)."""
-
-
-class TrackingConfig(Section):
-    enabled: bool = True
-    """Log to MLflow (a SQLite database under runs_root unless MLFLOW_TRACKING_URI is set)."""
-    experiment: str = "rlpipe"
-    """MLflow experiment name."""
-    registered_model: str = ""
-    """Register checkpoints as versions of this model ('' = the run name)."""
-    report: bool = True
-    """Write <run_dir>/report.html at the end of the run."""
-    prefect_task_runs: bool = True
-    """One Prefect task run per stage, seen in the Prefect UI. false: stages are plain calls inside
-    the flow run (3-10 ms less per stage: worth it when steps take well under a second)."""
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        normaliser = self.optim.normaliser if "normaliser" in self.optim.model_fields_set else None
+        check_loss_choice(self.loss_options(), normalize_std=self.normalize_std, normaliser=normaliser)
+        own = LOSSES[self.loss].normaliser
+        if own and self.optim.normaliser != own:  # record what the step runs with: config.json validates again
+            self.optim = self.optim.model_copy(update={"normaliser": own})
+        if self.overlong_buffer > self.sampling.max_new_tokens:
+            raise ValueError(f"rl.overlong_buffer ({self.overlong_buffer}) exceeds rl.sampling.max_new_tokens "
+                             f"({self.sampling.max_new_tokens})")
+        if self.max_off_policy_steps > 0 and self.ppo_epochs > 1:
+            raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
+                             "count steps, which the staleness bound is stated in)")
+        return self

@@ -1,0 +1,105 @@
+"""What every config section shares: the strict pydantic base, the error type, `--set` overrides,
+the finite-number check and the readable forms of errors and fields.
+
+The sections themselves live beside what they configure (training/config.py, engines/config.py,
+envs/config.py, storage/config.py); tasks/config.py composes them into a run's `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key."""
+
+
+class Section(BaseModel):
+    """A `[section]` of a run config: unknown keys refused, every field documented by its docstring."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True,
+                              allow_inf_nan=False)
+
+
+def check_plain_name(name: str, key: str) -> str:
+    """`name` if it is one plain folder name: no separator, not '.' or '..', no control character,
+    no surrounding spaces (a run_name of '..' would put the run, and --overwrite, outside runs_root)."""
+    if (not name or name != name.strip() or name in (".", "..") or any(c in name for c in "/\\")
+            or any(ord(c) < 32 for c in name)):
+        raise ValueError(f"{key} must be a plain folder name (no '/', '\\', '.' or '..'), got {name!r}")
+    return name
+
+
+def non_finite_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of every inf or nan float in a nested dict/list (TOML accepts `inf` and `nan`)."""
+    if isinstance(data, float):
+        return [] if math.isfinite(data) else [prefix or "(value)"]
+    if isinstance(data, dict):
+        items = data.items()
+    elif isinstance(data, list | tuple):
+        items = enumerate(data)
+    else:
+        return []
+    return [key for name, value in items
+            for key in non_finite_keys(value, f"{prefix}.{name}" if prefix else str(name))]
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `a.b=c`; the value is read as a TOML literal, else kept as a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    keys = [part.strip() for part in key.split(".")]
+    if not all(keys):
+        raise ConfigError(f"--set has an empty key part in {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return keys, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """A copy of the nested config dict `data` with each `--set a.b=c` of `overrides` applied."""
+    data = json.loads(json.dumps(data))
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for part in keys[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    """One line per problem of a failed validation, each naming its dotted key."""
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(root)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"  {key}: {message}")
+    return "\n".join(lines)
+
+
+def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """One line per field of `model` and its sections: dotted key, default, docstring."""
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.append(f"[{prefix}{name}]  {field.description or ''}")
+            lines += describe_fields(annotation, f"{prefix}{name}.")
+        else:
+            default = field.get_default(call_default_factory=True)
+            lines.append(f"  {prefix}{name} = {default!r}  # {field.description or ''}")
+    return lines

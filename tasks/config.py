@@ -1,0 +1,112 @@
+"""Run configuration: one TOML file validated into typed models.
+
+Every field has a docstring (shown by `rlpipe run --help-config`); unknown keys are rejected with
+their dotted name; `--set a.b=c` overrides a value before validation. The resolved config is
+written to `<run_dir>/config.json` and logged to MLflow as params.
+
+Each `[section]` lives beside what it configures (training/config.py, engines/config.py,
+envs/config.py, storage/config.py) and checks its own keys; `RunConfig` composes them and holds
+the checks that span sections. What sections share is core/config.py.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+from rlpipe.core.config import (
+    ConfigError,
+    Section,
+    apply_overrides,
+    check_plain_name,
+    format_validation_error,
+    non_finite_keys,
+)
+from rlpipe.engines.config import EngineConfig
+from rlpipe.envs.config import TaskConfig
+from rlpipe.storage.config import TrackingConfig
+from rlpipe.training.config import ModelConfig, RLConfig, SupervisedConfig, TrainConfig
+
+
+class RunConfig(Section):
+    """A whole run: top-level keys and every section; holds the checks that span sections."""
+
+    flow: Literal["pretrain", "sft", "rl", "pipeline"] = "pipeline"
+    """Which flow `rlpipe run` starts."""
+    run_name: str = "run"
+    """Run directory name under runs_root."""
+    runs_root: str = "runs"
+    """Folder holding run directories and the default MLflow database."""
+    seed: int = 0
+    """Seed of every random choice (data order, sampling, init)."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Torch device of the model, optimizer, batches and in-process engine: auto (CUDA when torch
+    sees a GPU, else CPU) | cpu | cuda | cuda:N. Asking for cuda without one is an error."""
+    threads: int = Field(0, ge=0)
+    """Torch intra-op threads (0 = torch's default). Tiny models are overhead-bound: 1 is often
+    as fast, and much steadier when other processes share the cores."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model to train."""
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    """Environment / data."""
+    pretrain: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(steps=0))
+    """Pretraining phase (flow = pretrain)."""
+    sft: SupervisedConfig = Field(default_factory=SupervisedConfig)
+    """SFT phase (flow = sft or pipeline)."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """RL phase (flow = rl or pipeline)."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """How the trainer runs (memory/compute trade-offs shared by every phase)."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """Rollout engine."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """MLflow tracking and the report."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, data: Any) -> Any:
+        bad = non_finite_keys(data)
+        if bad:
+            raise ValueError(f"{bad[0]} must be a finite number (inf and nan are refused)")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.engine.type == "vllm" and self.train.parallel != "none":
+            raise ValueError(
+                f"engine.type = 'vllm' with train.parallel = {self.train.parallel!r} is not supported: vLLM in "
+                "rank 0's process sets up its parallel groups on the process group the training ranks "
+                "share, and such a run hung (ddp, vLLM's CPU build); sample from vLLM servers instead "
+                "(engine.type = 'http', vllm+http:// urls)")
+        k = self.rl.max_off_policy_steps
+        if self.engine.sync_every > k + 1:
+            raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "
+                             f"= {k + 1}: engines would sample from weights older than the staleness bound")
+        check_plain_name(self.run_name, "run_name")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_root) / self.run_name
+
+
+def validate_config(data: dict, source: str = "") -> RunConfig:
+    """The `RunConfig` of a nested dict; ConfigError naming every bad key (`source` says where from)."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """The `RunConfig` of a TOML file with `--set a.b=c` overrides applied; ConfigError if unusable."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config {path} is not valid TOML: {error}") from None
+    return validate_config(apply_overrides(data, list(overrides)), str(path))
