@@ -76,6 +76,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     from rlpipe.envs.base import build_env
     from rlpipe.flows.config import validate_config
     from rlpipe.flows.progress import progress
+    from rlpipe.rollouts.options import rollout_options
     from rlpipe.storage.layout import partition_files
     from rlpipe.tasks.rescore import load_reward, rescore_run, scoring_env
     from rlpipe.tasks.rl_setup import overlong_penalty_fn
@@ -92,7 +93,8 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     bar = progress(total=total, desc="rescore", unit="rollout")
     try:
         counts = rescore_run(run_dir, out_dir, reward=reward, env=env,
-                             scorer=scoring_env(env, fn, config.task.reward_timeout_s), rl=config.rl,
+                             scorer=scoring_env(env, fn, config.task.reward_timeout_s),
+                             options=rollout_options(config.rl),
                              seed=config.seed, length_penalty=overlong_penalty_fn(config.rl), tick=bar.update)
     finally:
         bar.close()

@@ -15,6 +15,7 @@ from typing import Any
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
 from rlpipe.envs.timeout import with_reward_timeout
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.checkpoint import repair_checkpoint_row
 from rlpipe.tasks.evaluate import eval_step
@@ -157,7 +158,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     model = lora_from_config(model, config.model.lora)  # adapters only train (training/lora.py)
     ref_model = frozen_copy(model) if rl.kl_coef > 0 else None  # the start, before a resume loads
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
-    buffer = GroupBuffer(rl)
+    options = rollout_options(rl)
+    buffer = GroupBuffer(options.buffer)
     start_step, resume_from = 0, latest_checkpoint(run_dir)
     if resume_from is not None:
         loaded = load_checkpoint(resume_from, model=model)  # weights, data state, RNG
@@ -187,7 +189,7 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     stages = RunStages(engines=engines, tokenizer=tokenizer, env=env, sampling=sampling, seed=config.seed,
                        max_context=context, max_error_fraction=rl.max_reward_error_fraction,
                        run_dir=run_dir, run_id=run_id, length_penalty=overlong_penalty_fn(rl))
-    source = RolloutSource(rl, prompts, buffer, stages, start_step=start_step, published_version=version)
+    source = RolloutSource(options, prompts, buffer, stages, start_step=start_step, published_version=version)
     # gspo normalises per sequence, dr_grpo by a constant (training/rl_loss.py, loss_normaliser)
     normaliser, constant = loss_normaliser(rl.loss, rl.optim.normaliser, rl.prompts_per_step * rl.group_size,
                                            rl.sampling.max_new_tokens)

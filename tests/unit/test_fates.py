@@ -6,7 +6,15 @@ import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
 from rlpipe.flows.config import RLConfig
-from rlpipe.rollouts.fates import STATUSES, decision_rows, fate_metrics, sample_drop
+from rlpipe.rollouts.fates import (
+    STATUSES,
+    decide_groups,
+    fate_metrics,
+    fate_rows,
+    sample_drop,
+    select_step,
+)
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.training.advantages import Group
@@ -25,7 +33,7 @@ def rollout(sid: str, finish_reason: str = "stop") -> Rollout:
 
 
 def test_a_replaced_group_is_recorded_stale_not_left_carried():
-    buffer = GroupBuffer(RLConfig(prompts_per_step=2, max_staleness=5))
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=2, max_staleness=5)).buffer)
     buffer.start_batch(0)
     buffer.add([group("old", "a", 0, [0, 1])])
     buffer.start_batch(1)
@@ -33,18 +41,18 @@ def test_a_replaced_group_is_recorded_stale_not_left_carried():
     assert [(d.group.group_id, d.status) for d in decisions] == [("old", "stale"), ("new", "valid"),
                                                                 ("older", "stale")]
     assert "replaced by group new" in decisions[0].reason and "newer policy version 1" in decisions[2].reason
-    rows = decision_rows([], decisions, step=2)
+    rows = fate_rows(decide_groups([], decisions, step=2))
     assert {(r["sample_id"], r["status"]) for r in rows} == {
         ("old:0", "stale"), ("old:1", "stale"), ("new:0", "carried"), ("new:1", "carried"),
         ("older:0", "stale"), ("older:1", "stale")}
 
 
 def test_a_group_decided_twice_in_a_step_keeps_its_last_decision_and_the_batch_is_trained():
-    buffer = GroupBuffer(RLConfig(prompts_per_step=1, max_staleness=5))
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, max_staleness=5)).buffer)
     buffer.start_batch(0)
     decisions = buffer.add([group("a0", "a", 0, [0, 1]), group("a1", "a", 1, [0, 1]), group("z", "b", 1, [1, 1])])
     batch, _ = buffer.take()
-    rows = decision_rows(batch, decisions, step=1)
+    rows = fate_rows(decide_groups(batch, decisions, step=1))
     by_sample = {r["sample_id"]: r for r in rows}
     assert len(rows) == len(by_sample) == 6  # one row per completion
     assert by_sample["a0:0"]["status"] == "stale"
@@ -57,12 +65,12 @@ def test_a_group_decided_twice_in_a_step_keeps_its_last_decision_and_the_batch_i
 
 
 def test_sample_drops_name_the_reason():
-    rl = RLConfig(drop_truncated=True, sampling={"max_new_tokens": 7})
+    rl = rollout_options(RLConfig(drop_truncated=True, sampling={"max_new_tokens": 7})).drops
     ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
     assert sample_drop(rollout("g:0"), ok, rl) is None
     assert sample_drop(rollout("g:0", "length"), ok, rl) == (
         "truncated", "cut at rl.sampling.max_new_tokens=7 (finish_reason 'length') and rl.drop_truncated is on")
-    assert sample_drop(rollout("g:0", "length"), ok, RLConfig()) is None  # trained by default
+    assert sample_drop(rollout("g:0", "length"), ok, rollout_options(RLConfig()).drops) is None  # trained by default
     failed = Score("r", 1, "g:0", "g", 0.0, {}, "ZeroDivisionError: boom\nTraceback ...")
     assert sample_drop(rollout("g:0"), failed, rl) == ("reward_error", "reward function raised: ZeroDivisionError: boom")
 
@@ -73,13 +81,13 @@ def keep_short(rollout, score):
 
 
 def test_a_user_filter_drops_completions_as_filtered():
-    rl = RLConfig(sample_filter="tests.unit.test_fates:keep_short")
+    rl = rollout_options(RLConfig(sample_filter="tests.unit.test_fates:keep_short")).drops
     ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
     assert sample_drop(rollout("g:0"), ok, rl) is None
     long = Rollout(**{**rollout("g:0").row(), "completion_tokens": [2, 3], "n_completion_tokens": 2})
     assert sample_drop(long, ok, rl) == ("filtered", "tests.unit.test_fates:keep_short: 2 tokens")
     with pytest.raises(ValueError, match="rl.sample_filter 'tests.unit.test_fates:nothing'"):
-        sample_drop(rollout("g:0"), ok, RLConfig(sample_filter="tests.unit.test_fates:nothing"))
+        sample_drop(rollout("g:0"), ok, rollout_options(RLConfig(sample_filter="tests.unit.test_fates:nothing")).drops)
 
 
 class Stages:
@@ -102,16 +110,16 @@ class Stages:
         return [Score("r", step, r.sample_id, r.group_id, reward(r), {},
                       "ValueError: no" if r.completion_text == "0" else None) for r in rollouts]
 
-    def rows_of(self, groups, rows):
-        pass
-
-    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
-        self.fates[step] = fates
+    def select(self, fill, rows, options, *, step, empty):
+        selection = select_step(fill, rows, options, step=step)
+        self.fates[step] = selection.decisions
+        return selection
 
 
 def source(rl: RLConfig, stages: Stages) -> RolloutSource:
     examples = [Example("e", str(i), f"q{i}", None) for i in range(100)]
-    return RolloutSource(rl, PromptSource(examples, seed=0), GroupBuffer(rl), stages, start_step=0,
+    options = rollout_options(rl)
+    return RolloutSource(options, PromptSource(examples, seed=0), GroupBuffer(options.buffer), stages, start_step=0,
                          published_version=0)
 
 
