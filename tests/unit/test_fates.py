@@ -173,3 +173,23 @@ def test_the_rl_flow_logs_a_failed_steps_fate_counters_before_stopping():
     with pytest.raises(BatchFillError, match="step 3"):
         _step_batch(FailingSource(), 3, tracker)
     assert tracker.metrics == [(3, {"rollout/fate_over_cap": 24.0, "rollout/fate_zero_variance": 40.0})]
+
+
+def test_the_groups_rows_and_the_decisions_rows_read_one_decision():
+    from rlpipe.rollouts.fates import Fill
+    from rlpipe.tasks.advantages import advantage_rows, group_rows
+
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, max_staleness=5)).buffer)
+    buffer.start_batch(0)
+    decisions = buffer.add([group("a0", "a", 0, [0, 1]), group("a1", "a", 1, [0, 1]), group("z", "b", 1, [1, 1]),
+                            group("c", "c", 1, [1, 0])])
+    batch, _ = buffer.take()
+    rows = {sid: rollout(sid) for g in batch for sid in g.sample_ids}
+    selection = select_step(Fill(batch, decisions, [(rollout("d:0"), "truncated", "cut")]), rows,
+                            rollout_options(RLConfig()).advantages, step=1)
+    by_group = {r["group_id"]: r["status"] for r in group_rows(selection.fates, run_id="r", step=1)}
+    by_sample = {r["group_id"]: r["status"] for r in selection.decisions}
+    assert by_group == {"a0": "stale", "a1": "trained", "z": "zero_variance", "c": "carried"}
+    assert by_sample == by_group | {"d": "truncated"}
+    assert [(r["sample_id"], r["advantage"]) for r in advantage_rows(selection, run_id="r", step=1)] == [
+        ("a1:0", -0.5), ("a1:1", 0.5)]
