@@ -133,6 +133,10 @@ class StageTable:
     the stage returns)."""
     keep_stored: Callable[[Mapping[str, Any]], bool] = _never
     """keep_stored(arguments): a stored partition is kept as it is rather than rewritten."""
+    first: bool = False
+    """Written before the stage function runs, from its arguments (`rows(None, arguments)`):
+    rows that must reach the table before what the stage does (a step's row before the
+    checkpoint that marks the step done)."""
 
 
 def stage_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -175,16 +179,20 @@ def write_stage_table(table: StageTable, result: Any, arguments: Mapping[str, An
 def run_with_tables(fn: Callable, tables: tuple[StageTable, ...], check: Callable[[Any], None] | None,
                     /, *args: Any, **kwargs: Any) -> Any:
     """Call a stage with its tables: a result stored by an earlier run of the step is read back
-    instead of recomputed; else `fn` runs, every table's rows are written in the declared order,
-    then `check(result)` may raise (after the rows are written)."""
+    instead of recomputed; else the `first` tables are written, `fn` runs, the other tables'
+    rows of its result are written in the declared order, then `check(result)` may raise."""
     arguments = stage_arguments(fn, args, kwargs)
     for table in tables:
         stored = stored_result(table, arguments)
         if stored is not None:
             return stored
+    for table in tables:
+        if table.first:
+            write_stage_table(table, None, arguments)
     result = fn(*args, **kwargs)
     for table in tables:
-        write_stage_table(table, result, arguments)
+        if not table.first:
+            write_stage_table(table, result, arguments)
     if check is not None:
         check(result)
     return result
