@@ -193,3 +193,27 @@ def test_the_groups_rows_and_the_decisions_rows_read_one_decision():
     assert by_sample == by_group | {"d": "truncated"}
     assert [(r["sample_id"], r["advantage"]) for r in advantage_rows(selection, run_id="r", step=1)] == [
         ("a1:0", -0.5), ("a1:1", 0.5)]
+
+
+def test_the_filter_stage_writes_its_tables_and_reads_carried_rows_from_the_step_that_sampled_them(tmp_path):
+    from rlpipe.rollouts.fates import Fill
+    from rlpipe.storage.writer import read_table, write_table
+    from rlpipe.tasks._prefect import stage_task_runs
+    from rlpipe.tasks.advantages import filter_stage
+
+    sampled = [Rollout(**{**rollout(f"r:s000001:a1:g0000:00{j}").row(), "group_id": "r:s000001:a1:g0000"})
+               for j in range(2)]
+    write_table(tmp_path, "rollouts", 1, [r.row() for r in sampled], run_id="r")  # before a resume
+    carried = Group("r:s000001:a1:g0000", "e", "x", 0, [r.sample_id for r in sampled], [0.0, 1.0])
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1)).buffer)
+    buffer.load_state_dict({"pending": [carried.to_dict()], "policy_version": 0, "attempts": 0,
+                            "batch_counts": {}, "total_counts": {}})
+    batch, _ = buffer.take()
+    with stage_task_runs(False):
+        selection = filter_stage(Fill(batch, [], []), {}, rollout_options(RLConfig()).advantages, step=2,
+                                 empty=True, run_dir=tmp_path, run_id="r")
+    assert [s.rollout for s in selection.samples] == sampled
+    assert read_table(tmp_path, "rollouts", 2).num_rows == read_table(tmp_path, "scores", 2).num_rows == 0
+    assert read_table(tmp_path, "groups", 2).column("status").to_pylist() == ["trained"]
+    assert read_table(tmp_path, "decisions", 2).column("status").to_pylist() == ["trained", "trained"]
+    assert read_table(tmp_path, "advantages", 2).column("advantage").to_pylist() == [-0.5, 0.5]
