@@ -126,11 +126,10 @@ class MemoryStages:
         self.rewards.setdefault(step, []).extend(s.reward for s in scores)
         return scores
 
-    def rows_of(self, groups, rows):
-        pass
+    def select(self, fill, rows, options, *, step, empty):
+        from rlpipe.rollouts.fates import select_step
 
-    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
-        pass
+        return select_step(fill, rows, options, step=step)
 
 
 def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digits", start: str = "",
@@ -142,6 +141,7 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     from rlpipe.engines.base import SamplingParams
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.envs.prompts import PromptSource
+    from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.tasks.losses import loss_for
     from rlpipe.tasks.pack import pack_rollouts
@@ -173,8 +173,9 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                             seed=seed)
     stages = MemoryStages(engine, tokenizer, env, params)
-    source = RolloutSource(rl, PromptSource(env.examples("train", seed=seed), seed=seed), GroupBuffer(rl), stages,
-                           start_step=0, published_version=0)
+    options = rollout_options(rl)
+    source = RolloutSource(options, PromptSource(env.examples("train", seed=seed), seed=seed),
+                           GroupBuffer(options.buffer), stages, start_step=0, published_version=0)
     rewards, entropies, started = [], [], time.perf_counter()
     with source:
         for step in range(1, steps + 1):

@@ -12,7 +12,7 @@ on a loaded CPU with 2 cores ran SFT steps 10-30x slower and far less steadily).
 What is timed, in the same process and the same steps:
 - `seconds_<stage>` of the `train_steps` table: the flow's Stopwatch around each stage, i.e. the
   Prefect task call plus the stage's table writes;
-- the stage functions themselves (generate_rollouts, score_rollouts, group_rows,
+- the stage functions themselves (generate_rollouts, score_rollouts, select_step,
   pack_rollouts, train_on_batches, save_checkpoint, sync_engines, evaluate_greedy), the Parquet
   writes and reads (`persist`, `load_rows`) and the MLflow calls (log_metrics, register_checkpoint,
   set_alias), by wrapping those module attributes for the duration of the RL flow only;
@@ -58,17 +58,16 @@ from benchmarks.results import write_results  # noqa: E402
 STAGE_FUNCTIONS = [
     ("rlpipe.tasks.generate", "generate_rollouts", "function", "generate"),
     ("rlpipe.tasks.score", "score_rollouts", "function", "score"),
-    ("rlpipe.tasks.advantages", "group_rows", "function", "filter"),
+    ("rlpipe.tasks.advantages", "select_step", "function", "filter"),
     ("rlpipe.tasks.pack", "pack_rollouts", "function", "pack"),
     ("rlpipe.tasks.train", "train_on_batches", "function", "train"),
     ("rlpipe.tasks.checkpoint", "save_checkpoint", "function", "checkpoint"),
     ("rlpipe.tasks.sync", "sync_engines", "function", "sync"),
     ("rlpipe.tasks.evaluate", "evaluate_greedy", "function", "eval"),
 ]
-# Parquet: every module that writes or reads a table during an RL step
+# Parquet: the stages' tables are written and read back by one module (tasks/record.py)
 PARQUET_FUNCTIONS = [
-    (module, name, "parquet", name)
-    for module in ("rlpipe.tasks.generate", "rlpipe.tasks.score", "rlpipe.tasks.advantages", "rlpipe.flows.rl")
+    ("rlpipe.tasks.record", name, "parquet", name)
     for name in ("persist", "load_rows", "load_rows_beyond", "drain_writes")
 ]
 MLFLOW_METHODS = ("log_metrics", "register_checkpoint", "set_alias")

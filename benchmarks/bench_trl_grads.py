@@ -94,6 +94,7 @@ def compare(args: argparse.Namespace) -> dict:
     from rlpipe.envs.prompts import PromptSource
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.tasks.pack import pack_rollouts
     from rlpipe.tasks.setup import make_optimizer, stop_token_ids
@@ -118,8 +119,9 @@ def compare(args: argparse.Namespace) -> dict:
         rl = RLConfig(steps=args.steps, prompts_per_step=PROMPTS, group_size=GROUP, drop_zero_variance=False)
         stages = MemoryStages(engine, tokenizer, env, SamplingParams(n=GROUP, max_new_tokens=16,
                                                                      stop_token_ids=stops, seed=0))
-        source = RolloutSource(rl, PromptSource(env.examples("train", seed=0), seed=0), GroupBuffer(rl), stages,
-                               start_step=0, published_version=0)
+        options = rollout_options(rl)
+        source = RolloutSource(options, PromptSource(env.examples("train", seed=0), seed=0),
+                               GroupBuffer(options.buffer), stages, start_step=0, published_version=0)
         loss_fn, rows = build_rl_loss("reinforce"), []
         trl_model = trainer.model
         source.__enter__()

@@ -75,6 +75,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     """Load the run's config and the reward, re-score into the rescore folder; (folder, counts)."""
     from rlpipe.envs.registry import build_env
     from rlpipe.flows.progress import progress
+    from rlpipe.rollouts.options import rollout_options
     from rlpipe.storage.layout import partition_files
     from rlpipe.tasks.config import validate_config
     from rlpipe.tasks.rescore import load_reward, rescore_run, scoring_env
@@ -92,7 +93,8 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     bar = progress(total=total, desc="rescore", unit="rollout")
     try:
         counts = rescore_run(run_dir, out_dir, reward=reward, env=env,
-                             scorer=scoring_env(env, fn, config.task.reward_timeout_s), rl=config.rl,
+                             scorer=scoring_env(env, fn, config.task.reward_timeout_s),
+                             options=rollout_options(config.rl),
                              seed=config.seed, length_penalty=overlong_penalty_fn(config.rl), tick=bar.update)
     finally:
         bar.close()

@@ -1,20 +1,22 @@
-"""Every sampled completion's fate: one status and a human reason per `rollouts` row.
+"""Every sampled completion's fate: one status and a human reason per `rollouts` row, decided once.
 
-The rollout source decides fates at two levels; this module turns both into `decisions` rows
-(sample_id, group_id, status, reason; the writer adds run_id and the decision step), one per
-completion and decision step:
+A step's completions are decided at two levels, and this module is where both become fates:
 
 - per completion, before grouping (`sample_drop`): `reward_error` (the reward function raised:
   its made-up reward of 0 is not trained on), `truncated` (cut at max_new_tokens, with
   rl.drop_truncated), `filtered` (the user filter rl.sample_filter returned False or a reason);
-- per group, by the over-sampling buffer (`decision_rows`): `trained`, `carried` (valid surplus
-  waiting for a later step), `zero_variance`, `stale` (too old, or replaced by a newer group of
-  the same example), `over_cap` (sampled by a step that used up rl.max_attempts without filling
-  its batch: the step failed and the run stopped).
+- per group (`decide_groups`), from what the over-sampling buffer did while filling the batch
+  (`Fill`): `trained` (in the step's batch), `carried` (valid surplus waiting for a later step),
+  `zero_variance`, `stale` (too old, or replaced by a newer group of the same example),
+  `over_cap` (sampled by a step that used up rl.max_attempts without filling its batch: the step
+  failed and the run stopped).
 
+`select_step` is the filter/advantages stage's whole decision: each group's `GroupFate`, the
+`decisions` rows of every completion (sample_id, group_id, status, reason; the writer adds run_id
+and the decision step) and the trained samples with their advantages. The `groups` table, the
+`decisions` table and the `rollout/fate_<status>` counters (`fate_metrics`) are all read off it.
 A carried group gets another row at the step that trains or drops it, so the newest row of a
-sample is its fate: storage/views.py's `fates` view takes it. `fate_metrics` are the
-`rollout/fate_<status>` counters of a step, counted from the same rows.
+sample is its fate: storage/views.py's `fates` view takes it.
 
 Plain Python, no Prefect and no torch.
 """
@@ -22,17 +24,18 @@ Plain Python, no Prefect and no torch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from rlpipe.core.user_code import import_user_object
+from rlpipe.rollouts.records import TrainSample
 from rlpipe.training import metric_names as m
+from rlpipe.training.advantages import AdvantageOptions, group_advantages
 
 if TYPE_CHECKING:
     from rlpipe.rollouts.records import Rollout, Score
     from rlpipe.training.advantages import Group
-    from rlpipe.training.config import RLConfig
     from rlpipe.training.oversampling import GroupDecision
 
 STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_error", "truncated", "filtered")
@@ -47,19 +50,29 @@ def user_filter(spec: str) -> Callable[[Rollout, Score], bool | str]:
     return fn
 
 
-def sample_drop(rollout: Rollout, score: Score, rl: RLConfig) -> tuple[str, str] | None:
+@dataclass(frozen=True)
+class DropOptions:
+    """What decides a completion's drop before grouping, as the `[rl]` section names it."""
+
+    drop_truncated: bool
+    max_new_tokens: int
+    """rl.sampling.max_new_tokens, named in a truncated completion's reason."""
+    sample_filter: str
+
+
+def sample_drop(rollout: Rollout, score: Score, options: DropOptions) -> tuple[str, str] | None:
     """(status, reason) when the completion is left out of its group before selection, else None."""
     if score.error is not None:
         first = score.error.splitlines()[0] if score.error else "no message"
         return "reward_error", f"reward function raised: {first}"
-    if rl.drop_truncated and rollout.finish_reason == "length":
-        return "truncated", (f"cut at rl.sampling.max_new_tokens={rl.sampling.max_new_tokens} "
+    if options.drop_truncated and rollout.finish_reason == "length":
+        return "truncated", (f"cut at rl.sampling.max_new_tokens={options.max_new_tokens} "
                              "(finish_reason 'length') and rl.drop_truncated is on")
-    if rl.sample_filter:
-        verdict = user_filter(rl.sample_filter)(rollout, score)
+    if options.sample_filter:
+        verdict = user_filter(options.sample_filter)(rollout, score)
         if verdict is not True:
             why = verdict if isinstance(verdict, str) and verdict else "returned False"
-            return "filtered", f"{rl.sample_filter}: {why}"
+            return "filtered", f"{options.sample_filter}: {why}"
     return None
 
 
@@ -78,20 +91,69 @@ def over_cap(decisions: list[GroupDecision], reason: str) -> list[GroupDecision]
     return [replace(d, status="over_cap", reason=reason) if d.status == "valid" else d for d in decisions]
 
 
-def decision_rows(batch: list[Group], decisions: list[GroupDecision], *, step: int) -> list[dict]:
-    """One row per completion of every group decided at `step`: the batch's groups are trained,
-    a valid group not taken is carried, the others keep their decision's status and reason."""
-    final: dict[str, tuple[Group, str, str]] = {}
-    for d in decisions:  # a group decided twice in one step (added, then replaced) keeps the last
+@dataclass(frozen=True)
+class GroupFate:
+    """A group's decision at a step: its status (a STATUSES group status) and the human reason."""
+
+    group: Group
+    status: str
+    reason: str
+
+
+def decide_groups(batch: list[Group], decisions: list[GroupDecision], *, step: int) -> list[GroupFate]:
+    """The fate of every group decided at `step`, in the order first decided: the batch's groups
+    are trained, a valid group not taken is carried, the others keep their decision's status and
+    reason. A group decided twice in one step (added, then replaced) keeps the last decision."""
+    final: dict[str, GroupFate] = {}
+    for d in decisions:
         if d.status == "valid":
-            status, reason = "carried", f"valid surplus beyond step {step}'s batch, waits for a later step"
+            fate = GroupFate(d.group, "carried", f"valid surplus beyond step {step}'s batch, waits for a later step")
         else:
-            status, reason = d.status, d.reason
-        final[d.group.group_id] = (d.group, status, reason)
-    for g in batch:
-        final[g.group_id] = (g, "trained", f"trained at step {step} (sampled by policy version {g.policy_version})")
-    return [_row(sid, g.group_id, status, reason)
-            for g, status, reason in final.values() for sid in g.sample_ids]
+            fate = GroupFate(d.group, d.status, d.reason)
+        final[d.group.group_id] = fate
+    for g in batch:  # carried groups from earlier steps too: their row at the step that trains them
+        final[g.group_id] = GroupFate(g, "trained",
+                                      f"trained at step {step} (sampled by policy version {g.policy_version})")
+    return list(final.values())
+
+
+def fate_rows(fates: Iterable[GroupFate]) -> list[dict]:
+    """One `decisions` row per completion of every decided group."""
+    return [_row(sid, f.group.group_id, f.status, f.reason) for f in fates for sid in f.group.sample_ids]
+
+
+@dataclass(frozen=True)
+class Fill:
+    """What the over-sampling buffer did while filling a step's batch, before anything is decided."""
+
+    batch: list[Group]
+    """The groups the buffer gave the step (carried ones first); empty for a failed step."""
+    decisions: list[GroupDecision]
+    """The buffer's decisions of the step's fill (valid, zero_variance, stale, over_cap)."""
+    drops: list[tuple[Rollout, str, str]]
+    """Completions left out before grouping: (rollout, status, reason)."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A step's decision (`select_step`): what the filter/advantages stage records and returns."""
+
+    fates: list[GroupFate]
+    """Every group decided at the step (the `groups` rows)."""
+    decisions: list[dict]
+    """Every completion decided at the step (the `decisions` rows): drops first, then by group."""
+    samples: list[TrainSample]
+    """The completions to train on, group by group in batch order, with their advantages."""
+
+
+def select_step(fill: Fill, rows: Mapping[str, Rollout], options: AdvantageOptions, *, step: int) -> Selection:
+    """Decide every group and completion of a step once, and the trained samples' advantages;
+    `rows` holds the rollout row of every completion in the batch."""
+    fates = decide_groups(fill.batch, fill.decisions, step=step)
+    advantages = group_advantages(fill.batch, options)
+    samples = [TrainSample(rows[sid], reward, advantages[sid]) for g in fill.batch
+               for sid, reward in zip(g.sample_ids, g.rewards, strict=True)]
+    return Selection(fates=fates, decisions=drop_rows(fill.drops) + fate_rows(fates), samples=samples)
 
 
 def fate_metrics(rows: list[dict], pending: Iterable[Group]) -> dict[str, float]:

@@ -70,3 +70,17 @@ class Score(_Row):
     """Reward components by name (a dict when computed; as Arrow returns a map when read back)."""
     error: str | None
     """None, or why the reward function failed (the reward is then 0)."""
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One selected completion, ready to pack: its rollout row, reward and advantage."""
+
+    rollout: Rollout
+    reward: float
+    advantage: float
+
+    @property
+    def sample_id(self) -> str:
+        """The completion's id (its `rollouts` row's sample_id)."""
+        return self.rollout.sample_id

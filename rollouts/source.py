@@ -1,7 +1,7 @@
 """The rollout source: one call per training step returns that step's batch of scored, selected
 rollouts with their advantages.
 
-    source = RolloutSource(rl, prompts, buffer, stages, start_step=0)
+    source = RolloutSource(options, prompts, buffer, stages, start_step=0, published_version=0)
     with source:
         batch = source.batch(step)       # StepBatch: samples to pack, metrics, data_state
         ...train...
@@ -10,8 +10,9 @@ rollouts with their advantages.
 
 Behind it: sampling rounds (generate and score stages, injected as `RolloutStages`), the
 over-sampling buffer (training.oversampling: zero-variance filter, carry-over, max-attempts guard,
-partial batches) and the filter/advantages stage, which also records every sampled completion's
-fate (rollouts/fates.py: completions left out before grouping, then each group's decision).
+partial batches) and the filter/advantages stage, which decides each group and completion once
+(rollouts/fates.py `select_step`: trained, carried or dropped and why), computes the advantages
+and records them. `options` are the `[rl]` fields it reads (rollouts/options.py).
 
 `rl.max_off_policy_steps = k`:
 - k = 0: `batch(step)` fills the step's batch inline from the current weights (on-policy).
@@ -34,36 +35,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlpipe.rollouts.fates import (
-    decision_rows,
-    drop_rows,
+    DropOptions,
+    Fill,
+    Selection,
     fate_metrics,
     over_cap,
     sample_drop,
     user_filter,
 )
-from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.rollouts.records import Rollout, Score, TrainSample
 from rlpipe.training import metric_names as m
-from rlpipe.training.advantages import Group, make_groups
-from rlpipe.training.oversampling import BatchFillError, GroupBuffer, GroupDecision
+from rlpipe.training.advantages import AdvantageOptions, Group, make_groups
+from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 from rlpipe.training.timing import Stopwatch
 
 if TYPE_CHECKING:
     from rlpipe.envs.base import Example
     from rlpipe.envs.prompts import PromptSource
-    from rlpipe.training.config import RLConfig
-
-
-@dataclass(frozen=True)
-class TrainSample:
-    """One selected completion, ready to pack: its rollout row, reward and advantage."""
-
-    rollout: Rollout
-    reward: float
-    advantage: float
-
-    @property
-    def sample_id(self) -> str:
-        return self.rollout.sample_id
+    from rlpipe.rollouts.options import RolloutOptions
 
 
 @dataclass
@@ -90,24 +79,22 @@ class RolloutStages(Protocol):
     def score(self, examples: dict[str, Example], rollouts: list[Rollout], *, step: int,
               previous: list[Score]) -> list[Score]: ...
 
-    def rows_of(self, groups: list[Group], rows: dict[str, Rollout]) -> None:
-        """Add the rollout rows of `groups` missing from `rows` (carried across a resume)."""
-
-    def select(self, batch: list[Group], decisions: list[GroupDecision], carried: list[Group],
-               samples: list[TrainSample], *, step: int, empty: bool, fates: list[dict]) -> None:
-        """Record the step's groups (with their fate), advantages and per-completion `fates` rows
-        (the `decisions` table, rollouts/fates.py)."""
+    def select(self, fill: Fill, rows: dict[str, Rollout], options: AdvantageOptions, *, step: int,
+               empty: bool) -> Selection:
+        """The filter/advantages stage: decide the step (rollouts/fates.py `select_step`; `rows`
+        may lack the rows of groups carried across a resume) and record the decision; `empty`:
+        no sampling round ran at the step."""
 
 
 class RolloutSource:
     """Fills each step's batch (see the module docstring); `with` starts and stops the producer."""
 
-    def __init__(self, rl: RLConfig, prompts: PromptSource, buffer: GroupBuffer, stages: RolloutStages,
-                 *, start_step: int, published_version: int) -> None:
-        self.rl, self.prompts, self.buffer, self.stages = rl, prompts, buffer, stages
-        if rl.sample_filter:
-            user_filter(rl.sample_filter)  # a bad spec fails here, before any sampling
-        self.ahead = rl.max_off_policy_steps
+    def __init__(self, options: RolloutOptions, prompts: PromptSource, buffer: GroupBuffer,
+                 stages: RolloutStages, *, start_step: int, published_version: int) -> None:
+        self.options, self.prompts, self.buffer, self.stages = options, prompts, buffer, stages
+        if options.drops.sample_filter:
+            user_filter(options.drops.sample_filter)  # a bad spec fails here, before any sampling
+        self.ahead = options.max_off_policy_steps
         self._examples: dict[str, Example] = {}
         self._rows: dict[str, Rollout] = {}
         self._next = start_step + 1
@@ -164,7 +151,7 @@ class RolloutSource:
     # ------------------------------------------------------------------ the producer side
     def _produce_ahead(self) -> None:
         step = self._next
-        while step <= self.rl.steps:
+        while step <= self.options.steps:
             with self._cond:
                 # at most `ahead` batches waiting, and weights recent enough for the bound
                 self._cond.wait_for(lambda: self._stop or (
@@ -201,55 +188,45 @@ class RolloutSource:
             sampled.extend(new)
             scored.extend(new_scores)
             self._rows.update({r.sample_id: r for r in new})
-            return _groups(new, new_scores, self.rl, attempt, drops)
+            return _groups(new, new_scores, self.options.drops, attempt, drops)
 
-        train_version = (step - 1) * self.rl.ppo_epochs
-        carried = list(self.buffer.pending)
+        train_version = (step - 1) * self.options.ppo_epochs
         try:
             decisions = self.buffer.fill(train_version, sample_round)
         except BatchFillError as error:  # record what the failed rounds sampled, then fail the step
+            buffer = self.options.buffer
             failed = over_cap(getattr(error, "decisions", []),
-                              f"step {step} used rl.max_attempts={self.rl.max_attempts} sampling rounds without "
-                              f"filling its batch of {self.rl.prompts_per_step} groups; the run stopped")
-            fates = drop_rows(drops) + decision_rows([], failed, step=step)
-            self.stages.select([], failed, carried, [], step=step, empty=not sampled, fates=fates)
-            error.metrics = fate_metrics(fates, self.buffer.pending)
+                              f"step {step} used rl.max_attempts={buffer.max_attempts} sampling rounds without "
+                              f"filling its batch of {buffer.prompts_per_step} groups; the run stopped")
+            selection = self.stages.select(Fill([], failed, drops), self._rows, self.options.advantages,
+                                           step=step, empty=not sampled)
+            error.metrics = fate_metrics(selection.decisions, self.buffer.pending)
             raise
         with watch("filter"):
             batch, metrics = self.buffer.take()
-            self.stages.rows_of(batch, self._rows)
-            samples = _train_samples(batch, self._rows, self.rl)
-            fates = drop_rows(drops) + decision_rows(batch, decisions, step=step)
-            metrics |= fate_metrics(fates, self.buffer.pending)
-            self.stages.select(batch, decisions, carried, samples, step=step, empty=not sampled, fates=fates)
+            selection = self.stages.select(Fill(batch, decisions, drops), self._rows, self.options.advantages,
+                                           step=step, empty=not sampled)
+            metrics |= fate_metrics(selection.decisions, self.buffer.pending)
         keep = {sid for group in self.buffer.pending for sid in group.sample_ids}
         self._rows = {sid: row for sid, row in self._rows.items() if sid in keep}
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)
-        return StepBatch(step=step, samples=samples, metrics=metrics, seconds=watch.seconds,
+        return StepBatch(step=step, samples=selection.samples, metrics=metrics, seconds=watch.seconds,
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
 
 
-def _groups(rollouts: list[Rollout], scores: list[Score], rl: RLConfig, attempt: int,
+def _groups(rollouts: list[Rollout], scores: list[Score], options: DropOptions, attempt: int,
             drops: list[tuple[Rollout, str, str]]) -> list[Group]:
     """A round's groups of scored completions; those left out first (reward errors, truncation,
     the user filter: rollouts/fates.py) are appended to `drops` as (rollout, status, reason)."""
     kept = []
     for r, score in zip(rollouts, scores, strict=True):
-        drop = sample_drop(r, score, rl)
+        drop = sample_drop(r, score, options)
         if drop is not None:
             drops.append((r, *drop))
             continue
         kept.append({"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
                      "policy_version": r.policy_version, "sample_id": r.sample_id, "reward": score.reward})
     return make_groups(kept, attempt)
-
-
-def _train_samples(batch: list[Group], rows: dict[str, Rollout], rl: RLConfig) -> list[TrainSample]:
-    from rlpipe.training.advantages import group_advantages
-
-    advantages = group_advantages(batch, rl)
-    return [TrainSample(rows[sid], reward, advantages[sid]) for g in batch
-            for sid, reward in zip(g.sample_ids, g.rewards, strict=True)]
 
 
 def _sampling_metrics(sampled: list[Rollout], scored: list[Score], batch: list[Group],

@@ -1,24 +1,26 @@
-"""Stage `filter/advantages`: the groups the rollout source took for a step (and what it did with
-every other group) → the `groups` and `advantages` tables.
+"""Stage `filter/advantages`: where each group of a step is decided, once → the `groups`,
+`decisions` and `advantages` tables.
 
-The selection itself (zero-variance filter, carry-over, staleness) is training/oversampling.py,
-driven by rollouts/source.py; this stage records its decisions. `groups.status` is each group's
-fate at that step: trained, carried (valid, waits for a later step), zero_variance, stale
-(dropped for age), or over_cap (the step failed at rl.max_attempts). A carried group gets a second
-row at the step that trains or drops it, so a group's last row is its final fate. The per-completion form, with a reason and the completions
-dropped before grouping (reward errors, truncation), is the `decisions` table behind the `fates`
-view (rollouts/fates.py).
+The over-sampling buffer (training/oversampling.py, driven by rollouts/source.py) fills the
+step's batch and says what it did with every group it saw (`Fill`); this stage decides each
+group's fate at the step from it (rollouts/fates.py `select_step`: trained, carried, or dropped
+as zero_variance, stale or over_cap, and why), the completions left out before grouping
+(reward_error, truncated, filtered), and the trained completions' advantages. `groups.status` is
+each group's fate at that step; a carried group gets a second row at the step that trains or
+drops it, so a group's last row is its final fate. The per-completion form is the `decisions`
+table behind the `fates` view. The `rollout/fate_*` counters are counted from the same decision.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
+from rlpipe.rollouts.fates import Fill, GroupFate, Selection, select_step
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import load_rows, persist
-from rlpipe.training.advantages import Group, group_row
-from rlpipe.training.oversampling import GroupDecision
+from rlpipe.tasks.record import StageTable, load_rows
+from rlpipe.training.advantages import AdvantageOptions, Group, group_row
 
 
 def step_of_group(group_id: str) -> int:
@@ -26,41 +28,51 @@ def step_of_group(group_id: str) -> int:
     return int(group_id.rsplit(":", 3)[1][1:])
 
 
-def load_group_rows(groups: list[Group], rows: dict[str, Rollout], run_dir: Path) -> None:
-    """Add to `rows` the rollout rows of carried groups sampled before a resume (from the tables)."""
+def with_stored_rows(groups: list[Group], rows: Mapping[str, Rollout], run_dir: Path) -> dict[str, Rollout]:
+    """`rows` and the rollout rows of groups carried across a resume, read from the tables of
+    the steps that sampled them; FileNotFoundError when a group's rows are in neither."""
+    out = dict(rows)
     for group in groups:
-        if group.sample_ids[0] not in rows:
+        if group.sample_ids[0] not in out:
             for row in load_rows(run_dir, "rollouts", step_of_group(group.group_id)) or []:
-                rows[row["sample_id"]] = Rollout.from_row(row)
-    missing = [g.group_id for g in groups if g.sample_ids[0] not in rows]
+                out[row["sample_id"]] = Rollout.from_row(row)
+    missing = [g.group_id for g in groups if g.sample_ids[0] not in out]
     if missing:
         raise FileNotFoundError(f"rollouts of carried-over group(s) {missing[:3]} are not in the tables")
+    return out
 
 
-def group_rows(batch: list[Group], decisions: list[GroupDecision], carried: list[Group], *,
-               run_id: str, step: int) -> list[dict]:
-    """One row per group decided at this step, and per carried group trained at it."""
-    taken = {g.group_id for g in batch}
-
-    def row(group: Group, status: str) -> dict:
-        return {"run_id": run_id, "step": step, **group_row(group), "kept": status == "trained",
-                "status": status}
-
-    last = {d.group.group_id: d for d in decisions}  # decided twice in a step (added, replaced): the last
-    rows = []
-    for d in last.values():
-        status = d.status if d.status != "valid" else "trained" if d.group.group_id in taken else "carried"
-        rows.append(row(d.group, status))
-    decided = {d.group.group_id for d in decisions}
-    rows += [row(g, "trained") for g in carried if g.group_id in taken and g.group_id not in decided]
-    return rows
+def group_rows(fates: list[GroupFate], *, run_id: str, step: int) -> list[dict]:
+    """The `groups` rows of a step's decision: one per group decided at the step."""
+    return [{"run_id": run_id, "step": step, **group_row(f.group), "kept": f.status == "trained", "status": f.status}
+            for f in fates]
 
 
-@stage("filter")
-def select_task(batch, decisions, carried, samples, fates: list[dict], *, run_dir: Path, run_id: str,
-                step: int) -> None:
-    persist(run_dir, "groups", step, group_rows(batch, decisions, carried, run_id=run_id, step=step), run_id)
-    persist(run_dir, "decisions", step, fates, run_id)
-    advantage_rows = [{"run_id": run_id, "step": step, "sample_id": s.sample_id,
-                       "group_id": s.rollout.group_id, "advantage": s.advantage} for s in samples]
-    persist(run_dir, "advantages", step, advantage_rows, run_id)
+def advantage_rows(selection: Selection, *, run_id: str, step: int) -> list[dict]:
+    """The `advantages` rows of a step's decision: one per trained completion."""
+    return [{"run_id": run_id, "step": step, "sample_id": s.sample_id, "group_id": s.rollout.group_id,
+             "advantage": s.advantage} for s in selection.samples]
+
+
+def _empty_when_unsampled(selection: Selection, arguments: Mapping) -> list[dict] | None:
+    # carried-over groups alone fed the step: its sampling tables are empty
+    return [] if arguments["empty"] else None
+
+
+FILTER_TABLES = (
+    StageTable("rollouts", rows=_empty_when_unsampled),
+    StageTable("scores", rows=_empty_when_unsampled),
+    StageTable("groups", rows=lambda sel, a: group_rows(sel.fates, run_id=a["run_id"], step=a["step"])),
+    StageTable("decisions", rows=lambda sel, a: sel.decisions),
+    StageTable("advantages", rows=lambda sel, a: advantage_rows(sel, run_id=a["run_id"], step=a["step"])),
+)
+"""What the stage writes. It always runs: its decision is a pure function of the buffer's fill,
+which a resumed step repeats from the checkpoint's data_state."""
+
+
+@stage("filter", tables=FILTER_TABLES)
+def filter_stage(fill: Fill, rows: Mapping[str, Rollout], options: AdvantageOptions, *, run_dir: Path,
+                 run_id: str, step: int, empty: bool) -> Selection:
+    """Decide the step's groups and completions and the trained ones' advantages (module docstring);
+    `empty`: no sampling round ran at the step."""
+    return select_step(fill, with_stored_rows(fill.batch, rows, run_dir), options, step=step)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import drain_writes, load_rows, persist, persist_now
+from rlpipe.tasks.record import StageTable, drain_writes, load_rows, persist_now
 from rlpipe.training.checkpoint import save_checkpoint
 
 
@@ -54,23 +54,28 @@ def save_and_register(
     return checkpoint_row(run_id, step, policy_version, Path(path), model_name, version)
 
 
-@stage("checkpoint")
+CHECKPOINT_TABLES = (
+    StageTable("train_steps", rows=lambda _, a: [a["train_row"]], first=True),
+    StageTable("checkpoints", rows=lambda row, a: None if row is None else [row], durable=True),
+)
+"""The step's `train_steps` row before anything else; the `checkpoints` row at once after the checkpoint."""
+
+
+@stage("checkpoint", tables=CHECKPOINT_TABLES)
 def checkpoint_task(*, train_row: dict, checkpoint: bool, run_dir: Path, run_id: str, step: int,
                     **kwargs) -> dict | None:
-    """Finish a step: its `train_steps` row, then (when `checkpoint`) every queued table write on
-    disk, the checkpoint that marks the step done, and its `checkpoints` row written at once.
+    """Finish a step: its `train_steps` row (`train_row`), then (when `checkpoint`) every queued
+    table write on disk, the checkpoint that marks the step done, and its `checkpoints` row
+    (returned) written at once.
 
     A resume starts after the newest checkpoint, so nothing the step wrote may still be queued when
     it appears; the `checkpoints` row (it needs the registered version) comes right after, and
     `repair_checkpoint_row` rewrites it on resume if a kill fell in between.
     """
-    persist(run_dir, "train_steps", step, [train_row], run_id)
     if not checkpoint:
         return None
     drain_writes()
-    row = save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
-    persist_now(run_dir, "checkpoints", step, [row], run_id)
-    return row
+    return save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
 
 
 def repair_checkpoint_row(run_dir: Path, run_id: str, step: int, path: Path, model_name: str | None) -> None:

@@ -11,7 +11,7 @@ from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
 from rlpipe.tasks._prefect import stage
 from rlpipe.tasks.generate import encode_prompts
-from rlpipe.tasks.record import load_rows, persist
+from rlpipe.tasks.record import StageTable
 from rlpipe.tasks.score import reward_of
 from rlpipe.training import metric_names as m
 
@@ -59,9 +59,15 @@ def _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, m
     return rows, eval_metrics(rows)
 
 
-@stage("eval")
-def eval_task(engine, tokenizer, env, examples, **kwargs):
-    return evaluate_greedy(engine, tokenizer, env, examples, **kwargs)
+EVALS = StageTable("evals", rows=lambda rows, a: rows, read_back=lambda rows, a: rows)
+"""A resumed step's stored evals are its result."""
+
+
+@stage("eval", tables=(EVALS,))
+def eval_task(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, step: int, **kwargs) -> list[dict]:
+    """The `evals` rows of greedy completions on `examples` at `step` (read back on resume)."""
+    rows, _ = evaluate_greedy(engine, tokenizer, env, examples, run_id=run_id, step=step, **kwargs)
+    return rows
 
 
 def eval_metrics(rows: list[dict]) -> dict[str, float]:
@@ -73,11 +79,8 @@ def eval_metrics(rows: list[dict]) -> dict[str, float]:
 def eval_step(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, step: int,
               **kwargs) -> dict[str, float]:
     """Evaluate at `step` and write the `evals` table; a resumed step reads its rows back."""
-    rows = load_rows(run_dir, "evals", step)
-    if rows is None:
-        rows, _ = eval_task(engine, tokenizer, env, examples, run_id=run_id, step=step, **kwargs)
-        persist(run_dir, "evals", step, rows, run_id)
-    return eval_metrics(rows)
+    return eval_metrics(eval_task(engine, tokenizer, env, examples, run_dir=run_dir, run_id=run_id, step=step,
+                                  **kwargs))
 
 
 def best_accuracy_before(run_dir, step: int, checkpointed: set[int]) -> float:

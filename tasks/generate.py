@@ -15,7 +15,7 @@ from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import load_rows_beyond, persist
+from rlpipe.tasks.record import StageTable
 
 
 class PromptTooLongError(ValueError):
@@ -140,7 +140,19 @@ def generate_spread(engines: list[Engine], prompts: list[list[int]], params: Sam
     return [group for part in parts for group in part]
 
 
-@stage("generate")
+def _stored_round(rows: list[dict], arguments: dict) -> list[Rollout] | None:
+    """The round's rollouts when a resumed step's partition already holds them."""
+    done = [Rollout.from_row(row) for row in rows if row["attempt"] == arguments["attempt"]]
+    return done or None
+
+
+ROLLOUTS = StageTable(
+    "rollouts", rows=lambda new, a: [r.row() for r in a["previous"] + new], read_back=_stored_round,
+    known=lambda a: len(a["previous"]))
+"""The step's partition holds every round so far: the earlier ones (`previous`) and this one."""
+
+
+@stage("generate", tables=(ROLLOUTS,))
 def generate_stage(
     engines: list[Engine], tokenizer: Any, env: Environment, examples: list[Example],
     params: SamplingParams, *, previous: list[Rollout], run_dir: Path, run_id: str, seed: int,
@@ -150,13 +162,7 @@ def generate_stage(
 
     A round already in the table (a resumed step) is read back, not sampled again.
     """
-    existing = load_rows_beyond(run_dir, "rollouts", step, known=len(previous)) or []
-    done = [Rollout.from_row(row) for row in existing if row["attempt"] == attempt]
-    if done:
-        return done
-    rows = generate_rollouts(
+    return generate_rollouts(
         engines, tokenizer, env, examples, sampling_for_step(params, seed, step, attempt),
         run_id=run_id, step=step, attempt=attempt, policy_version=policy_version,
         max_context=max_context)
-    persist(run_dir, "rollouts", step, [r.row() for r in previous + rows], run_id)
-    return rows

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlpipe.envs.multiturn import model_token_mask, segment_bounds
-from rlpipe.rollouts.source import TrainSample
+from rlpipe.rollouts.records import TrainSample
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import persist
+from rlpipe.tasks.record import StageTable
 from rlpipe.training.batch import PackedBatch, Sequence, pack, shared_prefix_units
 
 Budget = Callable[[list[int], int], int]
@@ -99,10 +99,12 @@ def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, st
     return batches, batch_rows(batches, run_id, step)
 
 
-@stage("pack")
+BATCHES = StageTable("batches", rows=lambda batches, a: batch_rows(batches, a["run_id"], a["step"]))
+
+
+@stage("pack", tables=(BATCHES,))
 def pack_task(samples: list[TrainSample], token_budget: int, *, run_dir: Path, run_id: str, step: int,
               budget: Budget = whole_budget) -> list[PackedBatch]:
-    """The `pack` stage: `pack_rollouts`, its rows written to the `batches` table."""
-    batches, rows = pack_rollouts(samples, token_budget, run_id, step, budget)
-    persist(run_dir, "batches", step, rows, run_id)
+    """The step's micro-batches (`pack_rollouts`), their `batches` rows written by the stage."""
+    batches, _ = pack_rollouts(samples, token_budget, run_id, step, budget)
     return batches

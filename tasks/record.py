@@ -1,6 +1,13 @@
-"""Stage `record`: persist a step's rows and metrics (the tables, then MLflow).
+"""The stages' persistence: each stage's tables written, and read back on resume (one path).
 
 Tables first: they are the source of truth; MLflow mirrors them for dashboards and the registry.
+
+A stage declares the tables it writes (`StageTable`, given to tasks/_prefect.py `stage`), and
+`run_with_tables` does the rest around the stage function: when a table says how to read the
+stage's result back and the step's partition holds it (a resumed step), that is the result and
+the function does not run; otherwise the function runs and each table's rows of its result are
+written to tables/<table>/step=<step>/ (atomically, storage/writer.py). The stage's `run_dir`,
+`run_id` and `step` arguments say where.
 
 Inside `background_writes()` (the RL flow's loop), `persist` queues each write on one ordered
 writer thread instead of waiting for it (a write is 3-5 ms, six a step); reads of a partition
@@ -10,10 +17,13 @@ progress as durable (a checkpoint). Outside the block, `persist` writes synchron
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlpipe.core.phases import PHASES
 from rlpipe.storage.layout import partition_file
@@ -98,6 +108,95 @@ def load_rows_beyond(run_dir: Path, table: str, step: int, known: int) -> list[d
     if not path.is_file() or read_partition(path, table, metadata_only=True).num_rows <= known:
         return None
     return read_table(run_dir, table, step).to_pylist()
+
+
+def _never(arguments: Mapping[str, Any]) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class StageTable:
+    """A table a stage writes, one partition per step (the stage's `step` argument).
+
+    Each callable gets the stage's arguments by name (defaults applied) as `arguments`."""
+
+    name: str
+    rows: Callable[[Any, Mapping[str, Any]], list[dict] | None]
+    """rows(result, arguments): the partition's rows for the stage's result; None writes nothing."""
+    read_back: Callable[[list[dict], Mapping[str, Any]], Any] | None = None
+    """read_back(stored rows, arguments): the stage's result from a stored partition (a resumed
+    step), or None when it does not hold it; unset: the stage always runs."""
+    known: Callable[[Mapping[str, Any]], int] | None = None
+    """For a partition that grows by rounds: how many of its rows this process wrote itself
+    (earlier rounds); it is read back only when it holds more. Unset: read when complete."""
+    durable: bool = False
+    """Write synchronously and fsynced, after every queued write (rows that must be on disk when
+    the stage returns)."""
+    keep_stored: Callable[[Mapping[str, Any]], bool] = _never
+    """keep_stored(arguments): a stored partition is kept as it is rather than rewritten."""
+    first: bool = False
+    """Written before the stage function runs, from its arguments (`rows(None, arguments)`):
+    rows that must reach the table before what the stage does (a step's row before the
+    checkpoint that marks the step done)."""
+
+
+def stage_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of `fn` by parameter name, defaults applied, **kwargs flattened."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    out = dict(bound.arguments)
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            out |= out.pop(name, {})
+    return out
+
+
+def stored_result(table: StageTable, arguments: Mapping[str, Any]) -> Any | None:
+    """The stage's result read back from its stored partition, or None (run the stage)."""
+    if table.read_back is None:
+        return None
+    run_dir, step = arguments["run_dir"], arguments["step"]
+    if table.known is None:
+        stored = load_rows(run_dir, table.name, step)
+    else:
+        stored = load_rows_beyond(run_dir, table.name, step, known=table.known(arguments))
+    return None if stored is None else table.read_back(stored, arguments)
+
+
+def write_stage_table(table: StageTable, result: Any, arguments: Mapping[str, Any]) -> None:
+    """Write the table's rows of a stage's result (or nothing: rows None, or a kept partition)."""
+    rows = table.rows(result, arguments)
+    if rows is None:
+        return
+    run_dir, run_id, step = arguments["run_dir"], arguments["run_id"], arguments["step"]
+    if table.keep_stored(arguments) and load_rows(run_dir, table.name, step) is not None:
+        return
+    if table.durable:
+        persist_now(run_dir, table.name, step, rows, run_id)
+    else:
+        persist(run_dir, table.name, step, rows, run_id)
+
+
+def run_with_tables(fn: Callable, tables: tuple[StageTable, ...], check: Callable[[Any], None] | None,
+                    /, *args: Any, **kwargs: Any) -> Any:
+    """Call a stage with its tables: a result stored by an earlier run of the step is read back
+    instead of recomputed; else the `first` tables are written, `fn` runs, the other tables'
+    rows of its result are written in the declared order, then `check(result)` may raise."""
+    arguments = stage_arguments(fn, args, kwargs)
+    for table in tables:
+        stored = stored_result(table, arguments)
+        if stored is not None:
+            return stored
+    for table in tables:
+        if table.first:
+            write_stage_table(table, None, arguments)
+    result = fn(*args, **kwargs)
+    for table in tables:
+        if not table.first:
+            write_stage_table(table, result, arguments)
+    if check is not None:
+        check(result)
+    return result
 
 
 def train_step_row(run_id: str, step: int, mode: str, metrics: dict, seconds: dict[str, float]) -> dict:

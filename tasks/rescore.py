@@ -38,7 +38,8 @@ from rlpipe.core.user_code import import_user_object
 from rlpipe.envs.base import Environment, Example, Messages, RewardResult, completion_text_of
 from rlpipe.envs.rewards import RewardFn, evaluate_reward, get_reward
 from rlpipe.envs.timeout import with_reward_timeout
-from rlpipe.rollouts.fates import decision_rows, drop_rows, sample_drop
+from rlpipe.rollouts.fates import DropOptions, decide_groups, drop_rows, fate_rows, sample_drop
+from rlpipe.rollouts.options import RolloutOptions
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
 from rlpipe.storage.layout import partition_files
@@ -105,7 +106,8 @@ def find_examples(train: Sequence[Example], ids: Iterable[str], known: dict[str,
                          "the env's train examples: was the run's task config changed?")
 
 
-def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], rl: Any) -> tuple[list[Group], list[dict]]:
+def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], options: DropOptions
+                 ) -> tuple[list[Group], list[dict]]:
     """The groups a step's sampling rounds formed (rollouts/source.py: completions whose reward
     raised, or truncated ones with rl.drop_truncated, left out, then make_groups per round), and
     the `decisions` rows of those left out."""
@@ -115,7 +117,7 @@ def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], rl: Any) 
     for attempt in sorted({r.attempt for r in rollouts}):
         kept = []
         for r in (r for r in rollouts if r.attempt == attempt):
-            drop = sample_drop(r, score_of[r.sample_id], rl)
+            drop = sample_drop(r, score_of[r.sample_id], options)
             if drop is None:
                 kept.append({"group_id": r.group_id, "env": r.env, "example_id": r.example_id,
                              "policy_version": r.policy_version, "sample_id": r.sample_id,
@@ -126,7 +128,8 @@ def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], rl: Any) 
     return groups, drop_rows(drops)
 
 
-def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any, emptied: Iterable[str] = ()
+def counterfactual(original: Sequence[dict], groups: dict[str, Group], options: RolloutOptions,
+                   emptied: Iterable[str] = ()
                    ) -> tuple[list[dict], list[dict], list[dict]]:
     """The run's `groups` rows replayed with new rewards (module docstring): (groups rows,
     advantages rows of the trained groups, `decisions` rows of their completions), each row with
@@ -149,7 +152,7 @@ def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any, 
             reason = ""
             if status == "stale":
                 reason = "stale in the run (a group's age does not depend on its reward)"
-            elif stats.zero_variance and rl.drop_zero_variance:
+            elif stats.zero_variance and options.buffer.drop_zero_variance:
                 status, reason = "zero_variance", f"re-scored: group reward std {stats.std:.3g} <= eps {ZERO_VARIANCE_EPS:g}"
                 gone.add(group_id)
             elif status == "zero_variance":
@@ -161,14 +164,14 @@ def counterfactual(original: Sequence[dict], groups: dict[str, Group], rl: Any, 
                                "status": status})
             if status == "trained":
                 batch.append(group)
-                advantages = group_advantages([group], rl)
+                advantages = group_advantages([group], options.advantages)
                 advantage_rows += [{**key, "sample_id": sid, "group_id": group_id, "advantage": advantages[sid]}
                                    for sid in group.sample_ids]
             else:
                 step_decisions.append(GroupDecision(group, stats, "valid" if status == "carried" else status, reason))
         run_id = by_step[step][0]["run_id"]
         decisions += [{"run_id": run_id, "step": step, **row}
-                      for row in decision_rows(batch, step_decisions, step=step)]
+                      for row in fate_rows(decide_groups(batch, step_decisions, step=step))]
     return group_rows, advantage_rows, decisions
 
 
@@ -192,10 +195,11 @@ def prepare_out(run_dir: Path, out_dir: Path, reward: str) -> None:
 
 
 def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, scorer: Environment,
-                rl: Any, seed: int, length_penalty: Callable[[int], float] | None = None,
+                options: RolloutOptions, seed: int, length_penalty: Callable[[int], float] | None = None,
                 tick: Callable[[int], None] = lambda n: None) -> dict[str, int]:
     """Re-score every stored rollout of `run_dir` with `scorer` into `out_dir` (module docstring);
-    `env` gives the examples, `tick(n)` reports n rollouts done. Returns rollout and error counts."""
+    `env` gives the examples, `options` are the run's (rollouts/options.py, from its `[rl]` section),
+    `tick(n)` reports n rollouts done. Returns rollout and error counts."""
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     steps = [step for step, _ in partition_files(run_dir, "rollouts")]
     if not steps:
@@ -211,7 +215,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
         scores: list[Score] = score_rollouts(scorer, examples, rollouts, 1.0, length_penalty)
         write_table(out_dir, "scores", step, [s.row() for s in scores], run_id=_run_id(rollouts, run_dir),
                     durable=False)
-        step_groups, drops[step] = round_groups(rollouts, scores, rl)
+        step_groups, drops[step] = round_groups(rollouts, scores, options.drops)
         groups.update({g.group_id: g for g in step_groups})
         counts["rollouts"] += len(rollouts)
         counts["errors"] += sum(s.error is not None for s in scores)
@@ -219,7 +223,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     original = read_table(run_dir, "groups").to_pylist()
     emptied = {row["group_id"] for rows in drops.values() for row in rows} - set(groups)
     run_id = _run_id(original, run_dir)
-    tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, rl, emptied),
+    tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, options, emptied),
                       strict=True))
     tables["decisions"] += [{"run_id": run_id, "step": step, **row} for step, rows in drops.items() for row in rows]
     by_step = {table: _by_step(rows) for table, rows in tables.items()}

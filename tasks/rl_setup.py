@@ -15,6 +15,7 @@ from typing import Any
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
 from rlpipe.envs.timeout import with_reward_timeout
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.checkpoint import repair_checkpoint_row
@@ -87,7 +88,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
-    buffer = GroupBuffer(rl)
+    options = rollout_options(rl)
+    buffer = GroupBuffer(options.buffer)
     if start.resume is not None:
         prompts.load_state_dict(built.data_state["prompts"])
         buffer.load_state_dict(built.data_state["buffer"])
@@ -106,7 +108,7 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     stages = RunStages(engines=built.engines, tokenizer=built.tokenizer, env=env, sampling=sampling,
                        seed=config.seed, max_context=context, max_error_fraction=rl.max_reward_error_fraction,
                        run_dir=run_dir, run_id=run_id, length_penalty=overlong_penalty_fn(rl))
-    source = RolloutSource(rl, prompts, buffer, stages, start_step=built.start_step, published_version=version)
+    source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version)
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=loss_for(rl), env=env,
                  engines=built.engines, eval_engine=built.eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],

@@ -14,10 +14,12 @@ from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
-from rlpipe.tasks.advantages import load_group_rows, select_task
+from rlpipe.rollouts.fates import Fill, Selection
+from rlpipe.rollouts.records import Rollout
+from rlpipe.tasks.advantages import filter_stage
 from rlpipe.tasks.generate import generate_stage
-from rlpipe.tasks.record import persist
 from rlpipe.tasks.score import score_stage
+from rlpipe.training.advantages import AdvantageOptions
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,6 @@ class RunStages:
                            max_error_fraction=self.max_error_fraction, run_dir=self.run_dir,
                            run_id=self.run_id, length_penalty=self.length_penalty)
 
-    def rows_of(self, groups, rows: dict[str, dict]) -> None:
-        load_group_rows(groups, rows, self.run_dir)
-
-    def select(self, batch, decisions, carried, samples, *, step: int, empty: bool, fates: list[dict]) -> None:
-        if empty:  # carried-over groups alone fed this step: its sampling tables are empty
-            persist(self.run_dir, "rollouts", step, [], self.run_id)
-            persist(self.run_dir, "scores", step, [], self.run_id)
-        select_task(batch, decisions, carried, samples, fates, run_dir=self.run_dir, run_id=self.run_id, step=step)
+    def select(self, fill: Fill, rows: dict[str, Rollout], options: AdvantageOptions, *, step: int,
+               empty: bool) -> Selection:
+        return filter_stage(fill, rows, options, step=step, empty=empty, run_dir=self.run_dir, run_id=self.run_id)

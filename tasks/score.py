@@ -14,7 +14,7 @@ from rlpipe.envs.multiturn import transcript_of, with_turn_rewards
 from rlpipe.envs.rewards import RewardError, format_traceback
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import load_rows_beyond, persist
+from rlpipe.tasks.record import StageTable
 
 
 def reward_of(env: Environment, example: Example, transcript: str | list[dict]) -> RewardResult:
@@ -68,16 +68,25 @@ def _rewards(env: Environment, examples: dict[str, Example], rollouts: list[Roll
             for r, result in zip(rollouts, results, strict=True)]
 
 
-@stage("score")
+def _stored_scores(rows: list[dict], arguments: dict) -> list[Score] | None:
+    """The round's scores when a resumed step's partition already holds every one of them."""
+    rollouts = arguments["rollouts"]
+    wanted = {r.sample_id for r in rollouts}
+    existing = {row["sample_id"]: Score.from_row(row) for row in rows if row["sample_id"] in wanted}
+    if len(existing) != len(wanted):
+        return None
+    return [existing[r.sample_id] for r in rollouts]
+
+
+SCORES = StageTable(
+    "scores", rows=lambda new, a: [r.row() for r in a["previous"] + new], read_back=_stored_scores,
+    known=lambda a: len(a["previous"]))
+"""The step's partition holds the scores of every round so far (`previous`, then this one)."""
+
+
+@stage("score", tables=(SCORES,))
 def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[Rollout], *,
                 previous: list[Score], run_dir: Path, run_id: str, step: int,
                 max_error_fraction: float, length_penalty: Callable[[int], float] | None = None) -> list[Score]:
     """Scores of one sampling round; read back when a resumed step already scored them."""
-    wanted = {r.sample_id for r in rollouts}
-    stored = load_rows_beyond(run_dir, "scores", step, known=len(previous)) or []
-    existing = {row["sample_id"]: Score.from_row(row) for row in stored if row["sample_id"] in wanted}
-    if len(existing) == len(wanted):
-        return [existing[r.sample_id] for r in rollouts]
-    rows = score_rollouts(env, examples, rollouts, max_error_fraction, length_penalty)
-    persist(run_dir, "scores", step, [r.row() for r in previous + rows], run_id)
-    return rows
+    return score_rollouts(env, examples, rollouts, max_error_fraction, length_penalty)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlpipe.engines.base import Engine
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import load_rows, persist_now
+from rlpipe.tasks.record import StageTable
 
 
 class SyncError(RuntimeError):
@@ -52,24 +52,26 @@ def sync_engines(
     ]
 
 
-def raise_failed(rows: list[dict]) -> None:
-    failed = [r for r in rows if not r["ok"]]
+def raise_failed(rows: list[dict] | None) -> None:
+    """SyncError naming every engine of `rows` that did not take the weights (none: no rows)."""
+    failed = [r for r in rows or () if not r["ok"]]
     if failed:
         details = "; ".join(f"{r['engine']}: {r['error']}" for r in failed)
         raise SyncError(f"step {rows[0]['step']}, stage sync: {len(failed)} engine(s) did not take "
                         f"{rows[0]['checkpoint_path'] or 'the new weights'}: {details}")
 
 
-@stage("sync", retries=1)
+SYNCS = StageTable("syncs", rows=lambda rows, a: rows, durable=True, keep_stored=lambda a: a["only_missing"])
+"""Written at once (a sync may follow the step's checkpoint); a resume's re-sync keeps stored rows."""
+
+
+@stage("sync", retries=1, tables=(SYNCS,), check=raise_failed)
 def sync_task(engines, checkpoint_path, policy_version, *, run_dir: Path, run_id: str, step: int,
-              retries: int, only_missing: bool = False) -> None:
+              retries: int, only_missing: bool = False) -> list[dict] | None:
     """Sync the engines that hold their own weights copy and write their `syncs` rows at once
     (a sync may follow the step's checkpoint); raises SyncError after the rows are written.
     `only_missing`: a resume's re-sync, whose rows repair a step killed before writing them."""
     engines = [e for e in engines if not e.shares_weights]
     if not engines:
-        return
-    rows = sync_engines(engines, checkpoint_path, policy_version, run_id=run_id, step=step, retries=retries)
-    if not only_missing or load_rows(run_dir, "syncs", step) is None:
-        persist_now(run_dir, "syncs", step, rows, run_id)
-    raise_failed(rows)
+        return None
+    return sync_engines(engines, checkpoint_path, policy_version, run_id=run_id, step=step, retries=retries)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from rlpipe.envs.multiturn import segment_bounds
-from rlpipe.rollouts.source import TrainSample
+from rlpipe.rollouts.records import TrainSample
 from rlpipe.tasks.record import persist
 from rlpipe.training.batch import PackedBatch
 from rlpipe.training.losses import loss_token_mask, sequence_index

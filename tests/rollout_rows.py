@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpipe.rollouts.records import Rollout
-from rlpipe.rollouts.source import TrainSample
+from rlpipe.rollouts.records import Rollout, TrainSample
 
 _DEFAULTS: dict[str, Any] = dict(
     run_id="r", step=1, policy_version=0, env="test", example_id="x", group_id="g", sample_id="s", attempt=1,

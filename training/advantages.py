@@ -19,10 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rlpipe.training.config import RLConfig
+from typing import Any
 
 ESTIMATORS = ("grpo", "rloo")
 ZERO_VARIANCE_EPS = 1e-6
@@ -175,13 +172,21 @@ def make_groups(rows: Iterable[Mapping[str, Any]], attempt: int = 1) -> list[Gro
     return list(groups.values())
 
 
-def group_advantages(groups: Iterable[Group], rl: RLConfig) -> dict[str, float]:
-    """sample_id → advantage for every completion of `groups` (rl.estimator, rl.normalize_std,
-    rl.positive_only of the pydantic `[rl]` section)."""
+@dataclass(frozen=True)
+class AdvantageOptions:
+    """The estimator and its switches, as the `[rl]` section names them (its defaults are there)."""
+
+    estimator: str
+    normalize_std: bool
+    positive_only: bool
+
+
+def group_advantages(groups: Iterable[Group], options: AdvantageOptions) -> dict[str, float]:
+    """sample_id → advantage for every completion of `groups`."""
     out: dict[str, float] = {}
     for g in groups:
         adv = compute_advantages(
-            g.rewards, rl.estimator, rl.normalize_std, ZERO_VARIANCE_EPS, rl.positive_only
+            g.rewards, options.estimator, options.normalize_std, ZERO_VARIANCE_EPS, options.positive_only
         )
         out.update(zip(g.sample_ids, adv, strict=True))
     return out

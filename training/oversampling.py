@@ -8,7 +8,7 @@ are dropped as stale, and only the latest policy version of each example is kept
 `max_attempts` rounds without a full batch, `fill` raises `BatchFillError` (or, with
 `partial_batches`, returns what it found). Its state is plain JSON (checkpoint data_state.json).
 
-    buffer = GroupBuffer(config.rl)                 # the pydantic `[rl]` section
+    buffer = GroupBuffer(options)                   # BufferOptions (rollouts/options.py builds them)
     decisions = buffer.fill(version, sample_round)  # sample_round(attempt, n_prompts) -> groups
     batch, metrics = buffer.take()
 
@@ -20,13 +20,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlpipe.training import metric_names as m
 from rlpipe.training.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
 
-if TYPE_CHECKING:
-    from rlpipe.training.config import RLConfig
+
+@dataclass(frozen=True)
+class BufferOptions:
+    """What the buffer reads of the `[rl]` section (its meaning and defaults are there)."""
+
+    prompts_per_step: int
+    oversample_factor: float
+    max_attempts: int
+    partial_batches: bool
+    max_staleness: int
+    max_off_policy_steps: int
+    drop_zero_variance: bool
 
 
 class BatchFillError(RuntimeError):
@@ -38,10 +48,10 @@ class BatchFillError(RuntimeError):
     metrics: dict[str, float]
 
 
-def staleness_limit(rl: RLConfig) -> int:
+def staleness_limit(options: BufferOptions) -> int:
     """Most policy versions a trained group may lag the weights being updated: the carry-over
     bound `max_staleness`, or the async bound `max_off_policy_steps` when that is larger."""
-    return max(rl.max_staleness, rl.max_off_policy_steps)
+    return max(options.max_staleness, options.max_off_policy_steps)
 
 
 _COUNTERS = ("sampled_groups", "zero_var_groups", "valid_groups", "stale_dropped")
@@ -63,7 +73,7 @@ class GroupDecision:
 class GroupBuffer:
     """Valid groups waiting to be trained on, with the counters of the batch being filled."""
 
-    rl: RLConfig
+    options: BufferOptions
     pending: list[Group] = field(default_factory=list)
     policy_version: int = 0
     attempts: int = 0
@@ -80,7 +90,7 @@ class GroupBuffer:
         self.policy_version = policy_version
         self.attempts = 0
         self.batch_counts = dict.fromkeys(_COUNTERS, 0)
-        limit = staleness_limit(self.rl)
+        limit = staleness_limit(self.options)
         stale = [g for g in self.pending if policy_version - g.policy_version > limit]
         self._count("stale_dropped", len(stale))
         self.pending = [g for g in self.pending if policy_version - g.policy_version <= limit]
@@ -90,13 +100,13 @@ class GroupBuffer:
 
     def need(self) -> int:
         """Valid groups still missing for a full batch."""
-        return max(0, self.rl.prompts_per_step - len(self.pending))
+        return max(0, self.options.prompts_per_step - len(self.pending))
 
     def prompts_to_sample(self, max_boost: float = 8.0) -> int:
         """Prompts for the next round: ceil(need × oversample_factor), scaled up by the share of
         sampled groups that turned out valid (this batch's, else the run's so far), so that a
         policy which solves most prompts still fills its batch in a round or two."""
-        base = math.ceil(self.need() * self.rl.oversample_factor)
+        base = math.ceil(self.need() * self.options.oversample_factor)
         counts = self.batch_counts if self.batch_counts["sampled_groups"] else self.total_counts
         if not counts["sampled_groups"]:
             return base
@@ -105,10 +115,10 @@ class GroupBuffer:
 
     def begin_attempt(self) -> int:
         """Count a sampling round (1-based number); BatchFillError once max_attempts are used up."""
-        if self.attempts >= self.rl.max_attempts:
+        if self.attempts >= self.options.max_attempts:
             c = self.batch_counts
             raise BatchFillError(
-                f"could not fill {self.rl.prompts_per_step} groups with non-zero reward variance "
+                f"could not fill {self.options.prompts_per_step} groups with non-zero reward variance "
                 f"after {self.attempts} attempts ({len(self.pending)} valid; of {c['sampled_groups']} "
                 f"groups sampled, {c['zero_var_groups']} had zero variance): raise rl.max_attempts or "
                 "rl.oversample_factor, set rl.partial_batches, or make the task easier/harder so "
@@ -123,7 +133,7 @@ class GroupBuffer:
         for g in groups:
             stats = g.stats(ZERO_VARIANCE_EPS)
             self._count("sampled_groups")
-            if stats.zero_variance and self.rl.drop_zero_variance:
+            if stats.zero_variance and self.options.drop_zero_variance:
                 self._count("zero_var_groups")
                 decisions.append(GroupDecision(g, stats, "zero_variance", f"group reward std {stats.std:.3g} <= "
                                                f"eps {ZERO_VARIANCE_EPS:g} (all {stats.n} rewards equal)"))
@@ -157,7 +167,7 @@ class GroupBuffer:
         max_attempts rounds instead of raising BatchFillError."""
         decisions = self.start_batch(policy_version)
         while self.need() > 0:
-            if self.rl.partial_batches and self.attempts >= self.rl.max_attempts:
+            if self.options.partial_batches and self.attempts >= self.options.max_attempts:
                 break  # train on what the rounds found
             try:
                 attempt = self.begin_attempt()
@@ -170,7 +180,7 @@ class GroupBuffer:
     def take(self) -> tuple[list[Group], dict[str, float]]:
         """The batch's groups (oldest first, up to prompts_per_step) and its metrics; the surplus
         stays for the next step."""
-        n = self.rl.prompts_per_step
+        n = self.options.prompts_per_step
         batch, self.pending = self.pending[:n], self.pending[n:]
         c = self.batch_counts
         metrics = {

@@ -13,6 +13,7 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.snapshot import SnapshotEngine
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.losses import loss_for
 from rlpipe.tasks.pack import pack_rollouts
@@ -41,7 +42,8 @@ def test_reinforce_raises_reward_on_a_learnable_env(ahead):
                                                                      autocast=False))
     params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer), seed=0)
     stages = MemoryStages(engine, tokenizer, env, params)
-    source = RolloutSource(rl, PromptSource(env.examples("train"), seed=0), GroupBuffer(rl), stages,
+    options = rollout_options(rl)
+    source = RolloutSource(options, PromptSource(env.examples("train"), seed=0), GroupBuffer(options.buffer), stages,
                            start_step=0, published_version=0)
     lags = []
     with source:

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.training.advantages import (
     Group,
     compute_advantages,
@@ -24,7 +25,7 @@ def fill_batch(buffer, version, sample):
 
 
 def BufferConfig(groups_per_batch, **options):  # noqa: N802 - reads like the section it builds
-    return RLConfig(prompts_per_step=groups_per_batch, **options)
+    return rollout_options(RLConfig(prompts_per_step=groups_per_batch, **options)).buffer
 
 
 def _close(a, b):
@@ -90,7 +91,7 @@ def test_make_groups_and_group_advantages():
         ("arithmetic", "a", 1),
     ]
     assert groups[0].sample_ids == ["s-a-0", "s-a-1"] and groups[0].attempt == 2
-    adv = group_advantages(groups[:1], RLConfig(estimator="rloo"))
+    adv = group_advantages(groups[:1], rollout_options(RLConfig(estimator="rloo")).advantages)
     assert adv == {"s-a-0": 1.0, "s-a-1": -1.0}
     row = group_row(groups[1])
     assert row["zero_variance"] and row["n"] == 2 and row["reward_mean"] == 1.0

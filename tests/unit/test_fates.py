@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
-from rlpipe.rollouts.fates import STATUSES, decision_rows, fate_metrics, sample_drop
+from rlpipe.rollouts.fates import (
+    STATUSES,
+    decide_groups,
+    fate_metrics,
+    fate_rows,
+    sample_drop,
+    select_step,
+)
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.training.advantages import Group
@@ -25,7 +33,7 @@ def rollout(sid: str, finish_reason: str = "stop") -> Rollout:
 
 
 def test_a_replaced_group_is_recorded_stale_not_left_carried():
-    buffer = GroupBuffer(RLConfig(prompts_per_step=2, max_staleness=5))
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=2, max_staleness=5)).buffer)
     buffer.start_batch(0)
     buffer.add([group("old", "a", 0, [0, 1])])
     buffer.start_batch(1)
@@ -33,18 +41,18 @@ def test_a_replaced_group_is_recorded_stale_not_left_carried():
     assert [(d.group.group_id, d.status) for d in decisions] == [("old", "stale"), ("new", "valid"),
                                                                 ("older", "stale")]
     assert "replaced by group new" in decisions[0].reason and "newer policy version 1" in decisions[2].reason
-    rows = decision_rows([], decisions, step=2)
+    rows = fate_rows(decide_groups([], decisions, step=2))
     assert {(r["sample_id"], r["status"]) for r in rows} == {
         ("old:0", "stale"), ("old:1", "stale"), ("new:0", "carried"), ("new:1", "carried"),
         ("older:0", "stale"), ("older:1", "stale")}
 
 
 def test_a_group_decided_twice_in_a_step_keeps_its_last_decision_and_the_batch_is_trained():
-    buffer = GroupBuffer(RLConfig(prompts_per_step=1, max_staleness=5))
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, max_staleness=5)).buffer)
     buffer.start_batch(0)
     decisions = buffer.add([group("a0", "a", 0, [0, 1]), group("a1", "a", 1, [0, 1]), group("z", "b", 1, [1, 1])])
     batch, _ = buffer.take()
-    rows = decision_rows(batch, decisions, step=1)
+    rows = fate_rows(decide_groups(batch, decisions, step=1))
     by_sample = {r["sample_id"]: r for r in rows}
     assert len(rows) == len(by_sample) == 6  # one row per completion
     assert by_sample["a0:0"]["status"] == "stale"
@@ -57,12 +65,12 @@ def test_a_group_decided_twice_in_a_step_keeps_its_last_decision_and_the_batch_i
 
 
 def test_sample_drops_name_the_reason():
-    rl = RLConfig(drop_truncated=True, sampling={"max_new_tokens": 7})
+    rl = rollout_options(RLConfig(drop_truncated=True, sampling={"max_new_tokens": 7})).drops
     ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
     assert sample_drop(rollout("g:0"), ok, rl) is None
     assert sample_drop(rollout("g:0", "length"), ok, rl) == (
         "truncated", "cut at rl.sampling.max_new_tokens=7 (finish_reason 'length') and rl.drop_truncated is on")
-    assert sample_drop(rollout("g:0", "length"), ok, RLConfig()) is None  # trained by default
+    assert sample_drop(rollout("g:0", "length"), ok, rollout_options(RLConfig()).drops) is None  # trained by default
     failed = Score("r", 1, "g:0", "g", 0.0, {}, "ZeroDivisionError: boom\nTraceback ...")
     assert sample_drop(rollout("g:0"), failed, rl) == ("reward_error", "reward function raised: ZeroDivisionError: boom")
 
@@ -73,13 +81,13 @@ def keep_short(rollout, score):
 
 
 def test_a_user_filter_drops_completions_as_filtered():
-    rl = RLConfig(sample_filter="tests.unit.test_fates:keep_short")
+    rl = rollout_options(RLConfig(sample_filter="tests.unit.test_fates:keep_short")).drops
     ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
     assert sample_drop(rollout("g:0"), ok, rl) is None
     long = Rollout(**{**rollout("g:0").row(), "completion_tokens": [2, 3], "n_completion_tokens": 2})
     assert sample_drop(long, ok, rl) == ("filtered", "tests.unit.test_fates:keep_short: 2 tokens")
     with pytest.raises(ValueError, match="rl.sample_filter 'tests.unit.test_fates:nothing'"):
-        sample_drop(rollout("g:0"), ok, RLConfig(sample_filter="tests.unit.test_fates:nothing"))
+        sample_drop(rollout("g:0"), ok, rollout_options(RLConfig(sample_filter="tests.unit.test_fates:nothing")).drops)
 
 
 class Stages:
@@ -102,16 +110,16 @@ class Stages:
         return [Score("r", step, r.sample_id, r.group_id, reward(r), {},
                       "ValueError: no" if r.completion_text == "0" else None) for r in rollouts]
 
-    def rows_of(self, groups, rows):
-        pass
-
-    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
-        self.fates[step] = fates
+    def select(self, fill, rows, options, *, step, empty):
+        selection = select_step(fill, rows, options, step=step)
+        self.fates[step] = selection.decisions
+        return selection
 
 
 def source(rl: RLConfig, stages: Stages) -> RolloutSource:
     examples = [Example("e", str(i), f"q{i}", None) for i in range(100)]
-    return RolloutSource(rl, PromptSource(examples, seed=0), GroupBuffer(rl), stages, start_step=0,
+    options = rollout_options(rl)
+    return RolloutSource(options, PromptSource(examples, seed=0), GroupBuffer(options.buffer), stages, start_step=0,
                          published_version=0)
 
 
@@ -165,3 +173,47 @@ def test_the_rl_flow_logs_a_failed_steps_fate_counters_before_stopping():
     with pytest.raises(BatchFillError, match="step 3"):
         _step_batch(FailingSource(), 3, tracker)
     assert tracker.metrics == [(3, {"rollout/fate_over_cap": 24.0, "rollout/fate_zero_variance": 40.0})]
+
+
+def test_the_groups_rows_and_the_decisions_rows_read_one_decision():
+    from rlpipe.rollouts.fates import Fill
+    from rlpipe.tasks.advantages import advantage_rows, group_rows
+
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, max_staleness=5)).buffer)
+    buffer.start_batch(0)
+    decisions = buffer.add([group("a0", "a", 0, [0, 1]), group("a1", "a", 1, [0, 1]), group("z", "b", 1, [1, 1]),
+                            group("c", "c", 1, [1, 0])])
+    batch, _ = buffer.take()
+    rows = {sid: rollout(sid) for g in batch for sid in g.sample_ids}
+    selection = select_step(Fill(batch, decisions, [(rollout("d:0"), "truncated", "cut")]), rows,
+                            rollout_options(RLConfig()).advantages, step=1)
+    by_group = {r["group_id"]: r["status"] for r in group_rows(selection.fates, run_id="r", step=1)}
+    by_sample = {r["group_id"]: r["status"] for r in selection.decisions}
+    assert by_group == {"a0": "stale", "a1": "trained", "z": "zero_variance", "c": "carried"}
+    assert by_sample == by_group | {"d": "truncated"}
+    assert [(r["sample_id"], r["advantage"]) for r in advantage_rows(selection, run_id="r", step=1)] == [
+        ("a1:0", -0.5), ("a1:1", 0.5)]
+
+
+def test_the_filter_stage_writes_its_tables_and_reads_carried_rows_from_the_step_that_sampled_them(tmp_path):
+    from rlpipe.rollouts.fates import Fill
+    from rlpipe.storage.writer import read_table, write_table
+    from rlpipe.tasks._prefect import stage_task_runs
+    from rlpipe.tasks.advantages import filter_stage
+
+    sampled = [Rollout(**{**rollout(f"r:s000001:a1:g0000:00{j}").row(), "group_id": "r:s000001:a1:g0000"})
+               for j in range(2)]
+    write_table(tmp_path, "rollouts", 1, [r.row() for r in sampled], run_id="r")  # before a resume
+    carried = Group("r:s000001:a1:g0000", "e", "x", 0, [r.sample_id for r in sampled], [0.0, 1.0])
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1)).buffer)
+    buffer.load_state_dict({"pending": [carried.to_dict()], "policy_version": 0, "attempts": 0,
+                            "batch_counts": {}, "total_counts": {}})
+    batch, _ = buffer.take()
+    with stage_task_runs(False):
+        selection = filter_stage(Fill(batch, [], []), {}, rollout_options(RLConfig()).advantages, step=2,
+                                 empty=True, run_dir=tmp_path, run_id="r")
+    assert [s.rollout for s in selection.samples] == sampled
+    assert read_table(tmp_path, "rollouts", 2).num_rows == read_table(tmp_path, "scores", 2).num_rows == 0
+    assert read_table(tmp_path, "groups", 2).column("status").to_pylist() == ["trained"]
+    assert read_table(tmp_path, "decisions", 2).column("status").to_pylist() == ["trained", "trained"]
+    assert read_table(tmp_path, "advantages", 2).column("advantage").to_pylist() == [-0.5, 0.5]

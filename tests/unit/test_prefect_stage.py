@@ -1,4 +1,5 @@
-"""Stages as plain calls (tracking.prefect_task_runs = false) keep their retries and results."""
+"""Stages as plain calls (tracking.prefect_task_runs = false) keep their retries and results; a
+stage's declared tables are written by the stage and read back on resume."""
 
 from __future__ import annotations
 
@@ -40,3 +41,51 @@ def test_task_runs_are_the_default_and_restored_after_the_block():
     with stage_task_runs(False):
         assert module._TASK_RUNS.get() is False
     assert module._TASK_RUNS.get() is True
+
+
+def _evals(step: int, reward: float) -> list[dict]:
+    return [{"run_id": "r", "step": step, "env": "e", "example_id": "x", "reward": reward, "correct": True,
+             "prompt_text": "", "completion_text": ""}]
+
+
+def test_a_stage_writes_its_table_and_a_resumed_step_reads_it_back(tmp_path):
+    from rlpipe.storage.writer import read_table
+    from rlpipe.tasks.record import StageTable
+
+    calls = []
+
+    def evaluate(reward, *, run_dir, run_id, step):
+        calls.append(step)
+        return _evals(step, reward)
+
+    table = StageTable("evals", rows=lambda rows, a: rows, read_back=lambda rows, a: rows)
+    evaluated = stage("eval", tables=(table,))(evaluate)
+    with stage_task_runs(False):
+        first = evaluated(0.5, run_dir=tmp_path, run_id="r", step=3)
+        again = evaluated(0.9, run_dir=tmp_path, run_id="r", step=3)  # the step resumed: stored rows
+    assert calls == [3]
+    assert again == first == read_table(tmp_path, "evals", 3).to_pylist()
+    assert again[0]["reward"] == 0.5
+
+
+def test_rows_of_none_write_nothing_a_kept_partition_stays_and_check_runs_after_the_write(tmp_path):
+    from rlpipe.storage.layout import partition_file
+    from rlpipe.storage.writer import read_table
+    from rlpipe.tasks.record import StageTable
+
+    def fails(rows):
+        if rows and rows[0]["reward"] < 0:
+            raise RuntimeError("checked after the write")
+
+    table = StageTable("evals", rows=lambda rows, a: rows, keep_stored=lambda a: a["keep"])
+    write = stage("eval", tables=(table,), check=fails)(
+        lambda rows, *, run_dir, run_id, step, keep=False: rows)
+    with stage_task_runs(False):
+        assert write(None, run_dir=tmp_path, run_id="r", step=1) is None
+        assert not partition_file(tmp_path, "evals", 1).exists()
+        write(_evals(1, 0.5), run_dir=tmp_path, run_id="r", step=1)
+        write(_evals(1, 0.7), run_dir=tmp_path, run_id="r", step=1, keep=True)  # kept as stored
+        assert read_table(tmp_path, "evals", 1).column("reward").to_pylist() == [0.5]
+        with pytest.raises(RuntimeError, match="checked after the write"):
+            write(_evals(1, -1.0), run_dir=tmp_path, run_id="r", step=1)
+    assert read_table(tmp_path, "evals", 1).column("reward").to_pylist() == [-1.0]

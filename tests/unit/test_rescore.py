@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from rlpipe.envs.registry import build_env
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.storage.catalog import connect
 from rlpipe.storage.queries import canned_sql
 from rlpipe.storage.writer import read_table, write_table
@@ -112,7 +113,7 @@ def rescore(run_dir: Path, fn, name: str, timeout_s: float = 0.0) -> Path:
     cfg, arithmetic = config(), env()
     out = run_dir / "rescore" / name
     rescore_run(run_dir, out, reward=name, env=arithmetic, scorer=scoring_env(arithmetic, fn, timeout_s),
-                rl=cfg.rl, seed=cfg.seed)
+                options=rollout_options(cfg.rl), seed=cfg.seed)
     return out
 
 
@@ -129,7 +130,8 @@ def test_rescoring_with_the_runs_own_reward_reproduces_its_tables(tmp_path):
     run_dir = make_run(tmp_path / "run")
     cfg, arithmetic = config(), env()
     out = tmp_path / "same"
-    counts = rescore_run(run_dir, out, reward="env", env=arithmetic, scorer=arithmetic, rl=cfg.rl, seed=cfg.seed)
+    counts = rescore_run(run_dir, out, reward="env", env=arithmetic, scorer=arithmetic,
+                         options=rollout_options(cfg.rl), seed=cfg.seed)
     assert counts == {"rollouts": 8, "errors": 0}
     for table in ("scores", "groups", "advantages"):
         assert _cmp(read_table(out, table)) == _cmp(read_table(run_dir, table)), table

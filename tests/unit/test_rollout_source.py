@@ -7,6 +7,8 @@ import threading
 import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.fates import select_step
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.training.config import RLConfig
@@ -33,16 +35,14 @@ class FakeStages:
         return [Score(run_id="r", step=step, sample_id=r.sample_id, group_id=r.group_id,
                       reward=float(r.completion_text), components={}, error=None) for r in rollouts]
 
-    def rows_of(self, groups, rows):
-        pass
-
-    def select(self, batch, decisions, carried, samples, *, step, empty, fates):
-        pass
+    def select(self, fill, rows, options, *, step, empty):
+        return select_step(fill, rows, options, step=step)
 
 
 def source_for(rl: RLConfig, stages: FakeStages) -> RolloutSource:
     examples = [Example("e", str(i), f"q{i}", None) for i in range(100)]
-    return RolloutSource(rl, PromptSource(examples, seed=0), GroupBuffer(rl), stages, start_step=0,
+    options = rollout_options(rl)
+    return RolloutSource(options, PromptSource(examples, seed=0), GroupBuffer(options.buffer), stages, start_step=0,
                          published_version=0)
 
 

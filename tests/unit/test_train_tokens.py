@@ -4,8 +4,7 @@ tensor for tensor, and each trained completion token maps to its sample and posi
 from __future__ import annotations
 
 import torch
-from rlpipe.rollouts.records import Rollout
-from rlpipe.rollouts.source import TrainSample
+from rlpipe.rollouts.records import Rollout, TrainSample
 from rlpipe.tasks.pack import pack_rollouts
 from rlpipe.tasks.tokens import packed_batch, train_token_rows
 from rlpipe.training.batch import PackedBatch
