@@ -75,7 +75,7 @@ def lead_step(dp: DataParallel, optimizer, scheduler, batches: list[PackedBatch]
     """Rank 0: send a step to the other ranks, take part in it, return its metrics.
 
     batch_inputs: per micro-batch loss inputs in the order of `batches` (`ref_logprobs=[...]`),
-    bound on every rank (training/rl_loss.bind_batch_inputs). trainer_logprobs: filled with
+    bound on every rank (training/loss_inputs.bind_batch_inputs). trainer_logprobs: filled with
     every rank's per-token trainer log-probs (CPU float32 [T]) under each micro-batch's sample_ids."""
     batch_inputs = batch_inputs or {}
     gather = trainer_logprobs is not None

@@ -46,7 +46,7 @@ engine/trainer mismatch); log-ratios are clamped to ±20 so that a wild token ca
   it (else the weight would double-count the mismatch already in its ratio).
 - KL to a reference policy (`kl_coef` > 0, any loss): + kl_coef · k(logprobs, ref_logprobs) per
   loss token, k one of training/kl.py's estimators; the reference log-probs are bound per
-  micro-batch with `bind_batch_inputs`.
+  micro-batch with `bind_batch_inputs` (training/loss_inputs.py).
 
 Metrics (means over this micro-batch's loss tokens, `training.losses.loss_token_mask`):
 `logprob_gap` = mean |trainer − engine| log-prob, `ratio_mean`, `clip_fraction` (share of
@@ -57,7 +57,7 @@ tokens whose clipped branch is active; cispo: whose weight hit the cap), `tis_we
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -353,7 +353,7 @@ def build_rl_loss(name: str = "reinforce", **options: Any) -> LossFn:
 
 def rl_loss_fn(config: RLLossOptions) -> LossFn:
     """A loss_fn(logprobs, batch, *, old_logprobs=None, ref_logprobs=None) of the registry's loss
-    `config.name`. With kl_coef > 0 it needs ref_logprobs (`bind_batch_inputs`)."""
+    `config.name`. With kl_coef > 0 it needs ref_logprobs (training/loss_inputs.bind_batch_inputs)."""
     name = config.name
     policy_loss = functools.partial(LOSSES[name].policy_loss, config=config)
     if config.kl_coef == 0:
@@ -371,48 +371,3 @@ def rl_loss_fn(config: RLLossOptions) -> LossFn:
         return per_token, metrics | {"kl": _masked_mean(kl, mask)}
 
     return with_kl
-
-
-def _batch_key(batch: PackedBatch) -> tuple[str, ...]:
-    """A micro-batch's rollouts (shared-prefix segments carry no sample_id)."""
-    return tuple(s for s in batch.sample_ids if s)
-
-
-def bind_batch_inputs(loss_fn: LossFn, batches: Sequence[PackedBatch], **per_batch: Sequence[torch.Tensor]) -> LossFn:
-    """A loss_fn that passes each micro-batch its own tensors (e.g. old_logprobs=[...],
-    ref_logprobs=[...], one [T] tensor per micro-batch, in the order of `batches`).
-
-    For PPO epochs / TIS / KL: compute them once per batch, under no_grad, before the first
-    update; then train with the bound loss_fn. Micro-batches are matched by their sample_ids
-    (unique within a run), which survive `batch.to(device)`.
-    """
-    table: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
-    for name, tensors in per_batch.items():
-        if len(batches) != len(tensors):
-            raise ValueError(f"{len(batches)} micro-batches for {len(tensors)} {name} tensors")
-    for i, b in enumerate(batches):
-        key = _batch_key(b)
-        if not key or key in table:
-            raise ValueError("bind_batch_inputs needs micro-batches with unique, non-empty sample_ids")
-        table[key] = {}
-        for name, tensors in per_batch.items():
-            if tensors[i].shape != b.tokens.shape:
-                raise ValueError(
-                    f"{name} shape {tuple(tensors[i].shape)} != tokens shape {tuple(b.tokens.shape)}")
-            table[key][name] = tensors[i].detach()
-
-    def bound(logprobs: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        key = _batch_key(batch)
-        if key not in table:
-            names = " / ".join(per_batch)
-            raise ValueError(f"no {names} bound for micro-batch with sample_ids {list(key)[:3]}...")
-        return loss_fn(logprobs, batch, **table[key])  # type: ignore[call-arg]
-
-    return bound
-
-
-def bind_old_logprobs(
-    loss_fn: LossFn, batches: Sequence[PackedBatch], old_logprobs: Sequence[torch.Tensor]
-) -> LossFn:
-    """`bind_batch_inputs(loss_fn, batches, old_logprobs=old_logprobs)`."""
-    return bind_batch_inputs(loss_fn, batches, old_logprobs=old_logprobs)

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 from rlpipe.training.batch import Sequence, pack_one
+from rlpipe.training.loss_inputs import bind_old_logprobs
 from rlpipe.training.losses import normaliser_totals, reduce_loss
 from rlpipe.training.rl_loss import (
     RLLossOptions,
-    bind_old_logprobs,
     build_rl_loss,
     ppo_clip_loss,
     reinforce_loss,

@@ -8,10 +8,10 @@ import pytest
 import torch
 from rlpipe.training.batch import Sequence, pack_one
 from rlpipe.training.kl import frozen_copy, kl_estimate, reference_logprobs
+from rlpipe.training.loss_inputs import bind_batch_inputs
 from rlpipe.training.losses import normaliser_totals, reduce_loss
 from rlpipe.training.rl_loss import (
     RLLossOptions,
-    bind_batch_inputs,
     build_rl_loss,
     cispo_loss,
     gspo_loss,

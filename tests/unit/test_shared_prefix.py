@@ -9,8 +9,9 @@ from rlpipe.models.presets import build_model
 from rlpipe.models.varlen_plan import make_plan
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.logprobs import token_logprobs
+from rlpipe.training.loss_inputs import bind_old_logprobs
 from rlpipe.training.losses import batch_counts
-from rlpipe.training.rl_loss import bind_old_logprobs, build_rl_loss
+from rlpipe.training.rl_loss import build_rl_loss
 from rlpipe.training.step import forward_backward
 
 VOCAB = 64
