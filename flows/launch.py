@@ -3,10 +3,10 @@
     rlpipe run configs/tiny.toml --nproc-per-node 2                      one machine
     rlpipe run CONFIG --nproc-per-node 8 --nnodes 2 --node-rank R \\
         --rdzv-endpoint HOST:PORT                                         each of 2 machines
-    torchrun --nproc-per-node 2 -m flows.cli run CONFIG                   the same, by torchrun
+    torchrun --nproc-per-node 2 -m rlpipe.flows.cli run CONFIG            the same, by torchrun
 
 The launcher (torch.distributed.launcher's `elastic_launch`, what torchrun runs) starts N copies
-of `python -m flows.cli run|resume ...` with torchrun's environment (RANK, WORLD_SIZE,
+of `python -m rlpipe.flows.cli run|resume ...` with torchrun's environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT). In each, flows/runner.py joins the process group: rank 0
 runs the flow, the others only train (tasks/ranks.py). When a rank dies, the launcher stops the
 others and raises ChildFailedError naming it; the run directory's run.json then says failed and
@@ -114,7 +114,7 @@ def failure_message(error) -> str:
 
 
 def launch(args: argparse.Namespace, rank_argv: list[str], run_dir: Path) -> int:
-    """Run `python -m flows.cli *rank_argv` on every rank; 0, or 1 with the failed ranks named."""
+    """Run `python -m rlpipe.flows.cli *rank_argv` on every rank; 0, or 1 with the failed ranks named."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 

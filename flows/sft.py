@@ -1,6 +1,6 @@
 """Prefect flow `sft`: supervised fine-tuning with assistant-only loss weights.
 
-    rlpipe run configs/sft.toml            # or: python -m flows.sft configs/sft.toml
+    rlpipe run configs/sft.toml            # or: python -m rlpipe.flows.cli run configs/sft.toml
 """
 
 from __future__ import annotations

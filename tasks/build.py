@@ -5,7 +5,7 @@ config and a starting point.
     built = build(config, TrainerPlan(...), start_point(config, run_dir, start_checkpoint))
     built.trainer.step(...)      # training/trainer.py; built.engines sample, built.eval_engine evals
 
-Pretrain/SFT (tasks/supervised_run.py), RL (tasks/rl_setup.py) and replay (tasks/replay.py) call
+Pretrain/SFT (tasks/supervised_setup.py), RL (tasks/rl_setup.py) and replay (tasks/replay.py) call
 it; every data-parallel rank builds the same model through `prepare_model` (tasks/setup.py) and
 the same optimizer in `make_trainer`. Not a stage: nothing is persisted.
 """
