@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import os
 import re
 import sys
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -31,6 +29,7 @@ from typing import Any
 
 import duckdb
 import pyarrow.parquet as pq
+from rlpipe.core.files import atomic_write
 from rlpipe.dashboards import report_plots as plots
 from rlpipe.dashboards import report_rollouts as rollouts
 from rlpipe.dashboards.report_plots import by_run, pooled
@@ -94,7 +93,9 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     """
     runs = run_dirs_list(run_dirs)
     out = runs[0] / REPORT_NAME if out is None else Path(out)
-    _write_atomic(render_html(report_data(runs)), out)
+    text = render_html(report_data(runs))
+    # readers see the old report or the new one, never half of one
+    atomic_write(out, lambda tmp: tmp.write_text(text, encoding="utf-8"), durable=False)
     return out
 
 
@@ -271,18 +272,6 @@ def render_html(data: dict[str, Any]) -> str:
     payload = json.dumps(data, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
     values = {"TITLE": html.escape(data["title"]), "DATA": payload, "SCRIPT": script}
     return re.sub(r"\{\{(TITLE|DATA|SCRIPT)\}\}", lambda match: values[match.group(1)], template)
-
-
-def _write_atomic(text: str, out: Path) -> None:
-    """Write through a hidden temporary file renamed over `out`: readers see the old file or the new."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 if __name__ == "__main__":
