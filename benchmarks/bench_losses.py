@@ -151,7 +151,7 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     from rlpipe.training.kl import frozen_copy
     from rlpipe.training.oversampling import GroupBuffer
     from rlpipe.training.rl_loss import loss_normaliser
-    from rlpipe.training.step import build_optimizer, build_scheduler
+    from rlpipe.training.step import StepOptions, build_optimizer, build_scheduler
     from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
     name, options = VARIANTS[variant]
@@ -167,8 +167,8 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=steps, min_lr_ratio=0.1)
     loss_fn = loss_for(rl)
     normaliser, constant = loss_normaliser(name, "token", prompts * group, max_new_tokens)
-    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(normaliser=normaliser, constant=constant,
-                                                                     max_grad_norm=1.0, autocast=False),
+    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(
+        step=StepOptions(normaliser=normaliser, constant=constant, autocast=False, entropy=True), max_grad_norm=1.0),
                            reference=ref)
     params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                             seed=seed)

@@ -20,6 +20,7 @@ from rlpipe.engines.base import Engine
 from rlpipe.tasks.ranks import make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
 from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
+from rlpipe.training.step import StepOptions
 from rlpipe.training.trainer import Trainer, TrainOptions
 
 
@@ -149,9 +150,9 @@ def rl_plan(config) -> TrainerPlan:
     by a constant (training/rl_loss.py, LOSSES)."""
     rl = config.rl
     normaliser, constant = rl.loss_normaliser()
-    options = TrainOptions(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
-                           autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
-                           temperature=rl.sampling.temperature)
+    step = StepOptions(normaliser=normaliser, constant=constant, autocast=config.model.bf16_autocast,
+                       temperature=rl.sampling.temperature, entropy=True)
+    options = TrainOptions(step=step, max_grad_norm=rl.optim.max_grad_norm, epochs=rl.ppo_epochs)
     return TrainerPlan(optim=rl.optim, total_steps=rl.steps * rl.ppo_epochs, loss=("rl", rl), options=options,
                        reference=rl.kl_coef > 0, engines="rollout")
 
@@ -159,7 +160,7 @@ def rl_plan(config) -> TrainerPlan:
 def supervised_plan(config, phase: str) -> TrainerPlan:
     """The pretrain or SFT phase's trainer: its optim section, next-token NLL, an eval engine."""
     section = getattr(config, phase)
-    options = TrainOptions(normaliser=section.optim.normaliser, max_grad_norm=section.optim.max_grad_norm,
-                           autocast=config.model.bf16_autocast)
+    step = StepOptions(normaliser=section.optim.normaliser, autocast=config.model.bf16_autocast, entropy=True)
+    options = TrainOptions(step=step, max_grad_norm=section.optim.max_grad_norm)
     return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=("nll",), options=options,
                        engines="eval")
