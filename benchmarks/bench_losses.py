@@ -112,11 +112,12 @@ class MemoryStages:
 
     def generate(self, examples, *, step, attempt, policy_version, previous):
         from rlpipe.engines.base import SamplingParams
-        from rlpipe.tasks.generate import generate_rollouts
+        from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
 
         params = SamplingParams(**{**self.params.__dict__, "seed": self.params.seed * 10_000 + step * 10 + attempt})
-        return generate_rollouts(self.engine, self.tokenizer, self.env, examples, params, run_id="b", step=step,
-                                 attempt=attempt, policy_version=policy_version, max_context=4096)
+        return generate_rollouts(self.engine, self.tokenizer, self.env, examples,
+                                 GenerateOptions(params, max_context=4096),
+                                 SampleRound(run_id="b", step=step, attempt=attempt, policy_version=policy_version))
 
     def score(self, examples, rollouts, *, step, previous):
         from rlpipe.tasks.score import score_rollouts

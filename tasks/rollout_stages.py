@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
 from rlpipe.rollouts.fates import Fill, Selection
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks.advantages import filter_stage
-from rlpipe.tasks.generate import generate_stage
+from rlpipe.tasks.generate import GenerateOptions, generate_stage
 from rlpipe.tasks.score import score_stage
 from rlpipe.training.advantages import AdvantageOptions
 
@@ -29,9 +29,8 @@ class RunStages:
     engines: list[Engine]
     tokenizer: Any
     env: Environment
-    sampling: SamplingParams
-    seed: int
-    max_context: int
+    generating: GenerateOptions
+    """How each round samples (its seed derived per round from the run's)."""
     max_error_fraction: float
     run_dir: Path
     run_id: str
@@ -40,9 +39,8 @@ class RunStages:
 
     def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
                  previous: list[dict]) -> list[dict]:
-        return generate_stage(self.engines, self.tokenizer, self.env, examples, self.sampling,
-                              previous=previous, seed=self.seed, step=step, attempt=attempt,
-                              policy_version=policy_version, max_context=self.max_context,
+        return generate_stage(self.engines, self.tokenizer, self.env, examples, self.generating,
+                              previous=previous, step=step, attempt=attempt, policy_version=policy_version,
                               run_dir=self.run_dir, run_id=self.run_id)
 
     def score(self, examples: dict[str, Example], rollouts: list[dict], *, step: int,
