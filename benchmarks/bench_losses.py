@@ -120,10 +120,10 @@ class MemoryStages:
                                  SampleRound(run_id="b", step=step, attempt=attempt, policy_version=policy_version))
 
     def score(self, examples, rollouts, *, step, previous):
-        from rlpipe.tasks.score import score_rollouts
+        from rlpipe.tasks.score import ScoreOptions, score_rollouts
 
         self.env_examples.update(examples)
-        scores = score_rollouts(self.env, examples, rollouts, max_error_fraction=0.0)
+        scores = score_rollouts(self.env, examples, rollouts, ScoreOptions(max_error_fraction=0.0))
         self.rewards.setdefault(step, []).extend(s.reward for s in scores)
         return scores
 

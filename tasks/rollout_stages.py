@@ -7,7 +7,6 @@ plain call, see tasks/_prefect.py) that writes its own table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from rlpipe.rollouts.fates import Fill, Selection
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks.advantages import filter_stage
 from rlpipe.tasks.generate import GenerateOptions, generate_stage
-from rlpipe.tasks.score import score_stage
+from rlpipe.tasks.score import ScoreOptions, score_stage
 from rlpipe.training.advantages import AdvantageOptions
 
 
@@ -31,11 +30,10 @@ class RunStages:
     env: Environment
     generating: GenerateOptions
     """How each round samples (its seed derived per round from the run's)."""
-    max_error_fraction: float
+    scoring: ScoreOptions
+    """How each round is scored (the share of reward errors allowed, DAPO's overlong penalty)."""
     run_dir: Path
     run_id: str
-    length_penalty: Callable[[int], float] | None = None
-    """DAPO's overlong penalty on the reward (rl.overlong_buffer), or None."""
 
     def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
                  previous: list[dict]) -> list[dict]:
@@ -45,9 +43,8 @@ class RunStages:
 
     def score(self, examples: dict[str, Example], rollouts: list[dict], *, step: int,
               previous: list[dict]) -> list[dict]:
-        return score_stage(self.env, examples, rollouts, previous=previous, step=step,
-                           max_error_fraction=self.max_error_fraction, run_dir=self.run_dir,
-                           run_id=self.run_id, length_penalty=self.length_penalty)
+        return score_stage(self.env, examples, rollouts, self.scoring, previous=previous, step=step,
+                           run_dir=self.run_dir, run_id=self.run_id)
 
     def select(self, fill: Fill, rows: dict[str, Rollout], options: AdvantageOptions, *, step: int,
                empty: bool) -> Selection:
