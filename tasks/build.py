@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from rlpipe.engines.base import Engine
-from rlpipe.tasks.ranks import make_trainer
+from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
 from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
 from rlpipe.training.step import StepOptions
@@ -34,24 +34,6 @@ class StartPoint:
     """A checkpoint to continue: its weights, optimizer and scheduler state, data state and step."""
     restore_rng: bool = True
     """Set the RNGs to the resumed checkpoint's (a run resuming; not a replay)."""
-
-
-@dataclass(frozen=True)
-class TrainerPlan:
-    """What a phase trains: its optimizer section and steps, its loss and train options."""
-
-    optim: Any
-    total_steps: int
-    loss: tuple
-    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (tasks/losses.phase_loss)."""
-    options: TrainOptions
-    reference: bool = False
-    """Keep a frozen copy of the starting weights as the KL penalty's reference."""
-    engines: Literal["none", "eval", "rollout"] = "none"
-    """none: no engine; eval: an in-process engine for evals; rollout: config.engine's engines,
-    and an eval engine that reads the trainer's weights."""
-    single_process: bool = False
-    """Train in this process whatever train.parallel says (replaying a data-parallel step)."""
 
 
 @dataclass
@@ -95,8 +77,7 @@ def build(config, plan: TrainerPlan, start: StartPoint) -> Built:
     if start.resume is not None:
         loaded = load_checkpoint(start.resume, model=model, restore_rng=start.restore_rng)
         start_step, data_state = int(loaded.metadata["step"]), loaded.data_state
-    trainer = make_trainer(config, model, plan.optim, plan.total_steps, plan.loss, start.resume, plan.options,
-                           ref_model=reference, single_process=plan.single_process)
+    trainer = make_trainer(config, model, plan, start.resume, ref_model=reference)
     model = trainer.model  # under data parallelism: rank 0's whole-weight view
     engines, eval_engine = open_engines(config, model, plan.engines)
     return Built(model=model, tokenizer=tokenizer, trainer=trainer, start_step=start_step, data_state=data_state,
