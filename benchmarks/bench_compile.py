@@ -31,7 +31,7 @@ from rlpipe.models.loading import bf16_autocast_supported
 from rlpipe.models.presets import build_model
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.losses import nll_loss
-from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
 
 from benchmarks.results import write_results
 
@@ -51,7 +51,7 @@ def step_batches(step: int, n: int, budget: int) -> list:
 
 def timed_step(model, optimizer, batches, autocast: bool) -> float:
     start = time.perf_counter()
-    forward_backward(model, batches, nll_loss, autocast=autocast)
+    forward_backward(model, batches, nll_loss, StepOptions(autocast=autocast))
     optim_step(model, optimizer, None, max_grad_norm=1.0)
     return time.perf_counter() - start
 

@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, kind: str, threads: int, args: dic
     from rlpipe.training.dist_trainer import follow, lead_step, stop_followers
     from rlpipe.training.distributed import balanced_budget, data_parallel
     from rlpipe.training.losses import nll_loss
-    from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+    from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
     from rlpipe.training.trainer import TrainOptions
 
     torch.set_num_threads(threads)
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, port: int, kind: str, threads: int, args: dic
         seconds = []
         for seqs in steps:
             start = time.perf_counter()
-            forward_backward(model, pack(seqs, args["budget"]), nll_loss, normaliser="token")
+            forward_backward(model, pack(seqs, args["budget"]), nll_loss, StepOptions(normaliser="token"))
             optim_step(model, optimizer, None, 1.0)
             seconds.append(time.perf_counter() - start)
         Path(out).write_text(json.dumps(seconds))
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, kind: str, threads: int, args: dic
             total, longest = sum(len(s.tokens) for s in seqs), max(len(s.tokens) for s in seqs)
             batches = pack(seqs, balanced_budget(total, longest, args["budget"], world))
             lead_step(dp, optimizer, None, batches, nll_loss,
-                      TrainOptions(normaliser="token", max_grad_norm=1.0, entropy=False))
+                      TrainOptions(step=StepOptions(normaliser="token", entropy=False), max_grad_norm=1.0))
             seconds.append(time.perf_counter() - start)
         stop_followers(dp)
         Path(out).write_text(json.dumps(seconds))

@@ -50,7 +50,7 @@ from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.tasks.setup import place_model
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.losses import nll_loss
-from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
 
 from benchmarks.gpu_logprobs import bench_logprobs_gpu
 from benchmarks.gpu_report import render
@@ -106,7 +106,7 @@ def train_step_seconds(batches, seqs, weights_dtype: str, checkpointing: bool, c
     optimizer = build_optimizer(model, lr=1e-5)
 
     def step():
-        forward_backward(model, batches, nll_loss, autocast=True)
+        forward_backward(model, batches, nll_loss, StepOptions(autocast=True))
         optim_step(model, optimizer, None, max_grad_norm=1.0)
 
     first = timed(step, repeats=1, warmup=0)[0]
@@ -154,7 +154,7 @@ def profile_train_step(tokens_per_step: int, token_budget: int, path: Path, comp
     optimizer = build_optimizer(model, lr=1e-5)
 
     def step():
-        forward_backward(model, batches, nll_loss, autocast=True)
+        forward_backward(model, batches, nll_loss, StepOptions(autocast=True))
         optim_step(model, optimizer, None, max_grad_norm=1.0)
 
     timed(step, repeats=1)

@@ -112,17 +112,18 @@ class MemoryStages:
 
     def generate(self, examples, *, step, attempt, policy_version, previous):
         from rlpipe.engines.base import SamplingParams
-        from rlpipe.tasks.generate import generate_rollouts
+        from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
 
         params = SamplingParams(**{**self.params.__dict__, "seed": self.params.seed * 10_000 + step * 10 + attempt})
-        return generate_rollouts(self.engine, self.tokenizer, self.env, examples, params, run_id="b", step=step,
-                                 attempt=attempt, policy_version=policy_version, max_context=4096)
+        return generate_rollouts(self.engine, self.tokenizer, self.env, examples,
+                                 GenerateOptions(params, max_context=4096),
+                                 SampleRound(run_id="b", step=step, attempt=attempt, policy_version=policy_version))
 
     def score(self, examples, rollouts, *, step, previous):
-        from rlpipe.tasks.score import score_rollouts
+        from rlpipe.tasks.score import ScoreOptions, score_rollouts
 
         self.env_examples.update(examples)
-        scores = score_rollouts(self.env, examples, rollouts, max_error_fraction=0.0)
+        scores = score_rollouts(self.env, examples, rollouts, ScoreOptions(max_error_fraction=0.0))
         self.rewards.setdefault(step, []).extend(s.reward for s in scores)
         return scores
 
@@ -151,7 +152,7 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     from rlpipe.training.kl import frozen_copy
     from rlpipe.training.oversampling import GroupBuffer
     from rlpipe.training.rl_loss import loss_normaliser
-    from rlpipe.training.step import build_optimizer, build_scheduler
+    from rlpipe.training.step import StepOptions, build_optimizer, build_scheduler
     from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
     name, options = VARIANTS[variant]
@@ -167,8 +168,8 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=steps, min_lr_ratio=0.1)
     loss_fn = loss_for(rl)
     normaliser, constant = loss_normaliser(name, "token", prompts * group, max_new_tokens)
-    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(normaliser=normaliser, constant=constant,
-                                                                     max_grad_norm=1.0, autocast=False),
+    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(
+        step=StepOptions(normaliser=normaliser, constant=constant, autocast=False, entropy=True), max_grad_norm=1.0),
                            reference=ref)
     params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                             seed=seed)

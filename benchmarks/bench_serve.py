@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.http import HttpEngine
+from rlpipe.engines.http import HttpEngine, HttpOptions
 from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model, count_parameters
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         procs.append(start_serve(first, threads=cores))
         procs += [start_serve(first, threads=max(1, cores // 2)) for _ in range(2)]
-        one, *two = [HttpEngine(serve_url(p), timeout_s=600, retries=0) for p in procs]
+        one, *two = [HttpEngine(serve_url(p), HttpOptions(timeout_s=600, retries=0)) for p in procs]
         warm = SamplingParams(max_new_tokens=4, seed=0)
         for engine in [one, *two]:
             engine.generate(prompts[:2], warm)

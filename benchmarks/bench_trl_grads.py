@@ -101,7 +101,7 @@ def compare(args: argparse.Namespace) -> dict:
     from rlpipe.training.config import OptimConfig, RLConfig
     from rlpipe.training.oversampling import GroupBuffer
     from rlpipe.training.rl_loss import build_rl_loss
-    from rlpipe.training.step import forward_backward, optim_step
+    from rlpipe.training.step import StepOptions, forward_backward, optim_step
 
     from benchmarks.bench_losses import MemoryStages, arithmetic_env
 
@@ -135,7 +135,7 @@ def compare(args: argparse.Namespace) -> dict:
                 ours_prompts = [list(s.rollout.prompt_tokens) for s in selected[::GROUP]]
                 same_prompt_tokens = [list(t) for t in trl_prompts] == ours_prompts
             model.train()
-            ours = forward_backward(model, batches, loss_fn, normaliser="token", entropy=True)
+            ours = forward_backward(model, batches, loss_fn, StepOptions(normaliser="token", entropy=True))
             g_ours = grad_vector(model)
             trl_model.train()
             loss = trainer._compute_loss(trl_model, trl_inputs(selected, tokenizer.pad_token_id))

@@ -21,7 +21,7 @@ from rlpipe.models.device import model_device, synchronize
 from rlpipe.tasks.setup import stop_token_ids
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.rl_loss import build_rl_loss
-from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
 
 
 def arithmetic_prompts(tokenizer, count: int, seed: int):
@@ -58,7 +58,7 @@ def rlpipe_steps(model, tokenizer, args, cuda_graphs: bool = False, engine=None)
                                      logprobs=[0.0] * len(prompt) + c.logprobs, prefix_len=len(prompt),
                                      loss_mask=[False] * len(prompt) + [True] * len(c.tokens)))
         batches = pack(seqs, 16_384)
-        forward_backward(model, batches, loss_fn, autocast=device.type == "cuda")
+        forward_backward(model, batches, loss_fn, StepOptions(autocast=device.type == "cuda"))
         optim_step(model, optimizer, None, max_grad_norm=1.0)
         engine.sync(None, step + 1)  # vLLM: the push (or, asleep, at the next wake-up)
         synchronize(device)

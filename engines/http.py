@@ -1,8 +1,8 @@
 """The `http` engine: sampling and weight sync against an OpenAI-compatible server.
 
-    engine = HttpEngine("http://127.0.0.1:8001", timeout_s=60, retries=3)   # `rlpipe serve`
-    engine = HttpEngine("http://gpu-box:8000", flavor="vllm")                # `vllm serve`
-    engine = HttpEngine("http://gpu-box:30000", flavor="sglang")             # SGLang server
+    engine = HttpEngine("http://127.0.0.1:8001", HttpOptions(timeout_s=60, retries=3))  # `rlpipe serve`
+    engine = HttpEngine("http://gpu-box:8000", HttpOptions(flavor="vllm"))               # `vllm serve`
+    engine = HttpEngine("http://gpu-box:30000", HttpOptions(flavor="sglang"))            # SGLang server
     out = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=128, seed=0))
     engine.sync("runs/demo/checkpoints/step_000010", 10)
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +63,41 @@ def parse_engine_url(url: str) -> tuple[Flavor, str]:
     return flavor, f"{scheme}://{rest.rstrip('/')}"  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class HttpOptions:
+    """How an HttpEngine talks to its server (the same for every request)."""
+
+    timeout_s: float = 60.0
+    """Per-request timeout (a given client's own timeout applies instead)."""
+    retries: int = 3
+    """Extra attempts on connection errors and 502/503/504 answers."""
+    backoff_s: float = 0.5
+    """The first retry's wait; doubled each retry, at most 8 s."""
+    api_token: str | None = None
+    """Bearer token, if the server needs one."""
+    flavor: Flavor | None = None
+    """'rlpipe' | 'vllm' | 'sglang' (None: from the url, else 'rlpipe')."""
+    model: str | None = None
+    """Model id for vLLM (None: the first of GET /v1/models)."""
+
+    def __post_init__(self) -> None:
+        if self.flavor is not None and self.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, got {self.flavor!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        if self.backoff_s < 0:
+            raise ValueError(f"backoff_s must be >= 0, got {self.backoff_s}")
+
+
 class HttpEngine:
     """Engine protocol over HTTP (see module docstring for flavors, retries and errors).
 
     url: server base URL (no /v1), optionally flavor-prefixed ('vllm+http://...').
-    flavor: 'rlpipe' | 'vllm' | 'sglang' (default: from the url, else 'rlpipe'). timeout_s: per-request timeout. retries: extra attempts on
-    connection errors. api_token: bearer token, if the server needs one. name: shown in errors
-    and the `syncs` table (default: the URL). model: model id for vLLM (default: the first of
-    GET /v1/models). client: an httpx.Client to use instead of a new one (tests); its own
-    timeout applies then.
+    options: timeout, retries, token, flavor and model (`HttpOptions`). name: shown in errors
+    and the `syncs` table (default: the URL). client: an httpx.Client to use instead of a new one
+    (tests); its own timeout applies then.
     """
 
     shares_weights = False
@@ -80,35 +106,23 @@ class HttpEngine:
     def __init__(
         self,
         url: str,
-        timeout_s: float = 60.0,
-        retries: int = 3,
-        api_token: str | None = None,
-        name: str | None = None,
+        options: HttpOptions = HttpOptions(),
         *,
-        flavor: Flavor | None = None,
-        model: str | None = None,
-        backoff_s: float = 0.5,
+        name: str | None = None,
         policy_version: int = 0,
         client: httpx.Client | None = None,
     ) -> None:
         url_flavor, self.url = parse_engine_url(url)
-        if flavor is not None and flavor not in FLAVORS:
-            raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
+        flavor = options.flavor
         if flavor is not None and "+" in url.split("://", 1)[0] and flavor != url_flavor:
             raise ValueError(f"flavor {flavor!r} contradicts the url {url!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
-        if backoff_s < 0:
-            raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
         self.flavor: Flavor = flavor or url_flavor
-        self.timeout_s = float(timeout_s)
-        self.retries = retries
-        self.backoff_s = backoff_s
+        self.timeout_s = float(options.timeout_s)
+        self.retries = options.retries
+        self.backoff_s = options.backoff_s
         self.name = name or self.url
-        self.model = model
-        self._headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+        self.model = options.model
+        self._headers = {"Authorization": f"Bearer {options.api_token}"} if options.api_token else {}
         self._client = client or httpx.Client(timeout=self.timeout_s)
         self._owns_client = client is None
         self._policy_version = policy_version
@@ -330,11 +344,9 @@ def engines_from_config(engine_config: Any) -> list[HttpEngine]:
         engines.append(
             HttpEngine(
                 base,
-                timeout_s=engine_config.timeout_s,
-                retries=engine_config.retries,
-                api_token=token,
+                HttpOptions(timeout_s=engine_config.timeout_s, retries=engine_config.retries, api_token=token,
+                            flavor=flavor),
                 name=base,
-                flavor=flavor,
             )
         )
     return engines

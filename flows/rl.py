@@ -29,7 +29,7 @@ from rlpipe.flows.common import (
 )
 from rlpipe.flows.progress import progress
 from rlpipe.flows.supervised import due
-from rlpipe.tasks.checkpoint import checkpoint_task, promote_best, reloaded_by_vllm_servers
+from rlpipe.tasks.checkpoint import TrainingState, checkpoint_task, promote_best, register_options
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before
 from rlpipe.tasks.origin import record_origin
@@ -40,7 +40,7 @@ from rlpipe.tasks.sync import sync_task
 from rlpipe.tasks.tokens import record_train_tokens
 from rlpipe.tasks.train import train_task
 from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import checkpoint_steps, latest_checkpoint
+from rlpipe.training.checkpoint import CheckpointRecord, checkpoint_steps, latest_checkpoint
 from rlpipe.training.oversampling import BatchFillError
 
 
@@ -82,6 +82,8 @@ def _step_batch(source, step: int, tracker):
 
 def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
+    saving = register_options(config.engine, model_name)
+    saved = TrainingState(run.model, run.tokenizer, run.trainer.optimizer, run.trainer.scheduler)
     evals = run.evaluate(0, **io) if run.start_step == 0 else {}
     best, last = evals.get(m.EVAL_ACCURACY, -math.inf), None
     if run.start_step:  # a resumed run moves the `best` alias only for a better eval than before
@@ -106,11 +108,9 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         with watch("checkpoint"):  # the step's tables on disk, then the checkpoint marking it done
             row = checkpoint_task(train_row=train_step_row(io["run_id"], step, "rl", train, watch.seconds),
                                   checkpoint=due(step, rl.checkpoint_every, rl.steps)
-                                  or (sync and run.needs_checkpoint_to_sync), policy_version=version,
-                                  model=run.model, tokenizer=run.tokenizer, optimizer=run.trainer.optimizer,
-                                  scheduler=run.trainer.scheduler, data_state=batch.state, metrics=train,
-                                  tracker=tracker, model_name=model_name, step=step,
-                                  explicit_lm_head=reloaded_by_vllm_servers(config.engine), **io)
+                                  or (sync and run.needs_checkpoint_to_sync), state=saved,
+                                  record=CheckpointRecord(batch.state, train, policy_version=version),
+                                  tracker=tracker, options=saving, step=step, **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
         last = row["path"] if row else last
         if sync:  # between two sampling rounds of an async producer; later rounds record `version`

@@ -16,7 +16,7 @@ from rlpipe.flows.common import (
     stage_io,
 )
 from rlpipe.flows.progress import progress
-from rlpipe.tasks.checkpoint import checkpoint_task, reloaded_by_vllm_servers
+from rlpipe.tasks.checkpoint import TrainingState, checkpoint_task, register_options
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import eval_metrics
 from rlpipe.tasks.origin import record_origin
@@ -24,7 +24,7 @@ from rlpipe.tasks.record import load_rows, step_metrics, train_step_row
 from rlpipe.tasks.supervised import supervised_train_task
 from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
 from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import latest_checkpoint
+from rlpipe.training.checkpoint import CheckpointRecord, latest_checkpoint
 from rlpipe.training.losses import nll_loss
 
 
@@ -53,6 +53,8 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
     """The phase's steps in order: (pack + train) → eval when due → checkpoint."""
     section, run_dir, run_id = getattr(config, phase), state.run_dir, state.run_id
     trainer, model_name = run.trainer, registered_model_name(config)
+    saving = register_options(config.engine, f"{model_name}-{phase}")
+    saved = TrainingState(trainer.model, run.tokenizer, trainer.optimizer, trainer.scheduler)
     last_path, eval_metrics, cursor = None, {}, {}
     bar = progress(total=section.steps, initial=run.start_step, desc=f"{phase}")
     for step in range(run.start_step + 1, section.steps + 1):
@@ -69,10 +71,9 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
             row = checkpoint_task(
                 train_row=train_step_row(run_id, step, phase, metrics, watch.seconds),
                 checkpoint=due(step, section.checkpoint_every, section.steps),
-                run_dir=run_dir, run_id=run_id, step=step, policy_version=step, model=trainer.model,
-                tokenizer=run.tokenizer, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                data_state={"cursor": cursor}, metrics=metrics, tracker=tracker,
-                model_name=f"{model_name}-{phase}", explicit_lm_head=reloaded_by_vllm_servers(config.engine))
+                run_dir=run_dir, run_id=run_id, step=step, state=saved,
+                record=CheckpointRecord({"cursor": cursor}, metrics, policy_version=step), tracker=tracker,
+                options=saving)
         last_path = row["path"] if row else last_path
         tracker.log_metrics(step_metrics(metrics, {}, watch.seconds) | eval_metrics, step=step)
         bar.update(1)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from rlpipe.engines.base import Engine
-from rlpipe.tasks.ranks import make_trainer
+from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
 from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
+from rlpipe.training.step import StepOptions
 from rlpipe.training.trainer import Trainer, TrainOptions
 
 
@@ -33,24 +34,6 @@ class StartPoint:
     """A checkpoint to continue: its weights, optimizer and scheduler state, data state and step."""
     restore_rng: bool = True
     """Set the RNGs to the resumed checkpoint's (a run resuming; not a replay)."""
-
-
-@dataclass(frozen=True)
-class TrainerPlan:
-    """What a phase trains: its optimizer section and steps, its loss and train options."""
-
-    optim: Any
-    total_steps: int
-    loss: tuple
-    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (tasks/losses.phase_loss)."""
-    options: TrainOptions
-    reference: bool = False
-    """Keep a frozen copy of the starting weights as the KL penalty's reference."""
-    engines: Literal["none", "eval", "rollout"] = "none"
-    """none: no engine; eval: an in-process engine for evals; rollout: config.engine's engines,
-    and an eval engine that reads the trainer's weights."""
-    single_process: bool = False
-    """Train in this process whatever train.parallel says (replaying a data-parallel step)."""
 
 
 @dataclass
@@ -94,8 +77,7 @@ def build(config, plan: TrainerPlan, start: StartPoint) -> Built:
     if start.resume is not None:
         loaded = load_checkpoint(start.resume, model=model, restore_rng=start.restore_rng)
         start_step, data_state = int(loaded.metadata["step"]), loaded.data_state
-    trainer = make_trainer(config, model, plan.optim, plan.total_steps, plan.loss, start.resume, plan.options,
-                           ref_model=reference, single_process=plan.single_process)
+    trainer = make_trainer(config, model, plan, start.resume, ref_model=reference)
     model = trainer.model  # under data parallelism: rank 0's whole-weight view
     engines, eval_engine = open_engines(config, model, plan.engines)
     return Built(model=model, tokenizer=tokenizer, trainer=trainer, start_step=start_step, data_state=data_state,
@@ -149,9 +131,9 @@ def rl_plan(config) -> TrainerPlan:
     by a constant (training/rl_loss.py, LOSSES)."""
     rl = config.rl
     normaliser, constant = rl.loss_normaliser()
-    options = TrainOptions(normaliser=normaliser, constant=constant, max_grad_norm=rl.optim.max_grad_norm,
-                           autocast=config.model.bf16_autocast, epochs=rl.ppo_epochs,
-                           temperature=rl.sampling.temperature)
+    step = StepOptions(normaliser=normaliser, constant=constant, autocast=config.model.bf16_autocast,
+                       temperature=rl.sampling.temperature, entropy=True)
+    options = TrainOptions(step=step, max_grad_norm=rl.optim.max_grad_norm, epochs=rl.ppo_epochs)
     return TrainerPlan(optim=rl.optim, total_steps=rl.steps * rl.ppo_epochs, loss=("rl", rl), options=options,
                        reference=rl.kl_coef > 0, engines="rollout")
 
@@ -159,7 +141,7 @@ def rl_plan(config) -> TrainerPlan:
 def supervised_plan(config, phase: str) -> TrainerPlan:
     """The pretrain or SFT phase's trainer: its optim section, next-token NLL, an eval engine."""
     section = getattr(config, phase)
-    options = TrainOptions(normaliser=section.optim.normaliser, max_grad_norm=section.optim.max_grad_norm,
-                           autocast=config.model.bf16_autocast)
+    step = StepOptions(normaliser=section.optim.normaliser, autocast=config.model.bf16_autocast, entropy=True)
+    options = TrainOptions(step=step, max_grad_norm=section.optim.max_grad_norm)
     return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=("nll",), options=options,
                        engines="eval")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlpipe.tasks._prefect import stage
 from rlpipe.tasks.record import StageTable, drain_writes, load_rows, persist_now
-from rlpipe.training.checkpoint import save_checkpoint
+from rlpipe.training.checkpoint import CheckpointOptions, CheckpointRecord, save_checkpoint
 
 
 def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, model_name: str | None,
@@ -36,22 +38,48 @@ def reloaded_by_vllm_servers(engine_config) -> bool:
     return engine_config.type == "http" and any(parse_engine_url(u)[0] == "vllm" for u in engine_config.urls)
 
 
+@dataclass(frozen=True)
+class RegisterOptions:
+    """How a run's checkpoints are saved and registered (built once per run: `register_options`)."""
+
+    model_name: str | None = None
+    """The MLflow registered model each checkpoint becomes a version of; None: not registered."""
+    save: CheckpointOptions = field(default_factory=CheckpointOptions)
+    """How each checkpoint is written (training/checkpoint.py)."""
+
+
+def register_options(engine_config, model_name: str | None) -> RegisterOptions:
+    """The checkpoint options of a run whose engines are `engine_config`, registered as `model_name`."""
+    return RegisterOptions(model_name, CheckpointOptions(explicit_lm_head=reloaded_by_vllm_servers(engine_config)))
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint saves of a run in training: the model and its tokenizer, the optimizer
+    and the scheduler (None: not saved)."""
+
+    model: Any
+    tokenizer: Any
+    optimizer: Any = None
+    scheduler: Any = None
+
+
 def save_and_register(
-    *, run_dir: Path, run_id: str, step: int, policy_version: int, model, tokenizer, optimizer,
-    scheduler, data_state: dict, metrics: dict, tracker, model_name: str | None,
-    explicit_lm_head: bool = False,
+    *, run_dir: Path, run_id: str, step: int, state: TrainingState, record: CheckpointRecord, tracker,
+    options: RegisterOptions,
 ) -> dict:
-    path = save_checkpoint(run_dir, step, model, tokenizer, optimizer=optimizer,
-                           scheduler=scheduler, data_state=data_state, metrics=metrics,
-                           policy_version=policy_version, explicit_lm_head=explicit_lm_head)
-    version = None
-    if tracker is not None and model_name:
+    """Save the step's checkpoint, register it as a version of `options.model_name` (with a
+    tracker), and return its `checkpoints` row."""
+    path = save_checkpoint(run_dir, step, state.model, state.tokenizer, state.optimizer, state.scheduler,
+                           record, options.save)
+    version, policy_version = None, step if record.policy_version is None else record.policy_version
+    if tracker is not None and options.model_name:
         version = tracker.register_checkpoint(
-            path, model_name,
+            path, options.model_name,
             tags={"run_dir": str(Path(run_dir).resolve()), "run_id": run_id, "step": str(step),
                   "policy_version": str(policy_version)},
         )
-    return checkpoint_row(run_id, step, policy_version, Path(path), model_name, version)
+    return checkpoint_row(run_id, step, policy_version, Path(path), options.model_name, version)
 
 
 CHECKPOINT_TABLES = (

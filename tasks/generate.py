@@ -7,7 +7,7 @@ index) and never from a clock, so a resumed stage rewrites the same rows.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +23,50 @@ class PromptTooLongError(ValueError):
 
 
 def group_id_for(run_id: str, step: int, attempt: int, index: int) -> str:
+    """The id of a round's `index`-th group (prompt)."""
     return f"{run_id}:s{step:06d}:a{attempt}:g{index:04d}"
 
 
 def sample_id_for(group_id: str, index: int) -> str:
+    """The id of a group's `index`-th completion."""
     return f"{group_id}:{index:03d}"
 
 
 def sample_seed(seed: int, step: int, attempt: int) -> int:
     """A seed for one sampling round, independent of wall clock and process."""
     return (seed * 1_000_003 + step * 1_009 + attempt) % (2**31 - 1)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How a run samples its rollouts (built once per run from rl.sampling and the model)."""
+
+    sampling: SamplingParams
+    """Completions per prompt, temperature, top-p/k, max_new_tokens, stop tokens, seed."""
+    max_context: int
+    """The model's context: a prompt plus its completion must fit."""
+    seed: int = 0
+    """The run's seed; each sampling round's seed derives from it (`for_round`)."""
+
+    def for_round(self, step: int, attempt: int) -> GenerateOptions:
+        """These options with the sampling seed of one round (`sample_seed`)."""
+        return replace(self, sampling=sampling_for_step(self.sampling, self.seed, step, attempt))
+
+
+@dataclass(frozen=True)
+class SampleRound:
+    """Which sampling round the rows are of: their run, step, attempt and policy version."""
+
+    run_id: str
+    step: int
+    attempt: int
+    policy_version: int
+    first_group_index: int = 0
+    """The index of the round's first group (prompt) within the round's ids."""
+
+    def group_id(self, index: int) -> str:
+        """The id of this round's `index`-th group, counted from `first_group_index`."""
+        return group_id_for(self.run_id, self.step, self.attempt, self.first_group_index + index)
 
 
 def encode_messages(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -60,36 +94,31 @@ def encode_prompts(
 
 
 def generate_rollouts(
-    engine: Engine,
+    engine: Engine | list[Engine],
     tokenizer: Any,
     env: Environment,
     examples: list[Example],
-    params: SamplingParams,
-    *,
-    run_id: str,
-    step: int,
-    attempt: int,
-    policy_version: int,
-    max_context: int,
-    first_group_index: int = 0,
+    options: GenerateOptions,
+    sample_round: SampleRound,
 ) -> list[Rollout]:
-    """Sample `params.n` completions per example; one row per completion (per episode when the
-    environment is multi-turn: envs/multiturn.py)."""
+    """Sample `options.sampling.n` completions per example (with `options.sampling` as given, its
+    seed included); one row per completion (per episode when the environment is multi-turn:
+    envs/multiturn.py)."""
     if getattr(env, "max_turns", 1) > 1:
-        return _episode_rows(engine, tokenizer, env, examples, params, max_context,
-                             ids=(run_id, step, attempt, policy_version, first_group_index))
-    prompts = encode_prompts(tokenizer, env, examples, max_context, params.max_new_tokens)
+        return _episode_rows(engine, tokenizer, env, examples, options, sample_round)
+    params, ids = options.sampling, sample_round
+    prompts = encode_prompts(tokenizer, env, examples, options.max_context, params.max_new_tokens)
     completions = generate_spread(engine if isinstance(engine, list) else [engine], prompts, params)
     rows = []
     for index, (example, prompt, group) in enumerate(zip(examples, prompts, completions, strict=True)):
-        group_id = group_id_for(run_id, step, attempt, first_group_index + index)
+        group_id = ids.group_id(index)
         prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
         for j, completion in enumerate(group):
             rows.append(
                 Rollout(
-                    run_id=run_id, step=step, policy_version=policy_version, env=example.env,
+                    run_id=ids.run_id, step=ids.step, policy_version=ids.policy_version, env=example.env,
                     example_id=example.example_id, group_id=group_id, sample_id=sample_id_for(group_id, j),
-                    attempt=attempt, prompt_tokens=prompt, completion_tokens=list(completion.tokens),
+                    attempt=ids.attempt, prompt_tokens=prompt, completion_tokens=list(completion.tokens),
                     completion_logprobs=[float(x) for x in completion.logprobs],
                     finish_reason=completion.finish_reason, prompt_text=prompt_text,
                     completion_text=tokenizer.decode(completion.tokens, skip_special_tokens=True),
@@ -99,32 +128,32 @@ def generate_rollouts(
     return rows
 
 
-def _episode_rows(engine, tokenizer, env, examples, params, max_context, ids) -> list[Rollout]:
+def _episode_rows(engine, tokenizer, env, examples, options: GenerateOptions, ids: SampleRound) -> list[Rollout]:
     from rlpipe.envs.multiturn import episode_fields, run_episodes
 
-    run_id, step, attempt, policy_version, first_group_index = ids
     engines = engine if isinstance(engine, list) else [engine]
     share = -(-len(examples) // len(engines))  # contiguous shares, as generate_spread
     chunks = [examples[i:i + share] for i in range(0, len(examples), share)]
 
     def episodes(one: Engine, chunk: list[Example]):
-        return run_episodes(one, tokenizer, env, chunk, params, max_turns=env.max_turns,
-                            max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
+        return run_episodes(one, tokenizer, env, chunk, options.sampling, max_turns=env.max_turns,
+                            max_tokens=options.max_context, context=getattr(env, "rollout_context", "tokens"))
 
     with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
         groups = [g for part in pool.map(episodes, engines, chunks) for g in part]
     rows = []
     for index, (example, group) in enumerate(zip(examples, groups, strict=True)):
-        group_id = group_id_for(run_id, step, attempt, first_group_index + index)
+        group_id = ids.group_id(index)
         for j, episode in enumerate(group):
-            rows.append(Rollout(run_id=run_id, step=step, policy_version=policy_version, env=example.env,
+            rows.append(Rollout(run_id=ids.run_id, step=ids.step, policy_version=ids.policy_version, env=example.env,
                                 example_id=example.example_id, group_id=group_id,
-                                sample_id=sample_id_for(group_id, j), attempt=attempt,
+                                sample_id=sample_id_for(group_id, j), attempt=ids.attempt,
                                 **episode_fields(episode, tokenizer)))
     return rows
 
 
 def sampling_for_step(params: SamplingParams, seed: int, step: int, attempt: int) -> SamplingParams:
+    """`params` with the seed of one sampling round (`sample_seed`)."""
     return replace(params, seed=sample_seed(seed, step, attempt))
 
 
@@ -155,14 +184,12 @@ ROLLOUTS = StageTable(
 @stage("generate", tables=(ROLLOUTS,))
 def generate_stage(
     engines: list[Engine], tokenizer: Any, env: Environment, examples: list[Example],
-    params: SamplingParams, *, previous: list[Rollout], run_dir: Path, run_id: str, seed: int,
-    step: int, attempt: int, policy_version: int, max_context: int,
+    options: GenerateOptions, *, previous: list[Rollout], run_dir: Path, run_id: str, step: int,
+    attempt: int, policy_version: int,
 ) -> list[Rollout]:
     """Rollouts of one sampling round; the table holds every round of the step so far.
 
     A round already in the table (a resumed step) is read back, not sampled again.
     """
-    return generate_rollouts(
-        engines, tokenizer, env, examples, sampling_for_step(params, seed, step, attempt),
-        run_id=run_id, step=step, attempt=attempt, policy_version=policy_version,
-        max_context=max_context)
+    return generate_rollouts(engines, tokenizer, env, examples, options.for_round(step, attempt),
+                             SampleRound(run_id, step, attempt, policy_version))

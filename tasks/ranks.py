@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,24 @@ from rlpipe.training.dist_state import broadcast_weights, load_full_optimizer_st
 from rlpipe.training.dist_trainer import ParallelTrainer, follow
 from rlpipe.training.distributed import GatheredOptimizer, data_parallel
 from rlpipe.training.trainer import LocalTrainer, Trainer, TrainOptions
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """What a phase trains: its optimizer section and steps, its loss and train options."""
+
+    optim: Any
+    total_steps: int
+    loss: tuple
+    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (tasks/losses.phase_loss on each rank)."""
+    options: TrainOptions
+    reference: bool = False
+    """Keep a frozen copy of the starting weights as the KL penalty's reference."""
+    engines: Literal["none", "eval", "rollout"] = "none"
+    """The engines tasks/build.py opens: none; eval: an in-process engine for evals; rollout:
+    config.engine's engines, and an eval engine that reads the trainer's weights."""
+    single_process: bool = False
+    """Train in this process whatever train.parallel says (replaying a data-parallel step)."""
 
 
 @dataclass(frozen=True)
@@ -53,16 +71,16 @@ def spec_for(config, model, optim, total_steps: int, loss: tuple, reference: boo
                        total_steps=total_steps, loss=loss, reference=reference)
 
 
-def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_from: Path | None,
-                 options: TrainOptions, ref_model=None, single_process: bool = False) -> Trainer:
+def make_trainer(config, model, plan: TrainerPlan, resume_from: Path | None, ref_model=None) -> Trainer:
     """Rank 0: the trainer of `model` (weights already placed, a resumed checkpoint's already
-    loaded): a LocalTrainer, or a ParallelTrainer over every rank when train.parallel is set.
-    ref_model: the KL reference, which every rank then holds (sharded in place under FSDP2).
-    single_process: a LocalTrainer whatever train.parallel says (replay)."""
+    loaded) for what `plan` trains: a LocalTrainer, or a ParallelTrainer over every rank when
+    train.parallel is set (and `plan.single_process` is not: replay).
+    ref_model: the KL reference, which every rank then holds (sharded in place under FSDP2)."""
+    optim, total_steps, options = plan.optim, plan.total_steps, plan.options
     from rlpipe.training.checkpoint import read_optimizer_state
 
     state = read_optimizer_state(resume_from) if resume_from is not None else None
-    if single_process or config.train.parallel == "none":
+    if plan.single_process or config.train.parallel == "none":
         optimizer, scheduler = make_optimizer(model, optim, total_steps)
         if state is not None:
             optimizer.load_state_dict(state["optimizer"])
@@ -71,7 +89,7 @@ def make_trainer(config, model, optim, total_steps: int, loss: tuple, resume_fro
     if not dist.is_initialized():
         raise ValueError(f"train.parallel = {config.train.parallel!r} needs a distributed launch: "
                          "`rlpipe run CONFIG --nproc-per-node N` or torchrun")
-    spec = spec_for(config, model, optim, total_steps, loss, reference=ref_model is not None)
+    spec = spec_for(config, model, optim, total_steps, plan.loss, reference=ref_model is not None)
     dist.broadcast_object_list([("begin", spec)], src=0)
     dp, optimizer, scheduler = _collective_setup(spec, model, state, ref_model)
     return ParallelTrainer(dp, GatheredOptimizer(dp, optimizer), scheduler, options)

@@ -44,7 +44,7 @@ from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
 from rlpipe.storage.layout import partition_files
 from rlpipe.storage.writer import read_table, write_table
-from rlpipe.tasks.score import score_rollouts
+from rlpipe.tasks.score import ScoreOptions, score_rollouts
 from rlpipe.training.advantages import (
     ZERO_VARIANCE_EPS,
     Group,
@@ -212,7 +212,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     for step in steps:
         rollouts = [Rollout.from_row(row) for row in read_table(run_dir, "rollouts", step).to_pylist()]
         find_examples(train, {r.example_id for r in rollouts}, examples)
-        scores: list[Score] = score_rollouts(scorer, examples, rollouts, 1.0, length_penalty)
+        scores: list[Score] = score_rollouts(scorer, examples, rollouts, ScoreOptions(1.0, length_penalty))
         write_table(out_dir, "scores", step, [s.row() for s in scores], run_id=_run_id(rollouts, run_dir),
                     durable=False)
         step_groups, drops[step] = round_groups(rollouts, scores, options.drops)

@@ -20,8 +20,10 @@ from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.checkpoint import repair_checkpoint_row
 from rlpipe.tasks.evaluate import eval_step
+from rlpipe.tasks.generate import GenerateOptions
 from rlpipe.tasks.losses import loss_for
 from rlpipe.tasks.rollout_stages import RunStages
+from rlpipe.tasks.score import ScoreOptions
 from rlpipe.tasks.setup import make_env, max_context, stop_token_ids
 from rlpipe.tasks.sync import sync_task
 from rlpipe.training.advantages import overlong_penalty
@@ -105,9 +107,10 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     sampling = SamplingParams(n=rl.group_size, temperature=rl.sampling.temperature, top_p=rl.sampling.top_p,
                               top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
                               stop_token_ids=stops)
-    stages = RunStages(engines=built.engines, tokenizer=built.tokenizer, env=env, sampling=sampling,
-                       seed=config.seed, max_context=context, max_error_fraction=rl.max_reward_error_fraction,
-                       run_dir=run_dir, run_id=run_id, length_penalty=overlong_penalty_fn(rl))
+    stages = RunStages(engines=built.engines, tokenizer=built.tokenizer, env=env,
+                       generating=GenerateOptions(sampling, max_context=context, seed=config.seed),
+                       scoring=ScoreOptions(rl.max_reward_error_fraction, overlong_penalty_fn(rl)),
+                       run_dir=run_dir, run_id=run_id)
     source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version)
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=loss_for(rl), env=env,
                  engines=built.engines, eval_engine=built.eval_engine,

@@ -7,18 +7,17 @@ plain call, see tasks/_prefect.py) that writes its own table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
 from rlpipe.rollouts.fates import Fill, Selection
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks.advantages import filter_stage
-from rlpipe.tasks.generate import generate_stage
-from rlpipe.tasks.score import score_stage
+from rlpipe.tasks.generate import GenerateOptions, generate_stage
+from rlpipe.tasks.score import ScoreOptions, score_stage
 from rlpipe.training.advantages import AdvantageOptions
 
 
@@ -29,27 +28,23 @@ class RunStages:
     engines: list[Engine]
     tokenizer: Any
     env: Environment
-    sampling: SamplingParams
-    seed: int
-    max_context: int
-    max_error_fraction: float
+    generating: GenerateOptions
+    """How each round samples (its seed derived per round from the run's)."""
+    scoring: ScoreOptions
+    """How each round is scored (the share of reward errors allowed, DAPO's overlong penalty)."""
     run_dir: Path
     run_id: str
-    length_penalty: Callable[[int], float] | None = None
-    """DAPO's overlong penalty on the reward (rl.overlong_buffer), or None."""
 
     def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
                  previous: list[dict]) -> list[dict]:
-        return generate_stage(self.engines, self.tokenizer, self.env, examples, self.sampling,
-                              previous=previous, seed=self.seed, step=step, attempt=attempt,
-                              policy_version=policy_version, max_context=self.max_context,
+        return generate_stage(self.engines, self.tokenizer, self.env, examples, self.generating,
+                              previous=previous, step=step, attempt=attempt, policy_version=policy_version,
                               run_dir=self.run_dir, run_id=self.run_id)
 
     def score(self, examples: dict[str, Example], rollouts: list[dict], *, step: int,
               previous: list[dict]) -> list[dict]:
-        return score_stage(self.env, examples, rollouts, previous=previous, step=step,
-                           max_error_fraction=self.max_error_fraction, run_dir=self.run_dir,
-                           run_id=self.run_id, length_penalty=self.length_penalty)
+        return score_stage(self.env, examples, rollouts, self.scoring, previous=previous, step=step,
+                           run_dir=self.run_dir, run_id=self.run_id)
 
     def select(self, fill: Fill, rows: dict[str, Rollout], options: AdvantageOptions, *, step: int,
                empty: bool) -> Selection:

@@ -1,12 +1,13 @@
 """Stage `score`: rollouts → rewards → the `scores` table.
 
 A reward function that raises is recorded in `scores.error` with reward 0; once more than
-`max_error_fraction` of a step's completions raised, the step fails with the first traceback.
+`ScoreOptions.max_error_fraction` of a step's completions raised, the step fails with the first traceback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.envs.base import Environment, Example, RewardResult
@@ -26,12 +27,22 @@ def reward_of(env: Environment, example: Example, transcript: str | list[dict]) 
         return RewardResult(0.0, {}, format_traceback(exc))
 
 
+@dataclass(frozen=True)
+class ScoreOptions:
+    """How a run scores its rollouts (built once per run)."""
+
+    max_error_fraction: float = 0.0
+    """The share of a round's reward calls that may raise before the step fails."""
+    length_penalty: Callable[[int], float] | None = None
+    """DAPO's overlong penalty on the reward, of the completion's tokens (rl.overlong_buffer), or None."""
+
+
 def score_rollouts(
-    env: Environment, examples: dict[str, Example], rollouts: list[Rollout], max_error_fraction: float,
-    length_penalty: Callable[[int], float] | None = None,
+    env: Environment, examples: dict[str, Example], rollouts: list[Rollout], options: ScoreOptions,
 ) -> list[Score]:
-    """One `scores` row per rollout row, in the same order. `length_penalty(completion tokens)` is
-    added to the reward and kept as the `overlong_penalty` component (DAPO)."""
+    """One `scores` row per rollout row, in the same order. `options.length_penalty(completion
+    tokens)` is added to the reward and kept as the `overlong_penalty` component (DAPO)."""
+    max_error_fraction, length_penalty = options.max_error_fraction, options.length_penalty
     rows, errors = [], []
     for rollout, result in zip(rollouts, _rewards(env, examples, rollouts), strict=True):
         if result.error is not None:
@@ -85,8 +96,7 @@ SCORES = StageTable(
 
 
 @stage("score", tables=(SCORES,))
-def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[Rollout], *,
-                previous: list[Score], run_dir: Path, run_id: str, step: int,
-                max_error_fraction: float, length_penalty: Callable[[int], float] | None = None) -> list[Score]:
+def score_stage(env: Environment, examples: dict[str, Example], rollouts: list[Rollout], options: ScoreOptions,
+                *, previous: list[Score], run_dir: Path, run_id: str, step: int) -> list[Score]:
     """Scores of one sampling round; read back when a resumed step already scored them."""
-    return score_rollouts(env, examples, rollouts, max_error_fraction, length_penalty)
+    return score_rollouts(env, examples, rollouts, options)

@@ -8,7 +8,7 @@
         data_state.json  the caller's data position (epoch, offset, seed, buffers, ...)
         rng_state.pt     python, numpy and torch (CPU, CUDA) RNG states, as tensors and numbers
         metadata.json    step, time, metrics, policy_version, sha256 of the weight files
-        lm_head.safetensors  only with explicit_lm_head, for a tied model: see below
+        lm_head.safetensors  only with CheckpointOptions.explicit_lm_head, for a tied model: see below
 
 A tied model's files hold no `lm_head` (Transformers drops the duplicate), and a vLLM server that
 reloads such a checkpoint in place keeps its tied lm_head on the old weights (measured on vLLM
@@ -34,7 +34,7 @@ import pickle
 import random
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,26 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How a run's checkpoints are written (the same for every checkpoint of the run)."""
+
+    explicit_lm_head: bool = False
+    """For a tied model, also write lm_head.safetensors (reloaded in place by vLLM servers)."""
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What a checkpoint records of its step besides the weights and optimizer state."""
+
+    data_state: dict[str, Any] = field(default_factory=dict)
+    """The caller's data position (data_state.json)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The step's metrics (metadata.json)."""
+    policy_version: int | None = None
+    """The policy version the weights are (metadata.json); None: the step."""
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -153,16 +173,14 @@ def save_checkpoint(
     tokenizer: PreTrainedTokenizerBase,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    data_state: dict[str, Any] | None = None,
-    metrics: dict[str, float] | None = None,
-    policy_version: int | None = None,
-    explicit_lm_head: bool = False,
+    record: CheckpointRecord = CheckpointRecord(),
+    options: CheckpointOptions = CheckpointOptions(),
 ) -> Path:
     """Write `<run_dir>/checkpoints/step_<NNNNNN>/` atomically and return its path.
 
     Rewriting an existing step replaces it. metadata.json holds step, time (UTC ISO),
-    metrics, policy_version (default: step) and the sha256 of each weight file.
-    explicit_lm_head: for a tied model, also write lm_head.safetensors (for vLLM servers).
+    the record's metrics and policy_version (default: step) and the sha256 of each weight file;
+    data_state.json the record's data_state.
     """
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0; got {step}")
@@ -172,7 +190,7 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         save_model_files(model, tmp)  # merged weights + a PEFT adapter/ folder for a LoRA model
-        if explicit_lm_head:
+        if options.explicit_lm_head:
             write_explicit_lm_head(model, tmp)
         _portable_config(tmp)
         tokenizer.save_pretrained(tmp)
@@ -184,7 +202,7 @@ def save_checkpoint(
                 },
                 tmp / OPTIMIZER_FILE,
             )
-        _write_json(tmp / DATA_STATE_FILE, data_state or {})
+        _write_json(tmp / DATA_STATE_FILE, record.data_state or {})
         torch.save(rng_state(), tmp / RNG_FILE)
         weights = sorted(tmp.glob("*.safetensors"))
         if not weights:
@@ -192,9 +210,9 @@ def save_checkpoint(
         files = {p.name: sha256_file(p) for p in weights}
         metadata = {
             "step": step,
-            "policy_version": step if policy_version is None else policy_version,
+            "policy_version": step if record.policy_version is None else record.policy_version,
             "time": datetime.now(UTC).isoformat(),
-            "metrics": metrics or {},
+            "metrics": record.metrics or {},
             # one hash for the checkpoints table: the single file's, or else (shards, an explicit
             # lm_head beside the weights) the hash of every weight file's name and hash
             "sha256": next(iter(files.values())) if len(files) == 1

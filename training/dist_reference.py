@@ -37,16 +37,16 @@ def local_reference_inputs(dp: DataParallel, mine: list[PackedBatch], options
 
     Fillers run through the reference too: under FSDP2 its forwards gather parameters with
     collectives, so every rank runs as many as the others. A step's PPO epochs reuse the first
-    epoch's figures (`dp.reference_cache`). options: the step's TrainOptions (autocast,
-    temperature)."""
+    epoch's figures (`dp.reference_cache`). options: the step's TrainOptions (its step's autocast
+    and temperature)."""
     keys = tuple(tuple(b.sample_ids) for b in mine)
     if dp.reference_cache is not None and dp.reference_cache[0] == keys:
         return dp.reference_cache[1]
     device = next(dp.reference.parameters()).device
     real, logprobs = [], []
     for batch in mine:
-        with autocast_context(device, options.autocast):
-            out, _ = dp.reference(batch.to(device), temperature=options.temperature)
+        with autocast_context(device, options.step.autocast):
+            out, _ = dp.reference(batch.to(device), temperature=options.step.temperature)
         if not is_filler(batch):
             real.append(batch)
             logprobs.append(out.float().cpu())

@@ -123,7 +123,7 @@ def _step(dp, optimizer, scheduler, batches, loss_fn, options: TrainOptions, bat
     loss_fn = with_batch_inputs(loss_fn, batches, batch_inputs)
     if gather:
         loss_fn = capture_logprobs(loss_fn, seen)
-    metrics = forward_backward(dp.model, mine, loss_fn, ranks=dp, **options.step_kwargs())
+    metrics = forward_backward(dp.model, mine, loss_fn, options.step, ranks=dp)
     metrics |= optim_step(dp.model, optimizer, scheduler, options.max_grad_norm)
     if gather:  # a list of small dicts: every rank's [T] log-probs, once per step
         parts = [None] * dp.world_size if dp.rank == 0 else None

@@ -1,6 +1,6 @@
 """The functional training step: forward/backward over micro-batches, then an optimizer step.
 
-    totals-normalised loss      forward_backward(model, batches, loss_fn, normaliser="token")
+    totals-normalised loss      forward_backward(model, batches, loss_fn, StepOptions(normaliser="token"))
     clip, step, schedule        optim_step(model, optimizer, scheduler, max_grad_norm)
 
 State (model, optimizer, scheduler) lives with the caller and is passed in; nothing here keeps
@@ -16,6 +16,7 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from rlpipe.models.device import model_device
@@ -31,6 +32,27 @@ from rlpipe.training.losses import (
     normaliser_totals,
     reduce_loss,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """How `forward_backward` computes one step's loss and gradients (built once per phase by its
+    trainer's options, training/trainer.py `TrainOptions`)."""
+
+    normaliser: Normaliser = "token"
+    """The loss normaliser over the whole step (training/losses.py)."""
+    constant: float | None = None
+    """The 'constant' normaliser's divisor."""
+    autocast: bool = False
+    """bf16 autocast of the forward where the device supports it."""
+    temperature: float = 1.0
+    """Sampling temperature the log-probs are computed at."""
+    aux_loss_coef: float | None = None
+    """Weight of the router aux loss; None: the model config's `router_aux_loss_coef` (0 if absent)."""
+    chunk_size: int = 1024
+    """Tokens per chunk of the LM-head log-prob computation."""
+    entropy: bool = False
+    """Also report the policy's mean entropy over the loss tokens (training/entropy.py)."""
 
 
 def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -> FloatingPointError:
@@ -87,23 +109,16 @@ def forward_backward(
     model: torch.nn.Module,
     batches: Sequence[PackedBatch],
     loss_fn: LossFn,
-    normaliser: Normaliser = "token",
-    constant: float | None = None,
-    autocast: bool = False,
-    temperature: float = 1.0,
-    aux_loss_coef: float | None = None,
-    chunk_size: int = 1024,
-    entropy: bool = False,
+    options: StepOptions = StepOptions(),
     ranks=SINGLE_PROCESS,
 ) -> dict[str, float]:
     """Accumulate the gradients of one optimizer step over `batches` (its micro-batches).
 
-    loss = Σ_batches reduce_loss(loss_fn(logprobs, batch)) (+ aux_loss_coef × router aux loss,
-    averaged over micro-batches by token share). aux_loss_coef None → the model config's
-    `router_aux_loss_coef` (0 if absent).
+    loss = Σ_batches reduce_loss(loss_fn(logprobs, batch)) with `options.normaliser` (+
+    options.aux_loss_coef × router aux loss, averaged over micro-batches by token share).
     Returns metrics: loss (the step's objective, without aux), aux_loss (if any), tokens,
     loss_tokens, sequences, seconds, and loss_fn's metrics averaged over micro-batches weighted
-    by their loss tokens; with `entropy`, also the policy's mean entropy over the
+    by their loss tokens; with `options.entropy`, also the policy's mean entropy over the
     loss tokens (training/entropy.py, one more LM-head matmul per token). Raises FloatingPointError
     on a NaN/inf loss, after clearing the gradients (the caller must not step).
     ranks: who shares the step (`SingleProcess`, or a training.distributed.DataParallel whose
@@ -113,8 +128,9 @@ def forward_backward(
     if len(batches) == 0:
         raise ValueError("forward_backward: no micro-batches")
     start = time.perf_counter()
-    totals = ranks.totals(batches, normaliser)
+    totals = ranks.totals(batches, options.normaliser)
     device = model_device(model)
+    aux_loss_coef = options.aux_loss_coef
     if aux_loss_coef is None:
         aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
 
@@ -127,15 +143,16 @@ def forward_backward(
         batch = batch.to(device)
         counts = ranks.counts(batch)
         with ranks.sync(last=i == len(batches) - 1):  # forward and backward: DDP decides in its forward
-            with autocast_context(device, autocast):
-                logprobs, aux, token_entropy = ranks.forward(model, batch, temperature=temperature,
-                                                             chunk_size=chunk_size, entropy=entropy)
+            with autocast_context(device, options.autocast):
+                logprobs, aux, token_entropy = ranks.forward(model, batch, temperature=options.temperature,
+                                                             chunk_size=options.chunk_size,
+                                                             entropy=options.entropy)
                 per_token, fn_metrics = loss_fn(logprobs, batch)
                 if token_entropy is not None:
                     mask = loss_token_mask(batch).to(token_entropy.device)
                     fn_metrics = {**fn_metrics,
                                   "entropy": float(token_entropy[mask].sum() / max(int(mask.sum()), 1))}
-                loss = reduce_loss(per_token, batch, normaliser, totals, constant)
+                loss = reduce_loss(per_token, batch, options.normaliser, totals, options.constant)
             _backward_after_checks(model, loss, aux, i, batch, counts, totals, aux_loss_coef, ranks.grad_scale)
         if aux is not None:
             has_aux = True

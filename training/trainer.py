@@ -1,7 +1,7 @@
 """One trainer interface: an optimizer step over a step's micro-batches, in one process or over
 data-parallel ranks (training/dist_trainer.py), the same call for both.
 
-    options = TrainOptions(normaliser="token", max_grad_norm=1.0, epochs=1)
+    options = TrainOptions(step=StepOptions(normaliser="token"), max_grad_norm=1.0, epochs=1)
     trainer = LocalTrainer(model, optimizer, scheduler, options, reference=None)
     inputs = trainer.reference_inputs(batches)         # per micro-batch loss inputs (KL reference)
     metrics = trainer.step(batches, loss_fn, inputs)   # forward/backward + optimizer step
@@ -13,14 +13,13 @@ pipeline (pack, SFT, RL setup) never asks how many processes train.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from rlpipe.training.batch import PackedBatch
 from rlpipe.training.loss_inputs import capture_logprobs, with_batch_inputs
-from rlpipe.training.losses import Normaliser
-from rlpipe.training.step import forward_backward, optim_step
+from rlpipe.training.step import StepOptions, forward_backward, optim_step
 
 Logprobs = dict[tuple[str, ...], torch.Tensor]
 
@@ -29,25 +28,13 @@ Logprobs = dict[tuple[str, ...], torch.Tensor]
 class TrainOptions:
     """How a phase trains each step (built once per phase from its config)."""
 
-    normaliser: Normaliser = "token"
-    """The loss normaliser over the whole step (training/losses.py)."""
-    constant: float | None = None
-    """The 'constant' normaliser's divisor."""
+    step: StepOptions = field(default_factory=lambda: StepOptions(entropy=True))
+    """How each step's loss and gradients are computed (normaliser, autocast, temperature,
+    entropy: training/step.py); a phase logs the policy's entropy unless told otherwise."""
     max_grad_norm: float | None = 1.0
     """Gradient clipping (None or <= 0: measure only)."""
-    autocast: bool = False
-    """bf16 autocast of the forward where the device supports it."""
     epochs: int = 1
     """Optimizer steps over the same micro-batches (1 = on-policy; PPO epochs)."""
-    temperature: float = 1.0
-    """Sampling temperature the log-probs are computed at."""
-    entropy: bool = True
-    """Log the policy's mean entropy over the loss tokens (training/entropy.py)."""
-
-    def step_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `forward_backward` these options set."""
-        return dict(normaliser=self.normaliser, constant=self.constant, autocast=self.autocast,
-                    temperature=self.temperature, entropy=self.entropy)
 
 
 class Trainer(Protocol):
@@ -95,8 +82,8 @@ class LocalTrainer:
             return {}
         from rlpipe.training.kl import reference_logprobs
 
-        return {"ref_logprobs": reference_logprobs(self.reference, batches, temperature=self.options.temperature,
-                                                   autocast=self.options.autocast)}
+        return {"ref_logprobs": reference_logprobs(self.reference, batches, temperature=self.options.step.temperature,
+                                                   autocast=self.options.step.autocast)}
 
     def step(self, batches: list[PackedBatch], loss_fn, inputs: dict[str, list[torch.Tensor]],
              logprobs: Logprobs | None = None) -> dict[str, float]:
@@ -104,7 +91,7 @@ class LocalTrainer:
         loss_fn = with_batch_inputs(loss_fn, batches, inputs)
         if logprobs is not None:
             loss_fn = capture_logprobs(loss_fn, logprobs)
-        metrics = dict(forward_backward(self.model, batches, loss_fn, **self.options.step_kwargs()))
+        metrics = dict(forward_backward(self.model, batches, loss_fn, self.options.step))
         metrics.update(optim_step(self.model, self.optimizer, self.scheduler, self.options.max_grad_norm))
         return metrics
 

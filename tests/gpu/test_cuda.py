@@ -18,7 +18,7 @@ from rlpipe.training.batch import Sequence, pack, pack_one
 from rlpipe.training.logprobs import token_logprobs
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.rl_loss import build_rl_loss
-from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,7 +99,7 @@ def test_varlen_kernel_gradients_match_the_fp32_reference():
     grads = {}
     for autocast in (True, False):
         model = _model("small-dense")
-        forward_backward(model, pack(seqs, 4096), loss_fn, autocast=autocast)
+        forward_backward(model, pack(seqs, 4096), loss_fn, StepOptions(autocast=autocast))
         grads[autocast] = torch.cat([p.grad.flatten() for p in model.parameters()])
     cos = torch.nn.functional.cosine_similarity(grads[True], grads[False], dim=0).item()
     assert cos > 0.99
@@ -113,7 +113,7 @@ def test_training_on_cuda_lowers_the_loss(weights_dtype):
     batches = pack(_sequences(16, seed=5), 2048)
     losses = []
     for _ in range(8):
-        metrics = forward_backward(model, batches, nll_loss, autocast=True)
+        metrics = forward_backward(model, batches, nll_loss, StepOptions(autocast=True))
         optim_step(model, optimizer, None, max_grad_norm=1.0)
         losses.append(metrics["loss"])
     assert losses[-1] < losses[0] - 0.1
@@ -127,7 +127,7 @@ def test_activation_checkpointing_gives_the_same_gradients_on_cuda():
     for checkpointing in (False, True):
         model = build_model("small-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=1)
         place_model(model, "cuda", activation_checkpointing=checkpointing)
-        forward_backward(model, pack(seqs, 4096), nll_loss, autocast=True)
+        forward_backward(model, pack(seqs, 4096), nll_loss, StepOptions(autocast=True))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     # the flash backward accumulates with atomics: equal up to run-to-run bf16 noise
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item() > 0.9999
@@ -179,7 +179,7 @@ def test_compiled_layers_train_like_eager_on_cuda(weights_dtype):
         for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             with autocast_context("cuda", True):
                 assert use_flash(model)
-            losses[i].append(forward_backward(model, batches, nll_loss, autocast=True)["loss"])
+            losses[i].append(forward_backward(model, batches, nll_loss, StepOptions(autocast=True))["loss"])
             grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
             optim_step(model, optimizer, None, max_grad_norm=1.0)
         cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0).item()

@@ -117,7 +117,7 @@ def test_replayed_steps_never_wait_for_the_gpu():
 def test_weights_updated_by_a_training_step_are_seen_by_the_next_generate():
     from rlpipe.training.batch import Sequence, pack
     from rlpipe.training.losses import nll_loss
-    from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+    from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
 
     model = _model("small-dense")
     prompts = _prompts([8, 20, 5])
@@ -130,7 +130,7 @@ def test_weights_updated_by_a_training_step_are_seen_by_the_next_generate():
               for i, p in enumerate(prompts)]
     model.train()
     for _ in range(3):
-        forward_backward(model, pack(target, 4096), nll_loss, autocast=False)
+        forward_backward(model, pack(target, 4096), nll_loss, StepOptions(autocast=False))
         optim_step(model, optimizer, None, max_grad_norm=1.0)
     after = engine.generate(prompts, params)
     reference = TorchEngine(model, max_batch_size=8).generate(prompts, params)

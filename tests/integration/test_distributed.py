@@ -27,11 +27,17 @@ from rlpipe.training.distributed import (
 from rlpipe.training.loss_inputs import is_filler
 from rlpipe.training.ports import free_port
 from rlpipe.training.rl_loss import build_rl_loss
-from rlpipe.training.step import SINGLE_PROCESS, build_optimizer, forward_backward, optim_step
+from rlpipe.training.step import (
+    SINGLE_PROCESS,
+    StepOptions,
+    build_optimizer,
+    forward_backward,
+    optim_step,
+)
 from rlpipe.training.trainer import TrainOptions
 
 VOCAB = 64
-ONE_STEP = TrainOptions(max_grad_norm=1.0, entropy=False)
+ONE_STEP = TrainOptions(max_grad_norm=1.0, step=StepOptions(entropy=False))
 """forward_backward's own defaults (token normaliser, no entropy), clipped at 1."""
 STEPS = 3
 
@@ -58,7 +64,7 @@ def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=SINGLE_PROCES
     optimizer = build_optimizer(model, lr=1e-3)
     losses = []
     for seqs in steps:
-        metrics = forward_backward(model, micro_batches_of(seqs), loss_fn, normaliser=normaliser, ranks=dp)
+        metrics = forward_backward(model, micro_batches_of(seqs), loss_fn, StepOptions(normaliser=normaliser), ranks=dp)
         optim_step(model, optimizer, None, max_grad_norm=1.0)
         losses.append(metrics["loss"])
     return losses
@@ -187,8 +193,8 @@ def _restore_rank(rank: int, world: int, port: int, preset: str, out: str) -> No
         loss_fn, steps, cpu = build_rl_loss("reinforce"), _steps(), torch.device("cpu")
 
         def step(model, dp, optimizer, seqs):
-            forward_backward(model, shard_micro_batches(seqs, 96, rank, world), loss_fn, normaliser="sequence",
-                             ranks=dp)
+            forward_backward(model, shard_micro_batches(seqs, 96, rank, world), loss_fn,
+                             StepOptions(normaliser="sequence"), ranks=dp)
             optim_step(model, optimizer, None, max_grad_norm=1.0)
 
         model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
@@ -233,7 +239,7 @@ def test_fsdp2_state_gathers_to_rank_0_and_restores_on_two_ranks_or_one(tmp_path
     optimizer = build_optimizer(single, lr=1e-3)
     optimizer.load_state_dict(result["optimizer"])  # the single-process format
     both = [b for rank in (0, 1) for b in shard_micro_batches(_steps()[2], 96, rank, 2) if not is_filler(b)]
-    forward_backward(single, both, build_rl_loss("reinforce"), normaliser="sequence")
+    forward_backward(single, both, build_rl_loss("reinforce"), StepOptions(normaliser="sequence"))
     optim_step(single, optimizer, None, max_grad_norm=1.0)
     worst = max((single.state_dict()[k] - v).abs().max().item() for k, v in result["continued"].items())
     assert worst < 1e-5, worst

@@ -24,7 +24,7 @@ from rlpipe.training.kl import frozen_copy, reference_logprobs
 from rlpipe.training.lora import LoraOptions, add_lora
 from rlpipe.training.ports import free_port
 from rlpipe.training.rl_loss import build_rl_loss
-from rlpipe.training.step import build_optimizer
+from rlpipe.training.step import StepOptions, build_optimizer
 from rlpipe.training.trainer import LocalTrainer, TrainOptions
 from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same folder
 
@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, port: int, kind: str, lora: bool, ref_on: str, 
             for seqs in _named_steps():
                 batches, seen = _packed(seqs), {}
                 inputs = {"ref_logprobs": reference_logprobs(ref, batches)} if ref_on == "rank0" else None
-                metrics = lead_step(dp, optimizer, None, batches, loss_fn, TrainOptions(max_grad_norm=1.0, entropy=True),
+                metrics = lead_step(dp, optimizer, None, batches, loss_fn, TrainOptions(max_grad_norm=1.0, step=StepOptions(entropy=True)),
                                     batch_inputs=inputs, trainer_logprobs=seen)
                 result["metrics"].append({k: metrics[k] for k in METRICS})
                 result["logprobs"].append(seen)
@@ -98,8 +98,8 @@ def _one_process(lora: bool, kl: dict):
     metrics, logprobs = [], []
     for step, seqs in enumerate(_named_steps(), start=1):
         batches, seen = _packed(seqs), {}
-        trainer = LocalTrainer(model, optimizer, None, TrainOptions(normaliser="token", max_grad_norm=1.0,
-                                                                    autocast=False), reference=ref if kl else None)
+        trainer = LocalTrainer(model, optimizer, None, TrainOptions(
+                    step=StepOptions(normaliser="token", autocast=False, entropy=True), max_grad_norm=1.0), reference=ref if kl else None)
         m = train_on_batches(trainer, batches, loss_fn, step=step, trainer_logprobs=seen)
         metrics.append(m)
         logprobs.append(seen)

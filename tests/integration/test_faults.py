@@ -225,7 +225,7 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
     """Afterwards: the sync fails within its timeout and retries (no hang), its `syncs` row says
     not ok with an error naming the server, the step's raise_failed names it too; a server
     restarted on the old checkpoint takes the same sync (what a resume does first)."""
-    from rlpipe.engines.http import HttpEngine
+    from rlpipe.engines.http import HttpEngine, HttpOptions
     from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
     from rlpipe.models.presets import build_model
     from rlpipe.models.tokenizer import build_tokenizer
@@ -239,7 +239,7 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
     try:
         procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok"))
         url = serve_url(procs[0])
-        engine = HttpEngine(url, timeout_s=10, retries=1, api_token="tok", backoff_s=0.1)
+        engine = HttpEngine(url, HttpOptions(timeout_s=10, retries=1, api_token="tok", backoff_s=0.1))
         os.kill(procs[0].pid, signal.SIGSTOP)  # frozen: the sync is accepted by the kernel, never answered
         result: list[dict] = []
         syncing = threading.Thread(target=lambda: result.extend(
@@ -256,7 +256,7 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
             raise_failed(result)
 
         procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok"))
-        engine = HttpEngine(serve_url(procs[1]), timeout_s=30, retries=1, api_token="tok")
+        engine = HttpEngine(serve_url(procs[1]), HttpOptions(timeout_s=30, retries=1, api_token="tok"))
         assert [r["ok"] for r in sync_engines([engine], str(new), 1, run_id="r", step=1)] == [True]
         assert engine.health()["policy_version"] == 1
         engine.close()

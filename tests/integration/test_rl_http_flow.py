@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from rlpipe.engines.http import HttpEngine
+from rlpipe.engines.http import HttpEngine, HttpOptions
 from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
@@ -66,7 +66,7 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
         assert [(r["step"], r["ok"]) for r in syncs] == [(1, True), (1, True), (2, True), (2, True)]
         assert {r["engine"] for r in syncs} == set(urls)
         for url in urls:  # applied: each server now serves policy version 2
-            engine = HttpEngine(url, api_token=TOKEN)
+            engine = HttpEngine(url, HttpOptions(api_token=TOKEN))
             assert engine.health()["policy_version"] == 2
             engine.close()
 

@@ -21,7 +21,7 @@ from rlpipe.tasks.setup import make_model_and_tokenizer, stop_token_ids
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.config import RLConfig
 from rlpipe.training.oversampling import GroupBuffer
-from rlpipe.training.step import build_optimizer, build_scheduler
+from rlpipe.training.step import StepOptions, build_optimizer, build_scheduler
 from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
 from benchmarks.bench_losses import MemoryStages, digits_env
@@ -38,8 +38,8 @@ def test_reinforce_raises_reward_on_a_learnable_env(ahead):
     rl = RLConfig(steps=40, prompts_per_step=8, group_size=8, drop_zero_variance=False,
                   max_off_policy_steps=ahead)
     loss_fn = loss_for(rl)
-    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(normaliser="token", max_grad_norm=1.0,
-                                                                     autocast=False))
+    trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(
+        step=StepOptions(normaliser="token", autocast=False, entropy=True), max_grad_norm=1.0))
     params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer), seed=0)
     stages = MemoryStages(engine, tokenizer, env, params)
     options = rollout_options(rl)

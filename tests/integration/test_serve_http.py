@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.http import EngineUnavailableError, HttpEngine
+from rlpipe.engines.http import EngineUnavailableError, HttpEngine, HttpOptions
 from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
 from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model
@@ -45,7 +45,7 @@ def test_two_servers_generate_sync_and_fail_loudly(tmp_path):
             procs.append(start_serve(first, "--allow-root", str(allow), token="tok"))
         urls = [serve_url(p, START_TIMEOUT_S) for p in procs]
         assert all(url.startswith("http://127.0.0.1:") for url in urls), urls
-        engines = [HttpEngine(u, timeout_s=60, retries=2, api_token="tok", backoff_s=0.05) for u in urls]
+        engines = [HttpEngine(u, HttpOptions(timeout_s=60, retries=2, api_token="tok", backoff_s=0.05)) for u in urls]
         assert [e.health()["policy_version"] for e in engines] == [0, 0]
 
         prompts = [tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"] for a, b in

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.http import HttpEngine
+from rlpipe.engines.http import HttpEngine, HttpOptions
 from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
@@ -100,7 +100,7 @@ def test_served_vllm_samples_scores_and_reloads_like_the_trainer(tmp_path):
     served = build_model("tiny-dense", vocab_size=len(tok), seed=0).eval()
 
     with vllm_server(first, tmp_path) as url:
-        engine = HttpEngine(f"vllm+{url}", timeout_s=120)
+        engine = HttpEngine(f"vllm+{url}", HttpOptions(timeout_s=120))
         prompts = [tok("12+30=", add_special_tokens=False)["input_ids"], [5, 6, 7]]
         params = SamplingParams(n=2, max_new_tokens=8, temperature=0.8, seed=0)
         out = engine.generate(prompts, params)

@@ -84,21 +84,21 @@ def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():
     from rlpipe.envs.base import Example
     from rlpipe.envs.rewards import RewardError
     from rlpipe.envs.timeout import with_reward_timeout
-    from rlpipe.tasks.score import score_rollouts
+    from rlpipe.tasks.score import ScoreOptions, score_rollouts
 
     inner = Hangs()
     env = with_reward_timeout(inner, 0.2)
     examples = {"e": Example("hangs", "e", "prompt", 0)}
     try:
         began = time.monotonic()
-        rows = score_rollouts(env, examples, rollouts(["ok", "hang", "ok", "ok"]), max_error_fraction=0.5)
+        rows = score_rollouts(env, examples, rollouts(["ok", "hang", "ok", "ok"]), ScoreOptions(max_error_fraction=0.5))
         assert time.monotonic() - began < 5
         assert [r.reward for r in rows] == [1.0, 0.0, 1.0, 1.0]
         assert rows[1].error.startswith("RewardTimeout") and "task.reward_timeout_s=0.2s" in rows[1].error
         assert [r.error for r in rows if r.sample_id != "s1"] == [None] * 3
         # timeouts count in the error share that fails a step
         with pytest.raises(RewardError, match="2 of 3 reward calls raised"):
-            score_rollouts(env, examples, rollouts(["hang", "hang", "ok"]), max_error_fraction=0.5)
+            score_rollouts(env, examples, rollouts(["hang", "hang", "ok"]), ScoreOptions(max_error_fraction=0.5))
         assert env.examples("train") == [] and env.name == "hangs"  # the rest is the env's own
     finally:
         inner.release.set()

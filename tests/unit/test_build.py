@@ -12,7 +12,7 @@ from rlpipe.tasks.build import StartPoint, build, rl_plan, supervised_plan
 from rlpipe.tasks.config import RunConfig
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.losses import nll_loss
-from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
 from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
 
@@ -26,8 +26,9 @@ def test_a_supervised_plan_builds_a_local_trainer_and_an_eval_engine_only():
     assert isinstance(built.trainer, LocalTrainer) and built.trainer.reference is None
     assert built.model is built.trainer.model and built.start_step == 0 and built.data_state == {}
     assert built.engines == [] and built.eval_engine is not None and built.closing == [built.eval_engine]
-    assert built.trainer.options == TrainOptions(normaliser=config.sft.optim.normaliser,
-                                                 max_grad_norm=config.sft.optim.max_grad_norm, autocast=False)
+    assert built.trainer.options == TrainOptions(
+        step=StepOptions(normaliser=config.sft.optim.normaliser, autocast=False, entropy=True),
+        max_grad_norm=config.sft.optim.max_grad_norm)
 
 
 def test_an_rl_plan_with_a_kl_penalty_keeps_the_starting_weights_frozen_as_the_reference():
@@ -57,12 +58,12 @@ def test_a_local_trainer_step_is_forward_backward_then_optim_step():
                      sample_id=f"s{n}") for n in (7, 12, 5)]
     batches = pack(seqs, 16)
     models = [build(config, supervised_plan(config, "sft"), StartPoint()).model for _ in range(2)]
-    options = TrainOptions(normaliser="sequence", max_grad_norm=0.5, entropy=False)
+    options = TrainOptions(step=StepOptions(normaliser="sequence", entropy=False), max_grad_norm=0.5)
     trainer = LocalTrainer(models[0], build_optimizer(models[0], lr=1e-2), None, options)
     seen: dict = {}
     got = trainer.step(batches, nll_loss, {}, seen)
     optimizer = build_optimizer(models[1], lr=1e-2)
-    want = forward_backward(models[1], batches, nll_loss, normaliser="sequence")
+    want = forward_backward(models[1], batches, nll_loss, StepOptions(normaliser="sequence"))
     want |= optim_step(models[1], optimizer, None, 0.5)
     assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in want.items() if k != "seconds"}
     assert sorted(seen) == sorted(tuple(b.sample_ids) for b in batches)

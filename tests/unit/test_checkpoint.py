@@ -12,7 +12,13 @@ from rlpipe.models.attention import VARLEN_ATTENTION
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.batch import Sequence, pack
-from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint import (
+    CheckpointOptions,
+    CheckpointRecord,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import build_optimizer, build_scheduler, forward_backward, optim_step
 from transformers import AutoModelForCausalLM
@@ -29,7 +35,7 @@ def _model(tokenizer, seed=0, preset="tiny-dense"):
 
 def test_saved_checkpoint_loads_in_plain_transformers(tmp_path, tokenizer):
     model = _model(tokenizer).eval()
-    path = save_checkpoint(tmp_path, 7, model, tokenizer, metrics={"loss": 1.5})
+    path = save_checkpoint(tmp_path, 7, model, tokenizer, record=CheckpointRecord(metrics={"loss": 1.5}))
     assert path == tmp_path / "checkpoints" / "step_000007"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metadata.json",
                  "data_state.json", "rng_state.pt"):
@@ -72,7 +78,7 @@ def test_resume_equals_uninterrupted_training(tmp_path, tokenizer):
     torch.manual_seed(123)
     model, opt, sched = _fresh(tokenizer, seed=0)
     _steps(model, opt, sched, 2)
-    path = save_checkpoint(tmp_path, 2, model, tokenizer, opt, sched, data_state={"offset": 12})
+    path = save_checkpoint(tmp_path, 2, model, tokenizer, opt, sched, CheckpointRecord(data_state={"offset": 12}))
     torch.rand(100), random.random(), np.random.rand()  # perturb every RNG after saving
 
     model, opt, sched = _fresh(tokenizer, seed=99)  # different init: everything must come back
@@ -100,8 +106,8 @@ def test_load_without_model_and_latest(tmp_path, tokenizer):
 
 
 def test_rewriting_a_step_replaces_it(tmp_path, tokenizer):
-    save_checkpoint(tmp_path, 3, _model(tokenizer, seed=1), tokenizer, metrics={"v": 1})
-    path = save_checkpoint(tmp_path, 3, _model(tokenizer, seed=2), tokenizer, metrics={"v": 2})
+    save_checkpoint(tmp_path, 3, _model(tokenizer, seed=1), tokenizer, record=CheckpointRecord(metrics={"v": 1}))
+    path = save_checkpoint(tmp_path, 3, _model(tokenizer, seed=2), tokenizer, record=CheckpointRecord(metrics={"v": 2}))
     assert json.loads((path / "metadata.json").read_text())["metrics"] == {"v": 2}
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003"]
     loaded = load_checkpoint(path, restore_rng=False).model
@@ -199,8 +205,8 @@ def test_a_tied_model_can_name_its_lm_head_for_vllm_servers(tmp_path, tokenizer,
         save = type(model).save_pretrained
         monkeypatch.setattr(type(model), "save_pretrained",
                             lambda self, folder, **kw: save(self, folder, max_shard_size=shard, **kw))
-    plain = save_checkpoint(tmp_path / "plain", 1, model, tokenizer, explicit_lm_head=False)
-    path = save_checkpoint(tmp_path / "named", 1, model, tokenizer, explicit_lm_head=True)
+    plain = save_checkpoint(tmp_path / "plain", 1, model, tokenizer, options=CheckpointOptions(explicit_lm_head=False))
+    path = save_checkpoint(tmp_path / "named", 1, model, tokenizer, options=CheckpointOptions(explicit_lm_head=True))
     assert not (plain / LM_HEAD_FILE).exists()
     head = load_file(str(path / LM_HEAD_FILE))
     assert list(head) == ["lm_head.weight"] and torch.equal(head["lm_head.weight"], model.lm_head.weight)
@@ -216,5 +222,5 @@ def test_a_tied_model_can_name_its_lm_head_for_vllm_servers(tmp_path, tokenizer,
     assert back.lm_head.weight is back.get_input_embeddings().weight
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values(), strict=True))
     untied = build_model("tiny-dense", vocab_size=len(tokenizer), seed=0, tie_word_embeddings=False)
-    assert not (save_checkpoint(tmp_path / "untied", 1, untied, tokenizer, explicit_lm_head=True)
+    assert not (save_checkpoint(tmp_path / "untied", 1, untied, tokenizer, options=CheckpointOptions(explicit_lm_head=True))
                 / LM_HEAD_FILE).exists()  # its files hold its own lm_head already

@@ -11,6 +11,7 @@ from rlpipe.training.dist_reference import local_reference_inputs, place_referen
 from rlpipe.training.distributed import DataParallel
 from rlpipe.training.kl import frozen_copy, reference_logprobs
 from rlpipe.training.loss_inputs import FILLER_ID
+from rlpipe.training.step import StepOptions
 from rlpipe.training.trainer import TrainOptions
 
 VOCAB = 48
@@ -44,7 +45,7 @@ def test_a_rank_scores_its_real_micro_batches_once_per_step():
     calls = _counting(reference)
     filler = pack([Sequence(tokens=[0, 0], weights=[0.0, 0.0], sample_id=FILLER_ID)], 2)[0]
     mine = [*_batches(1), filler]
-    options = TrainOptions(temperature=0.7, autocast=False, normaliser="token")
+    options = TrainOptions(step=StepOptions(temperature=0.7, autocast=False, normaliser="token", entropy=True))
     real, inputs = local_reference_inputs(dp, mine, options)
     assert real == mine[:-1] and len(calls) == len(mine)  # the filler ran (FSDP2 lockstep), then dropped
     expected = reference_logprobs(frozen_copy(model), real, temperature=0.7)

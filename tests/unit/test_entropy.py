@@ -32,12 +32,12 @@ def test_chunked_entropy_matches_full_softmax(temperature):
 def test_forward_backward_logs_mean_entropy_of_loss_tokens():
     from rlpipe.tasks.setup import make_model_and_tokenizer
     from rlpipe.training.logprobs import token_logprobs
-    from rlpipe.training.step import forward_backward
+    from rlpipe.training.step import StepOptions, forward_backward
 
     model, _ = make_model_and_tokenizer("tiny-dense", "", {}, seed=0)
     batch = pack_one([Sequence(tokens=[5, 6, 7, 8, 9, 10], weights=[0, 0, 0, 1.0, 1.0, 1.0], sample_id="a"),
                       Sequence(tokens=[5, 6, 11, 12], weights=[0, 0, -1.0, -1.0], sample_id="b")])
-    metrics = forward_backward(model, [batch], build_rl_loss("reinforce"), entropy=True, temperature=0.8)
+    metrics = forward_backward(model, [batch], build_rl_loss("reinforce"), StepOptions(entropy=True, temperature=0.8))
     from rlpipe.models.attention import model_hidden_states
 
     with torch.no_grad():
@@ -48,6 +48,6 @@ def test_forward_backward_logs_mean_entropy_of_loss_tokens():
     assert metrics["entropy"] == pytest.approx(float(full[mask].mean()), rel=1e-4)
     # the log-probs and gradients are those of the plain path
     model.zero_grad()
-    plain = forward_backward(model, [batch], build_rl_loss("reinforce"), temperature=0.8)
+    plain = forward_backward(model, [batch], build_rl_loss("reinforce"), StepOptions(temperature=0.8))
     assert "entropy" not in plain and plain["loss"] == pytest.approx(metrics["loss"])
     assert token_logprobs(model, batch)[0].shape == (batch.n_tokens,)

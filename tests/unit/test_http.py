@@ -15,6 +15,7 @@ from rlpipe.engines.http import (
     EngineTimeoutError,
     EngineUnavailableError,
     HttpEngine,
+    HttpOptions,
     engines_from_config,
     parse_engine_url,
     read_token,
@@ -44,7 +45,7 @@ def ckpt(run_dir, step):
 
 def served_engine(run_dir, token=None, api_token=None):
     client = TestClient(build_app(ckpt(run_dir, 0), token=token), base_url="http://localhost")
-    return HttpEngine("http://localhost", retries=0, api_token=api_token, client=client), client
+    return HttpEngine("http://localhost", HttpOptions(retries=0, api_token=api_token), client=client), client
 
 
 def test_generate_and_sync_through_the_server(run_dir):
@@ -74,7 +75,7 @@ def test_generate_and_sync_through_the_server(run_dir):
 
 def test_token_is_sent(run_dir):
     engine, client = served_engine(run_dir, token="t0k", api_token="t0k")
-    anonymous = HttpEngine("http://localhost", retries=0, client=client)
+    anonymous = HttpEngine("http://localhost", HttpOptions(retries=0), client=client)
     with client:
         assert engine.health()["status"] == "ok"
         with pytest.raises(EngineResponseError, match="HTTP 401"):
@@ -89,7 +90,7 @@ def test_connection_errors_are_retried_then_named():
         raise httpx.ConnectError("connection refused", request=request)
 
     client = httpx.Client(transport=httpx.MockTransport(refuse))
-    engine = HttpEngine("http://127.0.0.1:9", retries=2, backoff_s=0.01, client=client)
+    engine = HttpEngine("http://127.0.0.1:9", HttpOptions(retries=2, backoff_s=0.01), client=client)
     with pytest.raises(EngineUnavailableError, match=r"http://127\.0\.0\.1:9/v1/completions.*3 attempt"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     assert len(calls) == 3
@@ -104,7 +105,7 @@ def test_unavailable_then_ok_and_read_timeout_not_retried():
             return httpx.Response(503, text="starting")
         return httpx.Response(200, json={"status": "ok"})
 
-    engine = HttpEngine("http://h:1", retries=1, backoff_s=0.0,
+    engine = HttpEngine("http://h:1", HttpOptions(retries=1, backoff_s=0.0),
                         client=httpx.Client(transport=httpx.MockTransport(flaky)))
     assert engine.health() == {"status": "ok"} and len(calls) == 2
 
@@ -114,7 +115,7 @@ def test_unavailable_then_ok_and_read_timeout_not_retried():
         slow_calls.append(1)
         raise httpx.ReadTimeout("timed out", request=request)
 
-    engine = HttpEngine("http://h:1", retries=3, timeout_s=0.5,
+    engine = HttpEngine("http://h:1", HttpOptions(retries=3, timeout_s=0.5),
                         client=httpx.Client(transport=httpx.MockTransport(slow)))
     with pytest.raises(EngineTimeoutError, match="timeout_s=0.5"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
@@ -123,7 +124,7 @@ def test_unavailable_then_ok_and_read_timeout_not_retried():
 
 def test_closed_loopback_port_fails_clearly():
     port = free_port()  # nothing listens there
-    engine = HttpEngine(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01, timeout_s=5)
+    engine = HttpEngine(f"http://127.0.0.1:{port}", HttpOptions(retries=1, backoff_s=0.01, timeout_s=5))
     with pytest.raises(EngineUnavailableError, match=f"127.0.0.1:{port}"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     engine.close()
@@ -163,7 +164,7 @@ def test_vllm_request_shape_and_reload():
         "/collective_rpc": {"results": [None]},
         "/reset_prefix_cache": {},
     })
-    engine = HttpEngine("vllm+http://gpu:8000", api_token="k", client=client)
+    engine = HttpEngine("vllm+http://gpu:8000", HttpOptions(api_token="k"), client=client)
     assert engine.flavor == "vllm" and engine.url == "http://gpu:8000"
     params = SamplingParams(n=2, max_new_tokens=2, greedy=True, stop_token_ids=(2,))
     out = engine.generate(PROMPTS, params)
@@ -186,7 +187,7 @@ def test_vllm_seeded_batch_gives_each_prompt_its_own_seeds():
     # vLLM seeds a request's n samples seed, seed+1, ...: one batched request would give sample j
     # of every prompt the same noise, so each prompt is its own request, n seeds further on
     seen, client = recorder({"/v1/completions": vllm_completions})
-    engine = HttpEngine("vllm+http://gpu:8000", model="m", client=client)
+    engine = HttpEngine("vllm+http://gpu:8000", HttpOptions(model="m"), client=client)
     prompts = [[1, 2], [3], [4, 5, 6]]
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2, seed=10))
     bodies = sorted((body for _, body in seen), key=lambda body: body["seed"])
@@ -206,7 +207,7 @@ def test_vllm_before_weights_path_gets_the_older_reload_pair():
         return httpx.Response(200, json={"results": [None]})
 
     _, client = recorder({"/collective_rpc": rpc, "/reset_prefix_cache": {}})
-    engine = HttpEngine("vllm+http://gpu:8000", model="m", client=client)
+    engine = HttpEngine("vllm+http://gpu:8000", HttpOptions(model="m"), client=client)
     engine.sync("/c/step_1", 1)
     engine.sync("/c/step_2", 2)  # learnt: no second try of the newer call
     assert calls == [
@@ -231,7 +232,7 @@ def test_sglang_request_shape_and_reload():
         "/update_weights_from_disk": lambda body: httpx.Response(
             200, json={"success": body["model_path"] == "/c/step_3", "message": "no such file"}),
     })
-    engine = HttpEngine("http://gpu:30000", flavor="sglang", client=client)
+    engine = HttpEngine("http://gpu:30000", HttpOptions(flavor="sglang"), client=client)
     out = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=2, top_k=5))
     assert [[c.tokens[0] for c in g] for g in out] == [[30, 31], [32, 33]]
     body = seen[0][1]
@@ -267,7 +268,7 @@ def test_engines_from_config_and_urls(monkeypatch):
         with pytest.raises(ValueError, match="engine url"):
             parse_engine_url(bad)
     with pytest.raises(ValueError, match="contradicts"):
-        HttpEngine("vllm+http://h:1", flavor="sglang")
+        HttpEngine("vllm+http://h:1", HttpOptions(flavor="sglang"))
     with pytest.raises(ValueError, match="no server"):
         engines_from_config(EngineConfig(urls=[]))
 

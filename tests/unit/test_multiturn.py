@@ -241,15 +241,15 @@ def test_template_context_equals_token_context_on_a_stable_template():
 
 
 def test_generate_stage_spreads_episodes_over_engines():
-    from rlpipe.tasks.generate import generate_rollouts
+    from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
 
     tok = build_tokenizer()
     env = CalculatorEnv(CalculatorConfig(eval_size=10))
     end = tok.convert_tokens_to_ids("<|im_end|>")
     engines = [ScriptedEngine(_calc_script(tok, ["calc 12*34", "ans 408"]), end) for _ in range(2)]
     examples = [Example("calculator", str(i), "12*34", 408) for i in range(4)]
-    rows = generate_rollouts(engines, tok, env, examples, SamplingParams(n=2), run_id="r", step=1, attempt=1,
-                             policy_version=0, max_context=512)
+    rows = generate_rollouts(engines, tok, env, examples, GenerateOptions(SamplingParams(n=2), max_context=512),
+                             SampleRound(run_id="r", step=1, attempt=1, policy_version=0))
     assert len(rows) == 8 and all(len(e.calls) == 2 for e in engines)  # two turns each, two examples each
     assert [r.example_id for r in rows] == ["0", "0", "1", "1", "2", "2", "3", "3"]
     assert {r.n_turns for r in rows} == {2} and len({r.sample_id for r in rows}) == 8

@@ -13,7 +13,7 @@ from rlpipe.envs.config import RewardModelConfig
 from rlpipe.envs.reward_models import ClassifierReward, JudgeReward, WithModelRewards, build_scorer
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.tasks.score import score_rollouts
+from rlpipe.tasks.score import ScoreOptions, score_rollouts
 from rlpipe.tasks.setup import make_env
 from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
@@ -105,7 +105,7 @@ def test_composed_reward_recorded_as_components_in_one_batch():
     assert composed.name == "arithmetic" and composed.examples("eval") is env.examples("eval")
     rollouts = [rollout(sample_id=f"s{i}", example_id=e.example_id, completion_text=c)
                 for i, (e, c) in enumerate(zip(EXAMPLES, COMPLETIONS, strict=True))]
-    rows = score_rollouts(composed, {e.example_id: e for e in EXAMPLES}, rollouts, max_error_fraction=0.0)
+    rows = score_rollouts(composed, {e.example_id: e for e in EXAMPLES}, rollouts, ScoreOptions(max_error_fraction=0.0))
     assert counting.batches == [5]  # one call for the whole round
     assert rows[1].components == {"format": 1.0, "correct": 1.0, "env": 1.0, "len": 0.1}
     assert rows[1].reward == pytest.approx(2.0 * 1.0 + 0.5 * 0.1)

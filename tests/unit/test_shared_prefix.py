@@ -12,7 +12,7 @@ from rlpipe.training.logprobs import token_logprobs
 from rlpipe.training.loss_inputs import bind_old_logprobs
 from rlpipe.training.losses import batch_counts
 from rlpipe.training.rl_loss import build_rl_loss
-from rlpipe.training.step import forward_backward
+from rlpipe.training.step import StepOptions, forward_backward
 
 VOCAB = 64
 
@@ -95,7 +95,7 @@ def test_gradients_equal_the_unshared_layout(normaliser):
     grads = []
     for share in (True, False):
         model = _model()
-        metrics = forward_backward(model, pack(seqs, 4096, share_prefixes=share), loss_fn, normaliser=normaliser)
+        metrics = forward_backward(model, pack(seqs, 4096, share_prefixes=share), loss_fn, StepOptions(normaliser=normaliser))
         grads.append((metrics["loss"], {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_a, ga), (loss_b, gb) = grads
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
@@ -181,7 +181,7 @@ def test_zero_advantage_completions_still_count_in_the_token_normaliser(share):
     assert sum(batch_counts(b)["loss_tokens"] for b in batches) == completion_tokens
     # the same gradient as the weighted sum over all completion tokens, computed by hand
     model = _model()
-    forward_backward(model, batches, build_rl_loss("reinforce"), normaliser="token")
+    forward_backward(model, batches, build_rl_loss("reinforce"), StepOptions(normaliser="token"))
     got = model.model.embed_tokens.weight.grad.clone()
     model.zero_grad()
     (plain,) = pack(seqs, 4096, share_prefixes=False)
@@ -204,7 +204,8 @@ def test_a_step_whose_advantages_are_all_zero_is_skipped_without_touching_the_we
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(model, lr=1e-2)
-    trainer = LocalTrainer(model, optimizer, None, TrainOptions(normaliser="token", max_grad_norm=1.0, autocast=False))
+    trainer = LocalTrainer(model, optimizer, None, TrainOptions(step=StepOptions(normaliser="token", autocast=False, entropy=True),
+                                                                max_grad_norm=1.0))
     metrics = train_on_batches(trainer, pack(seqs, 4096), build_rl_loss("reinforce"), step=1)
     assert metrics["skipped"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -11,6 +11,7 @@ from rlpipe.models.presets import build_model
 from rlpipe.training.batch import Sequence, pack, pack_one
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import (
+    StepOptions,
     build_optimizer,
     build_scheduler,
     forward_backward,
@@ -44,10 +45,10 @@ def test_micro_batches_give_the_gradient_of_one_batch(normaliser):
     assert len(micro) >= 4
     model = build_model("tiny-dense", vocab_size=VOCAB, seed=3)
 
-    m_one = forward_backward(model, [pack_one(seqs)], nll_loss, normaliser, constant=256.0)
+    m_one = forward_backward(model, [pack_one(seqs)], nll_loss, StepOptions(normaliser=normaliser, constant=256.0))
     one = _grads(model)
     model.zero_grad(set_to_none=True)
-    m_many = forward_backward(model, micro, nll_loss, normaliser, constant=256.0)
+    m_many = forward_backward(model, micro, nll_loss, StepOptions(normaliser=normaliser, constant=256.0))
     many = _grads(model)
 
     assert one.keys() == many.keys() and len(one) > 0
@@ -132,11 +133,11 @@ def test_no_weight_decay_on_norms_and_embeddings():
 def test_moe_adds_router_aux_loss():
     model = build_model("tiny-moe", vocab_size=VOCAB)
     batches = pack(_sequences(), token_budget=64)
-    metrics = forward_backward(model, batches, nll_loss, aux_loss_coef=0.0)
+    metrics = forward_backward(model, batches, nll_loss, StepOptions(aux_loss_coef=0.0))
     assert metrics["aux_loss"] > 0
     no_aux = _grads(model)
     model.zero_grad(set_to_none=True)
-    forward_backward(model, batches, nll_loss, aux_loss_coef=1.0)
+    forward_backward(model, batches, nll_loss, StepOptions(aux_loss_coef=1.0))
     with_aux = _grads(model)
     router = [n for n in no_aux if n.endswith("mlp.gate.weight")]
     assert router and any(not torch.allclose(no_aux[n], with_aux[n]) for n in router)
@@ -148,6 +149,6 @@ def test_autocast_step_is_close_to_fp32():
     batches = pack(_sequences(), token_budget=64)
     fp32 = forward_backward(model, batches, nll_loss)
     model.zero_grad(set_to_none=True)
-    bf16 = forward_backward(model, batches, nll_loss, autocast=True)
+    bf16 = forward_backward(model, batches, nll_loss, StepOptions(autocast=True))
     assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.02)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)

@@ -11,7 +11,7 @@ from rlpipe.engines.base import SamplingParams  # noqa: E402
 from rlpipe.envs.multiturn import run_episodes  # noqa: E402
 from rlpipe.envs.registry import build_env  # noqa: E402
 from rlpipe.envs.verifiers_env import VerifiersEnv  # noqa: E402
-from rlpipe.tasks.score import score_rollouts  # noqa: E402
+from rlpipe.tasks.score import ScoreOptions, score_rollouts  # noqa: E402
 
 from tests.rollout_rows import rollout  # noqa: E402
 from tests.scripted_engine import ScriptedEngine  # noqa: E402
@@ -69,7 +69,7 @@ def test_score_stage_batches_sampled_completions_through_the_tasks():
     rollouts = [rollout(sample_id=f"s{i}", example_id=e.example.example_id,
                         completion_text=tok.decode(e.completion_tokens, skip_special_tokens=True))
                 for i, (e,) in enumerate(groups)]
-    rows = score_rollouts(env, {e.example_id: e for e in examples}, rollouts, max_error_fraction=0.0)
+    rows = score_rollouts(env, {e.example_id: e for e in examples}, rollouts, ScoreOptions(max_error_fraction=0.0))
     assert [r.components["correct"] for r in rows] == [1.0, 1.0, 0.0, 1.0]
 
 
