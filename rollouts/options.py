@@ -13,6 +13,7 @@ The defaults and the meaning of every field are the `[rl]` section's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from rlpipe.rollouts.fates import DropOptions
 from rlpipe.training.advantages import AdvantageOptions
 from rlpipe.training.config import RLConfig
