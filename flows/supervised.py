@@ -19,7 +19,7 @@ from rlpipe.flows.progress import progress
 from rlpipe.tasks.checkpoint import checkpoint_task, reloaded_by_vllm_servers
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import eval_metrics
-from rlpipe.tasks.origin import record_origin
+from rlpipe.tasks.origin import origin_task
 from rlpipe.tasks.record import load_rows, step_metrics, train_step_row
 from rlpipe.tasks.supervised import supervised_train_task
 from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
@@ -40,9 +40,9 @@ def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | No
     tracker = make_tracker(config, state, parent_mlflow_run_id)
 
     def body() -> dict:
-        record_origin(state.run_dir, state.run_id, start_checkpoint or config.model.path, tracker)
         # tables on one ordered background thread, drained before checkpoints and at the end
         with stage_io(config):
+            origin_task(start_checkpoint or config.model.path, tracker, run_dir=state.run_dir, run_id=state.run_id)
             run = open_supervised(config, phase, state.run_dir, start_checkpoint)
             return _train(config, phase, run, state, tracker)
 
