@@ -85,3 +85,20 @@ def test_a_small_step_with_shared_prompts_gives_every_rank_a_micro_batch():
     # one group: its prompt is shared, not split into per-sequence micro-batches (rank 1 idles)
     batches = pack_rollouts(samples[:8], token_budget=2048, budget=two_ranks)
     assert [b.n_tokens for b in batches] == [54]
+
+
+def test_the_pack_and_train_stages_write_batches_and_train_tokens_once_each(tmp_path):
+    from rlpipe.storage.writer import read_table
+    from rlpipe.tasks._prefect import stage_task_runs
+    from rlpipe.tasks.pack import batch_rows, pack_task
+    from rlpipe.tasks.train import train_task
+
+    samples = [sample(0, j, [5, 6], [10, 11], 0.0) for j in range(2)]  # no signal: the step is skipped
+    with stage_task_runs(False):
+        batches = pack_task(samples, 64, run_dir=tmp_path, run_id="r", step=1)
+        metrics = train_task(None, batches, None, samples=samples, trainer_logprobs={}, step=1,
+                             run_dir=tmp_path, run_id="r")
+    assert metrics["skipped"] == 1.0
+    assert read_table(tmp_path, "batches", 1).to_pylist() == batch_rows(batches, "r", 1)
+    (row,) = read_table(tmp_path, "train_tokens", 1).to_pylist()
+    assert row["trainer_logprobs"] is None and same(packed_batch(row), batches[0])
