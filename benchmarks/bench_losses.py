@@ -181,7 +181,7 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     with source:
         for step in range(1, steps + 1):
             batch = source.batch(step)
-            batches, _ = pack_rollouts(batch.samples, 8192, "b", step)
+            batches = pack_rollouts(batch.samples, 8192)
             metrics = train_on_batches(trainer, batches, loss_fn, step=step)
             source.publish(step)
             rewards.append(statistics.mean(stages.rewards.get(step) or [0.0]))

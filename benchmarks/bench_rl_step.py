@@ -60,6 +60,7 @@ STAGE_FUNCTIONS = [
     ("rlpipe.tasks.score", "score_rollouts", "function", "score"),
     ("rlpipe.tasks.advantages", "select_step", "function", "filter"),
     ("rlpipe.tasks.pack", "pack_rollouts", "function", "pack"),
+    ("rlpipe.tasks.pack", "batch_rows", "function", "pack"),
     ("rlpipe.tasks.train", "train_on_batches", "function", "train"),
     ("rlpipe.tasks.checkpoint", "save_checkpoint", "function", "checkpoint"),
     ("rlpipe.tasks.sync", "sync_engines", "function", "sync"),

@@ -128,7 +128,7 @@ def compare(args: argparse.Namespace) -> dict:
         for step in range(1, args.steps + 1):
             batch = source.batch(step)
             selected = batch.samples
-            batches, _ = pack_rollouts(selected, 8192, "g", step)
+            batches = pack_rollouts(selected, 8192)
             if step == 1:  # do both sides put the same prompt tokens in front of the model?
                 examples = [stages.env_examples[s.rollout.example_id] for s in selected[::GROUP]]
                 trl_prompts = trainer._tokenize_prompts([env.reset(e) for e in examples])[0]

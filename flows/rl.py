@@ -32,12 +32,11 @@ from rlpipe.flows.supervised import due
 from rlpipe.tasks.checkpoint import TrainingState, checkpoint_task, promote_best, register_options
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before
-from rlpipe.tasks.origin import record_origin
+from rlpipe.tasks.origin import origin_task
 from rlpipe.tasks.pack import pack_task
 from rlpipe.tasks.record import step_metrics, train_step_row
 from rlpipe.tasks.rl_setup import RLRun, open_rl
 from rlpipe.tasks.sync import sync_task
-from rlpipe.tasks.tokens import record_train_tokens
 from rlpipe.tasks.train import train_task
 from rlpipe.training import metric_names as m
 from rlpipe.training.checkpoint import CheckpointRecord, checkpoint_steps, latest_checkpoint
@@ -60,9 +59,9 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     tracker = make_tracker(config, state, parent_mlflow_run_id)
 
     def body() -> dict:
-        record_origin(state.run_dir, state.run_id, start_checkpoint or config.model.path, tracker)
         # leaving stage_io drains the table writer: a phase is marked done only with its tables
         with stage_io(config), ExitStack() as stack:
+            origin_task(start_checkpoint or config.model.path, tracker, run_dir=state.run_dir, run_id=state.run_id)
             run = open_rl(config, state.run_dir, state.run_id, start_checkpoint, registered_model_name(config))
             stack.callback(run.close)
             return _loop(config, run, stack.enter_context(run.source), tracker, dict(run_dir=state.run_dir,
@@ -96,10 +95,9 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         watch, version, step_evals = Stopwatch(batch.seconds), step * rl.ppo_epochs, {}
         with watch("pack"):
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, budget=run.trainer.budget, **io)
-        with watch("train"):
-            seen: dict = {}  # the trainer's per-token log-probs, for train_tokens (replay, the tokens view)
-            train = train_task(run.trainer, batches, run.loss_fn, trainer_logprobs=seen, step=step)
-            record_train_tokens(batch.samples, batches, seen, step=step, **io)
+        with watch("train"):  # writes train_tokens: the batches and the trainer's log-probs (replay, tokens view)
+            train = train_task(run.trainer, batches, run.loss_fn, samples=batch.samples, trainer_logprobs={},
+                               step=step, **io)
         if due(step, rl.eval_every, rl.steps):
             with watch("eval"):
                 step_evals = evals = run.evaluate(step, **io)

@@ -4,8 +4,6 @@ checkpoint → eval. `flows/pretrain.py` and `flows/sft.py` are the Prefect flow
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rlpipe.flows.common import (
     RunState,
     Stopwatch,
@@ -18,9 +16,8 @@ from rlpipe.flows.common import (
 from rlpipe.flows.progress import progress
 from rlpipe.tasks.checkpoint import TrainingState, checkpoint_task, register_options
 from rlpipe.tasks.config import RunConfig
-from rlpipe.tasks.evaluate import eval_metrics
-from rlpipe.tasks.origin import record_origin
-from rlpipe.tasks.record import load_rows, step_metrics, train_step_row
+from rlpipe.tasks.origin import origin_task
+from rlpipe.tasks.record import step_metrics, train_step_row
 from rlpipe.tasks.supervised import supervised_train_task
 from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
 from rlpipe.training import metric_names as m
@@ -40,9 +37,9 @@ def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | No
     tracker = make_tracker(config, state, parent_mlflow_run_id)
 
     def body() -> dict:
-        record_origin(state.run_dir, state.run_id, start_checkpoint or config.model.path, tracker)
         # tables on one ordered background thread, drained before checkpoints and at the end
         with stage_io(config):
+            origin_task(start_checkpoint or config.model.path, tracker, run_dir=state.run_dir, run_id=state.run_id)
             run = open_supervised(config, phase, state.run_dir, start_checkpoint)
             return _train(config, phase, run, state, tracker)
 
@@ -63,9 +60,11 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
             metrics, cursor = supervised_train_task(trainer, run.sequences, nll_loss, step=step, seed=config.seed,
                                                     per_step=section.sequences_per_step,
                                                     token_budget=section.optim.token_budget)
-        if due(step, section.eval_every, section.steps) and load_rows(run_dir, "evals", step) is None:
-            with watch("eval"):
-                eval_metrics = run.evaluate(step, run_dir=run_dir, run_id=run_id)
+        if due(step, section.eval_every, section.steps):
+            with watch("eval"):  # a resumed step's stored evals are read back, not evaluated again
+                evals = run.evaluate(step, run_dir=run_dir, run_id=run_id)
+            if not evals.stored:  # stored evals were logged by the run that evaluated them
+                eval_metrics = evals.metrics
         # the step's row, then (due) every queued table and the checkpoint that marks the step done
         with watch("checkpoint"):
             row = checkpoint_task(
@@ -83,10 +82,5 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
     if last_path is None:  # nothing left to train: the run was already complete
         last = latest_checkpoint(run_dir)
         last_path = str(last) if last else None
-        eval_metrics = _eval_summary(run_dir, section.steps)
+        eval_metrics = run.evaluate(section.steps, run_dir=run_dir, run_id=run_id).metrics  # read back
     return {"checkpoint": last_path, "eval": eval_metrics, "steps": section.steps}
-
-
-def _eval_summary(run_dir: Path, step: int) -> dict:
-    rows = load_rows(run_dir, "evals", step) or []
-    return eval_metrics(rows) if rows else {}

@@ -13,10 +13,10 @@ The defaults and the meaning of every field are the `[rl]` section's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from rlpipe.rollouts.fates import DropOptions
 from rlpipe.training.advantages import AdvantageOptions
+from rlpipe.training.config import RLConfig
 from rlpipe.training.oversampling import BufferOptions
 
 
@@ -32,8 +32,8 @@ class RolloutOptions:
     advantages: AdvantageOptions
 
 
-def rollout_options(rl: Any) -> RolloutOptions:
-    """The rollout components' options from the `[rl]` config section (any object with its fields)."""
+def rollout_options(rl: RLConfig) -> RolloutOptions:
+    """The rollout components' options from the `[rl]` config section."""
     return RolloutOptions(
         steps=rl.steps, ppo_epochs=rl.ppo_epochs, max_off_policy_steps=rl.max_off_policy_steps,
         buffer=BufferOptions(prompts_per_step=rl.prompts_per_step, oversample_factor=rl.oversample_factor,

@@ -5,6 +5,7 @@ Step 0 measures the starting weights (for RL, the SFT checkpoint).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.engines.base import Engine, SamplingParams
@@ -59,28 +60,42 @@ def _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, m
     return rows, eval_metrics(rows)
 
 
-EVALS = StageTable("evals", rows=lambda rows, a: rows, read_back=lambda rows, a: rows)
+@dataclass(frozen=True)
+class StepEvals:
+    """A step's evals: its `evals` rows, and whether the eval stage read them back (stored by an
+    earlier run of the step, which logged their metrics) instead of evaluating."""
+
+    rows: list[dict]
+    stored: bool = False
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """eval/accuracy and eval/reward of the rows (`eval_metrics`)."""
+        return eval_metrics(self.rows)
+
+
+EVALS = StageTable("evals", rows=lambda evals, a: evals.rows, read_back=lambda rows, a: StepEvals(rows, stored=True))
 """A resumed step's stored evals are its result."""
 
 
 @stage("eval", tables=(EVALS,))
-def eval_task(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, step: int, **kwargs) -> list[dict]:
-    """The `evals` rows of greedy completions on `examples` at `step` (read back on resume)."""
+def eval_task(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, step: int, **kwargs) -> StepEvals:
+    """The evals of greedy completions on `examples` at `step` (read back on resume)."""
     rows, _ = evaluate_greedy(engine, tokenizer, env, examples, run_id=run_id, step=step, **kwargs)
-    return rows
+    return StepEvals(rows)
 
 
 def eval_metrics(rows: list[dict]) -> dict[str, float]:
+    """eval/accuracy and eval/reward of a step's `evals` rows."""
     n = max(len(rows), 1)
     return {m.EVAL_ACCURACY: sum(bool(r["correct"]) for r in rows) / n,
             m.EVAL_REWARD: sum(r["reward"] for r in rows) / n}
 
 
 def eval_step(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, step: int,
-              **kwargs) -> dict[str, float]:
+              **kwargs) -> StepEvals:
     """Evaluate at `step` and write the `evals` table; a resumed step reads its rows back."""
-    return eval_metrics(eval_task(engine, tokenizer, env, examples, run_dir=run_dir, run_id=run_id, step=step,
-                                  **kwargs))
+    return eval_task(engine, tokenizer, env, examples, run_dir=run_dir, run_id=run_id, step=step, **kwargs)
 
 
 def best_accuracy_before(run_dir, step: int, checkpointed: set[int]) -> float:

@@ -5,6 +5,9 @@ A run that starts from a checkpoint (the pipeline's RL phase from the SFT checkp
 wrote it and its registered model version, and tags its MLflow run (`rlpipe.parent_*`) and every
 model version it registers (`parent_*`) with the same, so `rlpipe lineage` can walk from an RL
 version to the SFT version it started from. Rewritten identically on resume.
+
+The stage declares the `origins` table: the stage wrapper writes the row (tasks/record.py),
+synchronously and fsynced, before the run's first step.
 """
 
 from __future__ import annotations
@@ -12,14 +15,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlpipe.storage.lineage import checkpoint_origin
-from rlpipe.tasks.record import persist_now
+from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.record import StageTable
+
+ORIGINS = StageTable("origins", rows=lambda row, a: None if row is None else [row], durable=True)
+"""The run's one `origins` row (partition step 0); nothing for a fresh preset."""
 
 
-def record_origin(run_dir: Path, run_id: str, checkpoint: str | None, tracker) -> dict | None:
-    """Record the starting checkpoint (None: a fresh preset, nothing to record); the row."""
+@stage("origin", tables=(ORIGINS,))
+def origin_task(checkpoint: str | None, tracker, *, run_dir: Path, run_id: str, step: int = 0) -> dict | None:
+    """Record the starting checkpoint (None: a fresh preset, nothing to record): tag the tracker
+    with its lineage and return the `origins` row (`step` 0: before the run's first step)."""
     if not checkpoint:
         return None
-    row = {"run_id": run_id, "step": 0, **checkpoint_origin(checkpoint)}
-    persist_now(run_dir, "origins", 0, [row], run_id)
+    row = {"run_id": run_id, "step": step, **checkpoint_origin(checkpoint)}
     tracker.set_lineage_tags({key: value for key, value in row.items() if key.startswith("parent_")})
     return row

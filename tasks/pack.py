@@ -59,6 +59,7 @@ def rollout_sequence(sample: TrainSample) -> Sequence:
 
 
 def batch_rows(batches: list[PackedBatch], run_id: str, step: int) -> list[dict]:
+    """The `batches` rows of a step's micro-batches: which rollouts each holds, its tokens and padding."""
     rows = []
     for index, batch in enumerate(batches):
         # whole rollouts (a shared prompt counted in each), not the packed segments
@@ -84,27 +85,26 @@ def whole_budget(sizes: list[int], token_budget: int) -> int:
     return token_budget
 
 
-def pack_rollouts(samples: list[TrainSample], token_budget: int, run_id: str, step: int,
-                  budget: Budget = whole_budget) -> tuple[list[PackedBatch], list[dict]]:
-    """Micro-batches of the selected samples (a multi-turn episode may give several sequences),
-    and their `batches` rows. budget: the trainer's `budget` (data-parallel ranks: small enough
-    that each gets work), given the step's packing units' sizes."""
+def pack_rollouts(samples: list[TrainSample], token_budget: int, budget: Budget = whole_budget) -> list[PackedBatch]:
+    """Micro-batches of the selected samples (a multi-turn episode may give several sequences).
+    budget: the trainer's `budget` (data-parallel ranks: small enough that each gets work),
+    given the step's packing units' sizes."""
     sequences = [seq for s in samples for seq in rollout_sequences(s)]
-    if sequences:
-        # sized by packing units (a group sharing its prompt, else a sequence), not sequence
-        # lengths: counting a shared prompt per sequence packed small steps into one micro-batch
-        # (the other ranks idle), and a budget under a group's size would split it, repeating its prompt
-        token_budget = budget([unit.size for unit in shared_prefix_units(sequences, token_budget)], token_budget)
-    batches = pack(sequences, token_budget) if sequences else []
-    return batches, batch_rows(batches, run_id, step)
+    if not sequences:
+        return []
+    # sized by packing units (a group sharing its prompt, else a sequence), not sequence
+    # lengths: counting a shared prompt per sequence packed small steps into one micro-batch
+    # (the other ranks idle), and a budget under a group's size would split it, repeating its prompt
+    token_budget = budget([unit.size for unit in shared_prefix_units(sequences, token_budget)], token_budget)
+    return pack(sequences, token_budget)
 
 
 BATCHES = StageTable("batches", rows=lambda batches, a: batch_rows(batches, a["run_id"], a["step"]))
+"""The step's micro-batches, one row each (`batch_rows`), computed once from the stage's result."""
 
 
 @stage("pack", tables=(BATCHES,))
 def pack_task(samples: list[TrainSample], token_budget: int, *, run_dir: Path, run_id: str, step: int,
               budget: Budget = whole_budget) -> list[PackedBatch]:
-    """The step's micro-batches (`pack_rollouts`), their `batches` rows written by the stage."""
-    batches, _ = pack_rollouts(samples, token_budget, run_id, step, budget)
-    return batches
+    """The step's micro-batches (`pack_rollouts`); the stage writes their `batches` rows."""
+    return pack_rollouts(samples, token_budget, budget)

@@ -59,7 +59,7 @@ class RLRun:
         """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table)."""
         return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
                          run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
-                         stop_token_ids=self.stop_token_ids, max_context=self.max_context)
+                         stop_token_ids=self.stop_token_ids, max_context=self.max_context).metrics
 
     @property
     def needs_checkpoint_to_sync(self) -> bool:

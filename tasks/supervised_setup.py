@@ -15,7 +15,7 @@ from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
 from rlpipe.envs.timeout import with_reward_timeout
 from rlpipe.tasks.build import build, start_point, supervised_plan
-from rlpipe.tasks.evaluate import eval_step
+from rlpipe.tasks.evaluate import StepEvals, eval_step
 from rlpipe.tasks.setup import make_env, max_context, pretrain_data, sft_data, stop_token_ids
 from rlpipe.training.batch import Sequence
 from rlpipe.training.trainer import Trainer
@@ -39,8 +39,9 @@ class SupervisedRun:
         """The trained model's whole weights (evals and checkpoints read them)."""
         return self.trainer.model
 
-    def evaluate(self, step: int, *, run_dir: Path, run_id: str) -> dict[str, float]:
-        """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table)."""
+    def evaluate(self, step: int, *, run_dir: Path, run_id: str) -> StepEvals:
+        """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table; a
+        resumed step's stored evals are read back, `stored`)."""
         return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
                          run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
                          stop_token_ids=stop_token_ids(self.tokenizer), max_context=max_context(self.model))

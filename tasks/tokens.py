@@ -1,28 +1,28 @@
-"""Stage `train` (its record): the exact micro-batches an RL step trained on, with the trainer's
-per-token log-probs, as the `train_tokens` table — what `rlpipe replay` rebuilds the step from,
-and what the `tokens` view (storage/views.py) unnests to one row per trained completion token.
+"""The `train` stage's table: the exact micro-batches an RL step trained on, with the trainer's
+per-token log-probs, as `train_tokens` — what `rlpipe replay` rebuilds the step from, and what
+the `tokens` view (storage/views.py) unnests to one row per trained completion token.
 
-    sink = {}
-    train = train_task(..., trainer_logprobs=sink, ...)   # the loss's log-probs, every rank's
-    record_train_tokens(samples, batches, sink, run_dir=..., run_id=..., step=...)
+    train = train_task(trainer, batches, loss_fn, samples=samples, trainer_logprobs={}, step=..., run_dir=..., run_id=...)
 
-The trainer's log-probs are taken where the loss receives them (training/loss_inputs.py
-`capture_logprobs`, a pass-through wrapper, so the step is computed exactly as without it), keyed
-by the micro-batch's sample_ids (unique in a run, and they survive `batch.to(device)`); with
-several epochs the last epoch's are kept, the one whose loss and grad norm are logged. Under
-`train.parallel` every rank captures its share and rank 0 gathers them after the step, so every
-trained micro-batch has them; a skipped step (no update) gets null trainer log-probs. A plain
-function, not a Prefect task: it only queues a write (~10 ms of Prefect per step saved).
+The stage (tasks/train.py) declares `TRAIN_TOKENS`, so the stage wrapper writes the rows after
+the step (tasks/record.py). The trainer's log-probs are taken where the loss receives them
+(training/loss_inputs.py `capture_logprobs`, a pass-through wrapper, so the step is computed
+exactly as without it) into the stage's `trainer_logprobs` argument, keyed by the micro-batch's
+sample_ids (unique in a run, and they survive `batch.to(device)`); with several epochs the last
+epoch's are kept, the one whose loss and grad norm are logged. Under `train.parallel` every rank
+captures its share and rank 0 gathers them after the step, so every trained micro-batch has them;
+a skipped step (no update) gets null trainer log-probs.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from rlpipe.envs.multiturn import segment_bounds
 from rlpipe.rollouts.records import TrainSample
-from rlpipe.tasks.record import persist
+from rlpipe.tasks.record import StageTable
 from rlpipe.training.batch import PackedBatch
 from rlpipe.training.losses import loss_token_mask, sequence_index
 
@@ -89,6 +89,11 @@ def packed_batch(row: dict) -> PackedBatch:
     )
 
 
-def record_train_tokens(samples: list[TrainSample], batches: list[PackedBatch], trainer_logprobs: dict,
-                        *, run_dir: Path, run_id: str, step: int) -> None:
-    persist(run_dir, "train_tokens", step, train_token_rows(samples, batches, trainer_logprobs), run_id)
+def stage_token_rows(metrics: Any, arguments: Mapping[str, Any]) -> list[dict]:
+    """The `train_tokens` rows of a `train` stage run, from its arguments: the step's `samples`,
+    the `batches` it trained on and the `trainer_logprobs` the step filled."""
+    return train_token_rows(arguments["samples"], arguments["batches"], arguments["trainer_logprobs"])
+
+
+TRAIN_TOKENS = StageTable("train_tokens", rows=stage_token_rows)
+"""Written after every train step; never read back (a resumed step trains again)."""

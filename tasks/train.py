@@ -2,15 +2,19 @@
 
 The trainer (model, optimizer, scheduler: training/trainer.py) lives in the flow's local
 variables for the whole run; this stage mutates it in place and returns metrics (Prefect never
-hashes or persists them). One process or data-parallel ranks: the same call.
+hashes or persists them). One process or data-parallel ranks: the same call. The stage writes
+the micro-batches it trained on, with the trainer's log-probs, as `train_tokens` (tasks/tokens.py).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
+from rlpipe.rollouts.records import TrainSample
 from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.tokens import TRAIN_TOKENS
 from rlpipe.training.batch import PackedBatch
 from rlpipe.training.trainer import Logprobs, Trainer
 
@@ -50,8 +54,9 @@ def train_on_batches(trainer: Trainer, batches: list[PackedBatch], loss_fn, *, s
     return metrics
 
 
-@stage("train")
-def train_task(trainer: Trainer, batches: list[PackedBatch], loss_fn, *, step: int,
-               trainer_logprobs: Logprobs | None = None) -> dict[str, float]:
-    """The `train` stage: `train_on_batches`."""
+@stage("train", tables=(TRAIN_TOKENS,))
+def train_task(trainer: Trainer, batches: list[PackedBatch], loss_fn, *, samples: list[TrainSample],
+               trainer_logprobs: Logprobs, step: int, run_dir: Path, run_id: str) -> dict[str, float]:
+    """The `train` stage: `train_on_batches`, the trainer's log-probs kept in `trainer_logprobs`
+    (give an empty dict) and written with the micro-batches of `samples` as `train_tokens`."""
     return train_on_batches(trainer, batches, loss_fn, step=step, trainer_logprobs=trainer_logprobs)

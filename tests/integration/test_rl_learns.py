@@ -50,7 +50,7 @@ def test_reinforce_raises_reward_on_a_learnable_env(ahead):
         for step in range(1, rl.steps + 1):
             batch = source.batch(step)
             lags.append(batch.metrics["rollout/policy_lag_max"])
-            batches, _ = pack_rollouts(batch.samples, 2048, "t", step)
+            batches = pack_rollouts(batch.samples, 2048)
             train_on_batches(trainer, batches, loss_fn, step=step)
             engine.sync(None, step)
             source.publish(step)

@@ -20,7 +20,7 @@ from rlpipe.envs.multiturn import (
 from rlpipe.models.chat import template_ids
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import conform
-from rlpipe.tasks.pack import pack_rollouts, rollout_sequence, rollout_sequences
+from rlpipe.tasks.pack import batch_rows, pack_rollouts, rollout_sequence, rollout_sequences
 
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
 from tests.rollout_rows import train_sample
@@ -219,7 +219,7 @@ def test_template_context_trains_each_turn_in_the_context_the_template_renders()
     assert (one.sample_id, two.sample_id, two.prefix_len) == ("s", "s#1", len(rendered))
     with pytest.raises(ValueError, match="2 segments"):
         rollout_sequence(sample)
-    batches, rows = pack_rollouts([sample], token_budget=400, run_id="r", step=1)
+    rows = batch_rows(pack_rollouts([sample], token_budget=400), run_id="r", step=1)
     assert sorted(rows[0]["sample_ids"]) == ["s", "s#1"]
     # the token-append context keeps turn 1's thinking in turn 2's context, in one sequence
     engine, seen, _, _ = _thinking_engine(tok)

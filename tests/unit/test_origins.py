@@ -8,7 +8,7 @@ import datetime as dt
 from rlpipe.storage.lineage import checkpoint_origin, main, trained_by_step
 from rlpipe.storage.tracking import NullTracker
 from rlpipe.storage.writer import read_table, write_table
-from rlpipe.tasks.origin import record_origin
+from rlpipe.tasks.origin import origin_task
 
 
 def _sft_run(tmp_path):
@@ -34,12 +34,12 @@ def test_any_other_folder_is_only_a_path(tmp_path):
     assert checkpoint_origin(folder) == {"parent_checkpoint": str(folder.resolve())}
 
 
-def test_record_origin_writes_the_step_0_row_and_nothing_for_a_preset(tmp_path):
+def test_origin_task_writes_the_step_0_row_and_nothing_for_a_preset(tmp_path):
     _, checkpoint = _sft_run(tmp_path)
     rl_dir = tmp_path / "runs" / "demo" / "rl"
-    assert record_origin(rl_dir, "demo/rl", None, NullTracker()) is None
+    assert origin_task(None, NullTracker(), run_dir=rl_dir, run_id="demo/rl") is None
     assert not (rl_dir / "tables" / "origins").exists()
-    row = record_origin(rl_dir, "demo/rl", str(checkpoint), NullTracker())
+    row = origin_task(str(checkpoint), NullTracker(), run_dir=rl_dir, run_id="demo/rl")
     assert read_table(rl_dir, "origins", 0).to_pylist() == [row]
     assert row["parent_model_version"] == "3"
 

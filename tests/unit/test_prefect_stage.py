@@ -89,3 +89,22 @@ def test_rows_of_none_write_nothing_a_kept_partition_stays_and_check_runs_after_
         with pytest.raises(RuntimeError, match="checked after the write"):
             write(_evals(1, -1.0), run_dir=tmp_path, run_id="r", step=1)
     assert read_table(tmp_path, "evals", 1).column("reward").to_pylist() == [-1.0]
+
+
+def test_the_eval_stage_reads_a_resumed_steps_evals_back_and_says_so(tmp_path, monkeypatch):
+    import rlpipe.tasks.evaluate as evaluate
+    from rlpipe.training import metric_names as m
+
+    calls = []
+
+    def greedy(engine, tokenizer, env, examples, *, run_id, step, **kwargs):
+        calls.append(step)
+        return _evals(step, 0.5), {}
+
+    monkeypatch.setattr(evaluate, "evaluate_greedy", greedy)
+    with stage_task_runs(False):
+        first = evaluate.eval_step(None, None, None, [], run_dir=tmp_path, run_id="r", step=2)
+        again = evaluate.eval_step(None, None, None, [], run_dir=tmp_path, run_id="r", step=2)
+    assert calls == [2]  # evaluated once; the resumed step read its rows back
+    assert (first.stored, again.stored) == (False, True)
+    assert again.rows == first.rows and again.metrics == first.metrics == {m.EVAL_ACCURACY: 1.0, m.EVAL_REWARD: 0.5}

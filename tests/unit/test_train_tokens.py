@@ -43,7 +43,7 @@ def test_rows_rebuild_the_batches_and_map_every_completion_token():
              {"turn": 1, "producer": "context", "start": 4, "length": 2, "reward": None},
              {"turn": 1, "producer": "model", "start": 6, "length": 2, "reward": None}]
     samples += [sample(2, 0, [3, 4], [50, 51, 52, 53, 54, 55, 56, 57], -1.0, turns)]
-    batches, _ = pack_rollouts(samples, token_budget=14, run_id="r", step=1)
+    batches = pack_rollouts(samples, token_budget=14)
     assert len(batches) > 1 and any(b.prefix_index is not None for b in batches)
     seen: dict = {}
     loss = capture_logprobs(lambda logprobs, batch: (logprobs * 2, {}), seen)
@@ -68,7 +68,7 @@ def test_rows_rebuild_the_batches_and_map_every_completion_token():
 
 def test_a_skipped_step_keeps_the_batches_without_trainer_logprobs():
     samples = [sample(0, j, [5, 6], [10, 11], 0.0) for j in range(2)]
-    batches, _ = pack_rollouts(samples, token_budget=64, run_id="r", step=1)
+    batches = pack_rollouts(samples, token_budget=64)
     rows = train_token_rows(samples, batches, {})
     assert [r["trainer_logprobs"] for r in rows] == [None] and same(packed_batch(rows[0]), batches[0])
 
@@ -80,8 +80,25 @@ def test_a_small_step_with_shared_prompts_gives_every_rank_a_micro_batch():
                for g in range(4) for j in range(8)]
     two_ranks = ParallelTrainer(DataParallel(module=None, kind="ddp", rank=0, world_size=2), None, None,
                                 TrainOptions()).budget
-    batches, _ = pack_rollouts(samples, token_budget=2048, run_id="r", step=1, budget=two_ranks)
+    batches = pack_rollouts(samples, token_budget=2048, budget=two_ranks)
     assert [b.n_tokens for b in batches] == [108, 108]
     # one group: its prompt is shared, not split into per-sequence micro-batches (rank 1 idles)
-    batches, _ = pack_rollouts(samples[:8], token_budget=2048, run_id="r", step=1, budget=two_ranks)
+    batches = pack_rollouts(samples[:8], token_budget=2048, budget=two_ranks)
     assert [b.n_tokens for b in batches] == [54]
+
+
+def test_the_pack_and_train_stages_write_batches_and_train_tokens_once_each(tmp_path):
+    from rlpipe.storage.writer import read_table
+    from rlpipe.tasks._prefect import stage_task_runs
+    from rlpipe.tasks.pack import batch_rows, pack_task
+    from rlpipe.tasks.train import train_task
+
+    samples = [sample(0, j, [5, 6], [10, 11], 0.0) for j in range(2)]  # no signal: the step is skipped
+    with stage_task_runs(False):
+        batches = pack_task(samples, 64, run_dir=tmp_path, run_id="r", step=1)
+        metrics = train_task(None, batches, None, samples=samples, trainer_logprobs={}, step=1,
+                             run_dir=tmp_path, run_id="r")
+    assert metrics["skipped"] == 1.0
+    assert read_table(tmp_path, "batches", 1).to_pylist() == batch_rows(batches, "r", 1)
+    (row,) = read_table(tmp_path, "train_tokens", 1).to_pylist()
+    assert row["trainer_logprobs"] is None and same(packed_batch(row), batches[0])
