@@ -47,7 +47,7 @@ def test_a_complete_run_reads_its_last_evals_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(supervised, "latest_checkpoint", lambda run_dir: run_dir / "step_000004")
     config = RunConfig(sft={"steps": 4})
-    trainer = SimpleNamespace(finish=lambda: None)
+    trainer = SimpleNamespace(model=None, optimizer=None, scheduler=None, finish=lambda: None)
     run = SimpleNamespace(trainer=trainer, tokenizer=None, evaluate=evaluate, start_step=4)
     result = supervised._train(config, "sft", run, SimpleNamespace(run_dir=tmp_path, run_id="r"), NullTracker())
     assert evaluated == [4] and result["eval"] == {m.EVAL_ACCURACY: 1.0, m.EVAL_REWARD: 1.0}
