@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.tasks.config import RunConfig
-from rlpipe.training.timing import Stopwatch  # noqa: F401 - re-exported for the flows
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

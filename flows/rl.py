@@ -17,7 +17,6 @@ from contextlib import ExitStack
 
 from prefect import flow
 from rlpipe.flows.common import (
-    Stopwatch,
     make_tracker,
     open_run,
     phase_run_dir,
@@ -41,6 +40,7 @@ from rlpipe.tasks.train import train_task
 from rlpipe.training import metric_names as m
 from rlpipe.training.checkpoint import CheckpointRecord, checkpoint_steps, latest_checkpoint
 from rlpipe.training.oversampling import BatchFillError
+from rlpipe.training.timing import Stopwatch
 
 
 @flow(name="rl", log_prints=True, persist_result=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from rlpipe.flows.common import (
     RunState,
-    Stopwatch,
     make_tracker,
     open_run,
     registered_model_name,
@@ -23,6 +22,7 @@ from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
 from rlpipe.training import metric_names as m
 from rlpipe.training.checkpoint import CheckpointRecord, latest_checkpoint
 from rlpipe.training.losses import nll_loss
+from rlpipe.training.timing import Stopwatch
 
 
 def due(step: int, every: int, last: int) -> bool:
