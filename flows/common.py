@@ -7,21 +7,20 @@ resume: the MLflow run id, the phase status), `tables/`, `checkpoints/` and `cat
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core.files import atomic_write
 from rlpipe.tasks.config import RunConfig
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    """Write `data` as JSON to `path` atomically (core/files.py `atomic_write`, not fsynced)."""
+    text = json.dumps(data, indent=2, default=str)
+    atomic_write(path, lambda tmp: tmp.write_text(text), durable=False)
 
 
 def read_json(path: Path) -> dict:

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core.files import atomic_write
 from rlpipe.core.user_code import import_user_object
 from rlpipe.envs.base import Environment, Example, Messages, RewardResult, completion_text_of
 from rlpipe.envs.rewards import RewardFn, evaluate_reward, get_reward
@@ -189,9 +189,7 @@ def prepare_out(run_dir: Path, out_dir: Path, reward: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     info = {"source_run_dir": str(run_dir), "reward": reward, "tables": list(TABLES),
             "created_at": dt.datetime.now(dt.UTC).isoformat()}
-    tmp = out_dir / f".{RESCORE_MARKER}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, out_dir / RESCORE_MARKER)
+    atomic_write(out_dir / RESCORE_MARKER, lambda tmp: tmp.write_text(json.dumps(info, indent=2)), durable=False)
 
 
 def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, scorer: Environment,
