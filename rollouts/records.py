@@ -2,7 +2,7 @@
 they are written to (storage/schemas.py; tests/unit/test_records.py keeps the two in step).
 
     rollout = Rollout.from_row(row)     # a `rollouts` table row (dict) -> typed record
-    persist(run_dir, "rollouts", step, [r.row() for r in rollouts], run_id)
+    rows = [r.row() for r in rollouts]  # typed records -> the rows a stage's table writes
 """
 
 from __future__ import annotations

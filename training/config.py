@@ -206,8 +206,8 @@ class RLConfig(Section):
     """cispo: truncate the importance weight at this value (epsilon_max)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the starting policy (a frozen copy kept in memory; 0 = off).
-    Under train.parallel only rank 0 holds the copy: it computes the reference log-probs of every
-    micro-batch and they travel with the step's batches to the rank that trains each."""
+    Under train.parallel every rank holds the copy (sharded like the trainer under fsdp2) and
+    computes the reference log-probs of the micro-batches it trains (training/dist_reference.py)."""
     kl_estimator: Literal[KL_ESTIMATORS] = "k3"
     """Per-token KL estimator: k1 = log ratio, k2 = squared / 2, k3 = exp(r) - r - 1 (TRL's)."""
     overlong_buffer: int = Field(0, ge=0)

@@ -61,9 +61,10 @@ class ParallelTrainer:
 
 
 # Rank 0 runs the flow (tables, MLflow, engines); the other ranks only train. Each optimizer
-# step, rank 0 broadcasts the step's packed micro-batches, their per-batch loss inputs (the KL
-# reference's log-probs, computed on rank 0 where single-process training computes them) and
-# settings; every rank then takes its share and runs the same step, and with `trainer_logprobs`
+# step, rank 0 broadcasts the step's packed micro-batches, any per-batch loss inputs it computed
+# (`batch_inputs`; the KL reference's log-probs are not among them: each rank scores its own
+# share, training/dist_reference.py) and the step's options; every rank then takes its share and
+# runs the same step, and with `trainer_logprobs`
 # sends rank 0 the per-token log-probs its loss saw. The loss function is built on each rank
 # (tasks/ranks.py: a closure does not cross processes). Messages: ("train", ...),
 # ("optimizer_state",), ("stop",).
