@@ -21,7 +21,6 @@ from rlpipe.tasks.supervised import supervised_train_task
 from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
 from rlpipe.training import metric_names as m
 from rlpipe.training.checkpoint import CheckpointRecord, latest_checkpoint
-from rlpipe.training.losses import nll_loss
 from rlpipe.training.timing import Stopwatch
 
 
@@ -57,7 +56,7 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
     for step in range(run.start_step + 1, section.steps + 1):
         watch = Stopwatch()
         with watch("train"):
-            metrics, cursor = supervised_train_task(trainer, run.sequences, nll_loss, step=step, seed=config.seed,
+            metrics, cursor = supervised_train_task(trainer, run.sequences, run.loss_fn, step=step, seed=config.seed,
                                                     per_step=section.sequences_per_step,
                                                     token_budget=section.optim.token_budget)
         if due(step, section.eval_every, section.steps):

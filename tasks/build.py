@@ -1,6 +1,6 @@
 """The one builder of a phase's trainer state: model, tokenizer, LoRA, the KL reference,
-optimizer and scheduler (one process or data-parallel, tasks/ranks.py), and the engines, from a
-config and a starting point.
+optimizer and scheduler (one process or data-parallel, tasks/ranks.py), the loss, and the engines,
+from a config and a starting point.
 
     built = build(config, TrainerPlan(...), start_point(config, run_dir, start_checkpoint))
     built.trainer.step(...)      # training/trainer.py; built.engines sample, built.eval_engine evals
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.engines.base import Engine
+from rlpipe.tasks.losses import phase_loss
 from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
 from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
@@ -44,6 +45,8 @@ class Built:
     """Whole weights (rank 0's view under data parallelism): engines, evals, checkpoints read it."""
     tokenizer: Any
     trainer: Trainer
+    loss_fn: Any
+    """The phase's loss (`TrainerPlan.loss` through tasks/losses.py `phase_loss`, as every rank builds it)."""
     start_step: int = 0
     data_state: dict = field(default_factory=dict)
     """The resumed checkpoint's data state ({} when starting)."""
@@ -80,8 +83,8 @@ def build(config, plan: TrainerPlan, start: StartPoint) -> Built:
     trainer = make_trainer(config, model, plan, start.resume, ref_model=reference)
     model = trainer.model  # under data parallelism: rank 0's whole-weight view
     engines, eval_engine = open_engines(config, model, plan.engines)
-    return Built(model=model, tokenizer=tokenizer, trainer=trainer, start_step=start_step, data_state=data_state,
-                 engines=engines, eval_engine=eval_engine)
+    return Built(model=model, tokenizer=tokenizer, trainer=trainer, loss_fn=phase_loss(plan.loss),
+                 start_step=start_step, data_state=data_state, engines=engines, eval_engine=eval_engine)
 
 
 def open_engines(config, model, which: str) -> tuple[list[Engine], Engine | None]:

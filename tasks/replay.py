@@ -36,7 +36,6 @@ import torch
 from rlpipe.storage.layout import tables_root
 from rlpipe.storage.writer import read_table
 from rlpipe.tasks.build import StartPoint, build, rl_plan
-from rlpipe.tasks.losses import loss_for
 from rlpipe.tasks.tokens import packed_batch
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.checkpoint import checkpoint_dir, checkpoint_steps
@@ -123,7 +122,7 @@ def start_weights(run_dir: Path, config, start: str | None) -> str:
 
 
 def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
-    """(trainer, origin text): the trainer state after step `from_step` (its checkpoint; 0: the
+    """(trainer, loss, origin text): the trainer state after step `from_step` (its checkpoint; 0: the
     starting weights and a fresh optimizer), built in this process by the run's own builder
     (tasks/build.py), with the KL reference of the starting weights when the run had one."""
     rl = config.rl
@@ -134,7 +133,7 @@ def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
     plan = dataclasses.replace(rl_plan(config), engines="none", single_process=True)
     built = build(config, plan, StartPoint(weights=weights, resume=resume, restore_rng=False))
     origin = str(resume) if resume is not None else first or f"the seeded preset {config.model.preset!r}"
-    return built.trainer, origin
+    return built.trainer, built.loss_fn, origin
 
 
 def stored_step(run_dir: Path, step: int) -> tuple[list[dict], dict]:
@@ -197,8 +196,7 @@ def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Rep
         stored_step(run_dir, s)
     if config.threads:
         torch.set_num_threads(config.threads)
-    trainer, origin = trainer_state(run_dir, config, from_step, start)
-    loss_fn = loss_for(config.rl)
+    trainer, loss_fn, origin = trainer_state(run_dir, config, from_step, start)
     checks = []
     for s in range(from_step + 1, step + 1):
         rows, logged = stored_step(run_dir, s)

@@ -21,7 +21,6 @@ from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.checkpoint import repair_checkpoint_row
 from rlpipe.tasks.evaluate import eval_step
 from rlpipe.tasks.generate import GenerateOptions
-from rlpipe.tasks.losses import loss_for
 from rlpipe.tasks.rollout_stages import RunStages
 from rlpipe.tasks.score import ScoreOptions
 from rlpipe.tasks.setup import make_env, max_context, stop_token_ids
@@ -112,7 +111,7 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
                        scoring=ScoreOptions(rl.max_reward_error_fraction, overlong_penalty_fn(rl)),
                        run_dir=run_dir, run_id=run_id)
     source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version)
-    return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=loss_for(rl), env=env,
+    return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,
                  engines=built.engines, eval_engine=built.eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=built.start_step, stop_token_ids=stops, max_context=context,

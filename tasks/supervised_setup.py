@@ -26,6 +26,7 @@ class SupervisedRun:
     """The trainer's state of one pretrain/SFT phase (local to the flow)."""
 
     trainer: Trainer
+    loss_fn: Any
     tokenizer: Any
     env: Environment
     sequences: list[Sequence]
@@ -58,7 +59,7 @@ def open_supervised(config, phase: str, run_dir: Path, start_checkpoint: str | N
         sequences = sft_data(env, built.tokenizer, section.examples, config.seed,
                              max_len=min(max_context(built.model), section.optim.token_budget),
                              data_path=section.data_path)
-    return SupervisedRun(trainer=built.trainer, tokenizer=built.tokenizer, env=env, sequences=sequences,
-                         eval_engine=built.eval_engine,
+    return SupervisedRun(trainer=built.trainer, loss_fn=built.loss_fn, tokenizer=built.tokenizer, env=env,
+                         sequences=sequences, eval_engine=built.eval_engine,
                          eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                          start_step=built.start_step, max_new_tokens=config.rl.sampling.max_new_tokens)

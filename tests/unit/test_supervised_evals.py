@@ -30,7 +30,7 @@ def test_stored_evals_are_read_back_and_not_logged_twice(tmp_path, monkeypatch):
     monkeypatch.setattr(supervised, "checkpoint_task", lambda **kwargs: {"path": "c"} if kwargs["checkpoint"] else None)
     config = RunConfig(sft={"steps": 4, "eval_every": 2, "checkpoint_every": 4})
     trainer = SimpleNamespace(model=None, optimizer=None, scheduler=None, finish=lambda: None)
-    run = SimpleNamespace(trainer=trainer, sequences=[], tokenizer=None, evaluate=evaluate, start_step=0)
+    run = SimpleNamespace(trainer=trainer, loss_fn=None, sequences=[], tokenizer=None, evaluate=evaluate, start_step=0)
     tracker = NullTracker()
     result = supervised._train(config, "sft", run, SimpleNamespace(run_dir=tmp_path, run_id="r"), tracker)
     assert evaluated == [2, 4] and result["eval"] == {m.EVAL_ACCURACY: 1.0, m.EVAL_REWARD: 1.0}
