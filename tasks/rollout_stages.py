@@ -14,7 +14,7 @@ from typing import Any
 from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
 from rlpipe.rollouts.fates import Fill, Selection
-from rlpipe.rollouts.records import Rollout
+from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.tasks.advantages import filter_stage
 from rlpipe.tasks.generate import GenerateOptions, generate_stage
 from rlpipe.tasks.score import ScoreOptions, score_stage
@@ -36,13 +36,13 @@ class RunStages:
     run_id: str
 
     def generate(self, examples: list[Example], *, step: int, attempt: int, policy_version: int,
-                 previous: list[dict]) -> list[dict]:
+                 previous: list[Rollout]) -> list[Rollout]:
         return generate_stage(self.engines, self.tokenizer, self.env, examples, self.generating,
                               previous=previous, step=step, attempt=attempt, policy_version=policy_version,
                               run_dir=self.run_dir, run_id=self.run_id)
 
-    def score(self, examples: dict[str, Example], rollouts: list[dict], *, step: int,
-              previous: list[dict]) -> list[dict]:
+    def score(self, examples: dict[str, Example], rollouts: list[Rollout], *, step: int,
+              previous: list[Score]) -> list[Score]:
         return score_stage(self.env, examples, rollouts, self.scoring, previous=previous, step=step,
                            run_dir=self.run_dir, run_id=self.run_id)
 
