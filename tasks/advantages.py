@@ -19,13 +19,9 @@ from pathlib import Path
 from rlpipe.rollouts.fates import Fill, GroupFate, Selection, select_step
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks._prefect import stage
+from rlpipe.tasks.generate import step_of_group
 from rlpipe.tasks.record import StageTable, load_rows
 from rlpipe.training.advantages import AdvantageOptions, Group, group_row
-
-
-def step_of_group(group_id: str) -> int:
-    """The step that sampled a group (ids are `<run>:s<step>:a<attempt>:g<index>`)."""
-    return int(group_id.rsplit(":", 3)[1][1:])
 
 
 def with_stored_rows(groups: list[Group], rows: Mapping[str, Rollout], run_dir: Path) -> dict[str, Rollout]:

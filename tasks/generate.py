@@ -27,6 +27,11 @@ def group_id_for(run_id: str, step: int, attempt: int, index: int) -> str:
     return f"{run_id}:s{step:06d}:a{attempt}:g{index:04d}"
 
 
+def step_of_group(group_id: str) -> int:
+    """The step that sampled a group, read back from its id (`group_id_for`)."""
+    return int(group_id.rsplit(":", 3)[1][1:])
+
+
 def sample_id_for(group_id: str, index: int) -> str:
     """The id of a group's `index`-th completion."""
     return f"{group_id}:{index:03d}"
