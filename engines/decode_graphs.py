@@ -31,7 +31,7 @@ would copy the cache and run the same graph.
 On CPU the same static step runs without capture, for tests; the engine ignores the key there,
 since fixed shapes cost more than launches save: uncaptured, the static step decoded at 0.74x
 (small-dense) and 0.56x (small-moe) the eager step's tokens/s (`python -m benchmarks.bench_engine`,
-64 rows x 128 tokens, a CPU with 2 cores at load 3.4).
+64 rows x 128 tokens, a small CPU at load 3.4).
 """
 
 from __future__ import annotations

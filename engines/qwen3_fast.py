@@ -371,7 +371,7 @@ def attention(
     values: [B, Hkv, S, D]; bias: [B, T, S] (0 or -inf). Returns float32 [B, T, Hq * D].
 
     Plain matmuls rather than sdpa: the query heads of a kv head are stacked as extra query
-    rows, so no key/value is repeated; and on a loaded CPU with 2 cores torch's sdpa kernel stalled
+    rows, so no key/value is repeated; and on a small, loaded CPU torch's sdpa kernel stalled
     (10-50x slower) where batched matmuls did not.
     """
     batch, steps, hq, d = q.shape

@@ -4,7 +4,7 @@
     resolve_device("cuda")               # ValueError naming the setting on a machine without CUDA
 
 Asking for CUDA where there is none is an error, never a silent fall-back to the CPU: a run that
-was meant for a GPU and trains on two cores instead would look like a hang.
+was meant for a GPU and trains on the CPU instead would look like a hang.
 """
 
 from __future__ import annotations

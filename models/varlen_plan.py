@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 # Relative cost of one extra attention call (fwd + bwd), in units of attention pairs (query x key).
-# Bucketing trades padding waste (n_b * L_b^2 pairs) against per-call overhead. On a CPU with 2 cores
+# Bucketing trades padding waste (n_b * L_b^2 pairs) against per-call overhead. On a small CPU
 # (small-dense, 16 sequences of 32-256 tokens) step time was flat for costs 0-131k and 12-15%
 # worse with a single bucket padded to the longest sequence; 32k sits in the flat region.
 _CALL_COST_PAIRS = 32_768

@@ -73,7 +73,7 @@ class TrainConfig(Section):
     """torch.compile each decoder layer of the trained model (one shared graph, dynamic lengths;
     on CUDA the varlen attention inside it, on the CPU left eager) and, on CUDA, the chunked
     log-softmax kernels: fuses the norms, rotary, SwiGLU, autocast casts and vocabulary passes that
-    dominate an eager GPU train step. Costs a compile at the first step (~40 s on a CPU with 2 cores)
+    dominate an eager GPU train step. Costs a compile at the first step (tens of seconds on a CPU)
     for ~1.2x faster steps there; off by default until a GPU run measures it (models/compile.py).
     Not with activation_checkpointing."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
