@@ -135,6 +135,13 @@ class SupervisedConfig(Section):
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only the last)."""
 
+    @model_validator(mode="after")
+    def _normaliser(self) -> SupervisedConfig:
+        if self.optim.normaliser == "constant":
+            raise ValueError("optim.normaliser = 'constant' divides by the most completion tokens an RL step "
+                             "holds, which a supervised phase does not have: use 'token' or 'sequence'")
+        return self
+
 
 class SamplingConfig(Section):
     """`[rl.sampling]`: how completions are sampled."""

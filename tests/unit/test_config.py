@@ -138,3 +138,10 @@ def test_a_resolved_config_validates_again_for_every_loss(loss):
     config = load_config(ROOT / "configs" / "tiny.toml", [f'rl.loss="{loss}"'])
     assert validate_config(config.model_dump(mode="json")) == config
     assert config.rl.optim.normaliser == config.rl.loss_normaliser()[0]
+
+
+@pytest.mark.parametrize("phase", ["sft", "pretrain"])
+def test_a_supervised_phase_refuses_the_constant_normaliser_it_has_no_divisor_for(phase):
+    with pytest.raises(ConfigError, match=rf"{phase}: .*optim.normaliser = 'constant'.*use 'token' or 'sequence'"):
+        validate_config({phase: {"optim": {"normaliser": "constant"}}})
+    assert validate_config({"rl": {"optim": {"normaliser": "constant"}}}).rl.optim.normaliser == "constant"
