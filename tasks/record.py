@@ -142,10 +142,11 @@ class StageTable:
 
 def stage_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The arguments of a call of `fn` by parameter name, defaults applied, **kwargs flattened."""
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    signature = inspect.signature(fn)
+    bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     out = dict(bound.arguments)
-    for name, param in inspect.signature(fn).parameters.items():
+    for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             out |= out.pop(name, {})
     return out
