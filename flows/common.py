@@ -1,12 +1,20 @@
 """What every flow does around its stages: the run directory, its state file, tracking, logging.
 
 A run directory holds `config.json` (the resolved config), `run.json` (ids that must survive a
-resume: the MLflow run id, the phase status), `tables/`, `checkpoints/` and `catalog.duckdb`.
+resume: the MLflow run id, the phase status, and the absolute folder it was last opened at),
+`tables/`, `checkpoints/` and `catalog.duckdb`.
+
+Which folder a flow run writes (`run_folder`): a new run's folder must hold no run; `resume`
+continues the run there with the same config (a finished run is returned as it is); `overwrite`
+clears it first, unless another process runs it or a run inside it or around it. A flow run of a
+Prefect deployment gets a folder of its own, `<run_name>-<first 8 characters of the flow run id>`,
+unless its parameters say `resume` or `overwrite` (which act on `<runs_root>/<run_name>`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +52,7 @@ class RunState:
             self.run_dir / "run.json",
             {
                 "run_id": self.run_id,
+                "run_dir": str(self.run_dir.resolve()),
                 "phase": self.phase,
                 "mlflow_run_id": self.mlflow_run_id,
                 "parent_mlflow_run_id": self.parent_mlflow_run_id,
@@ -59,6 +68,152 @@ def phase_run_dir(config: RunConfig, phase: str) -> Path:
     if config.flow == "pipeline" and phase != "pipeline":
         return config.run_dir / phase
     return config.run_dir
+
+
+def finished_result(run_dir: Path) -> dict | None:
+    """The saved result (run.json `extra`) of a run that finished, else None; reads only."""
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        return None
+    saved = read_json(path)
+    return saved.get("extra", {}) if saved.get("status") == "finished" else None
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Delete what a run directory holds, but not its lock file (held by this process)."""
+    from rlpipe.storage.runlock import LOCK_NAME
+
+    for child in run_dir.iterdir():
+        if child.name == LOCK_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def refuse_locked_overwrite(run_dir: Path) -> None:
+    """RunLockedError naming the run and pid when another process runs `run_dir`, a run inside it,
+    or a run it lies inside (a runs_root inside another run's folder): --overwrite would delete
+    files that run is writing."""
+    from rlpipe.storage.runlock import RunLockedError, locked_runs_around
+
+    busy = locked_runs_around(run_dir)
+    if not busy:
+        return
+    path, pid = busy[0]
+    here = Path(run_dir).resolve()
+    if path == here:
+        why = "it is"
+    elif path.is_relative_to(here):
+        why = f"the run {path} inside it is"
+    else:
+        why = f"it lies inside the run {path}, which is"
+    raise RunLockedError(f"refusing to overwrite {run_dir}: {why} running in another process (pid {pid})")
+
+
+def config_differences(saved: dict, given: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (runs_root and run_name, the
+    folder's place, left out at the top level)."""
+    keys = sorted(set(saved) | set(given))
+    found = []
+    for key in keys:
+        if not prefix and key in ("runs_root", "run_name"):
+            continue
+        a, b = saved.get(key), given.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def deployment_run_name(run_name: str, flow_run_id: str | None, resume: bool, overwrite: bool) -> str:
+    """The run folder name of a flow run: a deployment's own (`<run_name>-<flow run id[:8]>`)
+    unless it resumes or overwrites; `run_name` itself outside a deployment (flow_run_id None)."""
+    if flow_run_id is None or resume or overwrite:
+        return run_name
+    return f"{run_name}-{flow_run_id[:8]}"
+
+
+@contextmanager
+def run_folder(config: RunConfig, *, resume: bool = False, overwrite: bool = False,
+               flow_run_id: str | None = None) -> Iterator[RunConfig]:
+    """The config of the folder this flow run acts on (see the module docstring); ValueError with
+    one line (RunLockedError for a running run) before anything is written when it may not."""
+    from rlpipe.storage.runlock import acquire_run_lock, release_run_lock
+
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other")
+    name = deployment_run_name(config.run_name, flow_run_id, resume, overwrite)
+    if name != config.run_name:
+        config = config.model_copy(update={"run_name": name})
+    run_dir = config.run_dir
+    exists = (run_dir / "run.json").is_file()
+    if exists and not (resume or overwrite):
+        raise ValueError(f"{run_dir} already holds a run: resume it (resume=true, same config) or start over "
+                         "(overwrite=true)")
+    if resume:
+        if not (run_dir / "config.json").is_file():
+            raise ValueError(f"nothing to resume: {run_dir} holds no run (no config.json)")
+        saved = read_json(run_dir / "config.json")
+        if differ := config_differences(saved, config.model_dump(mode="json")):
+            raise ValueError(f"refusing to resume {run_dir} with another config ({', '.join(differ[:5])} "
+                             "differ from its config.json); overwrite=true starts over")
+    if not overwrite:
+        yield config
+        return
+    refuse_locked_overwrite(run_dir)
+    acquire_run_lock(run_dir)
+    try:
+        if exists:
+            clear_run_dir(run_dir)
+        yield config
+    finally:
+        release_run_lock(run_dir)
+
+
+def flow_run_identity() -> tuple[str | None, str | None]:
+    """(flow run id, deployment id) of the Prefect flow run this code runs in (None outside one)."""
+    from prefect.runtime import deployment, flow_run
+
+    return flow_run.id, deployment.id
+
+
+def name_flow_run() -> str:
+    """A flow run's name: its run folder's name (a deployment's own folder, see `run_folder`)."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    try:
+        config = resolve_config(params.get("config_path"), params.get("overrides"), params.get("config"),
+                                apply_threads=False)
+    except Exception:  # noqa: BLE001 - the flow itself reports a bad config; a name must not fail
+        return "invalid-config"
+    flow_run_id, deployment_id = flow_run_identity()
+    return deployment_run_name(config.run_name, flow_run_id if deployment_id else None,
+                               bool(params.get("resume")), bool(params.get("overwrite")))
+
+
+@contextmanager
+def flow_run_folder(config_path: str | None, overrides: list[str] | None, config: dict | None, *,
+                    resume: bool, overwrite: bool) -> Iterator[RunConfig]:
+    """A flow's parameters → the validated config of the run folder it acts on (`run_folder`,
+    with the Prefect flow run's identity: a deployment's run gets a folder of its own)."""
+    resolved = resolve_config(config_path, overrides, config)
+    flow_run_id, deployment_id = flow_run_identity()
+    with run_folder(resolved, resume=resume, overwrite=overwrite,
+                    flow_run_id=flow_run_id if deployment_id else None) as settled:
+        yield settled
+
+
+def already_finished(run_dir: Path) -> dict | None:
+    """The saved result of a finished run, said in one line, or None: a finished run is left
+    untouched (run.json, tables, MLflow) by a resume."""
+    done = finished_result(run_dir)
+    if done is not None:
+        print(f"rlpipe: {run_dir} already finished; left as it is")
+    return done
 
 
 def open_run(config: RunConfig, phase: str) -> RunState:
@@ -86,6 +241,9 @@ def open_run(config: RunConfig, phase: str) -> RunState:
         state = RunState(run_dir=run_dir, run_id=run_id, phase=phase)
     write_json_atomic(run_dir / "config.json", config.model_dump(mode="json"))
     state.save()
+    from rlpipe.storage.catalog import refresh_if_moved
+
+    refresh_if_moved(run_dir)  # a moved or copied run's catalog read the old folder's files
     return state
 
 
@@ -123,9 +281,10 @@ def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
         release_run_lock(state.run_dir)
 
 
-def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
+def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None,
+                   apply_threads: bool = True) -> RunConfig:
     """The flow parameters (a TOML path and overrides, or a config dict) → a validated config;
-    applies its process-wide settings (torch threads)."""
+    applies its process-wide settings (torch threads) unless apply_threads is false."""
     from rlpipe.core.config import apply_overrides
     from rlpipe.tasks.config import load_config, validate_config
 
@@ -135,7 +294,7 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
         resolved = load_config(config_path, list(overrides or []))
     else:
         raise ValueError("a flow needs config_path or config")
-    if resolved.threads:
+    if resolved.threads and apply_threads:
         import torch
 
         torch.set_num_threads(resolved.threads)
@@ -151,19 +310,53 @@ def make_tracker(config: RunConfig, state: RunState, parent_run_id: str | None =
     from rlpipe.storage.tracking import MlflowTracker
 
     tracker = MlflowTracker.for_runs_root(config.runs_root)
-    if state.mlflow_run_id:  # a resumed run keeps logging into its MLflow run
-        tracker.run_id = state.mlflow_run_id
-        tracker.client.update_run(state.mlflow_run_id, status="RUNNING")
+    here = str(state.run_dir.resolve())
+    previous = state.mlflow_run_id
+    if previous and _mlflow_run_dir(tracker, previous) == here:  # a resumed run keeps its MLflow run
+        tracker.run_id = previous
+        tracker.client.update_run(previous, status="RUNNING")
         return tracker
+    # a new run, or a moved or copied one: its earlier MLflow run records the old folder (or lives
+    # in another store), so the folder gets an MLflow run of its own that names the earlier one
+    tags = {"rlpipe.run_dir": here, "rlpipe.phase": state.phase}
+    if previous:
+        tags["rlpipe.continues_mlflow_run"] = previous
     tracker.start(
         run_name=state.run_id, experiment=config.tracking.experiment, params=config.model_dump(mode="json"),
-        tags={"rlpipe.run_dir": str(state.run_dir.resolve()), "rlpipe.phase": state.phase},
-        parent=parent_run_id,
+        tags=tags, parent=parent_run_id,
     )
     state.mlflow_run_id = tracker.run_id
     state.save()
     tracker.log_artifact(state.run_dir / "config.json")
     return tracker
+
+
+def _mlflow_run_dir(tracker, run_id: str) -> str | None:
+    """The `rlpipe.run_dir` tag of an MLflow run in the tracker's store (None: no such run)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return tracker.client.get_run(run_id).data.tags.get("rlpipe.run_dir")
+    except MlflowException:
+        return None
+
+
+def code_named_by(config: RunConfig) -> list[str]:
+    """The Python code a run's config names (imported by whatever builds its environment or
+    filters: resume, rescore): the dataset environment's `reward_module`, the verifiers
+    environment's `taskset`, `rl.sample_filter`."""
+    options = config.task.options
+    named = [str(options[key]) for key in ("reward_module", "taskset") if options.get(key)]
+    return named + ([config.rl.sample_filter] if config.rl.sample_filter else [])
+
+
+def say_code_trusted(command: str, config: RunConfig, run_dir: Path) -> None:
+    """One line on stderr naming the code of `run_dir`'s config that `command` will import."""
+    import sys
+
+    if named := code_named_by(config):
+        print(f"{command}: imports {', '.join(named)} named by {run_dir / 'config.json'} (a run folder's code "
+              "runs with your rights: use only run folders you trust)", file=sys.stderr)
 
 
 def registered_model_name(config: RunConfig) -> str:

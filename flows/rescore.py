@@ -74,6 +74,7 @@ def summary(rows: list[dict]) -> str:
 def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tuple[Path, dict[str, int]]:
     """Load the run's config and the reward, re-score into the rescore folder; (folder, counts)."""
     from rlpipe.envs.registry import build_env
+    from rlpipe.flows.common import say_code_trusted
     from rlpipe.flows.progress import progress
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.storage.layout import partition_files
@@ -85,6 +86,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     if not config_path.is_file():
         raise ValueError(f"not a run directory: {run_dir} has no config.json")
     config = validate_config(json.loads(config_path.read_text()), str(config_path))
+    say_code_trusted(PROG, config, run_dir)
     fn = load_reward(reward)
     name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", reward.rpartition(":")[2]) or "rescore"
     out_dir = Path(out) if out else run_dir / "rescore" / name

@@ -17,11 +17,14 @@ from contextlib import ExitStack
 
 from prefect import flow
 from rlpipe.flows.common import (
+    already_finished,
+    finished_result,
+    flow_run_folder,
     make_tracker,
+    name_flow_run,
     open_run,
     phase_run_dir,
     registered_model_name,
-    resolve_config,
     run_phase,
     stage_io,
     write_run_report,
@@ -43,18 +46,24 @@ from rlpipe.training.oversampling import BatchFillError
 from rlpipe.training.timing import Stopwatch
 
 
-@flow(name="rl", log_prints=True, persist_result=False)
+@flow(name="rl", flow_run_name=name_flow_run, log_prints=True, persist_result=False)
 def rl_flow(config_path: str | None = None, overrides: list[str] | None = None,
-            config: dict | None = None) -> dict:
-    """RL from `model.path` (e.g. an SFT checkpoint) or a preset; returns the last checkpoint."""
-    cfg = resolve_config(config_path, overrides, config)
-    result = run_rl(cfg)
+            config: dict | None = None, resume: bool = False, overwrite: bool = False) -> dict:
+    """RL from `model.path` (e.g. an SFT checkpoint) or a preset; returns the last checkpoint.
+    resume / overwrite: act on an existing run folder (flows/common.py `run_folder`)."""
+    with flow_run_folder(config_path, overrides, config, resume=resume, overwrite=overwrite) as cfg:
+        if (done := already_finished(phase_run_dir(cfg, "rl"))) is not None:
+            return done
+        result = run_rl(cfg)
     write_run_report(cfg, [phase_run_dir(cfg, "rl")])
     return result
 
 
 def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
            start_checkpoint: str | None = None) -> dict:
+    """The RL phase; a phase that already finished returns its saved result untouched."""
+    if (done := finished_result(phase_run_dir(config, "rl"))) is not None:
+        return done
     state = open_run(config, "rl")
     tracker = make_tracker(config, state, parent_mlflow_run_id)
 

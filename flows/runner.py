@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,12 @@ from pathlib import Path
 from rlpipe.core.config import ConfigError, describe_fields
 from rlpipe.core.environment import quiet_defaults
 from rlpipe.core.termination import Terminated, sigterm_received, sigterm_stops_the_run
+from rlpipe.flows.common import (
+    clear_run_dir,
+    finished_result,
+    refuse_locked_overwrite,
+    say_code_trusted,
+)
 from rlpipe.flows.launch import (
     add_launch_arguments,
     check_launch_arguments,
@@ -30,20 +35,9 @@ from rlpipe.flows.launch import (
     launched_rank,
     strip_launch_flags,
 )
-from rlpipe.storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
+from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, validate_config
 from rlpipe.training import metric_names as m
-
-
-def clear_run_dir(run_dir: Path) -> None:
-    """Delete what a run directory holds, but not its lock file (held by this process)."""
-    for child in run_dir.iterdir():
-        if child.name == LOCK_NAME:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
 
 
 def flow_function(name: str):
@@ -60,10 +54,11 @@ def flow_function(name: str):
     return fn
 
 
-def start(config: RunConfig) -> dict:
-    """Run the flow the config names (Prefect's embedded API unless PREFECT_API_URL is set)."""
+def start(config: RunConfig, resume: bool = False) -> dict:
+    """Run the flow the config names (Prefect's embedded API unless PREFECT_API_URL is set);
+    resume: continue the run in config.run_dir (a new run's folder holds none)."""
     quiet_defaults()
-    return flow_function(config.flow)(config=config.model_dump(mode="json"))
+    return flow_function(config.flow)(config=config.model_dump(mode="json"), resume=resume)
 
 
 def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
@@ -144,20 +139,39 @@ def main_resume(argv: list[str]) -> int:
         return 2
     try:
         config = validate_config(json.loads(path.read_text()), str(path))
-    except (ConfigError, json.JSONDecodeError) as error:
+        config = config_at(config, run_folder_root(Path(args.run_dir), config))
+    except (ConfigError, ValueError, json.JSONDecodeError) as error:
         print(f"rlpipe resume: {error}", file=sys.stderr)
         return 2
-    if config.run_dir.resolve() != Path(args.run_dir).resolve():
-        # a pipeline phase directory: resume the whole pipeline it belongs to
-        if config.flow != "pipeline":
-            config = config.model_copy(update={"runs_root": str(Path(args.run_dir).resolve().parent),
-                                               "run_name": Path(args.run_dir).resolve().name})
+    if finished_result(config.run_dir) is not None:  # nothing to do, and nothing is written
+        print(f"rlpipe resume: {config.run_dir} already finished; left as it is")
+        return 0
+    say_code_trusted("rlpipe resume", config, config.run_dir)
     if args.nproc_per_node is not None:  # the ranks see train.parallel 'none' as ddp (_execute)
         if isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
             print(f"rlpipe resume: {ranks}", file=sys.stderr)
             return 2
         return launch(args, ["resume", *strip_launch_flags(argv)], config.run_dir)
-    return _execute(config)
+    return _execute(config, resume=True)
+
+
+def run_folder_root(folder: Path, config: RunConfig) -> Path:
+    """The folder a resume acts on, wherever it lies now: `folder` itself, or for a pipeline
+    phase's folder (its run.json's phase is not 'pipeline') the pipeline's folder above it."""
+    folder = folder.resolve()
+    state = folder / "run.json"
+    phase = json.loads(state.read_text()).get("phase") if state.is_file() else None
+    nested = config.flow == "pipeline" and phase not in (None, "pipeline")
+    return folder.parent if nested else folder
+
+
+def config_at(config: RunConfig, root: Path) -> RunConfig:
+    """`config` for the run folder `root` (runs_root and run_name from where it lies now), so a
+    moved or copied run resumes as itself and never writes to the folder it was copied from."""
+    if config.run_dir.resolve() == root:
+        return config
+    return validate_config({**config.model_dump(mode="json"), "runs_root": str(root.parent),
+                            "run_name": root.name})
 
 
 def _parallel_kind(config: RunConfig) -> str:
@@ -217,7 +231,7 @@ def _run_rank(config: RunConfig, run) -> int:
         dist.destroy_process_group()
 
 
-def _execute(config: RunConfig, overwrite: bool = False) -> int:
+def _execute(config: RunConfig, overwrite: bool = False, resume: bool = False) -> int:
     from rlpipe.models.device import resolve_device
 
     try:  # before any run directory or tracking run exists
@@ -230,11 +244,11 @@ def _execute(config: RunConfig, overwrite: bool = False) -> int:
         print(f"rlpipe: {config}", file=sys.stderr)
         return 2
     if launched_rank() is not None:
-        return _run_rank(config, lambda: _execute_flow(config, overwrite))
-    return _execute_flow(config, overwrite)
+        return _run_rank(config, lambda: _execute_flow(config, overwrite, resume))
+    return _execute_flow(config, overwrite, resume)
 
 
-def _execute_flow(config: RunConfig, overwrite: bool) -> int:
+def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> int:
     began = time.perf_counter()
     try:
         acquire_run_lock(config.run_dir)
@@ -242,10 +256,15 @@ def _execute_flow(config: RunConfig, overwrite: bool) -> int:
         print(f"rlpipe: {error}", file=sys.stderr)
         return 2
     try:
-        if overwrite and (config.run_dir / "run.json").exists():
-            clear_run_dir(config.run_dir)
+        if overwrite:  # never a folder that another process runs, holds or lies inside of
+            refuse_locked_overwrite(config.run_dir)
+            if (config.run_dir / "run.json").exists():
+                clear_run_dir(config.run_dir)
         with sigterm_stops_the_run():
-            result = start(config)
+            result = start(config, resume=resume)
+    except RunLockedError as error:
+        print(f"rlpipe: {error}", file=sys.stderr)
+        return 2
     except (KeyboardInterrupt, Terminated) as stop:
         why = "interrupted" if isinstance(stop, KeyboardInterrupt) else str(stop)
         print(f"rlpipe: {why}; `rlpipe resume {config.run_dir}` continues", file=sys.stderr)

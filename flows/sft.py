@@ -6,15 +6,23 @@
 from __future__ import annotations
 
 from prefect import flow
-from rlpipe.flows.common import phase_run_dir, resolve_config, write_run_report
+from rlpipe.flows.common import (
+    already_finished,
+    flow_run_folder,
+    name_flow_run,
+    phase_run_dir,
+    write_run_report,
+)
 from rlpipe.flows.supervised import run_supervised
 
 
-@flow(name="sft", log_prints=True, persist_result=False)
+@flow(name="sft", flow_run_name=name_flow_run, log_prints=True, persist_result=False)
 def sft_flow(config_path: str | None = None, overrides: list[str] | None = None,
-             config: dict | None = None) -> dict:
+             config: dict | None = None, resume: bool = False, overwrite: bool = False) -> dict:
     """SFT a model on a task's demonstrations or a JSONL of chats; returns the last checkpoint."""
-    cfg = resolve_config(config_path, overrides, config)
-    result = run_supervised(cfg, "sft")
+    with flow_run_folder(config_path, overrides, config, resume=resume, overwrite=overwrite) as cfg:
+        if (done := already_finished(phase_run_dir(cfg, "sft"))) is not None:
+            return done
+        result = run_supervised(cfg, "sft")
     write_run_report(cfg, [phase_run_dir(cfg, "sft")])
     return result

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from rlpipe.flows.common import (
     RunState,
+    finished_result,
     make_tracker,
     open_run,
+    phase_run_dir,
     registered_model_name,
     run_phase,
     stage_io,
@@ -31,7 +33,10 @@ def due(step: int, every: int, last: int) -> bool:
 
 def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | None = None,
                    start_checkpoint: str | None = None) -> dict:
-    """Train `config.<phase>` (pretrain | sft); returns the final checkpoint and eval metrics."""
+    """Train `config.<phase>` (pretrain | sft); returns the final checkpoint and eval metrics (a
+    phase that already finished: its saved ones, the phase left untouched)."""
+    if (done := finished_result(phase_run_dir(config, phase))) is not None:
+        return done
     state: RunState = open_run(config, phase)
     tracker = make_tracker(config, state, parent_mlflow_run_id)
 

@@ -18,8 +18,12 @@ union_by_name is off by default: it makes DuckDB read every file's footer when b
 The schema file sorts first in the glob, so views take the current columns; a partition written
 under an older schema with fewer columns then fails loudly ("schema mismatch ... try
 union_by_name=True") — pass union_by_name=True to read such runs. Paths are absolute: DuckDB resolves relative paths
-against the reader's working directory, not the database file; `ensure_catalog` re-points the
-views after a run folder is moved.
+against the reader's working directory, not the database file (checked on DuckDB 2.0), so a
+relative view would read nothing, or another folder's files, from anywhere but the run folder.
+A moved or copied run folder's catalog therefore still names the old folder until it is rebuilt:
+`connect` (every `rlpipe` command that reads tables: sql, report, rescore, replay's readers) and
+every resume rebuild it from the folder actually opened (`refresh_if_moved`). A rescore folder
+inside its run names the run relatively (`rescore.json`), so it moves with it.
 
 Connections to catalog.duckdb are held only for the few milliseconds it takes to create views;
 readers here use in-memory connections, so a run that is writing never conflicts with them.
@@ -80,7 +84,8 @@ def rescore_source(run_dir: Path) -> tuple[Path, tuple[str, ...]] | None:
     if not marker.is_file():
         return None
     info = json.loads(marker.read_text())
-    return Path(info["source_run_dir"]), tuple(info["tables"])
+    source = Path(info["source_run_dir"])  # relative to the rescore folder when inside its run
+    return (source if source.is_absolute() else (Path(run_dir) / source)).resolve(), tuple(info["tables"])
 
 
 def _table_home(run_dir: Path, table: str) -> Path:
@@ -162,6 +167,38 @@ def ensure_catalog(
     return path
 
 
+def catalog_is_current(run_dir: str | os.PathLike) -> bool:
+    """Whether `<run_dir>/catalog.duckdb` reads this folder's tables (not those of the folder it
+    was built at before a move or copy). True when it cannot be opened now (a writer holds it for
+    the milliseconds of a refresh: that writer builds it here)."""
+    run_dir = Path(run_dir).resolve()
+    expected = str(tables_root(_table_home(run_dir, "rollouts")) / "rollouts")
+    try:
+        con = duckdb.connect(str(run_dir / CATALOG_NAME), read_only=True)
+    except duckdb.Error:
+        return True
+    try:
+        rows = con.execute("SELECT sql FROM duckdb_views() WHERE view_name = 'rollouts' AND NOT internal").fetchall()
+    except duckdb.Error:
+        return False
+    finally:
+        con.close()
+    return bool(rows) and _quote(f"{expected}/")[:-1] in rows[0][0]
+
+
+def refresh_if_moved(run_dir: str | os.PathLike) -> None:
+    """Rebuild `<run_dir>/catalog.duckdb` when it names another folder (the run was moved or
+    copied); a catalog that cannot be rewritten (read-only folder, held open) is warned about."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CATALOG_NAME).is_file() or catalog_is_current(run_dir):
+        return
+    try:
+        ensure_catalog(run_dir, quiet_if_busy=True)
+    except OSError as error:
+        warnings.warn(f"catalog {run_dir / CATALOG_NAME} names another folder and could not be rebuilt: "
+                      f"{error}", stacklevel=2)
+
+
 def _create_views(path: Path, run_dir: Path, union_by_name: bool) -> None:
     con = duckdb.connect(str(path))
     try:
@@ -201,6 +238,8 @@ def connect(
     `run_id`. Rescore folders among the runs also get `original_<table>` views (their source's).
     """
     runs = run_dirs_list(run_dirs)
+    for run in runs:  # the on-disk catalog of a moved or copied run, re-pointed here
+        refresh_if_moved(run)
     con = duckdb.connect() if con is None else con
     sources = {run: source for run in runs if (source := rescore_source(run)) is not None}
     views = [(table, table, {run: run for run in runs}) for table in TABLES]

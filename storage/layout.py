@@ -13,6 +13,7 @@ glob that matches no file) and gives every view the newest column set.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -57,6 +58,27 @@ def partition_files(run_dir: str | os.PathLike, table: str) -> list[tuple[int, P
         if file.is_file():
             found.append((step, file))
     return sorted(found)
+
+
+def relocated(path: str, run_dir: str | os.PathLike) -> str:
+    """`path`, recorded by a run (its own or a sibling pipeline phase's checkpoint), where it lies
+    now if the run folder was moved or copied since: run.json's `run_dir` is the folder the run was
+    last opened at; a path under it (a pipeline phase's: under the pipeline folder above it) maps
+    to the same place under the folder given, when that exists. Otherwise `path` unchanged."""
+    run_dir = Path(run_dir).resolve()
+    try:
+        state = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return path
+    recorded = state.get("run_dir")
+    if not recorded or Path(recorded) == run_dir:
+        return path
+    nested = "/" in str(state.get("run_id", ""))  # a pipeline phase: `<name>/<phase>`
+    old_base, new_base = (Path(recorded).parent, run_dir.parent) if nested else (Path(recorded), run_dir)
+    if not Path(path).is_relative_to(old_base):
+        return path
+    moved = new_base / Path(path).relative_to(old_base)
+    return str(moved) if moved.exists() else path
 
 
 def check_step(step: int) -> int:

@@ -6,6 +6,9 @@
 The lock is `fcntl.flock` on `<run_dir>/.lock`: the kernel drops it when the holder exits, even
 after SIGKILL, so a crashed run never leaves a stale lock behind. Within one process it counts
 (a pipeline's phases, `rlpipe run` around its flow): only the last release unlocks.
+
+    locked_runs_around(folder)  # [(run dir, pid)] of other processes' runs that hold `folder`,
+                                # lie inside it, or that it lies inside: what --overwrite refuses
 """
 
 from __future__ import annotations
@@ -62,6 +65,42 @@ def release_run_lock(run_dir: str | os.PathLike) -> None:
         if held[1] <= 0:
             del _HELD[key]
             os.close(held[0])  # closing the descriptor drops the flock
+
+
+def lock_holder(run_dir: str | os.PathLike) -> str | None:
+    """The pid (as text) of another process holding `run_dir`'s lock, else None; never blocks,
+    creates nothing, and counts this process's own locks as free."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file (or unreadable): nobody can be holding it
+        return None
+    try:
+        with _GUARD:
+            held = _HELD.get(str(Path(run_dir).resolve()))
+            if held is not None and _same_file(held[0], path):
+                return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def locked_runs_around(folder: str | os.PathLike) -> list[tuple[Path, str]]:
+    """(run dir, holder pid) of every run that another process holds locked at `folder`, inside
+    it, or above it (a run whose runs_root is another run's folder lies inside that run)."""
+    folder = Path(folder).resolve()
+    candidates = [folder, *folder.parents]
+    if folder.is_dir():
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = [d for d in dirs if d not in ("tables", "checkpoints", "mlartifacts")]
+            if LOCK_NAME in files and Path(root) != folder:
+                candidates.append(Path(root))
+    return [(path, pid) for path in candidates if (pid := lock_holder(path)) is not None]
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,9 @@ def prepare_out(run_dir: Path, out_dir: Path, reward: str) -> None:
     elif (out_dir / "tables").exists():
         raise ValueError(f"{out_dir} holds tables of its own (a run?); choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = {"source_run_dir": str(run_dir), "reward": reward, "tables": list(TABLES),
+    # inside the run (the default rescore/<name>): relative, so the run folder moves or copies whole
+    source = os.path.relpath(run_dir, out_dir) if out_dir.is_relative_to(run_dir) else str(run_dir)
+    info = {"source_run_dir": source, "reward": reward, "tables": list(TABLES),
             "created_at": dt.datetime.now(dt.UTC).isoformat()}
     atomic_write(out_dir / RESCORE_MARKER, lambda tmp: tmp.write_text(json.dumps(info, indent=2)), durable=False)
 
