@@ -71,12 +71,20 @@ def phase_run_dir(config: RunConfig, phase: str) -> Path:
 
 
 def finished_result(run_dir: Path) -> dict | None:
-    """The saved result (run.json `extra`) of a run that finished, else None; reads only."""
+    """The saved result (run.json `extra`) of a run that finished, else None; reads only. Its
+    checkpoint is where it lies now when the folder was moved or copied (storage/layout.py)."""
+    from rlpipe.storage.layout import relocated
+
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         return None
     saved = read_json(path)
-    return saved.get("extra", {}) if saved.get("status") == "finished" else None
+    if saved.get("status") != "finished":
+        return None
+    result = dict(saved.get("extra", {}))
+    if isinstance(result.get("checkpoint"), str):
+        result["checkpoint"] = relocated(result["checkpoint"], run_dir)
+    return result
 
 
 def clear_run_dir(run_dir: Path) -> None:

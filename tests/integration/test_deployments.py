@@ -1,6 +1,8 @@
 """prefect.yaml against a real Prefect server: `prefect server start` on a free loopback port, a
 process work pool, `prefect deploy --all`, a worker, and the `tiny` pipeline deployment run to
-Completed; then the run's tables and its MLflow registry entries are checked.
+Completed; then run again (a folder of its own, the first untouched), resumed with new overrides
+(refused) and as it was (already finished, untouched); then the flow runs' names, the phases'
+subflows with their task runs, the run's tables and its MLflow registry entries are checked.
 
 Every process started here is in its own session and is stopped in a finally (SIGTERM, then
 SIGKILL after a bounded wait); every wait is bounded; only 127.0.0.1 is used. The server's
@@ -9,6 +11,7 @@ database and the run directory live under pytest's tmp_path (runs_root is overri
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -62,6 +65,36 @@ def run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProce
     return done
 
 
+FLOW_RUNS = """
+import asyncio, json
+from prefect.client.orchestration import get_client
+
+async def main():
+    async with get_client() as client:
+        flows = await client.read_flow_runs()
+        tasks = await client.read_task_runs()
+    print(json.dumps({"flows": [{"id": str(r.id), "name": r.name, "state": r.state_name,
+                                 "subflow": r.parent_task_run_id is not None} for r in flows],
+                      "tasks": [str(t.flow_run_id) for t in tasks]}))
+
+asyncio.run(main())
+"""
+
+
+def deployment_run(params: dict, env: dict) -> subprocess.CompletedProcess:
+    """`prefect deployment run 'pipeline/tiny'` with `params`, watched to its end."""
+    return subprocess.run(
+        prefect("deployment", "run", "pipeline/tiny", "--params", json.dumps(params), "--watch",
+                "--watch-timeout", str(RUN_TIMEOUT_S)),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """Every file below `folder` (lock files aside) → its sha256."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
 def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
     port = free_port()
     env = prefect_env(tmp_path, port)
@@ -76,36 +109,57 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         for name in ("tiny", "pipeline", "pretrain", "sft", "rl"):
             assert f"/{name}'" in deployed.stdout or f"/{name}" in deployed.stdout, deployed.stdout[-2000:]
         worker = start(prefect("worker", "start", "--pool", "rlpipe"), env, tmp_path / "worker.log")
-        params = json.dumps({"overrides": [f"runs_root={runs}"]})
+        overrides = [f"runs_root={runs}"]
         began = time.monotonic()
-        flow_run = subprocess.run(
-            prefect("deployment", "run", "pipeline/tiny", "--params", params, "--watch",
-                    "--watch-timeout", str(RUN_TIMEOUT_S)),
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60)
+        flow_run = deployment_run({"overrides": overrides}, env)
         seconds = time.monotonic() - began
         worker_log = (tmp_path / "worker.log").read_text()
         assert flow_run.returncode == 0, f"{flow_run.stdout[-3000:]}\n{flow_run.stderr[-2000:]}\n{worker_log[-3000:]}"
         assert "Completed" in flow_run.stdout, flow_run.stdout[-3000:]
         print(f"tiny pipeline deployment ran to Completed in {seconds:.0f} s")
+        (run_dir,) = runs.glob("tiny-*")  # a folder of its own: <run_name>-<flow run id[:8]>
+        first = digest(run_dir)
+
+        # run again, same parameters: another folder of its own, the first one untouched
+        again = deployment_run({"overrides": overrides}, env)
+        assert again.returncode == 0 and "Completed" in again.stdout, again.stdout[-3000:]
+        assert len(list(runs.glob("tiny-*"))) == 2 and digest(run_dir) == first
+        # resume that run with new overrides: refused, nothing changes
+        target = [*overrides, f"run_name={run_dir.name}"]
+        changed = deployment_run({"overrides": [*target, "rl.steps=6"], "resume": True}, env)
+        assert changed.returncode != 0 or "Failed" in changed.stdout, changed.stdout[-3000:]
+        assert digest(run_dir) == first
+        # resume it as it was: it already finished, so Completed and left as it is
+        same = deployment_run({"overrides": target, "resume": True}, env)
+        assert same.returncode == 0 and "Completed" in same.stdout, same.stdout[-3000:]
+        assert digest(run_dir) == first
+        listed = json.loads(run([sys.executable, "-c", FLOW_RUNS], env, 120).stdout)
     finally:
         if worker is not None:
             stop_group(worker)
         stop_group(server)
 
+    # flow runs are named after their run folder; SFT and RL are subflows with task runs
+    names = {r["name"]: r for r in listed["flows"]}
+    assert run_dir.name in names and not names[run_dir.name]["subflow"], sorted(names)
+    for phase in ("sft", "rl"):
+        subflow = names[f"{run_dir.name}/{phase}"]
+        assert subflow["subflow"] and subflow["state"] == "Completed"
+        assert subflow["id"] in listed["tasks"], f"no task runs in the {phase} subflow"
+
     # the run it made: both phases' tables and checkpoints, registered in MLflow with aliases
     from mlflow import MlflowClient
     from rlpipe.storage.writer import read_table
 
-    run_dir = runs / "tiny"
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert sorted(read_table(run_dir / "rl", "train_steps").column("step").to_pylist()) == [1, 2, 3, 4]
     assert read_table(run_dir / "sft", "train_steps").num_rows == 40
     assert read_table(run_dir / "rl", "rollouts").num_rows > 0
     assert sorted(read_table(run_dir / "rl", "checkpoints").column("step").to_pylist()) == [2, 4]
     client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
-    versions = client.search_model_versions("name='tiny'")
+    versions = [v for v in client.search_model_versions(f"name='{run_dir.name}'")]
     assert {v.tags.get("step") for v in versions} == {"2", "4"}
     assert all(v.tags.get("run_dir") == str((run_dir / "rl").resolve()) for v in versions)
-    assert client.search_model_versions("name='tiny-sft'")
+    assert client.search_model_versions(f"name='{run_dir.name}-sft'")
     # nothing of ours is left running
     assert server.poll() is not None and (worker is None or worker.poll() is not None)

@@ -17,12 +17,18 @@ from rlpipe.flows.common import (
     code_named_by,
     config_differences,
     deployment_run_name,
+    finished_result,
     refuse_locked_overwrite,
     run_folder,
 )
 from rlpipe.storage.catalog import catalog_is_current, connect, ensure_catalog, rescore_source
 from rlpipe.storage.layout import relocated
-from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, locked_runs_around, release_run_lock
+from rlpipe.storage.runlock import (
+    RunLockedError,
+    acquire_run_lock,
+    locked_runs_around,
+    release_run_lock,
+)
 from rlpipe.storage.writer import write_table
 from rlpipe.tasks.config import validate_config
 
@@ -188,12 +194,15 @@ def test_a_rescore_folder_inside_its_run_names_it_relatively(tmp_path):
 
 def test_paths_a_moved_run_recorded_map_to_the_new_place(tmp_path):
     old = tmp_path / "old" / "demo"
+    recorded = str(old / "sft" / "checkpoints" / "step_000004")
     for phase in ("sft", "rl"):
-        RunState(old / phase, f"demo/{phase}", phase).run_dir.mkdir(parents=True)
-        RunState(old / phase, f"demo/{phase}", phase).save()
+        (old / phase).mkdir(parents=True)
+        RunState(old / phase, f"demo/{phase}", phase, status="finished", extra={"checkpoint": recorded}).save()
     (old / "sft" / "checkpoints" / "step_000004").mkdir(parents=True)
     shutil.copytree(old, tmp_path / "new")
-    recorded = str(old / "sft" / "checkpoints" / "step_000004")
+    # a finished phase's saved result, read from the copy, names the copy's checkpoint
+    assert finished_result(tmp_path / "new" / "sft")["checkpoint"] == str(tmp_path / "new" / "sft" / "checkpoints"
+                                                                          / "step_000004")
     assert relocated(recorded, tmp_path / "new" / "rl") == str(tmp_path / "new" / "sft" / "checkpoints" / "step_000004")
     assert relocated(recorded, old / "rl") == recorded  # not moved: as recorded
     assert relocated("/models/base", tmp_path / "new" / "rl") == "/models/base"  # outside the run: as recorded
