@@ -5,6 +5,7 @@ run directory, the MLflow store or the logs afterwards."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tomllib
 from pathlib import Path
@@ -15,6 +16,7 @@ from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import read_table
+from rlpipe.tasks.config import validate_config
 from rlpipe.training.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -73,8 +75,13 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
         rollouts_before = read_table(run_dir, "rollouts").num_rows
         procs[1].kill()
         procs[1].wait(timeout=30)
+        # the run, as if it had been a 3-step run stopped after step 2, resumed with a dead server
+        longer = http_config(tmp_path, start, urls, steps=3)
+        (run_dir / "config.json").write_text(json.dumps(validate_config(longer).model_dump(mode="json")))
+        state = json.loads((run_dir / "run.json").read_text())
+        (run_dir / "run.json").write_text(json.dumps({**state, "status": "failed"}))
         with pytest.raises(Exception, match=urls[1].replace(".", r"\.")):
-            rl_flow(config=http_config(tmp_path, start, urls, steps=3))
+            rl_flow(config=longer, resume=True)
         assert read_table(run_dir, "rollouts", 1).num_rows + read_table(run_dir, "rollouts", 2).num_rows \
             == rollouts_before
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".")) \

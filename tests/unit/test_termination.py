@@ -72,7 +72,7 @@ def test_a_sigterm_that_surfaces_as_another_error_still_exits_143(tmp_path, monk
     from rlpipe.flows import runner
     from rlpipe.tasks.config import RunConfig
 
-    def start(config):
+    def start(config, resume=False):
         try:
             signal.raise_signal(signal.SIGTERM)
         except Terminated:
@@ -85,6 +85,6 @@ def test_a_sigterm_that_surfaces_as_another_error_still_exits_143(tmp_path, monk
     assert "stopped by signal SIGTERM (surfacing as ValueError: Task run is not set)" in err
     assert "run failed" not in err
 
-    monkeypatch.setattr(runner, "start", lambda config: (_ for _ in ()).throw(ValueError("bad")))
+    monkeypatch.setattr(runner, "start", lambda config, resume=False: (_ for _ in ()).throw(ValueError("bad")))
     assert runner._execute_flow(config, overwrite=False) == 1  # a new run starts with the flag cleared
     assert "run failed: ValueError: bad" in capsys.readouterr().err
