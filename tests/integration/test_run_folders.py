@@ -36,7 +36,7 @@ def rlpipe(*args: str, env: dict, cwd: Path = ROOT, timeout: float = 600) -> sub
 def killed_in_rl(runs: Path, name: str, env: dict) -> Path:
     """A tiny pipeline run SIGKILLed once RL step 3 is trained (last checkpoint: step 2)."""
     run_dir = runs / name
-    trigger = run_dir / "rl" / "tables" / "train_steps" / "step=3"
+    trigger = run_dir / "rl" / "tables" / "train_steps" / "step=3" / "part-0.parquet"
     process = subprocess.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}",
                                    "--set", f"run_name={name}", *ONE_THREAD), env=env, cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
