@@ -33,7 +33,7 @@ class CannedQuery:
 
 def dashboards_dir() -> Path:
     """The folder of the installed `dashboards` package, where the *.sql files live."""
-    return Path(str(importlib.resources.files("dashboards")))
+    return Path(str(importlib.resources.files("rlpipe.dashboards")))
 
 
 def canned_queries(folder: Path | None = None) -> dict[str, CannedQuery]:
