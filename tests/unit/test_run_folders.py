@@ -214,3 +214,37 @@ def test_code_a_run_config_names():
     assert code_named_by(config) == ["myrewards", "myfilters:keep"]
     assert code_named_by(validate_config({"flow": "rl"})) == []
 
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rlpipe_run_overwrite_refuses_a_phase_folder_of_a_running_pipeline(tmp_path, hold_lock, capsys):
+    from rlpipe.flows.runner import main_run
+
+    running = tmp_path / "runs" / "a"
+    pid = hold_lock(running)
+    sft = running / "sft"
+    sft.mkdir()
+    (sft / "run.json").write_text("{}")
+    code = main_run([str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={running}", "--set", "run_name=sft",
+                     "--overwrite"])
+    assert code == 2
+    assert f"lies inside the run {running}, which is running in another process (pid {pid})" in capsys.readouterr().err
+    assert (sft / "run.json").read_text() == "{}"
+
+
+def test_rlpipe_resume_leaves_a_finished_run_as_it_is(tmp_path, capsys):
+    from rlpipe.flows.runner import main_resume
+
+    config = config_for(tmp_path / "old")  # written elsewhere, then moved here
+    make_run(config)
+    RunState(config.run_dir, "r", "rl", status="finished", extra={"eval": {"eval/accuracy": 0.5}}).save()
+    moved = tmp_path / "new" / "r"
+    shutil.copytree(config.run_dir, moved)
+    shutil.rmtree(config.run_dir)
+    before = {p.name: p.read_bytes() for p in moved.iterdir()}
+    assert main_resume([str(moved)]) == 0
+    assert capsys.readouterr().out.strip() == f"rlpipe resume: {moved.resolve()} already finished; left as it is"
+    assert {p.name: p.read_bytes() for p in moved.iterdir()} == before
+    assert not config.run_dir.exists()
