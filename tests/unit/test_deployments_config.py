@@ -25,3 +25,16 @@ def test_deployment_defaults_point_at_a_valid_config_for_its_flow(deployment):
 
 def test_the_tiny_pipeline_deployment_exists():
     assert {"tiny", "pipeline", "pretrain", "sft", "rl"} <= {d["name"] for d in DEPLOYMENTS}
+
+
+def test_no_deployment_writes_the_folder_make_demo_uses():
+    demo = load_config(ROOT / "configs" / "demo.toml").run_dir
+    for deployment in DEPLOYMENTS:
+        config = load_config(ROOT / deployment["parameters"]["config_path"], deployment["parameters"]["overrides"])
+        assert config.run_dir != demo, deployment["name"]  # not even with resume or overwrite
+
+
+def test_the_pipeline_deployment_shows_its_stages_as_task_runs():
+    (pipeline,) = [d for d in DEPLOYMENTS if d["name"] == "pipeline"]
+    config = load_config(ROOT / pipeline["parameters"]["config_path"], pipeline["parameters"]["overrides"])
+    assert config.tracking.prefect_task_runs
