@@ -120,13 +120,17 @@ def refuse_locked_overwrite(run_dir: Path) -> None:
     raise RunLockedError(f"refusing to overwrite {run_dir}: {why} running in another process (pid {pid})")
 
 
+RESUME_MAY_CHANGE = frozenset({"runs_root", "run_name", "train.parallel"})
+"""Config keys a resume may change: where the folder lies now, and how many processes train it
+(`rlpipe resume --nproc-per-node N` trains a single-process run with ddp)."""
+
+
 def config_differences(saved: dict, given: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts (runs_root and run_name, the
-    folder's place, left out at the top level)."""
+    """Dotted keys whose values differ between two config dicts (RESUME_MAY_CHANGE left out)."""
     keys = sorted(set(saved) | set(given))
     found = []
     for key in keys:
-        if not prefix and key in ("runs_root", "run_name"):
+        if f"{prefix}{key}" in RESUME_MAY_CHANGE:
             continue
         a, b = saved.get(key), given.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

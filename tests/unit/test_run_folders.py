@@ -87,6 +87,8 @@ def test_resume_needs_the_same_config_wherever_the_folder_lies(tmp_path):
     with run_folder(config_for(tmp_path), resume=True) as settled:
         assert settled.run_dir == config.run_dir
     assert config_differences(config.model_dump(mode="json"), elsewhere.model_dump(mode="json")) == []
+    ddp = config_for(tmp_path, train={"parallel": "ddp"})  # resumed over ranks: --nproc-per-node
+    assert config_differences(config.model_dump(mode="json"), ddp.model_dump(mode="json")) == []
     other = config_for(tmp_path, rl={"steps": 5})
     with pytest.raises(ValueError, match=r"another config \(rl.steps differ"):
         with run_folder(other, resume=True):
