@@ -2,7 +2,10 @@
 
 A run directory that already holds a run is never silently reused: `rlpipe run` refuses it
 (resume it, or pass --overwrite to start over). A run directory is locked while a process runs
-it (storage.runlock): a second `rlpipe run --overwrite` or `rlpipe resume` gets a clear error.
+it (storage.runlock): a second `rlpipe run --overwrite` or `rlpipe resume` gets a clear error,
+and --overwrite also refuses a folder holding, or lying inside, a running run. `rlpipe resume`
+acts on the folder it is given, wherever it lies now (a moved or copied run resumes as itself),
+and leaves a finished run as it is.
 SIGTERM stops a run like Ctrl-C: queued table writes drain, MLflow and run.json say FAILED.
 
 `--nproc-per-node N` (flows/launch.py) starts N ranks of the same command through torch's
