@@ -269,14 +269,25 @@ class MlflowTracker(_EndOnExit):
         self.client.set_registered_model_alias(model_name, alias, str(version))
 
     def end(self, status="FINISHED") -> None:
-        """Wait for queued metrics, then close the run with `status` (FINISHED | FAILED | KILLED)."""
+        """Wait for queued metrics, then close the run with `status` (FINISHED | FAILED | KILLED).
+        A queued write that failed closes it FAILED and is raised, as OSError naming the tracking
+        store when it was an I/O error (a full disk: SQLite's "database or disk is full")."""
         if self.run_id is None:
             return
+        failed: Exception | None = None
         for operation in self._pending:
-            operation.wait()
+            try:
+                operation.wait()
+            except Exception as error:  # noqa: BLE001 - raised below, once the run is closed
+                failed = failed or error
         self._pending.clear()
-        self.client.set_terminated(self.run_id, status=status)
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else status)
         self.run_id = None
+        if failed is not None:
+            from rlpipe.core.files import naming_io_errors
+
+            with naming_io_errors(self.tracking_uri.removeprefix("sqlite:///")):
+                raise failed
 
     def _active(self) -> str:
         if self.run_id is None:

@@ -43,7 +43,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -54,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from rlpipe.core.files import fsync_path
+from rlpipe.core.files import fsync_path, naming_io_errors
 from rlpipe.models.loading import load_model
 from rlpipe.models.tokenizer import load_tokenizer
 from rlpipe.training.lora import ADAPTER_DIR, has_lora, load_adapter, save_model_files
@@ -254,37 +253,10 @@ def save_checkpoint(
     return final
 
 
-_ERRNO_IN_TEXT = re.compile(r"Os \{ code: (\d+)|\[?errno:? (\d+)", re.IGNORECASE)
-
-
-def _errno_of(error: BaseException) -> int | None:
-    """The errno behind an error: an OSError's in its chain, or one that torch, safetensors or
-    Arrow wrote into their message ("Os { code: 28", "errno 28"); None if it names none."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno:
-            return current.errno
-        if match := _ERRNO_IN_TEXT.search(str(current)):
-            return int(match.group(1) or match.group(2))
-        current = current.__cause__ or current.__context__
-    return None
-
-
 def _writing(shown: Path, write: Callable[[], Any]) -> None:
     """Run `write`; an I/O failure it raises in any form becomes OSError(errno, strerror, shown)."""
-    try:
+    with naming_io_errors(shown):
         write()
-    except OSError as error:
-        if error.filename or not error.errno:
-            raise
-        raise OSError(error.errno, error.strerror or os.strerror(error.errno), str(shown)) from error
-    except Exception as error:
-        code = _errno_of(error)
-        if code is None:
-            raise
-        raise OSError(code, os.strerror(code), str(shown)) from error
 
 
 def _torch_save(obj: Any, file: Path, shown: Path) -> None:
