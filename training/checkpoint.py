@@ -221,8 +221,10 @@ def save_checkpoint(
         if not weights:
             raise ValueError(f"save_pretrained wrote no *.safetensors into {str(tmp)!r}")
         for file in tmp.rglob("*.safetensors"):
-            _check_safetensors(file, final / file.relative_to(tmp))  # a write error safetensors did not report leaves it short
-        files = {p.name: sha256_file(p) for p in weights}
+            # a write error that safetensors did not report leaves the file short
+            _check_safetensors(file, final / file.relative_to(tmp))
+        every = _file_hashes(tmp)  # each file hashed once: what `_verify` checks
+        files = {p.name: every[p.name] for p in weights}
         metadata = {
             "step": step,
             "policy_version": step if record.policy_version is None else record.policy_version,
@@ -233,7 +235,7 @@ def save_checkpoint(
             "sha256": next(iter(files.values())) if len(files) == 1
             else hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
             "weight_files": files,
-            "files": _file_hashes(tmp),  # every file but this one: what `_verify` checks
+            "files": every,
         }
         # last: its presence marks a whole checkpoint
         _writing(final / METADATA_FILE, lambda: _write_json(tmp / METADATA_FILE, metadata))
