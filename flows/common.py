@@ -137,7 +137,8 @@ def mark_failed(state: RunState, tracker) -> None:
         try:
             close()
         except Exception as error:  # noqa: BLE001 - the run's own error is the one to raise
-            print(f"rlpipe: could not mark {what} failed: {io_error(error) or error}", file=sys.stderr)
+            # not print: in a flow, Prefect's log_prints makes it an INFO log, not shown
+            sys.stderr.write(f"rlpipe: could not mark {what} failed: {io_error(error) or error}\n")
 
 
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:

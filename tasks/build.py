@@ -64,8 +64,8 @@ def start_point(config, run_dir: Path, start_checkpoint: str | None) -> StartPoi
     """A run phase's start: `start_checkpoint` or model.path, resumed from the run's newest whole
     checkpoint (a damaged newer one is moved aside and said so on stderr: training/checkpoint.py)."""
     resume, notes = resume_checkpoint(run_dir)
-    for note in notes:
-        print(f"rlpipe: {note}", file=sys.stderr)
+    for note in notes:  # not print: in a flow, Prefect's log_prints makes it an INFO log, not shown
+        sys.stderr.write(f"rlpipe: {note}\n")
     return StartPoint(weights=start_checkpoint or config.model.path, resume=resume)
 
 

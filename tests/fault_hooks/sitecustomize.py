@@ -40,8 +40,9 @@ _FULL = os.environ.get("RLPIPE_TEST_ENOSPC", "")
 if _FULL:
     _WRITER, _, _FILES = _FULL.partition(":")
 
-    def _matches(target) -> bool:
-        return fnmatch.fnmatch(os.fspath(getattr(target, "name", target)), _FILES)
+    def _matches(target) -> bool:  # a path, or a file object opened on one
+        path = target if isinstance(target, (str, os.PathLike)) else getattr(target, "name", "")
+        return isinstance(path, (str, os.PathLike)) and fnmatch.fnmatch(os.fspath(path), _FILES)
 
     if _WRITER == "parquet":
         import pyarrow.parquet as _pq
@@ -69,12 +70,13 @@ if _FULL:
         _torch.save = _save_full
     elif _WRITER == "safetensors":
         import safetensors.torch as _st
+        from safetensors import SafetensorError as _SafetensorError
 
         _save_file = _st.save_file
 
         def _save_file_full(tensors, filename, *args, **kwargs):
             if _matches(filename):
-                raise _st.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                raise _SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                                           'message: "No space left on device" })')
             return _save_file(tensors, filename, *args, **kwargs)
 

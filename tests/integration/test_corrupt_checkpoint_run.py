@@ -21,26 +21,28 @@ from test_resume import ONE_THREAD, cli, env_for
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-# flow -> (its overrides, its last step, the step of the checkpoint before it)
-FLOWS = {
-    "sft": (["--set", "sft.steps=8", "--set", "sft.checkpoint_every=4"], 8, 4),
-    "rl": (["--set", "rl.steps=4", "--set", "rl.checkpoint_every=2"], 4, 2),
+# phase -> (the run's overrides, its folder in the run's, its last step, the checkpoint before it);
+# RL runs in the pipeline: RL from the untrained preset samples no reward variance to train on
+PHASES = {
+    "sft": (["--set", "flow=sft", "--set", "sft.steps=8", "--set", "sft.checkpoint_every=4"], ".", 8, 4),
+    "rl": (["--set", "rl.steps=4", "--set", "rl.checkpoint_every=2"], "rl", 4, 2),
 }
 
 
-@pytest.mark.parametrize(("flow", "victim"), [("sft", "model.safetensors"), ("rl", "optimizer.pt")])
-def test_a_truncated_newest_checkpoint_is_set_aside_and_its_steps_replayed(flow, victim, tmp_path, prefect_api_url):
+@pytest.mark.parametrize(("phase", "victim"), [("sft", "model.safetensors"), ("rl", "optimizer.pt")])
+def test_a_truncated_newest_checkpoint_is_set_aside_and_its_steps_replayed(phase, victim, tmp_path, prefect_api_url):
     """Afterwards: the resume says in one line which file was damaged and where the folder went,
     replays the steps after the checkpoint before it and finishes (exit 0, no advice to resume
     again); the new newest checkpoint holds the same weights the damaged one was written with,
     and is registered once (the damaged one's version when its weights' sha256 is the same)."""
     runs, env = tmp_path / "runs", env_for(tmp_path, prefect_api_url)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
-    overrides, last, before = FLOWS[flow]
-    run_dir = runs / "torn"
+    overrides, folder, last, before = PHASES[phase]
+    run_dir = (runs / "torn" / folder).resolve()
     command = cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}", "--set", "run_name=torn",
-                  "--set", f"flow={flow}", *overrides, *ONE_THREAD)
-    code = run_killed_at(command, env, f"after:*/tables/checkpoints/step={last}/part-0.parquet", tmp_path / "run.log")
+                  *overrides, *ONE_THREAD)
+    point = f"after:{run_dir}/tables/checkpoints/step={last}/part-0.parquet"
+    code = run_killed_at(command, env, point, tmp_path / "run.log")
     assert code == -signal.SIGKILL, (tmp_path / "run.log").read_text()[-3000:]
     newest = run_dir / "checkpoints" / f"step_{last:06d}"
     original = load_file(newest / "model.safetensors")
@@ -49,7 +51,7 @@ def test_a_truncated_newest_checkpoint_is_set_aside_and_its_steps_replayed(flow,
     file = newest / victim
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
-    resumed = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+    resumed = subprocess.run(cli("resume", str(runs / "torn")), env=env, cwd=ROOT, capture_output=True, text=True,
                              timeout=STEP_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     notes = [line for line in resumed.stderr.splitlines() if f"'{file}' is corrupt" in line]
