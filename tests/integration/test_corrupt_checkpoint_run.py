@@ -45,7 +45,8 @@ def test_a_truncated_newest_checkpoint_is_set_aside_and_its_steps_replayed(phase
     code = run_killed_at(command, env, point, tmp_path / "run.log")
     assert code == -signal.SIGKILL, (tmp_path / "run.log").read_text()[-3000:]
     newest = run_dir / "checkpoints" / f"step_{last:06d}"
-    original = load_file(newest / "model.safetensors")
+    # copies: load_file maps the file, which is truncated below
+    original = {name: tensor.clone() for name, tensor in load_file(newest / "model.safetensors").items()}
     kept = tmp_path / "original-row.json"
     kept.write_text(json.dumps(table_rows(run_dir, "checkpoints")[-1], default=str))
     file = newest / victim
