@@ -54,10 +54,13 @@ def errno_of(error: BaseException) -> int | None:
 
 
 def io_error(error: BaseException) -> OSError | None:
-    """The OSError with an errno behind `error` (the one that names a path, if any does); None
-    when `error` is no I/O failure."""
+    """The OSError with an errno behind `error` (the one that names a path, if any does), else
+    one made of the errno a message names (no path known); None when `error` is no I/O failure."""
     found = [e for e in _chain(error) if isinstance(e, OSError) and e.errno]
-    return next((e for e in found if e.filename), found[0] if found else None)
+    if found:
+        return next((e for e in found if e.filename), found[0])
+    code = errno_of(error)
+    return None if code is None else OSError(code, os.strerror(code))
 
 
 @contextmanager

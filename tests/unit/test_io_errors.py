@@ -38,6 +38,8 @@ def test_other_errors_pass_unchanged(tmp_path):
             raise error
         assert caught.value is error
     assert io_error(ValueError("bad value")) is None
+    unnamed = io_error(RuntimeError("(sqlite3.OperationalError) database or disk is full"))
+    assert (unnamed.errno, unnamed.filename) == (errno.ENOSPC, None)
 
 
 def test_an_atomic_write_on_a_full_disk_names_its_destination_and_leaves_nothing(tmp_path):
