@@ -53,14 +53,20 @@ def errno_of(error: BaseException) -> int | None:
     return None
 
 
+# what a storage failure looks like (a full disk or quota, a failing or read-only device, a file
+# over the size limit); a refused connection or a missing file are other errors
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+
+
 def io_error(error: BaseException) -> OSError | None:
-    """The OSError with an errno behind `error` (the one that names a path, if any does), else
-    one made of the errno a message names (no path known); None when `error` is no I/O failure."""
-    found = [e for e in _chain(error) if isinstance(e, OSError) and e.errno]
+    """The storage failure (STORAGE_ERRNOS) behind `error`: its OSError (the one that names a
+    path, if any does), else one made of the errno a message names (no path known); None when
+    `error` is none."""
+    found = [e for e in _chain(error) if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS]
     if found:
         return next((e for e in found if e.filename), found[0])
     code = errno_of(error)
-    return None if code is None else OSError(code, os.strerror(code))
+    return OSError(code, os.strerror(code)) if code in STORAGE_ERRNOS else None
 
 
 @contextmanager

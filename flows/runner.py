@@ -257,7 +257,7 @@ def _execute_flow(config: RunConfig, overwrite: bool) -> int:
                   f"`rlpipe resume {config.run_dir}` continues", file=sys.stderr)
             return 143
         if (disk := io_error(error)) is not None:  # a full disk, an I/O error: the path and errno
-            print(f"rlpipe: run failed writing: {disk}; once that is fixed (space freed), "
+            print(f"rlpipe: run failed: storage error: {disk}; once that is fixed (space freed), "
                   f"`rlpipe resume {config.run_dir}` continues from the last complete stage", file=sys.stderr)
             return 1
         print(f"rlpipe: run failed: {type(error).__name__}: {error}\n"

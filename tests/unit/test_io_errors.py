@@ -38,6 +38,7 @@ def test_other_errors_pass_unchanged(tmp_path):
             raise error
         assert caught.value is error
     assert io_error(ValueError("bad value")) is None
+    assert io_error(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")) is None  # not storage
     unnamed = io_error(RuntimeError("(sqlite3.OperationalError) database or disk is full"))
     assert (unnamed.errno, unnamed.filename) == (errno.ENOSPC, None)
 
