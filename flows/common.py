@@ -280,17 +280,35 @@ def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
         try:
             with sigterm_is_sticky():
                 result = body()
+            tracker.end("FINISHED")  # may fail (a queued metric write): the phase failed then
         except BaseException:
-            tracker.end("FAILED")
-            state.status = "failed"
-            state.save()
+            mark_failed(state, tracker)
             raise
-        tracker.end("FINISHED")
         state.status, state.extra = "finished", {**state.extra, **result}
         state.save()
         return result
     finally:
         release_run_lock(state.run_dir)
+
+
+def mark_failed(state: RunState, tracker) -> None:
+    """run.json, then the MLflow run, say the phase failed: each tried on its own, so that one
+    that cannot be written (a full disk) neither keeps the other from trying nor replaces the
+    error that stopped the run (it is said on stderr in one line)."""
+    import sys
+
+    from rlpipe.core.files import io_error
+
+    def save() -> None:
+        state.status = "failed"
+        state.save()
+
+    for what, close in (("run.json", save), ("the MLflow run", lambda: tracker.end("FAILED"))):
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001 - the run's own error is the one to raise
+            # not print: in a flow, Prefect's log_prints makes it an INFO log, not shown
+            sys.stderr.write(f"rlpipe: could not mark {what} failed: {io_error(error) or error}\n")
 
 
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None,

@@ -31,12 +31,18 @@ from rlpipe.flows.common import (
 )
 from rlpipe.flows.progress import progress
 from rlpipe.flows.supervised import due
-from rlpipe.tasks.checkpoint import TrainingState, checkpoint_task, promote_best, register_options
+from rlpipe.tasks.checkpoint import (
+    TrainingState,
+    checkpoint_task,
+    complete_registrations,
+    promote_best,
+    register_options,
+)
 from rlpipe.tasks.config import RunConfig
-from rlpipe.tasks.evaluate import best_accuracy_before
+from rlpipe.tasks.evaluate import best_accuracy_before, step_accuracy
 from rlpipe.tasks.origin import origin_task
 from rlpipe.tasks.pack import pack_task
-from rlpipe.tasks.record import step_metrics, train_step_row
+from rlpipe.tasks.record import step_metrics, stored_row, train_step_row
 from rlpipe.tasks.rl_setup import RLRun, open_rl
 from rlpipe.tasks.sync import sync_task
 from rlpipe.tasks.train import train_task
@@ -71,7 +77,7 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
         # leaving stage_io drains the table writer: a phase is marked done only with its tables
         with stage_io(config), ExitStack() as stack:
             origin_task(start_checkpoint or config.model.path, tracker, run_dir=state.run_dir, run_id=state.run_id)
-            run = open_rl(config, state.run_dir, state.run_id, start_checkpoint, registered_model_name(config))
+            run = open_rl(config, state.run_dir, state.run_id, start_checkpoint)
             stack.callback(run.close)
             return _loop(config, run, stack.enter_context(run.source), tracker, dict(run_dir=state.run_dir,
                                                                                      run_id=state.run_id))
@@ -92,10 +98,15 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
     saving = register_options(config.engine, model_name)
     saved = TrainingState(run.model, run.tokenizer, run.trainer.optimizer, run.trainer.scheduler)
+    # a kill between a checkpoint's rename and its registration: completed before going on
+    complete_registrations(tracker=tracker, options=saving, **io)
     evals = run.evaluate(0, **io) if run.start_step == 0 else {}
     best, last = evals.get(m.EVAL_ACCURACY, -math.inf), None
-    if run.start_step:  # a resumed run moves the `best` alias only for a better eval than before
-        best = best_accuracy_before(io["run_dir"], run.start_step, checkpoint_steps(io["run_dir"]))
+    if run.start_step:  # a resumed run moves the `best` alias only for a better eval than before,
+        # the resumed checkpoint's included (a kill may have fallen before its alias moved)
+        best = best_accuracy_before(io["run_dir"], run.start_step - 1, checkpoint_steps(io["run_dir"]))
+        best = promote_best(tracker, model_name, stored_row(io["run_dir"], "checkpoints", run.start_step),
+                            step_accuracy(io["run_dir"], run.start_step), best)
     if evals:
         tracker.log_metrics(evals, step=0)
     bar = progress(total=rl.steps, initial=run.start_step, desc="rl")

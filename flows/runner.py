@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rlpipe.core.config import ConfigError, describe_fields
 from rlpipe.core.environment import quiet_defaults
+from rlpipe.core.files import io_error
 from rlpipe.core.termination import Terminated, sigterm_received, sigterm_stops_the_run
 from rlpipe.flows.common import (
     clear_run_dir,
@@ -277,6 +278,10 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
             print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error}); "
                   f"`rlpipe resume {config.run_dir}` continues", file=sys.stderr)
             return 143
+        if (disk := io_error(error)) is not None:  # a full disk, an I/O error: the path and errno
+            print(f"rlpipe: run failed: storage error: {disk}; once that is fixed (space freed), "
+                  f"`rlpipe resume {config.run_dir}` continues from the last complete stage", file=sys.stderr)
+            return 1
         print(f"rlpipe: run failed: {type(error).__name__}: {error}\n"
               f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
               "last complete stage", file=sys.stderr)

@@ -15,7 +15,12 @@ from rlpipe.flows.common import (
     stage_io,
 )
 from rlpipe.flows.progress import progress
-from rlpipe.tasks.checkpoint import TrainingState, checkpoint_task, register_options
+from rlpipe.tasks.checkpoint import (
+    TrainingState,
+    checkpoint_task,
+    complete_registrations,
+    register_options,
+)
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.origin import origin_task
 from rlpipe.tasks.record import step_metrics, train_step_row
@@ -56,6 +61,8 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
     trainer, model_name = run.trainer, registered_model_name(config)
     saving = register_options(config.engine, f"{model_name}-{phase}")
     saved = TrainingState(trainer.model, run.tokenizer, trainer.optimizer, trainer.scheduler)
+    # a kill between a checkpoint's rename and its registration: completed before going on
+    complete_registrations(run_dir=run_dir, run_id=run_id, tracker=tracker, options=saving)
     last_path, eval_metrics, cursor = None, {}, {}
     bar = progress(total=section.steps, initial=run.start_step, desc=f"{phase}")
     for step in range(run.start_step + 1, section.steps + 1):

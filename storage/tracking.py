@@ -222,11 +222,17 @@ class MlflowTracker(_EndOnExit):
 
     def register_checkpoint(self, checkpoint_dir, model_name, tags=None) -> str:
         """Log the folder as artifacts `checkpoints/<folder name>` and make it a new version of
-        `model_name` (created if needed). Returns the version number as text."""
+        `model_name` (created if needed). Returns the version number as text.
+
+        Idempotent for a checkpoint whose tags name its `step` and `sha256`: when this MLflow run
+        already registered a version of `model_name` with both, that version is returned and
+        nothing is logged (a resume completing a registration a kill interrupted)."""
         folder = Path(checkpoint_dir)
         if not folder.is_dir():
             raise ValueError(f"checkpoint_dir is not a folder: {folder}")
         run_id = self._active()
+        if (existing := self.registered_version(model_name, dict(tags or {}))) is not None:
+            return existing
         artifact_path = f"checkpoints/{folder.name}"
         self.client.log_artifacts(run_id, str(folder), artifact_path)
         if not self.client.search_registered_models(filter_string=f"name = '{model_name}'"):
@@ -236,6 +242,20 @@ class MlflowTracker(_EndOnExit):
             model_name, source=source, run_id=run_id, tags={**self.lineage_tags, **dict(tags or {})}
         )
         return str(version.version)
+
+    def registered_version(self, model_name: str, tags: Mapping[str, str]) -> str | None:
+        """The lowest version of `model_name` that this MLflow run registered with the same
+        `step` and `sha256` tags as `tags`; None when there is none (or `tags` lacks either)."""
+        step, sha256 = tags.get("step"), tags.get("sha256")
+        if step is None or sha256 is None:
+            return None
+        quote = lambda text: str(text).replace("'", "\\'")  # noqa: E731
+        if not self.client.search_registered_models(filter_string=f"name = '{quote(model_name)}'"):
+            return None
+        found = self.client.search_model_versions(
+            f"name = '{quote(model_name)}' and run_id = '{self._active()}' and tags.step = '{quote(step)}'")
+        versions = [int(v.version) for v in found if v.tags.get("sha256") == sha256]
+        return str(min(versions)) if versions else None
 
     def set_lineage_tags(self, tags) -> None:
         """Tag the run with where it started (`parent_*`: checkpoint, model version) and give the
@@ -249,14 +269,25 @@ class MlflowTracker(_EndOnExit):
         self.client.set_registered_model_alias(model_name, alias, str(version))
 
     def end(self, status="FINISHED") -> None:
-        """Wait for queued metrics, then close the run with `status` (FINISHED | FAILED | KILLED)."""
+        """Wait for queued metrics, then close the run with `status` (FINISHED | FAILED | KILLED).
+        A queued write that failed closes it FAILED and is raised, as OSError naming the tracking
+        store when it was an I/O error (a full disk: SQLite's "database or disk is full")."""
         if self.run_id is None:
             return
+        failed: Exception | None = None
         for operation in self._pending:
-            operation.wait()
+            try:
+                operation.wait()
+            except Exception as error:  # noqa: BLE001 - raised below, once the run is closed
+                failed = failed or error
         self._pending.clear()
-        self.client.set_terminated(self.run_id, status=status)
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else status)
         self.run_id = None
+        if failed is not None:
+            from rlpipe.core.files import naming_io_errors
+
+            with naming_io_errors(self.tracking_uri.removeprefix("sqlite:///")):
+                raise failed
 
     def _active(self) -> str:
         if self.run_id is None:

@@ -12,6 +12,7 @@ the same optimizer in `make_trainer`. Not a stage: nothing is persisted.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from rlpipe.engines.base import Engine
 from rlpipe.tasks.losses import phase_loss
 from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
-from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint
+from rlpipe.training.checkpoint import load_checkpoint, resume_checkpoint
 from rlpipe.training.step import StepOptions
 from rlpipe.training.trainer import Trainer, TrainOptions
 
@@ -60,8 +61,12 @@ class Built:
 
 
 def start_point(config, run_dir: Path, start_checkpoint: str | None) -> StartPoint:
-    """A run phase's start: `start_checkpoint` or model.path, resumed from the run's newest checkpoint."""
-    return StartPoint(weights=start_checkpoint or config.model.path, resume=latest_checkpoint(run_dir))
+    """A run phase's start: `start_checkpoint` or model.path, resumed from the run's newest whole
+    checkpoint (a damaged newer one is moved aside and said so on stderr: training/checkpoint.py)."""
+    resume, notes = resume_checkpoint(run_dir)
+    for note in notes:  # not print: in a flow, Prefect's log_prints makes it an INFO log, not shown
+        sys.stderr.write(f"rlpipe: {note}\n")
+    return StartPoint(weights=start_checkpoint or config.model.path, resume=resume)
 
 
 def build(config, plan: TrainerPlan, start: StartPoint) -> Built:

@@ -1,5 +1,10 @@
 """Stage `checkpoint`: save the weights in Hugging Face format, register them in MLflow, and
 record the `checkpoints` row that links a checkpoint to the tables of its run.
+
+A checkpoint's commit is its folder's rename, then its registered version, then its row. A kill
+between them leaves a folder without a version or a row: a resumed phase calls
+`complete_registrations` before its first step, which registers such a checkpoint (finding the
+version an earlier attempt registered, by the run, step and sha256 tags) and writes its row.
 """
 
 from __future__ import annotations
@@ -12,7 +17,14 @@ from typing import Any
 
 from rlpipe.tasks._prefect import stage
 from rlpipe.tasks.record import StageTable, drain_writes, load_rows, persist_now
-from rlpipe.training.checkpoint import CheckpointOptions, CheckpointRecord, save_checkpoint
+from rlpipe.training.checkpoint import (
+    CheckpointOptions,
+    CheckpointRecord,
+    checkpoint_dir,
+    checkpoint_steps,
+    save_checkpoint,
+    verify_checkpoint,
+)
 
 
 def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, model_name: str | None,
@@ -72,14 +84,49 @@ def save_and_register(
     tracker), and return its `checkpoints` row."""
     path = save_checkpoint(run_dir, step, state.model, state.tokenizer, state.optimizer, state.scheduler,
                            record, options.save)
-    version, policy_version = None, step if record.policy_version is None else record.policy_version
-    if tracker is not None and options.model_name:
-        version = tracker.register_checkpoint(
-            path, options.model_name,
-            tags={"run_dir": str(Path(run_dir).resolve()), "run_id": run_id, "step": str(step),
-                  "policy_version": str(policy_version)},
-        )
+    policy_version = step if record.policy_version is None else record.policy_version
+    version = register(tracker, options.model_name, run_dir=run_dir, run_id=run_id, step=step,
+                       policy_version=policy_version, path=Path(path))
     return checkpoint_row(run_id, step, policy_version, Path(path), options.model_name, version)
+
+
+def register(tracker, model_name: str | None, *, run_dir: Path, run_id: str, step: int, policy_version: int,
+             path: Path) -> str | None:
+    """Register a checkpoint folder as a version of `model_name` (None, or no tracker: nothing),
+    tagged with where it comes from and its sha256, so registering it again (a resume completing
+    the commit a kill interrupted) finds that version instead of adding one."""
+    if tracker is None or not model_name:
+        return None
+    sha256 = json.loads((path / "metadata.json").read_text()).get("sha256", "")
+    version = tracker.register_checkpoint(
+        path, model_name,
+        tags={"run_dir": str(Path(run_dir).resolve()), "run_id": run_id, "step": str(step),
+              "policy_version": str(policy_version), "sha256": sha256},
+    )
+    return None if version is None else str(version)
+
+
+def complete_registrations(*, run_dir: Path, run_id: str, tracker, options: RegisterOptions) -> list[int]:
+    """Complete the commit of every checkpoint of a resumed run that a kill interrupted after
+    its folder's rename: register a checkpoint that has no registered version (the one already
+    registered is found, never a second) and write its `checkpoints` row. Returns the steps
+    completed. A damaged checkpoint is named (ValueError), never registered."""
+    completed = []
+    for step in sorted(checkpoint_steps(run_dir)):
+        rows = load_rows(run_dir, "checkpoints", step)
+        if rows and (rows[0]["mlflow_model_version"] is not None or not options.model_name):
+            continue
+        path = checkpoint_dir(run_dir, step)
+        metadata = verify_checkpoint(path)
+        policy_version = int(metadata.get("policy_version", step))
+        version = register(tracker, options.model_name, run_dir=run_dir, run_id=run_id, step=step,
+                           policy_version=policy_version, path=path)
+        if rows and version is None:
+            continue  # no registry: the row is complete with a null version
+        persist_now(run_dir, "checkpoints", step,
+                    [checkpoint_row(run_id, step, policy_version, path, options.model_name, version)], run_id)
+        completed.append(step)
+    return completed
 
 
 CHECKPOINT_TABLES = (
@@ -97,23 +144,13 @@ def checkpoint_task(*, train_row: dict, checkpoint: bool, run_dir: Path, run_id:
     (returned) written at once.
 
     A resume starts after the newest checkpoint, so nothing the step wrote may still be queued when
-    it appears; the `checkpoints` row (it needs the registered version) comes right after, and
-    `repair_checkpoint_row` rewrites it on resume if a kill fell in between.
+    it appears; its registered version and the `checkpoints` row come right after, and
+    `complete_registrations` completes both on resume if a kill fell in between.
     """
     if not checkpoint:
         return None
     drain_writes()
     return save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
-
-
-def repair_checkpoint_row(run_dir: Path, run_id: str, step: int, path: Path, model_name: str | None) -> None:
-    """Write the `checkpoints` row of the checkpoint a run resumes from when a kill right after
-    its rename lost it (its MLflow model version, if any, is then unknown: null)."""
-    if load_rows(run_dir, "checkpoints", step) is None:
-        metadata = json.loads((Path(path) / "metadata.json").read_text())
-        version = int(metadata.get("policy_version", step))
-        persist_now(run_dir, "checkpoints", step, [checkpoint_row(run_id, step, version, Path(path),
-                                                                  model_name, None)], run_id)
 
 
 def promote_best(tracker, model_name: str, row: dict | None, accuracy: float | None, best: float) -> float:

@@ -111,3 +111,11 @@ def best_accuracy_before(run_dir, step: int, checkpointed: set[int]) -> float:
     accuracy = dict(duckdb.sql("select step, avg(correct::int) from evals group by step").fetchall())
     steps = [s for s in accuracy if s == 0 or (s <= step and s in checkpointed)]
     return max((float(accuracy[s]) for s in steps), default=float("-inf"))
+
+
+def step_accuracy(run_dir, step: int) -> float | None:
+    """The held-out accuracy of the evals stored at `step`; None when it has none."""
+    from rlpipe.tasks.record import load_rows
+
+    rows = load_rows(Path(run_dir), "evals", step)
+    return eval_metrics(rows)[m.EVAL_ACCURACY] if rows else None

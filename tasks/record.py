@@ -100,6 +100,12 @@ def load_rows(run_dir: Path, table: str, step: int) -> list[dict] | None:
     return read_table(run_dir, table, step).to_pylist()
 
 
+def stored_row(run_dir: Path, table: str, step: int) -> dict | None:
+    """The first row of a complete (table, step) partition, or None (never written, or empty)."""
+    rows = load_rows(run_dir, table, step)
+    return rows[0] if rows else None
+
+
 def load_rows_beyond(run_dir: Path, table: str, step: int, known: int) -> list[dict] | None:
     """The rows of a (table, step) partition when it holds more than the `known` rows this
     process wrote itself (a resumed step); None otherwise, without reading past the footer."""

@@ -1,7 +1,7 @@
 """Building an RL run's state once, before its first step: model, optimizer, loss, engines, the
-rollout source, and what a resume restores and repairs.
+rollout source, and what a resume restores.
 
-Not a stage (nothing is persisted but the repairs): flows/rl.py calls `open_rl` and keeps the
+Not a stage (nothing is persisted): flows/rl.py calls `open_rl` and keeps the
 result for the whole run; `close` releases the engines.
 """
 
@@ -18,7 +18,6 @@ from rlpipe.envs.timeout import with_reward_timeout
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.build import build, rl_plan, start_point
-from rlpipe.tasks.checkpoint import repair_checkpoint_row
 from rlpipe.tasks.evaluate import eval_step
 from rlpipe.tasks.generate import GenerateOptions
 from rlpipe.tasks.rollout_stages import RunStages
@@ -79,7 +78,7 @@ def overlong_penalty_fn(rl):
                              buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
 
 
-def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, model_name: str) -> RLRun:
+def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop needs."""
     from rlpipe.envs.prompts import PromptSource
 
@@ -94,7 +93,6 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None, mo
     if start.resume is not None:
         prompts.load_state_dict(built.data_state["prompts"])
         buffer.load_state_dict(built.data_state["buffer"])
-        repair_checkpoint_row(run_dir, run_id, built.start_step, start.resume, model_name)
     version = built.start_step * rl.ppo_epochs
     # servers restart from a resumed checkpoint (its syncs rows are repaired), or take the
     # pipeline's SFT result, which no server was started from

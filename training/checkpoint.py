@@ -7,7 +7,7 @@
         optimizer.pt     optimizer + scheduler state dicts
         data_state.json  the caller's data position (epoch, offset, seed, buffers, ...)
         rng_state.pt     python, numpy and torch (CPU, CUDA) RNG states, as tensors and numbers
-        metadata.json    step, time, metrics, policy_version, sha256 of the weight files
+        metadata.json    step, time, metrics, policy_version, sha256 of every other file
         lm_head.safetensors  only with CheckpointOptions.explicit_lm_head, for a tied model: see below
 
 A tied model's files hold no `lm_head` (Transformers drops the duplicate), and a vLLM server that
@@ -23,10 +23,21 @@ loading a checkpoint runs no code from it. It is written into a
 hidden temporary folder beside the final one and renamed into place, so a reader never sees a
 half-written checkpoint; `latest_checkpoint` ignores hidden folders and folders without
 metadata.json (which is written last).
+
+Every file of a checkpoint (weights, optimizer state, RNG and data state, tokenizer, adapter) is
+hashed into metadata.json (`files`), and `load_checkpoint` checks them all: a truncated or
+damaged file is named, never loaded. `resume_checkpoint` is what a resuming run starts from: the
+newest checkpoint whose files all match, with any damaged newer one moved aside
+(`.corrupt-step_<NNNNNN>-<hex>`, kept for inspection), so the run replays the steps after the
+good one instead of failing on the same file at every resume.
+
+A write that fails (a full disk, an I/O error) raises OSError naming the file and its errno, also
+where torch or safetensors report it in their own words, and leaves no partial folder behind.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,6 +45,7 @@ import pickle
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from rlpipe.core.files import fsync_path
+from rlpipe.core.files import fsync_path, naming_io_errors
 from rlpipe.models.loading import load_model
 from rlpipe.models.tokenizer import load_tokenizer
 from rlpipe.training.lora import ADAPTER_DIR, has_lora, load_adapter, save_model_files
@@ -189,25 +201,30 @@ def save_checkpoint(
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        save_model_files(model, tmp)  # merged weights + a PEFT adapter/ folder for a LoRA model
+        # merged weights + a PEFT adapter/ folder for a LoRA model
+        _writing(final / "model.safetensors", lambda: save_model_files(model, tmp))
         if options.explicit_lm_head:
-            write_explicit_lm_head(model, tmp)
-        _portable_config(tmp)
-        tokenizer.save_pretrained(tmp)
+            _writing(final / LM_HEAD_FILE, lambda: write_explicit_lm_head(model, tmp))
+        _writing(final / "config.json", lambda: _portable_config(tmp))
+        _writing(final / "tokenizer.json", lambda: tokenizer.save_pretrained(tmp))
         if optimizer is not None or scheduler is not None:
-            torch.save(
+            _torch_save(
                 {
                     "optimizer": optimizer.state_dict() if optimizer is not None else None,
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 },
-                tmp / OPTIMIZER_FILE,
+                tmp / OPTIMIZER_FILE, final / OPTIMIZER_FILE,
             )
-        _write_json(tmp / DATA_STATE_FILE, record.data_state or {})
-        torch.save(rng_state(), tmp / RNG_FILE)
+        _writing(final / DATA_STATE_FILE, lambda: _write_json(tmp / DATA_STATE_FILE, record.data_state or {}))
+        _torch_save(rng_state(), tmp / RNG_FILE, final / RNG_FILE)
         weights = sorted(tmp.glob("*.safetensors"))
         if not weights:
             raise ValueError(f"save_pretrained wrote no *.safetensors into {str(tmp)!r}")
-        files = {p.name: sha256_file(p) for p in weights}
+        for file in tmp.rglob("*.safetensors"):
+            # a write error that safetensors did not report leaves the file short
+            _check_safetensors(file, final / file.relative_to(tmp))
+        every = _file_hashes(tmp)  # each file hashed once: what `_verify` checks
+        files = {p.name: every[p.name] for p in weights}
         metadata = {
             "step": step,
             "policy_version": step if record.policy_version is None else record.policy_version,
@@ -218,11 +235,11 @@ def save_checkpoint(
             "sha256": next(iter(files.values())) if len(files) == 1
             else hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
             "weight_files": files,
+            "files": every,
         }
-        _write_json(tmp / METADATA_FILE, metadata)  # last: its presence marks a whole checkpoint
-        for file in tmp.iterdir():
-            fsync_path(file)
-        fsync_path(tmp)
+        # last: its presence marks a whole checkpoint
+        _writing(final / METADATA_FILE, lambda: _write_json(tmp / METADATA_FILE, metadata))
+        _writing(final, lambda: [fsync_path(file) for file in (*tmp.rglob("*"), tmp)])
         if final.exists():
             # A directory cannot be renamed over a non-empty one: move the old aside first.
             old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -236,6 +253,48 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _writing(shown: Path, write: Callable[[], Any]) -> None:
+    """Run `write`; an I/O failure it raises in any form becomes OSError(errno, strerror, shown)."""
+    with naming_io_errors(shown):
+        write()
+
+
+def _torch_save(obj: Any, file: Path, shown: Path) -> None:
+    """`torch.save` through a Python file, so a failed write surfaces as OSError with its errno
+    (given a path, torch reports a full disk as "enforce fail at inline_container.cc")."""
+
+    def write() -> None:
+        with file.open("wb") as f:
+            torch.save(obj, f)
+
+    _writing(shown, write)
+
+
+def _check_safetensors(file: Path, shown: Path) -> None:
+    """A safetensors file as long as its header says (the library can lose a write error on a
+    full disk and leave it short); OSError ENOSPC (little space left) or EIO naming `shown`."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length)) if 0 < length <= size else None
+        ends = [v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"]
+        expected = 8 + length + max(ends, default=0) if header is not None else None
+    except (ValueError, KeyError, TypeError, IndexError):
+        expected = None
+    if expected is not None and size >= expected:
+        return
+    code = errno.ENOSPC if shutil.disk_usage(file.parent).free < (1 << 20) else errno.EIO
+    raise OSError(code, f"{os.strerror(code)} (the file was left {size} bytes long"
+                  + (f" of {expected})" if expected else ", its header unreadable)"), str(shown))
+
+
+def _file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` but metadata.json, by path relative to it."""
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != METADATA_FILE}
 
 
 def write_explicit_lm_head(model: PreTrainedModel, folder: Path) -> None:
@@ -268,17 +327,25 @@ def _verify(path: Path) -> dict[str, Any]:
     files = metadata.get("weight_files")
     if not files:
         raise ValueError(f"checkpoint metadata {str(path / METADATA_FILE)!r} lists no weight files")
-    for name, expected in files.items():
+    # every file where metadata.json lists them (`files`); the weights alone in older checkpoints
+    for name, expected in {**files, **(metadata.get("files") or {})}.items():
         file = path / name
+        kind = "weights file" if name in files else "file"
         if not file.is_file():
-            raise ValueError(f"checkpoint {str(path)!r} is missing its weights file {name}")
+            raise ValueError(f"checkpoint {str(path)!r} is missing its {kind} {name}")
         actual = sha256_file(file)
         if actual != expected:
             raise ValueError(
-                f"weights file {str(file)!r} is corrupt: sha256 {actual[:12]}… does not match "
+                f"{kind} {str(file)!r} is corrupt: sha256 {actual[:12]}… does not match "
                 f"{expected[:12]}… recorded in metadata.json"
             )
     return metadata
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check that a checkpoint folder is whole (every file it lists with its sha256); return its
+    metadata. ValueError naming the folder or file otherwise."""
+    return _verify(Path(path))
 
 
 def load_checkpoint(
@@ -353,6 +420,27 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under `<run_dir>/checkpoints`, or None."""
     found = [(int(path.name[len("step_"):]), path) for path in _complete(run_dir)]
     return max(found)[1] if found else None
+
+
+def resume_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `<run_dir>/checkpoints` whose files all match their sha256
+    (None: none), and a line for each damaged newer one, which is moved aside
+    (`.corrupt-<folder>-<hex>` beside it) so that the run replays its steps from the good one.
+    ValueError naming the folder to remove when a damaged one cannot be moved."""
+    notes: list[str] = []
+    for _, path in sorted(((int(p.name[len("step_"):]), p) for p in _complete(run_dir)), reverse=True):
+        try:
+            _verify(path)
+            return path, notes
+        except ValueError as error:
+            aside = path.parent / f".corrupt-{path.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.replace(path, aside)
+            except OSError as move:
+                raise ValueError(f"{error}; it could not be moved aside ({move}): remove {str(path)!r} "
+                                 "and resume again") from None
+            notes.append(f"{error}; moved it to {str(aside)!r} and resume from the checkpoint before it")
+    return None, notes
 
 
 def _complete(run_dir: str | Path) -> list[Path]:

@@ -178,18 +178,29 @@ class _Boom:
         return (exec, ("import pathlib; pathlib.Path('PWNED').touch()",))
 
 
+def _rehash(path, name: str) -> None:
+    """Record a replaced file's sha256 in metadata.json, as a hand-made checkpoint would."""
+    from rlpipe.training.checkpoint import sha256_file
+
+    metadata = json.loads((path / "metadata.json").read_text())
+    metadata["files"][name] = sha256_file(path / name)
+    (path / "metadata.json").write_text(json.dumps(metadata))
+
+
 def test_a_pickled_object_in_a_checkpoint_is_refused_not_run(tmp_path, tokenizer, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = _model(tokenizer)
     opt = build_optimizer(model, lr=1e-3)
     path = save_checkpoint(tmp_path, 1, model, tokenizer, optimizer=opt)
     torch.save({"optimizer": _Boom(), "scheduler": None}, path / "optimizer.pt")
+    _rehash(path, "optimizer.pt")  # hashes that match: the file's content itself is refused
     with pytest.raises(ValueError, match=r"optimizer\.pt.*could run code"):
         load_checkpoint(path, model=model, optimizer=opt, restore_rng=False)
     assert not (tmp_path / "PWNED").exists()
     # an old checkpoint's RNG file (numpy state pickled as objects) gets the same clear refusal
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                path / "rng_state.pt")
+    _rehash(path, "rng_state.pt")
     with pytest.raises(ValueError, match=r"rng_state\.pt.*restore_rng=False"):
         load_checkpoint(path)
     assert load_checkpoint(path, restore_rng=False).step == 1  # the weights still load

@@ -1,0 +1,98 @@
+"""Faults for the fault tests' subprocesses. A test puts this folder on PYTHONPATH (Python then
+imports this module at start-up, in every process: data-parallel ranks too) and sets
+
+- RLPIPE_TEST_KILL = `after:<glob>` or `before:<glob>`: the process SIGKILLs itself right after
+  (or right before) an `os.replace` whose destination path matches the glob (fnmatch): a
+  checkpoint folder's rename, a table partition's rename (core/files.py);
+- RLPIPE_TEST_ENOSPC = `<writer>:<glob>`: that writer fails as on a full disk for every file
+  matching the glob: `parquet` (pyarrow.parquet.write_table) and `torch` (torch.save) really write
+  into /dev/full, a device that is always full; `safetensors` (safetensors.torch.save_file) raises
+  the error safetensors raises there; `mlflow` makes the SQLite store's metric writes fail as
+  SQLite does ("database or disk is full"; the glob is not used; params and tags still work).
+
+Without the variables nothing is changed.
+"""
+
+import fnmatch
+import os
+import signal
+
+_SPEC = os.environ.get("RLPIPE_TEST_KILL", "")
+if _SPEC:
+    _WHEN, _, _PATTERN = _SPEC.partition(":")
+    if _WHEN not in ("after", "before") or not _PATTERN:
+        raise SystemExit(f"RLPIPE_TEST_KILL={_SPEC!r}: expected after:<glob> or before:<glob>")
+    _replace = os.replace
+
+    def _replace_then_maybe_die(src, dst, *args, **kwargs):
+        hit = fnmatch.fnmatch(os.fspath(dst), _PATTERN)
+        if hit and _WHEN == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = _replace(src, dst, *args, **kwargs)
+        if hit and _WHEN == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    os.replace = _replace_then_maybe_die
+
+
+_FULL = os.environ.get("RLPIPE_TEST_ENOSPC", "")
+if _FULL:
+    _WRITER, _, _FILES = _FULL.partition(":")
+
+    def _matches(target) -> bool:  # a path, or a file object opened on one
+        path = target if isinstance(target, (str, os.PathLike)) else getattr(target, "name", "")
+        return isinstance(path, (str, os.PathLike)) and fnmatch.fnmatch(os.fspath(path), _FILES)
+
+    if _WRITER == "parquet":
+        import pyarrow.parquet as _pq
+
+        _write_table = _pq.write_table
+
+        def _write_table_full(table, where, *args, **kwargs):
+            if _matches(where):
+                with open("/dev/full", "wb") as full:
+                    return _write_table(table, full, *args, **kwargs)
+            return _write_table(table, where, *args, **kwargs)
+
+        _pq.write_table = _write_table_full
+    elif _WRITER == "torch":
+        import torch as _torch
+
+        _save = _torch.save
+
+        def _save_full(obj, where, *args, **kwargs):
+            if _matches(where):
+                with open("/dev/full", "wb") as full:
+                    return _save(obj, full, *args, **kwargs)
+            return _save(obj, where, *args, **kwargs)
+
+        _torch.save = _save_full
+    elif _WRITER == "safetensors":
+        import safetensors.torch as _st
+        from safetensors import SafetensorError as _SafetensorError
+
+        _save_file = _st.save_file
+
+        def _save_file_full(tensors, filename, *args, **kwargs):
+            if _matches(filename):
+                raise _SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                          'message: "No space left on device" })')
+            return _save_file(tensors, filename, *args, **kwargs)
+
+        _st.save_file = _save_file_full
+    elif _WRITER == "mlflow":
+        import sqlite3
+
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as _Store
+
+        _log_batch = _Store.log_batch
+
+        def _log_batch_full(self, run_id, metrics=(), params=(), tags=()):
+            if metrics:  # a run's params and tags still go in: metrics fail mid-run
+                raise sqlite3.OperationalError("database or disk is full")
+            return _log_batch(self, run_id, metrics=metrics, params=params, tags=tags)
+
+        _Store.log_batch = _log_batch_full
+    else:
+        raise SystemExit(f"RLPIPE_TEST_ENOSPC={_FULL!r}: expected parquet|torch|safetensors|mlflow:<glob>")
