@@ -124,10 +124,12 @@ def run_phase(state: RunState, tracker, body: Callable[[], dict]) -> dict:
 
 
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None) -> RunConfig:
-    """The flow parameters (a TOML path and overrides, or a config dict) → a validated config;
-    applies its process-wide settings (torch threads)."""
+    """The flow parameters (a TOML path and overrides, or a config dict) → a validated config
+    that passed tasks/preflight.py (before the flow writes anything); applies its process-wide
+    settings (torch threads)."""
     from rlpipe.core.config import apply_overrides
     from rlpipe.tasks.config import load_config, validate_config
+    from rlpipe.tasks.preflight import preflight
 
     if config is not None:
         resolved = validate_config(apply_overrides(config, list(overrides or [])), "(parameters)")
@@ -135,6 +137,7 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
         resolved = load_config(config_path, list(overrides or []))
     else:
         raise ValueError("a flow needs config_path or config")
+    preflight(resolved)
     if resolved.threads:
         import torch
 

@@ -32,6 +32,7 @@ from rlpipe.flows.launch import (
 )
 from rlpipe.storage.runlock import LOCK_NAME, RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, validate_config
+from rlpipe.tasks.preflight import preflight
 from rlpipe.training import metric_names as m
 
 
@@ -122,6 +123,9 @@ def main_run(argv: list[str]) -> int:
         print(f"rlpipe run: {config.run_dir} already holds a run; `rlpipe resume {config.run_dir}` "
               "continues it, --overwrite starts over", file=sys.stderr)
         return 2
+    if problem := _preflight(config):
+        print(f"rlpipe run: {problem}", file=sys.stderr)
+        return 2
     if args.nproc_per_node is not None:
         kind = _parallel_kind(config)
         if isinstance(ranks := _with_parallel(config, kind), str):  # must hold before N processes start
@@ -152,12 +156,28 @@ def main_resume(argv: list[str]) -> int:
         if config.flow != "pipeline":
             config = config.model_copy(update={"runs_root": str(Path(args.run_dir).resolve().parent),
                                                "run_name": Path(args.run_dir).resolve().name})
+    if problem := _preflight(config):
+        print(f"rlpipe resume: {problem}", file=sys.stderr)
+        return 2
     if args.nproc_per_node is not None:  # the ranks see train.parallel 'none' as ddp (_execute)
         if isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
             print(f"rlpipe resume: {ranks}", file=sys.stderr)
             return 2
         return launch(args, ["resume", *strip_launch_flags(argv)], config.run_dir)
     return _execute(config)
+
+
+def _preflight(config: RunConfig) -> str | None:
+    """Why the run cannot start (tasks/preflight.py: the model, environment, data files, user
+    code), checked before anything is written; None when it can. Ranks other than 0 leave it to
+    rank 0."""
+    if launched_rank() is not None and launched_rank()[0] > 0:
+        return None
+    try:
+        preflight(config)
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 def _parallel_kind(config: RunConfig) -> str:
@@ -255,9 +275,10 @@ def _execute_flow(config: RunConfig, overwrite: bool) -> int:
             print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error}); "
                   f"`rlpipe resume {config.run_dir}` continues", file=sys.stderr)
             return 143
-        print(f"rlpipe: run failed: {type(error).__name__}: {error}\n"
-              f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
-              "last complete stage", file=sys.stderr)
+        print(f"rlpipe: run failed: {type(error).__name__}: {error}", file=sys.stderr)
+        if (config.run_dir / "run.json").exists():  # resume advice only where a run was persisted
+            print(f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
+                  "last complete stage", file=sys.stderr)
         return 1
     finally:
         release_run_lock(config.run_dir)
