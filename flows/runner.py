@@ -91,7 +91,7 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\"",
         f"  rlpipe report {table_dir}" + (f" {run_dir / 'sft'}" if config.flow == "pipeline" else "")
         + f"   (writes {table_dir / 'report.html'})",
-        f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (pip install 'rlpipe[ui]')",
+        f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (after pip install -e '.[ui]' in the checkout)",
     ]
     return lines
 
