@@ -254,6 +254,14 @@ def _execute(config: RunConfig, overwrite: bool = False) -> int:
     return _execute_flow(config, overwrite)
 
 
+def _resume_hint(config: RunConfig) -> str:
+    """"; `rlpipe resume RUN_DIR` continues" where the run folder holds a run, else nothing:
+    a run stopped before its run.json was written has nothing to resume."""
+    if (config.run_dir / "run.json").exists():
+        return f"; `rlpipe resume {config.run_dir}` continues"
+    return ""
+
+
 def _execute_flow(config: RunConfig, overwrite: bool) -> int:
     began = time.perf_counter()
     try:
@@ -268,12 +276,12 @@ def _execute_flow(config: RunConfig, overwrite: bool) -> int:
             result = start(config)
     except (KeyboardInterrupt, Terminated) as stop:
         why = "interrupted" if isinstance(stop, KeyboardInterrupt) else str(stop)
-        print(f"rlpipe: {why}; `rlpipe resume {config.run_dir}` continues", file=sys.stderr)
+        print(f"rlpipe: {why}{_resume_hint(config)}", file=sys.stderr)
         return 130 if isinstance(stop, KeyboardInterrupt) else 143
     except Exception as error:  # noqa: BLE001 - one clear line; Prefect logged the traceback
         if sigterm_received():  # the signal surfaced as another library's error
-            print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error}); "
-                  f"`rlpipe resume {config.run_dir}` continues", file=sys.stderr)
+            print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error})"
+                  f"{_resume_hint(config)}", file=sys.stderr)
             return 143
         print(f"rlpipe: run failed: {type(error).__name__}: {error}", file=sys.stderr)
         if (config.run_dir / "run.json").exists():  # resume advice only where a run was persisted

@@ -146,3 +146,19 @@ def test_the_real_cli_refuses_with_one_line_in_a_subprocess(tmp_path):
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == 2 and len(lines) == 1 and says in lines[0], out.stderr
         assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("stop", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_resume_advice_only_where_the_run_folder_holds_a_run(where, capsys, monkeypatch, stop):
+    from rlpipe.flows import runner
+
+    def fails(config):
+        raise stop
+
+    monkeypatch.setattr(runner, "start", fails)
+    config = load_config(TINY, [f"runs_root={where / 'given_runs'}"])
+    runner._execute_flow(config, overwrite=False)
+    assert "rlpipe resume" not in capsys.readouterr().err  # failed before run.json: nothing to resume
+    (config.run_dir / "run.json").write_text("{}")
+    runner._execute_flow(config, overwrite=False)
+    assert f"`rlpipe resume {config.run_dir}` continues" in capsys.readouterr().err
