@@ -165,3 +165,12 @@ def test_a_supervised_phase_refuses_the_constant_normaliser_it_has_no_divisor_fo
     with pytest.raises(ConfigError, match=rf"{phase}: .*optim.normaliser = 'constant'.*use 'token' or 'sequence'"):
         validate_config({phase: {"optim": {"normaliser": "constant"}}})
     assert validate_config({"rl": {"optim": {"normaliser": "constant"}}}).rl.optim.normaliser == "constant"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_again_to_itself_under_every_loss(path):
+    for loss in LOSS_NAMES:
+        config = load_config(path, [f"rl.loss={loss}", "rl.normalize_std=false"])
+        dumped = json.loads(json.dumps(config.model_dump(mode="json")))
+        assert validate_config(dumped) == config, (path.name, loss)
+        assert validate_config(config.model_dump()) == config  # the python-mode dump a rank's copy takes
