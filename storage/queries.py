@@ -32,8 +32,9 @@ class CannedQuery:
 
 
 def dashboards_dir() -> Path:
-    """The folder of the installed `dashboards` package, where the *.sql files live."""
-    return Path(str(importlib.resources.files("dashboards")))
+    """The folder of the installed `rlpipe.dashboards` package, where the *.sql files live (by
+    its installed name: a bare `dashboards` resolved only from the checkout's root folder)."""
+    return Path(str(importlib.resources.files("rlpipe.dashboards")))
 
 
 def canned_queries(folder: Path | None = None) -> dict[str, CannedQuery]:

@@ -53,7 +53,9 @@ COMMANDS: dict[str, str] = {
     # "Afterwards"
     "rlpipe rescore runs/demo/rl --reward mypkg.rewards:strict": RUN,
     "rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare": RUN,
-    "rlpipe lineage models:/rlpipe-demo@best": RUN,
+    "rlpipe lineage models:/rlpipe-demo@best":
+        "the `best` alias exists only once an RL eval beats the start, which a shortened demo run "
+        "does not promise; tests/integration/test_lineage.py follows registered versions",
     'rlpipe sql runs "select run, step, avg(reward) from scores group by all order by all"': RUN,
     "rlpipe sql runs --query lineage_by_version": RUN,
     # "On a GPU"
