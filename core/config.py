@@ -49,6 +49,26 @@ def non_finite_keys(data: Any, prefix: str = "") -> list[str]:
             for key in non_finite_keys(value, f"{prefix}.{name}" if prefix else str(name))]
 
 
+def non_utf8_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of every string in a nested dict/list that is not valid UTF-8 text (a `--set`
+    value from non-UTF-8 bytes arrives with surrogate escapes, which no file or MLflow can hold)."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            return [prefix or "(value)"]
+        return []
+    if isinstance(data, dict):
+        items = [(name, value) for name, value in data.items()]
+        bad_names = [f"{prefix}.{name}" if prefix else str(name) for name in data if non_utf8_keys(name)]
+    elif isinstance(data, list | tuple):
+        items, bad_names = list(enumerate(data)), []
+    else:
+        return []
+    return bad_names + [key for name, value in items
+                        for key in non_utf8_keys(value, f"{prefix}.{name}" if prefix else str(name))]
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse `a.b=c`; the value is read as a TOML literal, else kept as a string."""
     if "=" not in text:
@@ -81,14 +101,17 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def format_validation_error(error: ValidationError, source: str) -> str:
     """One line per problem of a failed validation, each naming its dotted key."""
-    lines = [f"invalid config {source}:"]
+    problems = []
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"]) or "(root)"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"  {key}: {message}")
-    return "\n".join(lines)
+        problems.append(f"{key}: {message}")
+    where = f"invalid config {source}".rstrip()
+    if len(problems) == 1:  # the usual case: one line
+        return f"{where}: {problems[0]}"
+    return "\n".join([f"{where}:", *(f"  {problem}" for problem in problems)])
 
 
 def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -1,6 +1,6 @@
 """`verifiers` (v1, PyPI `verifiers>=0.4`) tasksets as rlpipe environments: an optional extra.
 
-    pip install 'rlpipe[verifiers]'
+    pip install -e '.[verifiers]'       # in the checkout
     [task]
     env = "verifiers"
     options = { taskset = "my_package.my_env:load_taskset", eval_size = 100 }

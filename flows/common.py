@@ -314,9 +314,11 @@ def mark_failed(state: RunState, tracker) -> None:
 def resolve_config(config_path: str | None, overrides: list[str] | None, config: dict | None,
                    apply_threads: bool = True) -> RunConfig:
     """The flow parameters (a TOML path and overrides, or a config dict) → a validated config;
-    applies its process-wide settings (torch threads) unless apply_threads is false."""
+    that passed tasks/preflight.py (before the flow writes anything); applies its process-wide
+    settings (torch threads) unless apply_threads is false."""
     from rlpipe.core.config import apply_overrides
     from rlpipe.tasks.config import load_config, validate_config
+    from rlpipe.tasks.preflight import preflight
 
     if config is not None:
         resolved = validate_config(apply_overrides(config, list(overrides or [])), "(parameters)")
@@ -324,6 +326,7 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
         resolved = load_config(config_path, list(overrides or []))
     else:
         raise ValueError("a flow needs config_path or config")
+    preflight(resolved)
     if resolved.threads and apply_threads:
         import torch
 

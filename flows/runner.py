@@ -41,6 +41,7 @@ from rlpipe.flows.launch import (
 )
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, validate_config
+from rlpipe.tasks.preflight import preflight
 from rlpipe.training import metric_names as m
 
 
@@ -89,7 +90,7 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\"",
         f"  rlpipe report {table_dir}" + (f" {run_dir / 'sft'}" if config.flow == "pipeline" else "")
         + f"   (writes {table_dir / 'report.html'})",
-        f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (pip install 'rlpipe[ui]')",
+        f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (after pip install -e '.[ui]' in the checkout)",
     ]
     return lines
 
@@ -121,6 +122,9 @@ def main_run(argv: list[str]) -> int:
         print(f"rlpipe run: {config.run_dir} already holds a run; `rlpipe resume {config.run_dir}` "
               "continues it, --overwrite starts over", file=sys.stderr)
         return 2
+    if problem := _preflight(config):
+        print(f"rlpipe run: {problem}", file=sys.stderr)
+        return 2
     if args.nproc_per_node is not None:
         kind = _parallel_kind(config)
         if isinstance(ranks := _with_parallel(config, kind), str):  # must hold before N processes start
@@ -151,6 +155,9 @@ def main_resume(argv: list[str]) -> int:
         print(f"rlpipe resume: {config.run_dir} already finished; left as it is")
         return 0
     say_code_trusted("rlpipe resume", config, config.run_dir)
+    if problem := _preflight(config):
+        print(f"rlpipe resume: {problem}", file=sys.stderr)
+        return 2
     if args.nproc_per_node is not None:  # the ranks see train.parallel 'none' as ddp (_execute)
         if isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
             print(f"rlpipe resume: {ranks}", file=sys.stderr)
@@ -176,6 +183,19 @@ def config_at(config: RunConfig, root: Path) -> RunConfig:
         return config
     return validate_config({**config.model_dump(mode="json"), "runs_root": str(root.parent),
                             "run_name": root.name})
+
+
+def _preflight(config: RunConfig) -> str | None:
+    """Why the run cannot start (tasks/preflight.py: the model, environment, data files, user
+    code), checked before anything is written; None when it can. Ranks other than 0 leave it to
+    rank 0."""
+    if launched_rank() is not None and launched_rank()[0] > 0:
+        return None
+    try:
+        preflight(config)
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 def _parallel_kind(config: RunConfig) -> str:
@@ -252,6 +272,14 @@ def _execute(config: RunConfig, overwrite: bool = False, resume: bool = False) -
     return _execute_flow(config, overwrite, resume)
 
 
+def _resume_hint(config: RunConfig) -> str:
+    """"; `rlpipe resume RUN_DIR` continues" where the run folder holds a run, else nothing:
+    a run stopped before its run.json was written has nothing to resume."""
+    if (config.run_dir / "run.json").exists():
+        return f"; `rlpipe resume {config.run_dir}` continues"
+    return ""
+
+
 def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> int:
     began = time.perf_counter()
     try:
@@ -271,20 +299,21 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
         return 2
     except (KeyboardInterrupt, Terminated) as stop:
         why = "interrupted" if isinstance(stop, KeyboardInterrupt) else str(stop)
-        print(f"rlpipe: {why}; `rlpipe resume {config.run_dir}` continues", file=sys.stderr)
+        print(f"rlpipe: {why}{_resume_hint(config)}", file=sys.stderr)
         return 130 if isinstance(stop, KeyboardInterrupt) else 143
     except Exception as error:  # noqa: BLE001 - one clear line; Prefect logged the traceback
         if sigterm_received():  # the signal surfaced as another library's error
-            print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error}); "
-                  f"`rlpipe resume {config.run_dir}` continues", file=sys.stderr)
+            print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error})"
+                  f"{_resume_hint(config)}", file=sys.stderr)
             return 143
         if (disk := io_error(error)) is not None:  # a full disk, an I/O error: the path and errno
             print(f"rlpipe: run failed: storage error: {disk}; once that is fixed (space freed), "
                   f"`rlpipe resume {config.run_dir}` continues from the last complete stage", file=sys.stderr)
             return 1
-        print(f"rlpipe: run failed: {type(error).__name__}: {error}\n"
-              f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
-              "last complete stage", file=sys.stderr)
+        print(f"rlpipe: run failed: {type(error).__name__}: {error}", file=sys.stderr)
+        if (config.run_dir / "run.json").exists():  # resume advice only where a run was persisted
+            print(f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
+                  "last complete stage", file=sys.stderr)
         return 1
     finally:
         release_run_lock(config.run_dir)

@@ -109,3 +109,9 @@ def autocast_context(
         _warn_no_bf16(str(device))
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def check_model(path: str | Path) -> None:
+    """ValueError naming the problem when `path` is not a checkpoint folder `load_model` can load
+    (a missing folder or config.json, no weights, a truncated weights file); reads no tensors."""
+    _check_checkpoint(Path(path))

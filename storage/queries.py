@@ -32,7 +32,8 @@ class CannedQuery:
 
 
 def dashboards_dir() -> Path:
-    """The folder of the installed `dashboards` package, where the *.sql files live."""
+    """The folder of the installed `rlpipe.dashboards` package, where the *.sql files live (by
+    its installed name: a bare `dashboards` resolved only from the checkout's root folder)."""
     return Path(str(importlib.resources.files("rlpipe.dashboards")))
 
 

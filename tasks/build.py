@@ -149,7 +149,7 @@ def rl_plan(config) -> TrainerPlan:
 def supervised_plan(config, phase: str) -> TrainerPlan:
     """The pretrain or SFT phase's trainer: its optim section, next-token NLL, an eval engine."""
     section = getattr(config, phase)
-    step = StepOptions(normaliser=section.optim.normaliser, autocast=config.model.bf16_autocast, entropy=True)
+    step = StepOptions(normaliser=section.optim.normaliser or "token", autocast=config.model.bf16_autocast, entropy=True)
     options = TrainOptions(step=step, max_grad_norm=section.optim.max_grad_norm)
     return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=("nll",), options=options,
                        engines="eval")

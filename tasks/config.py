@@ -23,6 +23,7 @@ from rlpipe.core.config import (
     check_plain_name,
     format_validation_error,
     non_finite_keys,
+    non_utf8_keys,
 )
 from rlpipe.engines.config import EngineConfig
 from rlpipe.envs.config import TaskConfig
@@ -94,6 +95,11 @@ class RunConfig(Section):
 
 def validate_config(data: dict, source: str = "") -> RunConfig:
     """The `RunConfig` of a nested dict; ConfigError naming every bad key (`source` says where from)."""
+    bad = non_utf8_keys(data)
+    if bad:  # before pydantic, whose own messages would have to quote the text
+        key = bad[0].encode("utf-8", "backslashreplace").decode("utf-8")
+        raise ConfigError(f"invalid config {source}".rstrip() + f": {key} is not valid UTF-8 text "
+                          "(write it in UTF-8, e.g. a plain ASCII name)")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
@@ -106,7 +112,9 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config {path} is not UTF-8 text: {error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config {path} is not valid TOML: {error}") from None
     return validate_config(apply_overrides(data, list(overrides)), str(path))

@@ -110,8 +110,10 @@ class OptimConfig(Section):
     """Gradient clipping threshold."""
     token_budget: int = Field(4096, ge=16)
     """Tokens per packed micro-batch (gradients are accumulated over micro-batches)."""
-    normaliser: Literal["token", "sequence", "constant"] = "token"
-    """Loss normaliser over the whole optimizer step."""
+    normaliser: Literal["token", "sequence", "constant"] | None = None
+    """Loss normaliser over the whole optimizer step; unset (null in config.json): RL takes its
+    loss's own (gspo: sequence, dr_grpo: constant), everything else 'token'. Unset is a value of
+    its own, so a resolved config validates again to the same config."""
 
 
 class SupervisedConfig(Section):
@@ -256,11 +258,7 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
-        normaliser = self.optim.normaliser if "normaliser" in self.optim.model_fields_set else None
-        check_loss_choice(self.loss_options(), normalize_std=self.normalize_std, normaliser=normaliser)
-        own = LOSSES[self.loss].normaliser
-        if own and self.optim.normaliser != own:  # record what the step runs with: config.json validates again
-            self.optim = self.optim.model_copy(update={"normaliser": own})
+        check_loss_choice(self.loss_options(), normalize_std=self.normalize_std, normaliser=self.optim.normaliser)
         if self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(f"rl.overlong_buffer ({self.overlong_buffer}) exceeds rl.sampling.max_new_tokens "
                              f"({self.sampling.max_new_tokens})")

@@ -56,7 +56,7 @@ def _peft():
     try:
         import peft
     except ImportError as error:  # an optional extra: say how to get it
-        raise ImportError("LoRA needs peft: pip install 'rlpipe[lora]' (or pip install peft)") from error
+        raise ImportError("LoRA needs peft: pip install -e '.[lora]' in the checkout (or pip install peft)") from error
     return peft
 
 

@@ -124,12 +124,12 @@ def check_loss_choice(options: RLLossOptions, *, normalize_std: bool, normaliser
                          f"{normaliser!r} contradicts it (leave it unset)")
 
 
-def loss_normaliser(name: str, configured: Normaliser, sequences_per_step: int,
+def loss_normaliser(name: str, configured: Normaliser | None, sequences_per_step: int,
                     max_new_tokens: int) -> tuple[Normaliser, float]:
     """(normaliser, constant) for loss `name`: its own (gspo: per sequence; dr_grpo: the constant
-    sequences_per_step × max_new_tokens), else `configured`. The constant also serves a
+    sequences_per_step × max_new_tokens), else `configured`, else 'token'. The constant also serves a
     configured 'constant' normaliser: the most completion tokens a step can hold."""
-    mode = LOSSES[name].normaliser or configured
+    mode = LOSSES[name].normaliser or configured or "token"
     return mode, float(sequences_per_step * max_new_tokens)
 
 

@@ -27,7 +27,7 @@ def test_a_supervised_plan_builds_a_local_trainer_and_an_eval_engine_only():
     assert built.model is built.trainer.model and built.start_step == 0 and built.data_state == {}
     assert built.engines == [] and built.eval_engine is not None and built.closing == [built.eval_engine]
     assert built.trainer.options == TrainOptions(
-        step=StepOptions(normaliser=config.sft.optim.normaliser, autocast=False, entropy=True),
+        step=StepOptions(normaliser="token", autocast=False, entropy=True),
         max_grad_norm=config.sft.optim.max_grad_norm)
 
 

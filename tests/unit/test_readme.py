@@ -1,0 +1,37 @@
+"""README.md's commands are all known to the tests (tests/readme_commands.py), and what it tells
+users to install exists."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from tests.readme_commands import COMMANDS, FIXTURE, README, RUN, readme_commands
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_readme_command_is_run_or_excluded_for_a_stated_reason():
+    found = readme_commands()
+    unknown = [command for command in found if command not in COMMANDS]
+    assert not unknown, f"README commands no test knows (add them to tests/readme_commands.py): {unknown}"
+    stale = [command for command in COMMANDS if command not in found]
+    assert not stale, f"tests/readme_commands.py lists commands README no longer prints: {stale}"
+    assert all(action in (RUN, FIXTURE) or len(action) > 20 for action in COMMANDS.values())
+
+
+def test_the_parser_finds_block_fence_and_inline_commands_without_their_comments():
+    text = ("Run `rlpipe sql runs/a --list` or `rlpipe`.\n\n    rlpipe run x.toml   # comment\n"
+            "    # not a command\n\n```bash\nduckdb f.duckdb 'select 1'\n```\n")
+    assert readme_commands(text) == ["rlpipe sql runs/a --list", "rlpipe run x.toml", "duckdb f.duckdb 'select 1'"]
+
+
+def test_every_extra_readme_names_exists_and_rlpipe_is_installed_from_the_checkout():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = README.read_text()
+    named = set(re.findall(r"\.\[(\w+)\]", text))
+    assert {"ui", "vllm", "verifiers", "lora"} <= named and named <= set(extras), named - set(extras)
+    assert any(spec.startswith("mlflow") for spec in extras["ui"])  # `mlflow ui` needs the full mlflow
+    # rlpipe is not on the package registries: an install by name would fail or fetch another package
+    assert not re.search(r"pip install[^`\n]*'rlpipe\[", text)
