@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.core.user_code import import_user_module
+from rlpipe.envs import math_answers  # noqa: F401 - registers the `math` reward
 from rlpipe.envs.base import Example, Split, check_split, options_to_config
 from rlpipe.envs.rewards import RewardValue, get_reward
 from rlpipe.envs.single_turn import SingleTurnEnv
