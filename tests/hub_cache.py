@@ -47,9 +47,36 @@ def tiny_hub_model(hf_home: Path, repo: str, seed: int = 0) -> Path:
 
 
 def use_hub_cache(monkeypatch, hf_home: Path) -> None:
-    """Point this process's huggingface_hub at `hf_home` (it reads HF_HOME once, at import) and
-    subprocesses at it through HF_HOME."""
+    """Point this process's huggingface_hub and `datasets` at `hf_home` (they read HF_HOME once,
+    at import) and subprocesses at it through HF_HOME."""
+    import datasets
     from huggingface_hub import constants
 
     monkeypatch.setenv("HF_HOME", str(hf_home))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf_home / "datasets")
+
+
+def gsm8k_rows(n: int, offset: int = 0) -> list[dict]:
+    """GSM8K-shaped rows (question, answer = worked solution ending in '#### N'): a + b."""
+    rows = []
+    for i in range(offset, offset + n):
+        a, b = i % 7 + 1, i % 5 + 2
+        rows.append({"question": f"{a}+{b}=", "answer": f"{a} plus {b} is {a + b}.\n#### {a + b}"})
+    return rows
+
+
+def tiny_hub_gsm8k(hf_home: Path, repo: str = "openai/gsm8k", train: int = 40, test: int = 8) -> Path:
+    """A GSM8K-shaped hub dataset repository (config `main`, splits train and test, Parquet files
+    and the README's `configs` metadata, as the real one is laid out) in `hf_home`'s cache."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = hf_home / "source" / repo
+    (source / "main").mkdir(parents=True, exist_ok=True)
+    for split, rows in (("train", gsm8k_rows(train)), ("test", gsm8k_rows(test, offset=1000))):
+        pq.write_table(pa.Table.from_pylist(rows), source / "main" / f"{split}-00000-of-00001.parquet")
+    (source / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train-*\n"
+        "  - split: test\n    path: main/test-*\n---\n")
+    return hub_snapshot(hf_home, repo, source, kind="dataset")
