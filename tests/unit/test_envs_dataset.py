@@ -146,3 +146,50 @@ def test_a_hub_dataset_by_name_config_and_split_offline(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=says) as error:
             build_env("dataset", prompt_column="question", answer_column="answer", **options)
         assert "\n" not in str(error.value)
+
+
+def _readme_block(after: str) -> str:
+    """The indented block of README.md that starts at the line holding `after`."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line)
+    block = []
+    for line in lines[start:]:
+        if line and not line.startswith("    "):
+            break
+        block.append(line[4:])
+    return "\n".join(block).strip() + "\n"
+
+
+def test_the_readme_dataset_options_and_reward_example_work_as_printed(tmp_path, monkeypatch):
+    """README, "Your model, your data, your reward": its [task] block and its reward module, found
+    in the working directory (core/user_code.py), on a GSM8K-shaped hub dataset."""
+    import sys
+    import tomllib
+
+    from rlpipe.envs.rewards import REWARDS
+
+    from tests.hub_cache import tiny_hub_gsm8k, use_hub_cache
+
+    use_hub_cache(monkeypatch, tmp_path / "hf")
+    tiny_hub_gsm8k(tmp_path / "hf", train=5, test=2)
+    task = tomllib.loads(_readme_block("    [task]"))["task"]
+    (tmp_path / "work" / "mypkg").mkdir(parents=True)
+    (tmp_path / "work" / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "work" / "mypkg" / "rewards.py").write_text(_readme_block("# mypkg/rewards.py"))
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(REWARDS, "_fns", dict(REWARDS._fns))
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        env = build_env(task["env"], **{**task["options"], "reward": "strict_math", "reward_module": "mypkg.rewards"})
+        example = env.examples("train")[0]
+        assert env.reset(example) == [{"role": "user", "content": "1+2=\nGive the final answer after ####."}]
+        assert env.reward(example, "so #### 3").reward == 1.0
+        assert env.reward(example, "#### 3" + " " * 2001).reward == 0.9
+        assert len(env.examples("eval")) == 2
+    finally:
+        for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+            del sys.modules[name]
