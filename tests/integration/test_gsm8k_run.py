@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path):
+def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path, prefect_api_url):
     from rlpipe.storage.catalog import connect
     from rlpipe.tasks.config import load_config
 
@@ -33,7 +33,7 @@ def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
-               RLPIPE_PROGRESS="0", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
+               RLPIPE_PROGRESS="0", PREFECT_API_URL=prefect_api_url, PREFECT_API_REQUEST_TIMEOUT="120")
     overrides = {"model.path": "tiny-org/Tiny-Qwen3", "runs_root": str(tmp_path / "runs"), "threads": "1",
                  "device": "cpu", "model.bf16_autocast": "false", "rl.steps": "2", "rl.prompts_per_step": "4",
                  "rl.group_size": "4", "rl.sampling.max_new_tokens": "8", "rl.eval_every": "2",
@@ -59,3 +59,9 @@ def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(checkpoint).chat_template == AutoTokenizer.from_pretrained(snapshot).chat_template
+
+    # replay finds the starting weights by the recorded hub id and commit, bit for bit
+    replay = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "replay", str(run), "--step", "1"],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    assert f"tiny-org/Tiny-Qwen3@{snapshot.name}" in replay.stdout + replay.stderr
