@@ -50,7 +50,9 @@ class ModelConfig(Section):
     preset: str = "tiny-dense"
     """Named model preset (models/presets.py) used when `path` is empty."""
     path: str = ""
-    """A local Hugging Face checkpoint directory to start from instead of a preset."""
+    """A Hugging Face checkpoint to start from instead of a preset: a local folder, or a hub id
+    ORG/NAME[@REVISION] downloaded into the Hugging Face cache (HF_HOME, HF_TOKEN; HF_HUB_OFFLINE=1
+    reads the cache only). Its own tokenizer and chat template are used."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Config fields to change on the preset (hidden_size, num_hidden_layers, ...)."""
     bf16_autocast: bool = True
