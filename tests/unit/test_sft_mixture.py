@@ -81,3 +81,8 @@ def test_a_mixture_config_is_checked():
         SftSource(path="y.jsonl", prompt_column="q")
     with pytest.raises(ValidationError, match="weight"):
         SftSource(path="y.jsonl", weight=0)
+    from rlpipe.tasks.config import RunConfig
+
+    with pytest.raises(ValidationError, match="pretrain.data: a mixture of sources is for SFT"):
+        RunConfig.model_validate({"pretrain": {"data": [{"path": "y.jsonl"}]}})
+    assert RunConfig.model_validate({"sft": {"data": [{"path": "y.jsonl", "weight": 2}]}}).sft.data[0].weight == 2
