@@ -78,12 +78,12 @@ def resolve_model_path(spec: str | Path) -> Path:
     except RevisionNotFoundError:
         raise ValueError(f"hub model {spec!r}: revision {revision!r} not found") from None
     except RepositoryNotFoundError:
-        raise ValueError(f"hub model {spec!r} not found (no such repository, or it is private: "
-                         "log in with hf auth login, or HF_TOKEN)") from None
+        raise ValueError(f"model {spec!r}: no such local folder, and no such hub repository (or it is "
+                         "private: log in with hf auth login, or HF_TOKEN)") from None
     except LocalEntryNotFoundError:
-        raise ValueError(f"hub model {spec!r} is not in the Hugging Face cache and the hub cannot be "
-                         "reached (HF_HUB_OFFLINE=1, or no network): download it once online, or give "
-                         "a local folder") from None
+        raise ValueError(f"model {spec!r}: no such local folder, and as a hub id it is not in the Hugging "
+                         "Face cache while the hub cannot be reached (HF_HUB_OFFLINE=1, or no network): "
+                         "download it once online, or give a local folder") from None
     except OSError as error:
         raise ValueError(f"hub model {spec!r} could not be fetched: {error}".splitlines()[0]) from None
 

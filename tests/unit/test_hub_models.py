@@ -55,7 +55,7 @@ def test_the_origin_records_the_hub_id_and_commit(hub, tmp_path):
 
 
 def test_unknown_hub_ids_and_missing_folders_fail_in_one_line(hub, tmp_path):
-    for spec, says in [("tiny-org/Nope", "not in the Hugging Face cache"),
+    for spec, says in [("tiny-org/Nope", "no such local folder, and as a hub id it is not in the Hugging Face cache"),
                        (f"tiny-org/Tiny-Qwen3@{'0' * 40}", "tiny-org/Tiny-Qwen3@"),
                        (str(tmp_path / "nope"), "does not exist")]:
         with pytest.raises(ValueError, match=says) as error:
