@@ -20,6 +20,7 @@ components: `format` = a final answer was found in the completion, `correct` = i
 
 from __future__ import annotations
 
+import atexit
 import re
 import threading
 from fractions import Fraction
@@ -116,11 +117,13 @@ def _math_verify_equal(prediction: str, reference: str, timeout_s: int) -> bool 
         fresh = _WORKER is None
         if fresh:
             _WORKER = multiprocessing.get_context("spawn").Pool(1)
+            atexit.register(_WORKER.terminate)  # before interpreter teardown, which a late __del__ trips on
         pending = _WORKER.apply_async(_verify_in_worker, (prediction, reference, timeout_s))
         try:
             return bool(pending.get(2 * timeout_s + (_WORKER_START_S if fresh else 0.0)))
         except multiprocessing.TimeoutError:
             _WORKER.terminate()
+            atexit.unregister(_WORKER.terminate)
             _WORKER = None
             return False
         except Exception:  # noqa: BLE001 - a parse math-verify cannot do: not equal

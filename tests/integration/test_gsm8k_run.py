@@ -55,6 +55,10 @@ def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path, prefect_ap
         "select count(*), count(error), count(components['correct']) from scores").fetchone()
     assert scored >= 2 * 4 * 4 and errors == 0 and graded == scored  # every completion graded by `math`
     assert sorted(step for (step,) in con.execute("select distinct step from evals").fetchall()) == [0, 2]
+    from mlflow import MlflowClient
+
+    versions = MlflowClient(env["MLFLOW_TRACKING_URI"]).search_model_versions("name = 'rlpipe-gsm8k'")
+    assert versions and all(v.tags.get("parent_checkpoint") == origin[0][0] for v in versions)
     checkpoint = run / "checkpoints" / "step_000002"
     from transformers import AutoTokenizer
 
