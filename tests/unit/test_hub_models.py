@@ -63,3 +63,16 @@ def test_unknown_hub_ids_and_missing_folders_fail_in_one_line(hub, tmp_path):
         assert "\n" not in str(error.value)
         with pytest.raises(ValueError, match="tokenizer: "):
             load_tokenizer(spec)
+
+
+def test_rlpipe_leaves_hub_access_to_the_users_environment():
+    """quiet_defaults (every CLI command's first step) sets no HF_HUB_OFFLINE: a hub id downloads
+    where the network allows, and HF_HUB_OFFLINE=1 stays the user's choice."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    code = ("import os; from rlpipe.core.environment import quiet_defaults; quiet_defaults(); "
+            "print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('HF_DATASETS_OFFLINE'))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["None", "None"], done.stderr[-2000:]
