@@ -62,3 +62,15 @@ def test_a_pathological_answer_cannot_hang_a_scorer_thread():
     assert not worker.is_alive() and out["value"][0] == 0.0
     assert time.monotonic() - started < 30
     assert MATH("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", None)[0] == 1.0  # a new worker
+
+
+def test_without_math_verify_numbers_still_compare_by_value_and_the_rest_as_text(monkeypatch):
+    import importlib.util
+
+    from rlpipe.envs.math_answers import answers_equal
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    assert answers_equal("1,234", "1234.0") and answers_equal("\\frac{1}{2}", "0.5")
+    assert answers_equal("x + 1", "x+1")  # text, whitespace dropped
+    assert not answers_equal("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}")  # needs math-verify
