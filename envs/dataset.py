@@ -59,7 +59,8 @@ class DatasetConfig:
     """Column holding the prompt (text or chat messages)."""
     prompt_template: str = ""
     """Python format string of the user prompt over the row's columns, e.g. "{question}\\nGive the
-    final answer after ####."; empty = the prompt column as is."""
+    final answer after ####." (literal braces doubled: "\\\\boxed{{}}"); empty = the prompt column
+    as is."""
     system_prompt: str = ""
     """A system turn put before the prompt; empty = none."""
     answer_column: str = "answer"

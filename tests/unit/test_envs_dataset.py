@@ -193,3 +193,18 @@ def test_the_readme_dataset_options_and_reward_example_work_as_printed(tmp_path,
     finally:
         for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
             del sys.modules[name]
+
+
+def test_a_hub_dataset_at_a_pinned_revision_and_literal_braces_in_the_template(tmp_path, monkeypatch):
+    from tests.hub_cache import tiny_hub_gsm8k, use_hub_cache
+
+    use_hub_cache(monkeypatch, tmp_path / "hf")
+    commit = tiny_hub_gsm8k(tmp_path / "hf", train=4, test=1).name
+    env = build_env("dataset", path="hf:openai/gsm8k:main", revision=commit, eval_split="test",
+                    prompt_column="question", answer_column="answer", reward="math",
+                    prompt_template="{question} Put the answer in \\boxed{{}}.")
+    assert env.examples("train")[1].prompt == "2+3= Put the answer in \\boxed{}."
+    assert env.reward(env.examples("train")[1], "so \\boxed{5}").reward == 1.0
+    with pytest.raises(ValueError, match="hf:openai/gsm8k:main"):
+        build_env("dataset", path="hf:openai/gsm8k:main", revision="0" * 40, prompt_column="question",
+                  answer_column="answer")
