@@ -43,10 +43,11 @@ def last_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    open_at = text.find("{", start)
-    if open_at < 0:
-        rest = text[start:].split(maxsplit=1)  # "\boxed 5"
-        return rest[1].split()[0] if len(rest) > 1 else None
+    command = re.match(r"\\(?:boxed|fbox)\s*", text[start:])
+    open_at = start + command.end()
+    if not text.startswith("{", open_at):  # "\boxed 5"
+        rest = text[open_at:].split()
+        return rest[0].rstrip(".$") if rest else None
     depth = 0
     for index in range(open_at, len(text)):
         if text[index] == "{":

@@ -39,6 +39,8 @@ def test_extraction_rules():
     assert final_answer("x \\boxed{a} then \\boxed{\\frac{1}{2}} end 9") == "\\frac{1}{2}"
     assert final_answer("work\n#### 1,000\n") == "1,000"
     assert final_answer("12 apples and 3.5 pears") == "3.5"
+    assert final_answer("\\boxed 5 and {x}") == "5" and final_answer("\\fbox {7}.") == "7"
+    assert final_answer("an unclosed \\boxed{3") == "3"  # no box: the last number
     assert reference_answer("\\frac{1}{\\sqrt{2}}") == "\\frac{1}{\\sqrt{2}}"
     assert reference_answer("a long solution with 3 steps\n#### 42") == "42"
     assert plain_number("1,234,567") == 1234567 and plain_number("\\frac{3}{4}") == plain_number("0.75")
