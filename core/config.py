@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -119,9 +120,15 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     lines = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
+        item = (typing.get_args(annotation) or (None,))[0] if typing.get_origin(annotation) is list else None
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             lines.append(f"[{prefix}{name}]  {field.description or ''}")
             lines += describe_fields(annotation, f"{prefix}{name}.")
+        elif isinstance(item, type) and issubclass(item, BaseModel):  # a list of sections: [[a.b]]
+            lines.append(f"[[{prefix}{name}]]  {field.description or ''}")
+            lines += describe_fields(item, f"{prefix}{name}[].")
+        elif field.is_required():
+            lines.append(f"  {prefix}{name} (required)  # {field.description or ''}")
         else:
             default = field.get_default(call_default_factory=True)
             lines.append(f"  {prefix}{name} = {default!r}  # {field.description or ''}")

@@ -1,5 +1,7 @@
-"""Process-wide defaults for a machine without telemetry or hub access: set before the first
-Prefect, MLflow or Hugging Face import, each only where the user has not set it."""
+"""Process-wide defaults: no telemetry, quiet progress output; set before the first Prefect,
+MLflow or Hugging Face import, each only where the user has not set it. Hub access is left as the
+user's environment says (HF_HUB_OFFLINE, HF_HOME, HF_TOKEN): a hub id in `model.path` or `hf:`
+dataset downloads on a machine with a network, and reads the cache only under HF_HUB_OFFLINE=1."""
 
 from __future__ import annotations
 
@@ -7,11 +9,10 @@ import os
 
 
 def quiet_defaults() -> None:
-    """Environment defaults for an offline machine: no telemetry, patient embedded server."""
+    """Environment defaults: no telemetry, patient embedded server, quiet progress output."""
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -16,8 +16,10 @@ from rlpipe.core.config import Section
 class EngineConfig(Section):
     """`[engine]`: the rollout engines."""
 
-    type: Literal["torch", "http", "vllm"] = "torch"
-    """Inference engine: in-process torch, OpenAI-compatible HTTP servers, or in-process vLLM."""
+    type: Literal["torch", "http", "vllm", "auto"] = "torch"
+    """Inference engine: in-process torch, OpenAI-compatible HTTP servers, or in-process vLLM.
+    auto: vLLM when the trained model sits on a CUDA GPU, vLLM is installed and one process
+    trains; the torch engine otherwise (a CPU, no vLLM, several ranks)."""
     urls: list[str] = Field(default_factory=list)
     """HTTP engine: server base URLs (requests are spread across them)."""
     timeout_s: float = Field(60.0, gt=0)

@@ -21,8 +21,8 @@ class RewardModelConfig(Section):
     type: Literal["classifier", "judge"]
     """classifier: a sequence-classification reward model; judge: an LLM judge (torch engine)."""
     path: str
-    """classifier: a Hugging Face AutoModelForSequenceClassification directory; judge: a causal
-    LM checkpoint directory."""
+    """classifier: a Hugging Face AutoModelForSequenceClassification folder; judge: a causal LM
+    checkpoint folder. Either may be a hub id ORG/NAME[@REVISION], resolved as model.path is."""
     weight: float = 1.0
     """Weight of this score in the reward (reward = env_reward_weight * env reward + sum)."""
     label: int | str | None = None

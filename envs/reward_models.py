@@ -60,9 +60,10 @@ class ClassifierReward:
 
     @classmethod
     def from_dir(cls, path: str | Path, **options: Any) -> ClassifierReward:
+        from rlpipe.models.loading import resolve_model_path  # a folder or a hub id, as model.path
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = Path(path)
+        path = resolve_model_path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"reward model directory {str(path)!r} has no config.json")
         model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
@@ -211,8 +212,10 @@ def build_scorer(spec: Any) -> BatchScorer:
         from rlpipe.models.loading import load_model
         from rlpipe.models.tokenizer import load_tokenizer
 
-        if not Path(spec.path).is_dir():
-            raise ValueError(f"judge model directory {spec.path!r} does not exist")
-        engine = TorchEngine(load_model(spec.path).eval())
+        try:
+            model = load_model(spec.path)  # a folder or a hub id, resolved as model.path is
+        except ValueError as error:
+            raise ValueError(f"judge model: {error}") from None
+        engine = TorchEngine(model.eval())
         return JudgeReward(engine, load_tokenizer(spec.path), prompt=spec.prompt or JUDGE_PROMPT)
     raise ValueError(f"unknown reward model type {spec.type!r}; expected classifier or judge")

@@ -12,7 +12,9 @@ Register one with the decorator or a call:
     register_reward("my_reward", some_function)
 
 and name it in a config (`task.options.reward = "starts_with_answer"` for the `dataset` env).
-Built-ins: `exact_match`, `numeric_match`, `integer_match`, `format_integer`, `format_number`.
+Built-ins: `exact_match`, `numeric_match`, `integer_match`, `format_integer`, `format_number`,
+and `math` (final answers compared by value: GSM8K `####`, `\\boxed{}`, LaTeX), which
+envs/math_answers.py registers (the dataset environment imports it).
 
 Composition (`format_then_correct`): the format check runs first; when it fails the correctness
 check is not evaluated (the reward is 0) and components record `format` and `correct` as 0/1.

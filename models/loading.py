@@ -1,6 +1,8 @@
-"""Load a local Hugging Face checkpoint (ours or a user's Qwen3/Llama-like) for rlpipe training.
+"""Load a Hugging Face checkpoint (ours or a user's Qwen3/Llama-like) for rlpipe training, from a
+local folder or a hub id.
 
     model = load_model("runs/demo/checkpoints/step_000010")
+    model = load_model("Qwen/Qwen3-0.6B@main")        # a hub id, optionally @revision
     with autocast_context(torch.device("cpu"), enabled=True):
         ...
 
@@ -8,6 +10,12 @@ The model comes back with the packed attention of `models.attention` and `use_ca
 config (packing is silently wrong with the cache on; generation passes use_cache=True itself).
 Bad inputs fail early with a ValueError naming the path or file: a missing directory, a missing
 config.json, a truncated or corrupt safetensors file.
+
+`resolve_model_path` is the one place a `model.path` becomes a folder: an existing local folder as
+is, else a hub id `ORG/NAME[@REVISION]` fetched by huggingface_hub's `snapshot_download` into the
+normal Hugging Face cache (HF_HOME / HF_HUB_CACHE, HF_TOKEN or the saved login, HF_HUB_OFFLINE=1
+reads the cache only). Everything that reads a model folder (the builder, tokenizer loading,
+replay, validation) goes through it, so a hub id resolves the same way everywhere.
 """
 
 from __future__ import annotations
@@ -15,12 +23,79 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import warnings
 from pathlib import Path
 
 import torch
 from rlpipe.models.attention import VARLEN_ATTENTION
 from transformers import AutoModelForCausalLM, PreTrainedModel
+
+# ORG/NAME with an optional @REVISION (a branch, tag or commit): the hub's repository id rules
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+# what a causal LM needs from its hub repository: config, weights, tokenizer, chat template
+HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken")
+
+
+def hub_id(spec: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) when `spec` is not an existing local path and reads as a hub id
+    `ORG/NAME[@REVISION]`; None otherwise (a local path, existing or not)."""
+    spec = str(spec)
+    if Path(spec).expanduser().exists() or spec.startswith((".", "/", "~")):
+        return None
+    found = _HUB_ID.fullmatch(spec)
+    if found is None or ".." in found["repo"] or found["repo"].count("/") != 1:
+        return None
+    return found["repo"], found["revision"]
+
+
+def resolve_model_path(spec: str | Path) -> Path:
+    """The local folder `spec` names: a folder as is, or a hub id's snapshot in the Hugging Face
+    cache (downloaded when missing, unless HF_HUB_OFFLINE=1). ValueError with one line naming
+    `spec` when neither works (a missing folder, an unknown or gated repo, offline without a
+    cached copy)."""
+    spec = str(spec)
+    found = hub_id(spec)
+    if found is None:
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"model folder {spec!r} does not exist (give a local folder or a hub id ORG/NAME[@REVISION])")
+        return path
+    repo, revision = found
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES)))
+    except GatedRepoError:
+        raise ValueError(f"hub model {spec!r} is gated: accept its terms on the hub and log in "
+                         "(hf auth login, or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"hub model {spec!r}: revision {revision!r} not found") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {spec!r}: no such local folder, and no such hub repository (or it is "
+                         "private: log in with hf auth login, or HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        raise ValueError(f"model {spec!r}: no such local folder, and as a hub id it is not in the Hugging "
+                         "Face cache while the hub cannot be reached (HF_HUB_OFFLINE=1, or no network): "
+                         "download it once online, or give a local folder") from None
+    except OSError as error:
+        raise ValueError(f"hub model {spec!r} could not be fetched: {error}".splitlines()[0]) from None
+
+
+def model_source(spec: str | Path) -> str:
+    """Where a model folder came from, for the record: `ORG/NAME@COMMIT` for a hub id (the commit
+    its snapshot holds, so a later run or replay loads the same files), else the resolved
+    local folder."""
+    found = hub_id(str(spec))
+    if found is None:
+        return str(Path(spec).expanduser().resolve())
+    return f"{found[0]}@{resolve_model_path(spec).name}"
 
 
 def _check_checkpoint(path: Path) -> None:
@@ -65,8 +140,9 @@ def _check_safetensors(file: Path) -> None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A causal LM from a local checkpoint directory, in train mode, with varlen attention."""
-    path = Path(path)
+    """A causal LM from a checkpoint folder or hub id (`resolve_model_path`), in train mode, with
+    varlen attention."""
+    path = resolve_model_path(path)
     _check_checkpoint(path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, attn_implementation=VARLEN_ATTENTION, local_files_only=True

@@ -84,13 +84,17 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in a checkpoint directory (ours or a user's), via AutoTokenizer.
+    """The tokenizer (and its chat template) saved in a checkpoint folder or a hub id's snapshot
+    (models/loading.py `resolve_model_path`), via AutoTokenizer.
 
-    Raises ValueError if the directory does not exist or holds no tokenizer files.
+    Raises ValueError if the folder does not exist or holds no tokenizer files.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"tokenizer directory {str(path)!r} does not exist")
+    from rlpipe.models.loading import resolve_model_path
+
+    try:
+        path = resolve_model_path(path)
+    except ValueError as error:
+        raise ValueError(f"tokenizer: {error}") from None
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(
             f"no tokenizer in {str(path)!r} (expected tokenizer.json or tokenizer_config.json)"

@@ -213,7 +213,7 @@ def schema_for(table: str) -> pa.Schema:
 # one row per run that started from a checkpoint (step 0): where its weights came from, so
 # `rlpipe lineage` and SQL follow an RL version back to the SFT checkpoint and version it started from
 _FIELDS["origins"] = _KEY + [
-    _f("parent_checkpoint", pa.string()),  # absolute path of the starting checkpoint folder
+    _f("parent_checkpoint", pa.string()),  # absolute path of the starting checkpoint folder, or ORG/NAME@COMMIT (a hub model)
     _opt("parent_run_dir", pa.string()),  # the run folder that wrote it, when it is an rlpipe run
     _opt("parent_run_id", pa.string()),
     _opt("parent_step", pa.int64()),

@@ -105,15 +105,32 @@ def open_engines(config, model, which: str) -> tuple[list[Engine], Engine | None
     return engines, TorchEngine(model, dtype=engine_dtype(model, config.model.bf16_autocast))
 
 
+def engine_type(config, model) -> str:
+    """`engine.type` with "auto" decided: "vllm" when `model` is on CUDA, vLLM is importable and
+    a single process trains (in-process vLLM is refused under data parallelism), else "torch"."""
+    if config.engine.type != "auto":
+        return config.engine.type
+    import importlib.util
+
+    import torch
+
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    single = ranks == 1 and config.train.parallel == "none"
+    return "vllm" if on_cuda and single and importlib.util.find_spec("vllm") is not None else "torch"
+
+
 def make_engines(config, model) -> list[Engine]:
-    """The rollout engines of `config.engine`; in-process async RL samples from a weights snapshot."""
-    if config.engine.type == "http":
+    """The rollout engines of `config.engine` (`engine_type`); in-process async RL samples from a
+    weights snapshot."""
+    kind = engine_type(config, model)
+    if kind == "http":
         from rlpipe.engines.http import engines_from_config
 
         # a tied model's checkpoints name their lm_head for vLLM servers (tasks/checkpoint.py)
         return engines_from_config(config.engine)
     dtype = engine_dtype(model, config.model.bf16_autocast)
-    if config.engine.type == "vllm":
+    if kind == "vllm":
         from rlpipe.engines.vllm_engine import VllmEngine  # optional extra
 
         # the sampling dtype of the torch engine: else vLLM takes the fp32 master weights' dtype.

@@ -58,15 +58,17 @@ def _check_placement(config) -> None:
 
 
 def _check_model(config) -> None:
-    from rlpipe.models.loading import check_model
+    from rlpipe.models.loading import check_model, resolve_model_path
     from rlpipe.models.presets import PRESETS, build_config
     from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
 
     model = config.model
     if model.path:
-        fix = "model.path must be a Hugging Face model folder with config.json, weights and a tokenizer"
-        _check("model.path", fix, lambda: check_model(model.path))
-        _check("model.path", fix, lambda: load_tokenizer(model.path))
+        fix = ("model.path must be a Hugging Face model folder with config.json, weights and a "
+               "tokenizer, or a hub id ORG/NAME[@REVISION]")
+        folder = _check("model.path", fix, lambda: resolve_model_path(model.path))
+        _check("model.path", fix, lambda: check_model(folder))
+        _check("model.path", fix, lambda: load_tokenizer(folder))
         return
     if model.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {model.preset!r} (set one of "
@@ -85,10 +87,10 @@ def _check_env(config) -> None:
     _check("task.options", f"give task.options that environment {task.env!r} accepts",
            lambda: build_env(task.env, **task.options))
     for index, reward_model in enumerate(task.reward_models):
-        from rlpipe.models.loading import check_model
+        from rlpipe.models.loading import check_model, resolve_model_path
 
-        _check(f"task.reward_models[{index}].path", "a Hugging Face model folder",
-               lambda path=reward_model.path: check_model(path))
+        _check(f"task.reward_models[{index}].path", "a Hugging Face model folder or hub id",
+               lambda path=reward_model.path: check_model(resolve_model_path(path)))
 
 
 def _phases(flow: str) -> tuple[str, ...]:

@@ -103,8 +103,9 @@ def tolerance_for(config) -> float:
 
 
 def start_weights(run_dir: Path, config, start: str | None) -> str:
-    """The run's starting weights: `start`, the `origins` table (the run's lineage), model.path, or
-    '' for the seeded preset. A pipeline's RL phase without a recorded origin is refused."""
+    """The run's starting weights: `start`, the `origins` table (the run's lineage: a folder, or a
+    hub model's ORG/NAME@COMMIT, which the builder resolves to that snapshot), model.path, or ''
+    for the seeded preset. A pipeline's RL phase without a recorded origin is refused."""
     if start:
         return start
     # read by path: the origins table may be newer than this module's schemas

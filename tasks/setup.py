@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.envs.base import Environment, Example
-from rlpipe.envs.dataset import jsonl_records, read_utf8
+from rlpipe.envs.dataset import jsonl_records, read_dataset, read_utf8
 from rlpipe.envs.registry import build_env
 from rlpipe.models.device import resolve_device
 from rlpipe.models.loading import load_model
@@ -169,10 +169,77 @@ def read_chat_jsonl(path: Path) -> list[list[dict]]:
     return chats
 
 
+def source_chats(source) -> list[list[dict]]:
+    """The conversations of one `[[sft.data]]` source (training/config.py `SftSource`): a row's
+    messages column, or its prompt and response columns as one exchange, after the source's
+    system prompt. A .jsonl read for its messages keeps `read_chat_jsonl`'s forms."""
+    where = f"sft.data {source.path!r}"
+    if not source.prompt_column and source.messages_column == "messages" and source.path.endswith(".jsonl"):
+        chats = read_chat_jsonl(Path(source.path))
+    else:
+        try:
+            rows = read_dataset(source.path, source.split, source.revision)
+        except FileNotFoundError as error:
+            raise ValueError(f"{where}: {error}") from None
+        chats = [_row_chat(row, number, source, where) for number, row in enumerate(rows)]
+    if not chats:
+        raise ValueError(f"{where} holds no conversations")
+    system = [{"role": "system", "content": source.system_prompt}] if source.system_prompt else []
+    return [system + chat for chat in chats]
+
+
+def _row_chat(row: dict, number: int, source, where: str) -> list[dict]:
+    columns = [source.prompt_column, source.response_column] if source.prompt_column else [source.messages_column]
+    for column in columns:
+        if column not in row:
+            raise ValueError(f"{where}: row {number} has no column {column!r}; columns: {', '.join(sorted(row))}")
+    if source.prompt_column:
+        return [{"role": "user", "content": str(row[source.prompt_column])},
+                {"role": "assistant", "content": str(row[source.response_column])}]
+    messages = row[source.messages_column]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError(f"{where}: row {number} column {source.messages_column!r} is not chat messages "
+                         "([{'role', 'content'}, ...])")
+    return [{key: value for key, value in m.items() if value is not None} for m in messages]
+
+
+def mixture_counts(weights: list[float], total: int) -> list[int]:
+    """How many of `total` draws each weight gets: proportional, largest remainders rounded up,
+    summing to `total`."""
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def mix(sources: list[list], weights: list[float], total: int, seed: int) -> list:
+    """`total` items drawn from `sources` in proportion to `weights`: each source's items in a
+    seeded shuffle (reshuffled per pass when its share is larger than it), the draws of every
+    source interleaved by one more seeded shuffle. A pure function of its arguments: the same
+    seed gives the same list, so a resumed run's steps (tasks/supervised.py, by seed and step)
+    see the same items."""
+    drawn = []
+    for index, (items, count) in enumerate(zip(sources, mixture_counts(weights, total), strict=True)):
+        taken: list = []
+        for epoch in range(-(-count // len(items))):
+            order = list(range(len(items)))
+            random.Random(f"mix/{seed}/{index}/{epoch}").shuffle(order)
+            taken += [items[i] for i in order]
+        drawn += taken[:count]
+    random.Random(f"mix/{seed}").shuffle(drawn)
+    return drawn
+
+
 def sft_data(env: Environment, tokenizer, n_examples: int, seed: int, max_len: int,
-             data_path: str = "") -> list[Sequence]:
-    """Training sequences with assistant-only weights, from a JSONL of chats or the env."""
-    if data_path:
+             data_path: str = "", sources: list | tuple = ()) -> list[Sequence]:
+    """Training sequences with assistant-only weights: from a mixture of sources (`sft.data`,
+    `n_examples` conversations), a JSONL of chats, or the env."""
+    if sources:
+        chats = mix([source_chats(source) for source in sources], [source.weight for source in sources],
+                    n_examples, seed)
+    elif data_path:
         chats = read_chat_jsonl(Path(data_path))
     else:
         chats = env_conversations(env, n_examples, seed)
@@ -199,6 +266,8 @@ def pretrain_data(env: Environment, tokenizer, section, seed: int) -> list[Seque
     """Pretraining sequences (weights 1): a corpus file, or the env's problems with answers."""
     from rlpipe.training.data import pretrain_sequences
 
+    if getattr(section, "data", None):
+        raise ValueError("pretrain.data: a mixture of sources is for SFT; pretraining reads pretrain.data_path")
     if section.data_path:
         docs = read_documents(Path(section.data_path))
     else:

@@ -58,7 +58,7 @@ def open_supervised(config, phase: str, run_dir: Path, start_checkpoint: str | N
     else:
         sequences = sft_data(env, built.tokenizer, section.examples, config.seed,
                              max_len=min(max_context(built.model), section.optim.token_budget),
-                             data_path=section.data_path)
+                             data_path=section.data_path, sources=section.data)
     return SupervisedRun(trainer=built.trainer, loss_fn=built.loss_fn, tokenizer=built.tokenizer, env=env,
                          sequences=sequences, eval_engine=built.eval_engine,
                          eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],

@@ -1,4 +1,5 @@
-"""Test-wide settings: offline, quiet, and one torch thread; `-m gpu` collects tests/gpu alone.
+"""Test-wide settings: offline (no test reaches the Hugging Face hub: hub models and datasets come
+from caches the tests build), quiet, and one torch thread; `-m gpu` collects tests/gpu alone.
 
 Tiny models are overhead-bound: a second intra-op thread buys little and makes timings swing
 when the machine is shared, so in-process tests run single-threaded (subprocess tests keep the
@@ -19,6 +20,8 @@ import torch
 from _pytest.mark.expression import Expression
 from rlpipe.core.environment import quiet_defaults
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the first Hugging Face import
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 quiet_defaults()
 os.environ.setdefault("RLPIPE_PROGRESS", "0")
 torch.set_num_threads(1)

@@ -50,7 +50,9 @@ class ModelConfig(Section):
     preset: str = "tiny-dense"
     """Named model preset (models/presets.py) used when `path` is empty."""
     path: str = ""
-    """A local Hugging Face checkpoint directory to start from instead of a preset."""
+    """A Hugging Face checkpoint to start from instead of a preset: a local folder, or a hub id
+    ORG/NAME[@REVISION] downloaded into the Hugging Face cache (HF_HOME, HF_TOKEN; HF_HUB_OFFLINE=1
+    reads the cache only). Its own tokenizer and chat template are used."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Config fields to change on the preset (hidden_size, num_hidden_layers, ...)."""
     bf16_autocast: bool = True
@@ -116,6 +118,36 @@ class OptimConfig(Section):
     its own, so a resolved config validates again to the same config."""
 
 
+class SftSource(Section):
+    """One `[[sft.data]]` source of an SFT data mixture: where its conversations come from and
+    its share of the phase's `examples`."""
+
+    path: str
+    """A .jsonl/.json/.parquet file, a folder (`datasets` save_to_disk, or data files) or
+    `hf:NAME[:CONFIG]` (a hub dataset), as the dataset environment reads them (envs/dataset.py)."""
+    split: str = "train"
+    """Split of a folder or hub dataset."""
+    revision: str = ""
+    """Hub dataset revision; empty = the default branch."""
+    weight: float = Field(1.0, gt=0)
+    """Share of the mixture: this source gives weight / (sum of weights) of `examples`."""
+    messages_column: str = "messages"
+    """Column holding a whole chat (a list of {"role", "content"}), used when prompt_column is empty."""
+    prompt_column: str = ""
+    """Column of the user turn; with response_column, each row is one user/assistant exchange."""
+    response_column: str = ""
+    """Column of the assistant turn (the trained tokens) when prompt_column is set."""
+    system_prompt: str = ""
+    """A system turn put before each conversation of this source; empty = none."""
+
+    @model_validator(mode="after")
+    def _columns(self) -> SftSource:
+        if bool(self.prompt_column) != bool(self.response_column):
+            raise ValueError("an sft.data source sets prompt_column and response_column together (or neither, "
+                             "to read messages_column)")
+        return self
+
+
 class SupervisedConfig(Section):
     """`[pretrain]` and `[sft]`: a supervised phase."""
 
@@ -127,7 +159,11 @@ class SupervisedConfig(Section):
     """Training examples drawn from the task (SFT) or documents (pretrain)."""
     data_path: str = ""
     """Pretrain: a text or JSONL file of documents; SFT: a JSONL of chat conversations.
-    Empty = build from the task's environment."""
+    Empty = build from the task's environment (or, SFT, from `data`)."""
+    data: list[SftSource] = Field(default_factory=list)
+    """SFT only: a mixture of sources ([[sft.data]]), `examples` conversations drawn from them in
+    proportion to their weights, the same ones in the same order for the same seed (a resumed run
+    trains each step on what it would have). Not with data_path."""
     seq_len: int = Field(256, ge=8)
     """Pretrain: document chunk length in tokens."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -139,6 +175,8 @@ class SupervisedConfig(Section):
 
     @model_validator(mode="after")
     def _normaliser(self) -> SupervisedConfig:
+        if self.data and self.data_path:
+            raise ValueError("data_path and data (a mixture) are both set: put the file in data as one more source")
         if self.optim.normaliser == "constant":
             raise ValueError("optim.normaliser = 'constant' divides by the most completion tokens an RL step "
                              "holds, which a supervised phase does not have: use 'token' or 'sequence'")

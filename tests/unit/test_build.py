@@ -69,3 +69,26 @@ def test_a_local_trainer_step_is_forward_backward_then_optim_step():
     assert sorted(seen) == sorted(tuple(b.sample_ids) for b in batches)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_engine_auto_is_the_torch_engine_off_cuda_and_vllm_on_a_cuda_model_where_vllm_is_installed(monkeypatch):
+    import importlib.util
+
+    from rlpipe.engines.torch_engine import TorchEngine
+    from rlpipe.tasks.build import engine_type, make_engines
+
+    config = _config(engine={"type": "auto"})
+    model = build(config, supervised_plan(config, "sft"), StartPoint()).model
+    assert engine_type(config, model) == "torch"
+    assert [type(engine) for engine in make_engines(config, model)] == [TorchEngine]
+
+    # what engine_type reads of a model placed on a GPU: its parameters' device
+    cuda_param = type("P", (), {"device": torch.device("cuda", 0)})()
+    on_cuda = type("M", (), {"parameters": lambda self: iter([cuda_param])})()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
+    assert engine_type(config, on_cuda) == "vllm"
+    assert engine_type(_config(engine={"type": "auto"}, train={"parallel": "ddp"}), on_cuda) == "torch"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    assert engine_type(config, on_cuda) == "torch"
+    assert engine_type(_config(engine={"type": "torch"}), on_cuda) == "torch"

@@ -94,3 +94,117 @@ def test_eval_fraction_holds_out_stable_rows(tmp_path):
     assert 25 <= len(eval_ids) <= 75
     assert not set(eval_ids) & {ex.example_id for ex in a.examples("train")}
     assert len(eval_ids) + len(a.examples("train")) == 200
+
+
+# ----------------------------------------------------------------- datasets: folders and the hub
+
+
+def test_save_to_disk_folders_and_data_file_folders(tmp_path, monkeypatch):
+    import datasets
+
+    from tests.hub_cache import use_hub_cache
+
+    use_hub_cache(monkeypatch, tmp_path / "hf")
+    rows = [{"q": f"{i}+1=", "a": str(i + 1)} for i in range(6)]
+    whole = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                                  "test": datasets.Dataset.from_list(rows[4:])})
+    whole.save_to_disk(str(tmp_path / "dict"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    (tmp_path / "files").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "files" / "train.parquet")
+    env = build_env("dataset", path=str(tmp_path / "dict"), eval_split="test", prompt_column="q",
+                    answer_column="a", reward="math")
+    assert [ex.prompt for ex in env.examples("train")] == ["0+1=", "1+1=", "2+1=", "3+1="]
+    assert [ex.answer for ex in env.examples("eval")] == ["5", "6"]
+    assert env.reward(env.examples("eval")[0], "it is 5").reward == 1.0
+    assert len(build_env("dataset", path=str(tmp_path / "one"), prompt_column="q", answer_column="a").examples("train")) == 6
+    assert len(build_env("dataset", path=str(tmp_path / "files"), prompt_column="q", answer_column="a").examples("train")) == 3
+    with pytest.raises(ValueError, match="has no split 'validation'; splits: train, test"):
+        build_env("dataset", path=str(tmp_path / "dict"), split="validation", prompt_column="q", answer_column="a")
+
+
+def test_a_hub_dataset_by_name_config_and_split_offline(tmp_path, monkeypatch):
+    """hf:NAME:CONFIG read through `datasets` from a hub-cache snapshot (HF_HUB_OFFLINE=1, as
+    after one download), GSM8K's '#### N' answers scored by the math reward."""
+    from tests.hub_cache import tiny_hub_gsm8k, use_hub_cache
+
+    use_hub_cache(monkeypatch, tmp_path / "hf")
+    tiny_hub_gsm8k(tmp_path / "hf", train=12, test=3)
+    env = build_env("dataset", path="hf:openai/gsm8k:main", split="train", eval_split="test",
+                    prompt_column="question", answer_column="answer", reward="math",
+                    system_prompt="Answer after ####.", prompt_template="Solve: {question}")
+    train, held = env.examples("train"), env.examples("eval")
+    assert (len(train), len(held)) == (12, 3)
+    assert env.reset(train[0]) == [{"role": "system", "content": "Answer after ####."},
+                                   {"role": "user", "content": "Solve: 1+2="}]
+    assert train[0].answer == "1 plus 2 is 3.\n#### 3"  # the column as stored; the reward reduces it
+    assert env.reward(train[0], "1 and 2 make\n#### 3").reward == 1.0
+    assert env.reward(train[0], "#### 4").reward == 0.0
+    for options, says in [({"path": "hf:nobody/nothing"}, "hf:nobody/nothing"),
+                          ({"path": "hf:openai/gsm8k:main", "split": "dev"}, "dev"),
+                          ({"path": "hf:openai/gsm8k:main", "prompt_template": "{problem}"}, "names column 'problem'")]:
+        with pytest.raises(ValueError, match=says) as error:
+            build_env("dataset", prompt_column="question", answer_column="answer", **options)
+        assert "\n" not in str(error.value)
+
+
+def _readme_block(after: str) -> str:
+    """The indented block of README.md that starts at the line holding `after`."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line)
+    block = []
+    for line in lines[start:]:
+        if line and not line.startswith("    "):
+            break
+        block.append(line[4:])
+    return "\n".join(block).strip() + "\n"
+
+
+def test_the_readme_dataset_options_and_reward_example_work_as_printed(tmp_path, monkeypatch):
+    """README, "Your model, your data, your reward": its [task] block and its reward module, found
+    in the working directory (core/user_code.py), on a GSM8K-shaped hub dataset."""
+    import sys
+    import tomllib
+
+    from rlpipe.envs.rewards import REWARDS
+
+    from tests.hub_cache import tiny_hub_gsm8k, use_hub_cache
+
+    use_hub_cache(monkeypatch, tmp_path / "hf")
+    tiny_hub_gsm8k(tmp_path / "hf", train=5, test=2)
+    task = tomllib.loads(_readme_block("    [task]"))["task"]
+    (tmp_path / "work" / "mypkg").mkdir(parents=True)
+    (tmp_path / "work" / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "work" / "mypkg" / "rewards.py").write_text(_readme_block("# mypkg/rewards.py"))
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(REWARDS, "_fns", dict(REWARDS._fns))
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        env = build_env(task["env"], **{**task["options"], "reward": "strict_math", "reward_module": "mypkg.rewards"})
+        example = env.examples("train")[0]
+        assert env.reset(example) == [{"role": "user", "content": "1+2=\nGive the final answer after ####."}]
+        assert env.reward(example, "so #### 3").reward == 1.0
+        assert env.reward(example, "#### 3" + " " * 2001).reward == 0.9
+        assert len(env.examples("eval")) == 2
+    finally:
+        for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+            del sys.modules[name]
+
+
+def test_a_hub_dataset_at_a_pinned_revision_and_literal_braces_in_the_template(tmp_path, monkeypatch):
+    from tests.hub_cache import tiny_hub_gsm8k, use_hub_cache
+
+    use_hub_cache(monkeypatch, tmp_path / "hf")
+    commit = tiny_hub_gsm8k(tmp_path / "hf", train=4, test=1).name
+    env = build_env("dataset", path="hf:openai/gsm8k:main", revision=commit, eval_split="test",
+                    prompt_column="question", answer_column="answer", reward="math",
+                    prompt_template="{question} Put the answer in \\boxed{{}}.")
+    assert env.examples("train")[1].prompt == "2+3= Put the answer in \\boxed{}."
+    assert env.reward(env.examples("train")[1], "so \\boxed{5}").reward == 1.0
+    with pytest.raises(ValueError, match="hf:openai/gsm8k:main"):
+        build_env("dataset", path="hf:openai/gsm8k:main", revision="0" * 40, prompt_column="question",
+                  answer_column="answer")

@@ -130,5 +130,5 @@ def test_reward_models_from_config(tmp_path):
     (result,) = env.reward_batch(EXAMPLES[1:2], ["2"])
     assert set(result.components) == {"format", "correct", "env", "rm"}
     assert result.reward == pytest.approx(1.0 + 0.25 * result.components["rm"])
-    with pytest.raises(ValueError, match="judge model directory"):
+    with pytest.raises(ValueError, match="judge model: model folder .* does not exist"):
         build_scorer(RewardModelConfig(name="j", type="judge", path=str(tmp_path / "missing")))
