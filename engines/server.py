@@ -57,23 +57,31 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from rlpipe.engines.base import Completion
+from fastapi.responses import JSONResponse, StreamingResponse
 from rlpipe.engines.chat_api import add_chat_completions
+from rlpipe.engines.openai_output import (
+    Finished,
+    completion_logprobs,
+    finish,
+    sse,
+    text_pieces,
+    usage,
+)
 from rlpipe.engines.protocol import (
     LOOPBACK_HOSTS,
     CompletionRequest,
+    ReloadRequest,
     RequestError,
     ServeLimits,
-    check_content_type,
     check_host,
+    check_model,
     check_request_limits,
+    end_of_turn_ids,
     prompt_token_ids,
-    read_json_body,
+    read_request,
     resolve_model_path,
-    until_answered,
-    validation_message,
+    sample,
+    top_of,
 )
 from rlpipe.engines.serving import (
     Batcher,
@@ -81,6 +89,7 @@ from rlpipe.engines.serving import (
     ServedModel,
     load_served_model,
 )
+from rlpipe.models.tool_calls import ToolCallParser, get_parser
 from starlette.datastructures import Headers
 
 DEFAULT_PORT = 8000
@@ -90,30 +99,43 @@ TOKEN_ENV = "RLPIPE_API_TOKEN"
 # ----------------------------------------------------------------------------- responses
 
 
-def completion_choice(
-    index: int, completion: Completion, tokenizer: Any, logprobs: int | None, as_token_ids: bool
-) -> dict[str, Any]:
-    """One OpenAI choice, with the token-id and log-prob extensions (see module docstring)."""
+def completion_choice(index: int, done: Finished, tokenizer: Any, req: CompletionRequest,
+                      top: list[list[tuple[int, float]]] | None) -> dict[str, Any]:
+    """One OpenAI completions choice, with vLLM's stop_reason and token-id extensions."""
     choice: dict[str, Any] = {
         "index": index,
-        "text": tokenizer.decode(completion.tokens, skip_special_tokens=True),
-        "finish_reason": completion.finish_reason,
-        "token_ids": list(completion.tokens),
+        "text": done.text,
         "logprobs": None,
+        "finish_reason": done.finish_reason,
+        "stop_reason": done.stop_reason,
     }
-    if logprobs is not None:
-        pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in completion.tokens]
-        offsets, at = [], 0
-        for piece in pieces:
-            offsets.append(at)
-            at += len(piece)
-        choice["logprobs"] = {
-            "tokens": [f"token_id:{t}" for t in completion.tokens] if as_token_ids else pieces,
-            "token_logprobs": [float(x) for x in completion.logprobs],
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
+    if req.return_token_ids:
+        choice["token_ids"] = list(done.tokens)
+    if req.logprobs is not None:
+        choice["logprobs"] = completion_logprobs(done, tokenizer, top, req.return_tokens_as_token_ids)
     return choice
+
+
+def completion_chunks(head: dict[str, Any], choices: list[dict[str, Any]], finished: list[Finished],
+                      tokenizer: Any, req: CompletionRequest, answer_usage: dict[str, int]):
+    """The chunks of a streamed completions answer (engines/openai_output.py): one per token of
+    each choice, a last one per choice with its finish_reason, the usage chunk if asked."""
+    for choice, done in zip(choices, finished, strict=True):
+        pieces = text_pieces(done.tokens, done.text, tokenizer, req.skip_special_tokens)
+        lp = choice["logprobs"]
+        for t, piece in enumerate(pieces):
+            part: dict[str, Any] = {"index": choice["index"], "text": piece, "logprobs": None,
+                                    "finish_reason": None, "stop_reason": None}
+            if lp is not None:
+                part["logprobs"] = {key: [lp[key][t]] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                  "text_offset")}
+            if req.return_token_ids:
+                part["token_ids"] = [done.tokens[t]]
+            yield {**head, "choices": [part]}
+        yield {**head, "choices": [{"index": choice["index"], "text": "", "logprobs": None,
+                                    "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}]}
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": answer_usage}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -154,10 +176,13 @@ class ServerState:
 
     slot: ModelSlot
     batcher: Batcher
-    model_name: str
+    served_names: tuple[str, ...]
     allow_root: Path
     device: str
     limits: ServeLimits = field(default_factory=ServeLimits)
+    tool_parser: ToolCallParser | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    allow_client_chat_template: bool = False
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     load: Callable[[Path, str], ServedModel] = load_served_model
 
@@ -172,6 +197,10 @@ def build_app(
     device: str = "auto",
     limits: ServeLimits | None = None,
     allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
+    served_model_names: list[str] | tuple[str, ...] | None = None,
+    tool_call_parser: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    allow_client_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `checkpoint` (a folder, or an already loaded ServedModel).
 
@@ -180,8 +209,17 @@ def build_app(
     holding `checkpoint`, i.e. `<run_dir>/checkpoints`).
     limits: request caps (engines.protocol.ServeLimits). allowed_hosts: Host header names
     accepted (None = any); loopback names by default, against DNS rebinding.
+    served_model_names: the names `model` may take and /v1/models lists (default: the
+    checkpoint path as given). tool_call_parser: the name of a models/tool_calls.py parser that
+    turns tool calls in chat replies into `tool_calls` (None: never parsed).
+    chat_template_kwargs: passed to every chat rendering, under a request's own.
+    allow_client_chat_template: accept a request's `chat_template` (rendered in a thread).
     """
     limits = limits or ServeLimits()
+    names = tuple(served_model_names or ())
+    if any(not isinstance(n, str) or not n.strip() for n in names):
+        raise ValueError(f"served model names must be non-empty strings, got {list(names)}")
+    parser = get_parser(tool_call_parser) if tool_call_parser else None
     served = (
         checkpoint if isinstance(checkpoint, ServedModel) else load_served_model(checkpoint, device)
     )
@@ -192,10 +230,13 @@ def build_app(
     state = ServerState(
         slot=slot,
         batcher=Batcher(slot, batch_window_ms / 1000.0, max_batch_prompts, limits.chunk_sequences),
-        model_name=str(served.path),
+        served_names=names or (str(served.path),),
         allow_root=root.resolve(),
         device=device,
         limits=limits,
+        tool_parser=parser,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        allow_client_chat_template=allow_client_chat_template,
     )
 
     @asynccontextmanager
@@ -227,7 +268,7 @@ def build_app(
             "object": "list",
             "data": [
                 {
-                    "id": state.model_name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "rlpipe",
@@ -235,75 +276,53 @@ def build_app(
                     "max_model_len": current.max_model_len,
                     "policy_version": current.policy_version,
                 }
+                for name in state.served_names
             ],
         }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_content_type(request.headers)
-        body = await read_json_body(request, state.limits)
-        if not isinstance(body, dict):
-            raise RequestError("request body must be a JSON object")
+        req = await read_request(request, state.limits, CompletionRequest)
+        current = state.slot.current
         try:
-            req = CompletionRequest.model_validate(body)
-            params = req.sampling_params()
-        except ValidationError as err:
-            raise RequestError(validation_message(err)) from err
+            params = req.sampling_params(end_of_turn_ids(current.tokenizer))
         except ValueError as err:
             raise RequestError(str(err)) from err
-        if req.model is not None and req.model != state.model_name:
-            raise RequestError(
-                f"the model {req.model!r} does not exist; serving {state.model_name!r}", 404
-            )
-        current = state.slot.current
+        model = check_model(req.model, state)
         prompts = prompt_token_ids(req.prompt, current.tokenizer, current.vocab_size)
         check_request_limits(prompts, params, state.limits, current.max_model_len)
-        try:
-            groups, served = await until_answered(
-                request, state.batcher.submit(prompts, params), state.limits.request_timeout_s)
-        except RequestError:
-            raise
-        except ValueError as err:  # the engine refused the prompts (e.g. a reload changed vocab)
-            raise RequestError(str(err)) from err
-        choices = [
-            completion_choice(
-                i * params.n + j, c, served.tokenizer, req.logprobs, req.return_tokens_as_token_ids
-            )
-            for i, group in enumerate(groups)
-            for j, c in enumerate(group)
-        ]
-        n_prompt = sum(len(p) for p in prompts)
-        n_completion = sum(len(c["token_ids"]) for c in choices)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": n_completion,
-                "total_tokens": n_prompt + n_completion,
-            },
-            "policy_version": served.policy_version,
-        }
+        groups, served = await sample(request, state, prompts, params)
+        tok, eos = served.tokenizer, end_of_turn_ids(served.tokenizer)
+        finished = [finish(c, tok, req.stop_strings, eos, skip_special_tokens=req.skip_special_tokens,
+                           include_stop=req.include_stop_str_in_output) for group in groups for c in group]
+        tops = None
+        if req.logprobs:  # k >= 1: one scoring pass; logprobs=0 needs only the sampled token's
+            sequences = [(prompts[i // params.n], done.tokens) for i, done in enumerate(finished)]
+            tops = await top_of(request, state, served, sequences, req.logprobs, params)
+        choices = [completion_choice(i, done, tok, req, tops[i] if tops else None)
+                   for i, done in enumerate(finished)]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model}
+        answer_usage = usage(sum(len(p) for p in prompts),
+                             sum(len(done.tokens) for done in finished))
+        if req.stream:
+            return StreamingResponse(sse(completion_chunks(head, choices, finished, tok, req, answer_usage)),
+                                     media_type="text/event-stream")
+        return {**head, "choices": choices, "usage": answer_usage, "policy_version": served.policy_version}
 
     add_chat_completions(app, state)  # POST /v1/chat/completions
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        check_content_type(request.headers)
-        body = await read_json_body(request, state.limits)
-        if not isinstance(body, dict) or "model_path" not in body:
-            raise RequestError('body must be a JSON object with "model_path"')
-        path = resolve_model_path(body["model_path"], state.allow_root)
+        body = await read_request(request, state.limits, ReloadRequest)
+        path = resolve_model_path(body.model_path, state.allow_root)
         async with state.reload_lock:  # one reload at a time; generation goes on meanwhile
             start = time.perf_counter()
             try:
                 new = await asyncio.to_thread(state.load, path, state.device)
             except ValueError as err:
                 raise RequestError(
-                    f"model_path {body['model_path']!r} is not a valid checkpoint: {err}"
+                    f"model_path {body.model_path!r} is not a valid checkpoint: {err}"
                 ) from err
             await asyncio.to_thread(state.slot.swap, new)
         return {

@@ -89,12 +89,43 @@ class ModelSlot:
             served = pinned or self._served
             return served.engine.generate(prompts, params), served
 
+    def top_logprobs(self, served: ServedModel, sequences: list[tuple[list[int], list[int]]], k: int,
+                     temperature: float) -> list[list[list[tuple[int, float]]]]:
+        """For each (prompt, completion), the `k` most likely tokens and their log-probs at each
+        completion position (blocking; run it off the event loop), under the lock."""
+        with self._lock:
+            return [top_logprobs(served.engine.model, prompt, tokens, k, temperature)
+                    for prompt, tokens in sequences]
+
     def swap(self, served: ServedModel) -> ServedModel:
         """Put `served` in service; returns the model taken out. It is not closed: requests
         already generating with it finish with it, and it is freed with their last reference."""
         with self._lock:
             old, self._served = self._served, served
         return old
+
+
+_TOP_CHUNK = 256  # completion positions whose full-vocabulary logits are held at once
+
+
+def top_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], k: int,
+                 temperature: float) -> list[list[tuple[int, float]]]:
+    """The `k` most likely next tokens, with their log-probs under softmax(logits / temperature)
+    (engines/base.py's convention, untruncated), before each of `tokens` after `prompt`: one
+    forward pass of prompt + completion, the vocabulary projected a chunk of positions at a time."""
+    if not tokens or k < 1:
+        return [[] for _ in tokens]
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + tokens[:-1]], device=device)
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, len(prompt) - 1:]
+        head = model.get_output_embeddings()
+        out: list[list[tuple[int, float]]] = []
+        for start in range(0, hidden.shape[0], _TOP_CHUNK):
+            logits = head(hidden[start : start + _TOP_CHUNK]).float() / temperature
+            values, indices = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+            out += [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
+    return out
 
 
 # ----------------------------------------------------------------------------- batching
