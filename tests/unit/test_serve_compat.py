@@ -250,7 +250,6 @@ def test_a_calculator_agent_is_served_with_its_tool(checkpoint):
         transcript = [{"role": "user", "content": "37*48"}, {"role": "assistant", "content": "calc 37*48"},
                       {"role": "tool", "content": "1776"}, {"role": "assistant", "content": "ans 1776"}]
         tok = build_tokenizer()
-
         assert second["prompt_token_ids"] == template_ids(tok, transcript[:3], add_generation_prompt=True)
         assert env.reward(example, transcript).reward == 1.0
         # tool_choice "none", or no parser: the reply stays text
