@@ -124,8 +124,12 @@ class ChatRequest(OpenAIRequest):
         unless ignore_eos."""
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        for name in ("max_completion_tokens", "max_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), default_max)
         return sampling_params(
-            n=self.n, max_tokens=self.max_completion_tokens or self.max_tokens or default_max,
+            n=self.n, max_tokens=max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop_token_ids=self.stop_ids(end_of_turn),
         )

@@ -365,6 +365,12 @@ def sampling_params(*, n: int, max_tokens: int, temperature: float, top_p: float
                     seed: int | None, stop_token_ids: list[int] | None) -> SamplingParams:
     """OpenAI sampling fields as SamplingParams; ValueError naming the field for values the
     engine cannot sample with (temperature 0 = greedy)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if 0 < temperature < MIN_TEMPERATURE:

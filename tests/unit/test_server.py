@@ -117,7 +117,7 @@ def test_token_required(run_dir):
         ({"prompt": [[]], "max_tokens": 3}, 400, "empty"),
         ({"prompt": [1, "a"], "max_tokens": 3}, 400, "prompt"),
         ({"prompt": [1, 2], "n": 0}, 400, "n must be"),
-        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_new_tokens"),
+        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens must be >= 1"),
         ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
         ({"prompt": [1, 2], "top_p": 1.5}, 400, "top_p"),
         ({"prompt": [1, 2], "temperature": "hot"}, 400, "temperature"),
