@@ -1,31 +1,46 @@
-"""`rlpipe serve`: the torch engine behind an OpenAI-compatible HTTP API, with weight reload.
+"""`rlpipe serve`: the torch engine behind an OpenAI/vLLM-compatible HTTP API, with weight reload.
 
     rlpipe serve runs/demo/checkpoints/step_000010 --port 8001 [--token-file F] [--allow-root DIR]
+        [--served-model-name NAME ...] [--tool-call-parser hermes] [--chat-template-kwargs JSON]
 
 Every request passes, in order: a Host allowlist (403; loopback names and the bind address by
-default, against DNS rebinding), the bearer token when the server has one (401), and for POST a
-JSON Content-Type (415) and a body-size cap (413). Requests over a cap (n, max_tokens, prompts,
-prompt + max_tokens over the context) get 400 naming the cap and its option; any malformed input
-is a 4xx, never a 500 (engines/protocol.py holds these checks, for every route).
+default, against DNS rebinding), the bearer token when the server has one (401); every POST body
+then goes through one pipeline (engines/protocol.py `read_request`): a JSON Content-Type (415),
+a body-size cap (413) and deadline (408), valid JSON no deeper than 32 levels with valid Unicode
+text (400), and the route's request model, whose refusals name the field (400). Requests over a
+cap (n, max_tokens, prompts, prompt + max_tokens over the context) get 400 naming the cap and its
+option; no malformed input gives a 500.
 
     POST /v1/completions          OpenAI completions; `prompt` is text, a list of texts, token ids
                                   (list[int]) or a batch of token ids (list[list[int]]).
                                   Sampling: n, max_tokens, temperature (0 = greedy), top_p, top_k
-                                  (0 or -1 = off), seed, stop_token_ids, logprobs.
-    POST /v1/chat/completions     OpenAI chat completions with vLLM's token ids and log-probs
-                                  (engines/chat_api.py)
+                                  (0 or -1 = off), seed, stop (strings), stop_token_ids,
+                                  ignore_eos, logprobs (0-20 top log-probs), stream,
+                                  stream_options.include_usage; vLLM's skip_special_tokens,
+                                  include_stop_str_in_output, return_token_ids,
+                                  return_tokens_as_token_ids.
+    POST /v1/chat/completions     OpenAI chat completions with tools and vLLM's token ids and
+                                  log-probs (engines/chat_api.py)
     GET  /health                  {"status": "ok", "policy_version": k, "checkpoint": path}
-    GET  /v1/models               the served model (id = the first checkpoint's path)
+    GET  /v1/models               the served names (--served-model-name; default: the checkpoint
+                                  path as given); a request's `model` must be one of them (404)
     POST /update_weights_from_disk {"model_path": DIR} (SGLang's shape): load a checkpoint and
                                   answer {"success": true, "message": ..., "policy_version": k}
 
-Response extensions (mirroring vLLM's `return_token_ids` / `return_tokens_as_token_ids`):
-`choices[i].token_ids` holds the completion's token ids (a final stop token included), and with
-`logprobs` set, `choices[i].logprobs.token_logprobs` holds the log-prob of each of them under
-softmax(logits / temperature), untruncated (engines/base.py's convention), with
-`logprobs.tokens` as "token_id:<id>" strings when `return_tokens_as_token_ids` is true.
-`top_logprobs` is always null (not computed). The response also carries `policy_version`.
-Choice `index` = prompt index × n + sample index, as in OpenAI and vLLM.
+As vLLM and OpenAI do, generation stops at the model's end-of-turn / EOS tokens (`<|im_end|>`,
+eos) unless `ignore_eos: true` (the HTTP engine sends it: rollouts stop on their own
+stop_token_ids only, as in process). Answers (engines/openai_output.py): `text` (special tokens
+skipped), `finish_reason` "stop" | "length", vLLM's `stop_reason` (the stop string, or a
+stop_token_ids id that is not EOS), `usage` in every answer (a stream's with
+stream_options.include_usage), and the extensions mirroring vLLM's `return_token_ids` /
+`return_tokens_as_token_ids`: `choices[i].token_ids` holds the completion's token ids (a final
+stop token included), and with `logprobs` set, `choices[i].logprobs` holds `tokens`,
+`token_logprobs` (the log-prob of each under softmax(logits / temperature), untruncated:
+engines/base.py's convention), `top_logprobs` (per position a {token: logprob} dict: the sampled
+token and the `logprobs` most likely ones, from one scoring pass after sampling) and
+`text_offset`, tokens as "token_id:<id>" strings when `return_tokens_as_token_ids` is true.
+The response also carries `policy_version`. Choice `index` = prompt index × n + sample index, as
+in OpenAI and vLLM.
 
 Batching: requests go through a queue; a worker takes the first one, waits up to
 `batch_window_ms` for more, and runs each group of requests with identical sampling
