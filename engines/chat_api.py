@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import field_validator
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.openai_output import Finished, chat_logprobs, finish, sse, text_pieces, usage
+from rlpipe.engines.openai_output import Finished, chat_logprobs, finish, text_pieces, usage
 from rlpipe.engines.protocol import (
     OpenAIRequest,
     RequestError,
@@ -53,6 +53,8 @@ from rlpipe.engines.protocol import (
     top_of,
     until_answered,
 )
+from rlpipe.engines.streaming import chat_chunks as stream_chat_chunks
+from rlpipe.engines.streaming import live_events, replay_events, sse
 from rlpipe.models.chat import template_ids
 from rlpipe.models.tool_calls import ToolCallParser, calls_of_message, openai_tool_calls
 
@@ -213,11 +215,11 @@ def chat_choice(index: int, done: Finished, tokenizer: Any, req: ChatRequest, pa
     return choice
 
 
-def chat_chunks(head: dict[str, Any], choices: list[dict[str, Any]], finished: list[Finished], tokenizer: Any,
-                req: ChatRequest, answer_usage: dict[str, int]):
-    """The chunks of a streamed chat answer: per choice a role chunk, then one content chunk per
-    token (or, for a reply with tool calls, its content then one chunk per call), then its
-    finish_reason; the usage chunk if asked (engines/openai_output.py)."""
+def tool_call_chunks(head: dict[str, Any], choices: list[dict[str, Any]], finished: list[Finished], tokenizer: Any,
+                     req: ChatRequest, answer_usage: dict[str, int]):
+    """The chunks of a streamed chat answer parsed for tool calls (sent once it is sampled): per
+    choice a role chunk, then one content chunk per token (or, for a reply with tool calls, its
+    content then one chunk per call), then its finish_reason; the usage chunk if asked."""
     for choice, done in zip(choices, finished, strict=True):
         index, message = choice["index"], choice["message"]
 
@@ -279,6 +281,12 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
             if len(prompt) >= limit:
                 raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
         check_request_limits([prompt], params, state.limits, limit)
+        parse_tools = state.tool_parser is not None and bool(req.tools) and req.tool_choice != "none"
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": model}
+        if req.stream and not parse_tools and not (req.logprobs and req.top_logprobs):  # live
+            chunks = stream_chat_chunks(live_events(state, [prompt], params), head, current.tokenizer, req, len(prompt))
+            return StreamingResponse(sse(chunks), media_type="text/event-stream")
         (group,), served = await sample(request, state, [prompt], params)
         tok = served.tokenizer
         finished = [finish(c, tok, req.stop_strings, end_of_turn_ids(tok), skip_special_tokens=req.skip_special_tokens,
@@ -289,13 +297,14 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
                                 params)
         choices = [chat_choice(j, d, tok, req, state.tool_parser, tops[j] if tops else None)
                    for j, d in enumerate(finished)]
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model}
         answer_usage = usage(len(prompt), sum(len(d.tokens) for d in finished))
-        if req.stream:
-            head = {**head, "object": "chat.completion.chunk"}
-            return StreamingResponse(sse(chat_chunks(head, choices, finished, tok, req, answer_usage)),
+        if req.stream and parse_tools:
+            return StreamingResponse(sse(tool_call_chunks(head, choices, finished, tok, req, answer_usage)),
                                      media_type="text/event-stream")
+        if req.stream:  # top log-probs need the whole completion: its replay, in the same chunks
+            chunks = stream_chat_chunks(replay_events([group], served), head, tok, req, len(prompt), tops)
+            return StreamingResponse(sse(chunks), media_type="text/event-stream")
+        head = {**head, "object": "chat.completion"}
         out = {**head, "choices": choices, "usage": answer_usage, "policy_version": served.policy_version}
         if req.return_token_ids:
             out["prompt_token_ids"] = prompt

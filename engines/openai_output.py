@@ -3,23 +3,17 @@ stop strings, its text pieces, log-probs and top log-probs, and the server-sent 
 stream. Pure functions over completions and a tokenizer (no HTTP here).
 
 Stop strings: the engine stops on token ids only, so a completion runs to a stop token or
-max_tokens and is then cut at the earliest stop string of its text: the text ends before it
+max_tokens and is then cut at the stop string of its text that is complete first (a stream
+stops there): the text ends before it
 (with it when `include_stop_str_in_output`), token ids and log-probs keep the tokens through the
 one that completes it, `finish_reason` is "stop" and `stop_reason` the string (vLLM's extension;
 a stop_token_ids id that is not the model's EOS likewise, else null).
 
-Streaming: `stream: true` answers `text/event-stream` with one `data: {chunk}` event per sampled
-token of each choice (the text pieces add up to the whole text), a last chunk per choice with its
-`finish_reason`, a usage chunk (`choices: []`) when `stream_options.include_usage`, then
-`data: [DONE]`. The chunks are sent once the completion is sampled (the engine generates a
-request's tokens as one batch call), so a stream gives OpenAI's framing, not an earlier first
-token.
+Streams (`stream: true`) are engines/streaming.py.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +37,8 @@ def finish(completion: Completion, tokenizer: Any, stops: tuple[str, ...], eos_i
     tokens, logprobs = list(completion.tokens), list(completion.logprobs)
     text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
     hits = [(text.find(s), s) for s in stops if s in text]
-    if hits:
-        at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+    if hits:  # the stop string completed first (as a stream finds it), then the earliest
+        at, stop = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
         end = at + len(stop)
         keep = _tokens_covering(tokens, end, tokenizer, skip_special_tokens)
         return Finished(tokens[:keep], logprobs[:keep], text[:end] if include_stop else text[:at], "stop", stop)
@@ -125,10 +119,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI's `usage` object."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def sse(chunks: Iterable[dict[str, Any]]) -> Iterator[str]:
-    """Server-sent events: one `data: {json}` per chunk, then `data: [DONE]`."""
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-    yield "data: [DONE]\n\n"

@@ -74,14 +74,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from rlpipe.engines.chat_api import add_chat_completions
-from rlpipe.engines.openai_output import (
-    Finished,
-    completion_logprobs,
-    finish,
-    sse,
-    text_pieces,
-    usage,
-)
+from rlpipe.engines.openai_output import Finished, completion_logprobs, finish, usage
 from rlpipe.engines.protocol import (
     LOOPBACK_HOSTS,
     CompletionRequest,
@@ -104,6 +97,7 @@ from rlpipe.engines.serving import (
     ServedModel,
     load_served_model,
 )
+from rlpipe.engines.streaming import completion_chunks, live_events, replay_events, sse
 from rlpipe.models.tool_calls import ToolCallParser, get_parser
 from starlette.datastructures import Headers
 
@@ -129,28 +123,6 @@ def completion_choice(index: int, done: Finished, tokenizer: Any, req: Completio
     if req.logprobs is not None:
         choice["logprobs"] = completion_logprobs(done, tokenizer, top, req.return_tokens_as_token_ids)
     return choice
-
-
-def completion_chunks(head: dict[str, Any], choices: list[dict[str, Any]], finished: list[Finished],
-                      tokenizer: Any, req: CompletionRequest, answer_usage: dict[str, int]):
-    """The chunks of a streamed completions answer (engines/openai_output.py): one per token of
-    each choice, a last one per choice with its finish_reason, the usage chunk if asked."""
-    for choice, done in zip(choices, finished, strict=True):
-        pieces = text_pieces(done.tokens, done.text, tokenizer, req.skip_special_tokens)
-        lp = choice["logprobs"]
-        for t, piece in enumerate(pieces):
-            part: dict[str, Any] = {"index": choice["index"], "text": piece, "logprobs": None,
-                                    "finish_reason": None, "stop_reason": None}
-            if lp is not None:
-                part["logprobs"] = {key: [lp[key][t]] for key in ("tokens", "token_logprobs", "top_logprobs",
-                                                                  "text_offset")}
-            if req.return_token_ids:
-                part["token_ids"] = [done.tokens[t]]
-            yield {**head, "choices": [part]}
-        yield {**head, "choices": [{"index": choice["index"], "text": "", "logprobs": None,
-                                    "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}]}
-    if req.include_usage:
-        yield {**head, "choices": [], "usage": answer_usage}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -306,6 +278,13 @@ def build_app(
         model = check_model(req.model, state)
         prompts = prompt_token_ids(req.prompt, current.tokenizer, current.vocab_size)
         check_request_limits(prompts, params, state.limits, current.max_model_len)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model}
+        n_prompt = sum(len(p) for p in prompts)
+        if req.stream and not req.logprobs:  # live: each token's chunk as it is sampled
+            chunks = completion_chunks(live_events(state, prompts, params), head, current.tokenizer, req,
+                                       params.n, n_prompt)
+            return StreamingResponse(sse(chunks), media_type="text/event-stream")
         groups, served = await sample(request, state, prompts, params)
         tok, eos = served.tokenizer, end_of_turn_ids(served.tokenizer)
         finished = [finish(c, tok, req.stop_strings, eos, skip_special_tokens=req.skip_special_tokens,
@@ -314,15 +293,12 @@ def build_app(
         if req.logprobs:  # k >= 1: one scoring pass; logprobs=0 needs only the sampled token's
             sequences = [(prompts[i // params.n], done.tokens) for i, done in enumerate(finished)]
             tops = await top_of(request, state, served, sequences, req.logprobs, params)
+        if req.stream:  # top log-probs need the whole completion: its replay, in the same chunks
+            chunks = completion_chunks(replay_events(groups, served), head, tok, req, params.n, n_prompt, tops)
+            return StreamingResponse(sse(chunks), media_type="text/event-stream")
         choices = [completion_choice(i, done, tok, req, tops[i] if tops else None)
                    for i, done in enumerate(finished)]
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model}
-        answer_usage = usage(sum(len(p) for p in prompts),
-                             sum(len(done.tokens) for done in finished))
-        if req.stream:
-            return StreamingResponse(sse(completion_chunks(head, choices, finished, tok, req, answer_usage)),
-                                     media_type="text/event-stream")
+        answer_usage = usage(n_prompt, sum(len(done.tokens) for done in finished))
         return {**head, "choices": choices, "usage": answer_usage, "policy_version": served.policy_version}
 
     add_chat_completions(app, state)  # POST /v1/chat/completions

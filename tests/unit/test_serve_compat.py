@@ -4,7 +4,9 @@ tool calls parsed by the same parser the calculator environment uses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -305,3 +307,82 @@ def test_the_calculator_env_steps_as_before():
         assert (not result.done) == old_rule, text
         if old_rule:
             assert result.messages_to_append == [{"role": "tool", "content": run_tool(text.strip()[4:])}]
+
+
+# ----------------------------------------------------------------------------- live streams
+
+
+def by_choice(chunks: list[dict]) -> dict[int, dict]:
+    """Streamed chunks gathered per choice index: text, token ids, log-probs, finish."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for part in chunk["choices"]:
+            got = out.setdefault(part["index"], {"text": "", "token_ids": [], "logprobs": [], "finish": None})
+            got["text"] += part.get("text") or (part.get("delta") or {}).get("content") or ""
+            got["token_ids"] += part.get("token_ids") or []
+            lp = part.get("logprobs") or {}
+            got["logprobs"] += lp.get("token_logprobs") or [e["logprob"] for e in lp.get("content") or []]
+            if part.get("finish_reason"):
+                got["finish"] = (part["finish_reason"], part.get("stop_reason"))
+    return out
+
+
+def test_live_streams_equal_the_whole_answers(client):
+    """Token by token as sampled (no top log-probs, no tool parsing): n choices interleaved, stop
+    strings held back until they cannot be one, the same tokens, text and log-probs."""
+    whole = post(client, "/v1/completions", prompt=["ab", "12+7="], n=2, max_tokens=30, seed=5, logprobs=0,
+                 ignore_eos=True)
+    stops = [whole["choices"][1]["text"][6:8], whole["choices"][2]["text"][3:6]]
+    for body in ({}, {"stop": stops}):
+        request = {"prompt": ["ab", "12+7="], "n": 2, "max_tokens": 30, "seed": 5, "logprobs": 0,
+                   "ignore_eos": True, **body}
+        expected = post(client, "/v1/completions", **request)
+        streamed = by_choice(events(client.post("/v1/completions", json={**request, "stream": True})))
+        for choice in expected["choices"]:
+            got = streamed[choice["index"]]
+            assert got["text"] == choice["text"] and got["token_ids"] == choice["token_ids"]
+            assert got["logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"])
+            assert got["finish"] == (choice["finish_reason"], choice["stop_reason"])
+        if body:
+            assert {c["finish_reason"] for c in expected["choices"][1:3]} == {"stop"}
+    chat = {"messages": MESSAGES, "n": 2, "max_tokens": 12, "seed": 2, "logprobs": True, "stop": "e"}
+    expected = post(client, "/v1/chat/completions", **chat)
+    streamed = by_choice(events(client.post("/v1/chat/completions", json={**chat, "stream": True})))
+    for choice in expected["choices"]:
+        got = streamed[choice["index"]]
+        assert got["text"] == choice["message"]["content"] and got["token_ids"] == choice["token_ids"]
+        assert got["logprobs"] == pytest.approx([e["logprob"] for e in choice["logprobs"]["content"]])
+        assert got["finish"] == (choice["finish_reason"], choice["stop_reason"])
+
+
+def test_a_live_stream_sends_tokens_while_it_samples_and_stops_its_work_when_closed(checkpoint):
+    from rlpipe.engines.base import SamplingParams
+    from rlpipe.engines.protocol import ServeLimits
+    from rlpipe.engines.streaming import live_events
+
+    app = build_app(checkpoint, limits=ServeLimits(chunk_sequences=1))
+    state = app.state.rlpipe
+
+    async def main():
+        params = SamplingParams(max_new_tokens=150, seed=0)
+        start = time.perf_counter()
+        stream = live_events(state, [[5, 6, 7]], params)
+        first = await anext(stream)
+        first_s = time.perf_counter() - start
+        async for event in stream:
+            last = event
+        whole_s = time.perf_counter() - start
+        # three prompts in three parts (chunk_sequences=1): closing after the first token drops
+        # the parts not yet started
+        cut = live_events(state, [[5, 6, 7], [8, 9], [10]], SamplingParams(max_new_tokens=20, seed=0))
+        await anext(cut)
+        await cut.aclose()
+        await asyncio.sleep(0.5)
+        await state.batcher.stop()
+        return first, first_s, last, whole_s
+
+    first, first_s, last, whole_s = asyncio.run(main())
+    assert first[:3] == ("token", 0, 0) and last[0] == "done"
+    assert last[1][0][0].tokens[0] == first[3]
+    assert first_s < whole_s / 4, (first_s, whole_s)  # the first token came long before the last
+    assert state.batcher.stats.dropped == 1 and state.batcher.stats.engine_calls < 4
