@@ -26,6 +26,9 @@ Tool calls: with `--tool-call-parser NAME` (models/tool_calls.py) and `tools` in
 content the text outside them (null when none), and `finish_reason` "tool_calls". An assistant
 message's `tool_calls` in the request reach the template as they are, or, for a parser whose
 format the template does not render (calculator), become the text the model wrote.
+
+`stream: true`: live (engines/streaming.py), except with top_logprobs or tool-call parsing,
+where the sampled reply is streamed once whole (tool calls as one `delta.tool_calls` chunk each).
 """
 
 from __future__ import annotations

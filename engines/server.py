@@ -15,8 +15,9 @@ option; no malformed input gives a 500.
                                   (list[int]) or a batch of token ids (list[list[int]]).
                                   Sampling: n, max_tokens, temperature (0 = greedy), top_p, top_k
                                   (0 or -1 = off), seed, stop (strings), stop_token_ids,
-                                  ignore_eos, logprobs (0-20 top log-probs), stream,
-                                  stream_options.include_usage; vLLM's skip_special_tokens,
+                                  ignore_eos, logprobs (0-20 top log-probs), stream (server-sent
+                                  events, engines/streaming.py), stream_options.include_usage;
+                                  vLLM's skip_special_tokens,
                                   include_stop_str_in_output, return_token_ids,
                                   return_tokens_as_token_ids.
     POST /v1/chat/completions     OpenAI chat completions with tools and vLLM's token ids and
