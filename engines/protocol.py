@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from rlpipe.engines.base import SamplingParams
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -271,6 +271,17 @@ class OpenAIRequest(BaseModel):
     frequency_penalty: float | int = 0
     presence_penalty: float | int = 0
     repetition_penalty: float | int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        """A null where the field has a default means the default (clients send
+        `"max_tokens": null`, `"temperature": null`)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in fields and fields[k].default is not None and not fields[k].is_required())}
+        return data
 
     @field_validator("echo", check_fields=False)
     @classmethod

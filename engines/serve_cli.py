@@ -5,8 +5,8 @@
         [--chat-template-kwargs JSON] [--allow-client-chat-template]
 
 Connections: request headers must be complete within --header-timeout-s of a connection opening
-(or of its previous response), bodies within --body-timeout-s (408), header blocks within 64 KiB
-(h11), and an idle keep-alive connection is closed after 5 s. An empty token (--token "", a blank
+(or of its previous response), bodies within --body-timeout-s (408), a request's headers within
+16 KiB (h11 answers 400 past it), and an idle keep-alive connection is closed after 5 s. An empty token (--token "", a blank
 $RLPIPE_API_TOKEN) is refused rather than turning authentication off; a token file that other
 users can read gets a warning.
 
@@ -30,6 +30,8 @@ from rlpipe.engines.http import read_token
 from rlpipe.engines.protocol import LOOPBACK_HOSTS, ServeLimits
 from rlpipe.engines.server import DEFAULT_PORT, TOKEN_ENV, build_app
 from rlpipe.models.tool_calls import PARSERS
+
+MAX_HEADER_BYTES = 16 * 1024  # h11's default, set explicitly: a request's header block at most
 
 LIMIT_HELP = {
     "max_n": "completions per prompt at most",
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False,
                             http=header_deadline_protocol(limits.header_timeout_s),
-                            timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024)
+                            timeout_keep_alive=5, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

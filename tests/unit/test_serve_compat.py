@@ -386,3 +386,18 @@ def test_a_live_stream_sends_tokens_while_it_samples_and_stops_its_work_when_clo
     assert last[1][0][0].tokens[0] == first[3]
     assert first_s < whole_s / 4, (first_s, whole_s)  # the first token came long before the last
     assert state.batcher.stats.dropped == 1 and state.batcher.stats.engine_calls < 4
+
+
+def test_nulls_mean_the_defaults(client):
+    """Clients that send every field, unset ones as null, get the defaults."""
+    nulls = {"max_tokens": None, "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None,
+             "logprobs": None, "stream": None, "user": None, "presence_penalty": None}
+    out = post(client, "/v1/completions", prompt="1", **nulls)
+    assert len(out["choices"]) == 1 and out["choices"][0]["logprobs"] is None
+    assert len(out["choices"][0]["token_ids"]) <= 16  # max_tokens' default
+    chat = post(client, "/v1/chat/completions", messages=MESSAGES, max_tokens=3,
+                **{k: v for k, v in nulls.items() if k not in ("max_tokens", "logprobs")},
+                tools=None, tool_choice=None, top_logprobs=None)
+    assert len(chat["choices"]) == 1 and len(chat["choices"][0]["token_ids"]) <= 3
+    refused = client.post("/v1/completions", json={"prompt": None})
+    assert refused.status_code == 400 and "prompt" in refused.json()["error"]["message"]
