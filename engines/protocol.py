@@ -283,6 +283,12 @@ class OpenAIRequest(BaseModel):
                     if not (v is None and k in fields and fields[k].default is not None and not fields[k].is_required())}
         return data
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     @field_validator("echo", check_fields=False)
     @classmethod
     def _not_supported(cls, value: bool, info) -> bool:
