@@ -333,7 +333,7 @@ def test_live_streams_equal_the_whole_answers(client):
     whole = post(client, "/v1/completions", prompt=["ab", "12+7="], n=2, max_tokens=30, seed=5, logprobs=0,
                  ignore_eos=True)
     stops = [whole["choices"][1]["text"][6:8], whole["choices"][2]["text"][3:6]]
-    for body in ({}, {"stop": stops}):
+    for body in ({}, {"stop": stops}, {"ignore_eos": False, "max_tokens": 80}):
         request = {"prompt": ["ab", "12+7="], "n": 2, "max_tokens": 30, "seed": 5, "logprobs": 0,
                    "ignore_eos": True, **body}
         expected = post(client, "/v1/completions", **request)
@@ -343,11 +343,16 @@ def test_live_streams_equal_the_whole_answers(client):
             assert got["text"] == choice["text"] and got["token_ids"] == choice["token_ids"]
             assert got["logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"])
             assert got["finish"] == (choice["finish_reason"], choice["stop_reason"])
-        if body:
+        if "stop" in body:
             assert {c["finish_reason"] for c in expected["choices"][1:3]} == {"stop"}
+        if body.get("ignore_eos") is False:  # a choice the model's EOS ended
+            assert any(c["finish_reason"] == "stop" and c["stop_reason"] is None for c in expected["choices"])
     chat = {"messages": MESSAGES, "n": 2, "max_tokens": 12, "seed": 2, "logprobs": True, "stop": "e"}
     expected = post(client, "/v1/chat/completions", **chat)
-    streamed = by_choice(events(client.post("/v1/chat/completions", json={**chat, "stream": True})))
+    chunks = events(client.post("/v1/chat/completions", json={**chat, "stream": True,
+                                                              "stream_options": {"include_usage": True}}))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == expected["usage"]
+    streamed = by_choice(chunks)
     for choice in expected["choices"]:
         got = streamed[choice["index"]]
         assert got["text"] == choice["message"]["content"] and got["token_ids"] == choice["token_ids"]
