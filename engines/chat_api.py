@@ -265,7 +265,8 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
                                "--allow-client-chat-template to accept one)", 403)
         current = state.slot.current
         try:
-            default_max = max(1, (current.max_model_len or 4096) - 1)
+            # unset max_tokens: what the context leaves, within the server's cap (--max-tokens)
+            default_max = max(1, min(state.limits.max_tokens, (current.max_model_len or 4096) - 1))
             params = req.sampling_params(end_of_turn_ids(current.tokenizer), default_max)
         except ValueError as err:
             raise RequestError(str(err)) from err

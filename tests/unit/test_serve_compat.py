@@ -406,3 +406,13 @@ def test_nulls_mean_the_defaults(client):
     assert len(chat["choices"]) == 1 and len(chat["choices"][0]["token_ids"]) <= 3
     refused = client.post("/v1/completions", json={"prompt": None})
     assert refused.status_code == 400 and "prompt" in refused.json()["error"]["message"]
+
+
+def test_a_chat_without_max_tokens_gets_what_the_cap_allows(checkpoint, monkeypatch):
+    from rlpipe.engines.protocol import ServeLimits
+
+    with TestClient(build_app(checkpoint, limits=ServeLimits(max_tokens=5)), base_url="http://localhost") as c:
+        model = c.app.state.rlpipe.slot.current.engine.model
+        monkeypatch.setattr(model.config, "max_position_embeddings", 100_000)  # a context above the cap
+        out = post(c, "/v1/chat/completions", messages=MESSAGES, ignore_eos=True)["choices"][0]
+        assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length"
