@@ -65,8 +65,10 @@ def text_pieces(tokens: list[int], text: str, tokenizer: Any, skip: bool) -> lis
     what its decoded prefix adds; the last piece takes any rest)."""
     pieces, done = [], 0
     for k in range(1, len(tokens) + 1):
-        upto = text.__len__() if k == len(tokens) else min(
-            len(tokenizer.decode(tokens[:k], skip_special_tokens=skip)), len(text))
+        if k == len(tokens):
+            upto = len(text)
+        else:
+            upto = min(len(tokenizer.decode(tokens[:k], skip_special_tokens=skip)), len(text))
         upto = max(upto, done)
         pieces.append(text[done:upto])
         done = upto
