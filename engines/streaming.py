@@ -241,4 +241,7 @@ async def sse(chunks: AsyncIterator[dict[str, Any]] | Iterable[dict[str, Any]]) 
         status = getattr(err, "status", 400)
         error = {"message": str(err), "type": "invalid_request_error", "code": status}
         yield f"data: {json.dumps({'error': error})}\n\n"
+    except Exception as err:  # noqa: BLE001 - the status line is sent: say so in the stream
+        error = {"message": f"{type(err).__name__}: {err}", "type": "internal_error", "code": 500}
+        yield f"data: {json.dumps({'error': error})}\n\n"
     yield "data: [DONE]\n\n"

@@ -416,3 +416,17 @@ def test_a_chat_without_max_tokens_gets_what_the_cap_allows(checkpoint, monkeypa
         monkeypatch.setattr(model.config, "max_position_embeddings", 100_000)  # a context above the cap
         out = post(c, "/v1/chat/completions", messages=MESSAGES, ignore_eos=True)["choices"][0]
         assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length"
+
+
+def test_a_stream_past_its_deadline_ends_with_an_error_event(checkpoint):
+    from rlpipe.engines.protocol import ServeLimits
+
+    limits = ServeLimits(request_timeout_s=0.3, max_tokens=3000)
+    with TestClient(build_app(checkpoint, limits=limits), base_url="http://localhost") as c:
+        response = c.post("/v1/completions", json={"prompt": "1", "max_tokens": 3000, "ignore_eos": True,
+                                                   "stream": True})
+        chunks = events(response)
+        assert response.status_code == 200 and chunks[0]["choices"][0]["index"] == 0  # tokens came first
+        assert chunks[-1] == {"error": {"message": "request took longer than request_timeout_s=0.3 "
+                                                   "(--request-timeout-s)", "type": "invalid_request_error",
+                                        "code": 504}}
