@@ -6,7 +6,7 @@ Request shapes per flavor, checked against the servers' source and docs; the vll
 runs against a real vLLM 0.32 server on the CPU (tests/integration/test_vllm_cpu.py):
 
 - rlpipe: `engines/server.py` (this repository) — POST /v1/completions with `prompt` as a batch of
-  token ids and `logprobs: 0`, reading `choices[i].token_ids` and
+  token ids, `logprobs: 0` and `ignore_eos: true`, reading `choices[i].token_ids` and
   `choices[i].logprobs.token_logprobs`; sync: POST /update_weights_from_disk
   {"model_path", "weight_version"} → {"success", "message", "policy_version"}.
 - vllm: `vllm/entrypoints/openai/protocol.py` (CompletionRequest: `prompt` may be token ids,
@@ -76,9 +76,11 @@ def completions_request(
         body["seed"] = params.seed
     if model is not None:
         body["model"] = model
+    # Our engines stop only on stop_token_ids; a server (vLLM, and `rlpipe serve` by default, as
+    # OpenAI clients expect) would also stop on the model's EOS: opt out explicitly.
+    body["ignore_eos"] = True
     if flavor == "vllm":
-        # Our engines stop only on stop_token_ids; vLLM would also stop on the model's EOS.
-        body.update(return_token_ids=True, ignore_eos=True, skip_special_tokens=False)
+        body.update(return_token_ids=True, skip_special_tokens=False)
     return body
 
 

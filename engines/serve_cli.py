@@ -1,6 +1,14 @@
 """`rlpipe serve`'s command line: options, token, Host allowlist and limits → engines.server's app.
 
     rlpipe serve CHECKPOINT [--port N] [--token-file F] [--allow-host NAME] [--max-n N] ...
+        [--served-model-name NAME ...] [--tool-call-parser hermes|calculator]
+        [--chat-template-kwargs JSON] [--allow-client-chat-template]
+
+Connections: request headers must be complete within --header-timeout-s of a connection opening
+(or of its previous response), bodies within --body-timeout-s (408), a request's headers within
+16 KiB (h11 answers 400 past it), and an idle keep-alive connection is closed after 5 s. An empty token (--token "", a blank
+$RLPIPE_API_TOKEN) is refused rather than turning authentication off; a token file that other
+users can read gets a warning.
 
 The first stdout line names the address (`listening on http://HOST:PORT`), so scripts and tests
 can pass --port 0 and read the port back.
@@ -9,13 +17,21 @@ can pass --port 0 and read the port back.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import socket
+import stat
 import sys
+from typing import Any
 
+import h11
 import torch
 from rlpipe.engines.http import read_token
 from rlpipe.engines.protocol import LOOPBACK_HOSTS, ServeLimits
 from rlpipe.engines.server import DEFAULT_PORT, TOKEN_ENV, build_app
+from rlpipe.models.tool_calls import PARSERS
+
+MAX_HEADER_BYTES = 16 * 1024  # h11's default, set explicitly: a request's header block at most
 
 LIMIT_HELP = {
     "max_n": "completions per prompt at most",
@@ -25,7 +41,90 @@ LIMIT_HELP = {
     "chunk_sequences": "a request is generated in engine calls of at most this many sequences, so "
     "other requests and weight updates take turns with a long one",
     "request_timeout_s": "seconds before an unanswered request gets 504 and its work is dropped",
+    "body_timeout_s": "seconds a request body may take to arrive before 408",
+    "header_timeout_s": "seconds a connection may take to send complete request headers before it is closed",
 }
+
+
+def header_deadline_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request headers are not complete
+    `timeout_s` after it opened or after its previous response (uvicorn's own keep-alive timer
+    restarts on every byte, so a client sending a header a byte at a time would hold it)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _header_timer: Any = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_overdue)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_overdue(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state in (h11.IDLE, h11.DONE) and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state not in (h11.IDLE, h11.DONE):  # a request's headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:  # type: ignore[override]
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadlineProtocol
+
+
+def check_token_file(path: str) -> str | None:
+    """A warning when the token file can be read by its group or others, else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # read_token names the problem
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        return (f"warning: the token file {path!r} is readable by other users (mode {stat.S_IMODE(mode):o}); "
+                f"chmod 600 {path}")
+    return None
+
+
+def server_token(token: str | None, token_file: str) -> str | None:
+    """The bearer token: --token-file, else --token, else ${TOKEN_ENV}; ValueError for an empty
+    one (an empty token would silently turn authentication off)."""
+    if token_file:
+        return read_token(token_file, TOKEN_ENV)
+    if token is not None:
+        if not token.strip():
+            raise ValueError("--token is empty; give a token, or leave --token out to serve without one")
+        return token.strip()
+    if TOKEN_ENV in os.environ and not os.environ[TOKEN_ENV].strip():
+        raise ValueError(f"${TOKEN_ENV} is set but empty; unset it to serve without a token")
+    return read_token("", TOKEN_ENV)
+
+
+def template_kwargs(text: str) -> dict[str, Any]:
+    """--chat-template-kwargs: a JSON object; ValueError naming the flag otherwise."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError as err:
+        raise ValueError(f"--chat-template-kwargs is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--chat-template-kwargs must be a JSON object")
+    return value
 
 
 def allowed_hosts(names: list[str] | None, bind_host: str) -> tuple[str, ...] | None:
@@ -86,9 +185,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=256,
         help="sequences (prompts x n) merged into one engine call at most",
     )
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the names clients call the model by, listed by /v1/models (default: "
+                        "CHECKPOINT as given)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="parse tool calls of chat replies into `tool_calls` with this format "
+                        "(models/tool_calls.py; default: never)")
+    parser.add_argument("--chat-template-kwargs", default="", metavar="JSON",
+                        help="a JSON object passed to every chat template rendering, under a "
+                        "request's own chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
+    parser.add_argument("--allow-client-chat-template", action="store_true",
+                        help="accept a request's own chat template (refused by default: it is code "
+                        "the server runs)")
     defaults = ServeLimits()
     for name, kind in (("max_n", int), ("max_tokens", int), ("max_prompts", int), ("max_body_bytes", int),
-                       ("chunk_sequences", int), ("request_timeout_s", float)):
+                       ("chunk_sequences", int), ("request_timeout_s", float), ("body_timeout_s", float),
+                       ("header_timeout_s", float)):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name),
                             help=f"{LIMIT_HELP[name]} (default {getattr(defaults, name)})")
     parser.add_argument("--device", default="auto",
@@ -103,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        token = read_token(args.token_file, TOKEN_ENV) if args.token is None or args.token_file else args.token
+        token = server_token(args.token, args.token_file)
         limits = ServeLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
+        kwargs = template_kwargs(args.chat_template_kwargs)
     except ValueError as err:
         print(f"rlpipe serve: {err}", file=sys.stderr)
         return 2
+    warning = check_token_file(args.token_file) if args.token_file else None
+    if warning:
+        print(f"rlpipe serve: {warning}", file=sys.stderr)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.host not in LOOPBACK_HOSTS and not token:
@@ -126,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             limits=limits,
             allowed_hosts=allowed_hosts(args.allow_host, args.host),
+            served_model_names=args.served_model_name,
+            tool_call_parser=args.tool_call_parser,
+            chat_template_kwargs=kwargs,
+            allow_client_chat_template=args.allow_client_chat_template,
         )
     except ValueError as err:
         print(f"rlpipe serve: {err}", file=sys.stderr)
@@ -148,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{served.policy_version}, {served.path})",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            http=header_deadline_protocol(limits.header_timeout_s),
+                            timeout_keep_alive=5, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

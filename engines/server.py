@@ -1,31 +1,47 @@
-"""`rlpipe serve`: the torch engine behind an OpenAI-compatible HTTP API, with weight reload.
+"""`rlpipe serve`: the torch engine behind an OpenAI/vLLM-compatible HTTP API, with weight reload.
 
     rlpipe serve runs/demo/checkpoints/step_000010 --port 8001 [--token-file F] [--allow-root DIR]
+        [--served-model-name NAME ...] [--tool-call-parser hermes] [--chat-template-kwargs JSON]
 
 Every request passes, in order: a Host allowlist (403; loopback names and the bind address by
-default, against DNS rebinding), the bearer token when the server has one (401), and for POST a
-JSON Content-Type (415) and a body-size cap (413). Requests over a cap (n, max_tokens, prompts,
-prompt + max_tokens over the context) get 400 naming the cap and its option; any malformed input
-is a 4xx, never a 500 (engines/protocol.py holds these checks, for every route).
+default, against DNS rebinding), the bearer token when the server has one (401); every POST body
+then goes through one pipeline (engines/protocol.py `read_request`): a JSON Content-Type (415),
+a body-size cap (413) and deadline (408), valid JSON no deeper than 32 levels with valid Unicode
+text (400), and the route's request model, whose refusals name the field (400). Requests over a
+cap (n, max_tokens, prompts, prompt + max_tokens over the context) get 400 naming the cap and its
+option; no malformed input gives a 500.
 
     POST /v1/completions          OpenAI completions; `prompt` is text, a list of texts, token ids
                                   (list[int]) or a batch of token ids (list[list[int]]).
                                   Sampling: n, max_tokens, temperature (0 = greedy), top_p, top_k
-                                  (0 or -1 = off), seed, stop_token_ids, logprobs.
-    POST /v1/chat/completions     OpenAI chat completions with vLLM's token ids and log-probs
-                                  (engines/chat_api.py)
+                                  (0 or -1 = off), seed, stop (strings), stop_token_ids,
+                                  ignore_eos, logprobs (0-20 top log-probs), stream (server-sent
+                                  events, engines/streaming.py), stream_options.include_usage;
+                                  vLLM's skip_special_tokens,
+                                  include_stop_str_in_output, return_token_ids,
+                                  return_tokens_as_token_ids.
+    POST /v1/chat/completions     OpenAI chat completions with tools and vLLM's token ids and
+                                  log-probs (engines/chat_api.py)
     GET  /health                  {"status": "ok", "policy_version": k, "checkpoint": path}
-    GET  /v1/models               the served model (id = the first checkpoint's path)
+    GET  /v1/models               the served names (--served-model-name; default: the checkpoint
+                                  path as given); a request's `model` must be one of them (404)
     POST /update_weights_from_disk {"model_path": DIR} (SGLang's shape): load a checkpoint and
                                   answer {"success": true, "message": ..., "policy_version": k}
 
-Response extensions (mirroring vLLM's `return_token_ids` / `return_tokens_as_token_ids`):
-`choices[i].token_ids` holds the completion's token ids (a final stop token included), and with
-`logprobs` set, `choices[i].logprobs.token_logprobs` holds the log-prob of each of them under
-softmax(logits / temperature), untruncated (engines/base.py's convention), with
-`logprobs.tokens` as "token_id:<id>" strings when `return_tokens_as_token_ids` is true.
-`top_logprobs` is always null (not computed). The response also carries `policy_version`.
-Choice `index` = prompt index × n + sample index, as in OpenAI and vLLM.
+As vLLM and OpenAI do, generation stops at the model's end-of-turn / EOS tokens (`<|im_end|>`,
+eos) unless `ignore_eos: true` (the HTTP engine sends it: rollouts stop on their own
+stop_token_ids only, as in process). Answers (engines/openai_output.py): `text` (special tokens
+skipped), `finish_reason` "stop" | "length", vLLM's `stop_reason` (the stop string, or a
+stop_token_ids id that is not EOS), `usage` in every answer (a stream's with
+stream_options.include_usage), and the extensions mirroring vLLM's `return_token_ids` /
+`return_tokens_as_token_ids`: `choices[i].token_ids` holds the completion's token ids (a final
+stop token included), and with `logprobs` set, `choices[i].logprobs` holds `tokens`,
+`token_logprobs` (the log-prob of each under softmax(logits / temperature), untruncated:
+engines/base.py's convention), `top_logprobs` (per position a {token: logprob} dict: the sampled
+token and the `logprobs` most likely ones, from one scoring pass after sampling) and
+`text_offset`, tokens as "token_id:<id>" strings when `return_tokens_as_token_ids` is true.
+The response also carries `policy_version`. Choice `index` = prompt index × n + sample index, as
+in OpenAI and vLLM.
 
 Batching: requests go through a queue; a worker takes the first one, waits up to
 `batch_window_ms` for more, and runs each group of requests with identical sampling
@@ -57,23 +73,24 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from rlpipe.engines.base import Completion
+from fastapi.responses import JSONResponse, StreamingResponse
 from rlpipe.engines.chat_api import add_chat_completions
+from rlpipe.engines.openai_output import Finished, completion_logprobs, finish, usage
 from rlpipe.engines.protocol import (
     LOOPBACK_HOSTS,
     CompletionRequest,
+    ReloadRequest,
     RequestError,
     ServeLimits,
-    check_content_type,
     check_host,
+    check_model,
     check_request_limits,
+    end_of_turn_ids,
     prompt_token_ids,
-    read_json_body,
+    read_request,
     resolve_model_path,
-    until_answered,
-    validation_message,
+    sample,
+    top_of,
 )
 from rlpipe.engines.serving import (
     Batcher,
@@ -81,6 +98,8 @@ from rlpipe.engines.serving import (
     ServedModel,
     load_served_model,
 )
+from rlpipe.engines.streaming import completion_chunks, live_events, replay_events, sse
+from rlpipe.models.tool_calls import ToolCallParser, get_parser
 from starlette.datastructures import Headers
 
 DEFAULT_PORT = 8000
@@ -90,29 +109,20 @@ TOKEN_ENV = "RLPIPE_API_TOKEN"
 # ----------------------------------------------------------------------------- responses
 
 
-def completion_choice(
-    index: int, completion: Completion, tokenizer: Any, logprobs: int | None, as_token_ids: bool
-) -> dict[str, Any]:
-    """One OpenAI choice, with the token-id and log-prob extensions (see module docstring)."""
+def completion_choice(index: int, done: Finished, tokenizer: Any, req: CompletionRequest,
+                      top: list[list[tuple[int, float]]] | None) -> dict[str, Any]:
+    """One OpenAI completions choice, with vLLM's stop_reason and token-id extensions."""
     choice: dict[str, Any] = {
         "index": index,
-        "text": tokenizer.decode(completion.tokens, skip_special_tokens=True),
-        "finish_reason": completion.finish_reason,
-        "token_ids": list(completion.tokens),
+        "text": done.text,
         "logprobs": None,
+        "finish_reason": done.finish_reason,
+        "stop_reason": done.stop_reason,
     }
-    if logprobs is not None:
-        pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in completion.tokens]
-        offsets, at = [], 0
-        for piece in pieces:
-            offsets.append(at)
-            at += len(piece)
-        choice["logprobs"] = {
-            "tokens": [f"token_id:{t}" for t in completion.tokens] if as_token_ids else pieces,
-            "token_logprobs": [float(x) for x in completion.logprobs],
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
+    if req.return_token_ids:
+        choice["token_ids"] = list(done.tokens)
+    if req.logprobs is not None:
+        choice["logprobs"] = completion_logprobs(done, tokenizer, top, req.return_tokens_as_token_ids)
     return choice
 
 
@@ -154,10 +164,13 @@ class ServerState:
 
     slot: ModelSlot
     batcher: Batcher
-    model_name: str
+    served_names: tuple[str, ...]
     allow_root: Path
     device: str
     limits: ServeLimits = field(default_factory=ServeLimits)
+    tool_parser: ToolCallParser | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    allow_client_chat_template: bool = False
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     load: Callable[[Path, str], ServedModel] = load_served_model
 
@@ -172,6 +185,10 @@ def build_app(
     device: str = "auto",
     limits: ServeLimits | None = None,
     allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
+    served_model_names: list[str] | tuple[str, ...] | None = None,
+    tool_call_parser: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    allow_client_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `checkpoint` (a folder, or an already loaded ServedModel).
 
@@ -180,8 +197,17 @@ def build_app(
     holding `checkpoint`, i.e. `<run_dir>/checkpoints`).
     limits: request caps (engines.protocol.ServeLimits). allowed_hosts: Host header names
     accepted (None = any); loopback names by default, against DNS rebinding.
+    served_model_names: the names `model` may take and /v1/models lists (default: the
+    checkpoint path as given). tool_call_parser: the name of a models/tool_calls.py parser that
+    turns tool calls in chat replies into `tool_calls` (None: never parsed).
+    chat_template_kwargs: passed to every chat rendering, under a request's own.
+    allow_client_chat_template: accept a request's `chat_template` (rendered in a thread).
     """
     limits = limits or ServeLimits()
+    names = tuple(served_model_names or ())
+    if any(not isinstance(n, str) or not n.strip() for n in names):
+        raise ValueError(f"served model names must be non-empty strings, got {list(names)}")
+    parser = get_parser(tool_call_parser) if tool_call_parser else None
     served = (
         checkpoint if isinstance(checkpoint, ServedModel) else load_served_model(checkpoint, device)
     )
@@ -192,10 +218,13 @@ def build_app(
     state = ServerState(
         slot=slot,
         batcher=Batcher(slot, batch_window_ms / 1000.0, max_batch_prompts, limits.chunk_sequences),
-        model_name=str(served.path),
+        served_names=names or (str(served.path),),
         allow_root=root.resolve(),
         device=device,
         limits=limits,
+        tool_parser=parser,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        allow_client_chat_template=allow_client_chat_template,
     )
 
     @asynccontextmanager
@@ -227,7 +256,7 @@ def build_app(
             "object": "list",
             "data": [
                 {
-                    "id": state.model_name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "rlpipe",
@@ -235,75 +264,57 @@ def build_app(
                     "max_model_len": current.max_model_len,
                     "policy_version": current.policy_version,
                 }
+                for name in state.served_names
             ],
         }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_content_type(request.headers)
-        body = await read_json_body(request, state.limits)
-        if not isinstance(body, dict):
-            raise RequestError("request body must be a JSON object")
+        req = await read_request(request, state.limits, CompletionRequest)
+        current = state.slot.current
         try:
-            req = CompletionRequest.model_validate(body)
-            params = req.sampling_params()
-        except ValidationError as err:
-            raise RequestError(validation_message(err)) from err
+            params = req.sampling_params(end_of_turn_ids(current.tokenizer))
         except ValueError as err:
             raise RequestError(str(err)) from err
-        if req.model is not None and req.model != state.model_name:
-            raise RequestError(
-                f"the model {req.model!r} does not exist; serving {state.model_name!r}", 404
-            )
-        current = state.slot.current
+        model = check_model(req.model, state)
         prompts = prompt_token_ids(req.prompt, current.tokenizer, current.vocab_size)
         check_request_limits(prompts, params, state.limits, current.max_model_len)
-        try:
-            groups, served = await until_answered(
-                request, state.batcher.submit(prompts, params), state.limits.request_timeout_s)
-        except RequestError:
-            raise
-        except ValueError as err:  # the engine refused the prompts (e.g. a reload changed vocab)
-            raise RequestError(str(err)) from err
-        choices = [
-            completion_choice(
-                i * params.n + j, c, served.tokenizer, req.logprobs, req.return_tokens_as_token_ids
-            )
-            for i, group in enumerate(groups)
-            for j, c in enumerate(group)
-        ]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model}
         n_prompt = sum(len(p) for p in prompts)
-        n_completion = sum(len(c["token_ids"]) for c in choices)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": n_completion,
-                "total_tokens": n_prompt + n_completion,
-            },
-            "policy_version": served.policy_version,
-        }
+        if req.stream and not req.logprobs:  # live: each token's chunk as it is sampled
+            chunks = completion_chunks(live_events(state, prompts, params), head, current.tokenizer, req,
+                                       params.n, n_prompt)
+            return StreamingResponse(sse(chunks), media_type="text/event-stream")
+        groups, served = await sample(request, state, prompts, params)
+        tok, eos = served.tokenizer, end_of_turn_ids(served.tokenizer)
+        finished = [finish(c, tok, req.stop_strings, eos, skip_special_tokens=req.skip_special_tokens,
+                           include_stop=req.include_stop_str_in_output) for group in groups for c in group]
+        tops = None
+        if req.logprobs:  # k >= 1: one scoring pass; logprobs=0 needs only the sampled token's
+            sequences = [(prompts[i // params.n], done.tokens) for i, done in enumerate(finished)]
+            tops = await top_of(request, state, served, sequences, req.logprobs, params)
+        if req.stream:  # top log-probs need the whole completion: its replay, in the same chunks
+            chunks = completion_chunks(replay_events(groups, served), head, tok, req, params.n, n_prompt, tops)
+            return StreamingResponse(sse(chunks), media_type="text/event-stream")
+        choices = [completion_choice(i, done, tok, req, tops[i] if tops else None)
+                   for i, done in enumerate(finished)]
+        answer_usage = usage(n_prompt, sum(len(done.tokens) for done in finished))
+        return {**head, "choices": choices, "usage": answer_usage, "policy_version": served.policy_version}
 
     add_chat_completions(app, state)  # POST /v1/chat/completions
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        check_content_type(request.headers)
-        body = await read_json_body(request, state.limits)
-        if not isinstance(body, dict) or "model_path" not in body:
-            raise RequestError('body must be a JSON object with "model_path"')
-        path = resolve_model_path(body["model_path"], state.allow_root)
+        body = await read_request(request, state.limits, ReloadRequest)
+        path = resolve_model_path(body.model_path, state.allow_root)
         async with state.reload_lock:  # one reload at a time; generation goes on meanwhile
             start = time.perf_counter()
             try:
                 new = await asyncio.to_thread(state.load, path, state.device)
             except ValueError as err:
                 raise RequestError(
-                    f"model_path {body['model_path']!r} is not a valid checkpoint: {err}"
+                    f"model_path {body.model_path!r} is not a valid checkpoint: {err}"
                 ) from err
             await asyncio.to_thread(state.slot.swap, new)
         return {

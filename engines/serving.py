@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from rlpipe.engines.base import Completion, SamplingParams
-from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.engines.torch_engine import TokenCallback, TorchEngine
 from rlpipe.models.device import resolve_device
 
 # ----------------------------------------------------------------------------- model state
@@ -80,14 +80,26 @@ class ModelSlot:
         return self._served
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, pinned: ServedModel | None = None
+        self, prompts: list[list[int]], params: SamplingParams, pinned: ServedModel | None = None,
+        on_token: TokenCallback | None = None,
     ) -> tuple[list[list[Completion]], ServedModel]:
         """Completions and the model that made them (blocking; run it off the event loop).
         pinned: the model an earlier part of the same request used (a request sees one model,
-        even when a reload lands between its parts); default: the current one."""
+        even when a reload lands between its parts); default: the current one.
+        on_token: TorchEngine.generate's streaming callback."""
         with self._lock:
             served = pinned or self._served
-            return served.engine.generate(prompts, params), served
+            if on_token is None:
+                return served.engine.generate(prompts, params), served
+            return served.engine.generate(prompts, params, on_token=on_token), served
+
+    def top_logprobs(self, served: ServedModel, sequences: list[tuple[list[int], list[int]]], k: int,
+                     temperature: float) -> list[list[list[tuple[int, float]]]]:
+        """For each (prompt, completion), the `k` most likely tokens and their log-probs at each
+        completion position (blocking; run it off the event loop), under the lock."""
+        with self._lock:
+            return [top_logprobs(served.engine.model, prompt, tokens, k, temperature)
+                    for prompt, tokens in sequences]
 
     def swap(self, served: ServedModel) -> ServedModel:
         """Put `served` in service; returns the model taken out. It is not closed: requests
@@ -95,6 +107,29 @@ class ModelSlot:
         with self._lock:
             old, self._served = self._served, served
         return old
+
+
+_TOP_CHUNK = 256  # completion positions whose full-vocabulary logits are held at once
+
+
+def top_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], k: int,
+                 temperature: float) -> list[list[tuple[int, float]]]:
+    """The `k` most likely next tokens, with their log-probs under softmax(logits / temperature)
+    (engines/base.py's convention, untruncated), before each of `tokens` after `prompt`: one
+    forward pass of prompt + completion, the vocabulary projected a chunk of positions at a time."""
+    if not tokens or k < 1:
+        return [[] for _ in tokens]
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + tokens[:-1]], device=device)
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, len(prompt) - 1:]
+        head = model.get_output_embeddings()
+        out: list[list[tuple[int, float]]] = []
+        for start in range(0, hidden.shape[0], _TOP_CHUNK):
+            logits = head(hidden[start : start + _TOP_CHUNK]).float() / temperature
+            values, indices = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+            out += [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
+    return out
 
 
 # ----------------------------------------------------------------------------- batching
@@ -111,6 +146,11 @@ class _Job:
     results: list[list[Completion]] = field(default_factory=list)
     served: ServedModel | None = None  # pinned by the first part
     done_parts: int = 0
+    on_token: TokenCallback | None = None  # (prompt index in the job, sample, token, logprob)
+
+    def part_offset(self, index: int) -> int:
+        """The job's index of part `index`'s first prompt."""
+        return sum(len(part) for part in self.parts[:index])
 
 
 @dataclass
@@ -175,6 +215,24 @@ def cap_sequences(group: list[_Unit], limit: int) -> list[list[_Unit]]:
     return calls
 
 
+def _stream_to(units: list[_Unit]) -> TokenCallback | None:
+    """The engine call's token callback, routing prompt i of the call to its job's own callback
+    (None when no job of the call streams)."""
+    if all(unit.job.on_token is None for unit in units):
+        return None
+    owners: list[tuple[_Job, int]] = []
+    for unit in units:
+        offset = unit.job.part_offset(unit.index)
+        owners += [(unit.job, offset + k) for k in range(len(unit.prompts))]
+
+    def on_token(i: int, j: int, token: int, logprob: float) -> None:
+        job, index = owners[i]
+        if job.on_token is not None and not job.future.done():
+            job.on_token(index, j, token, logprob)
+
+    return on_token
+
+
 class Batcher:
     """A queue and one worker task: merges requests that arrive within `window_s`, and runs long
     requests part by part, one part of each waiting request per round, so that a small request
@@ -197,10 +255,12 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def submit(
-        self, prompts: list[list[int]], params: SamplingParams
+        self, prompts: list[list[int]], params: SamplingParams, on_token: TokenCallback | None = None
     ) -> tuple[list[list[Completion]], ServedModel]:
         """Queue a request and wait for its completions (the worker starts on first use).
-        Cancelling the wait (client gone, deadline) drops the request's remaining parts."""
+        Cancelling the wait (client gone, deadline) drops the request's remaining parts.
+        on_token(i, j, token, logprob): each token of completion j of prompt i as it is sampled,
+        called from the engine's thread (streaming)."""
         loop = asyncio.get_running_loop()
         # (Re)start the worker in this loop: a test client may run each request in a new loop.
         if self._task is None or self._task.done() or self._loop is not loop:
@@ -208,7 +268,7 @@ class Batcher:
             self._task = loop.create_task(self._run())
         assert self._queue is not None
         job = _Job(prompts, params, loop.create_future(),
-                   parts=split_prompts(prompts, params.n, self.chunk_sequences))
+                   parts=split_prompts(prompts, params.n, self.chunk_sequences), on_token=on_token)
         self.stats.requests += 1
         await self._queue.put(job)
         return await job.future
@@ -266,7 +326,7 @@ class Batcher:
         self.stats.prompts += len(prompts)
         try:
             completions, served = await asyncio.to_thread(
-                self.slot.generate, prompts, units[0].params, units[0].job.served
+                self.slot.generate, prompts, units[0].params, units[0].job.served, _stream_to(units)
             )
         except Exception as exc:  # noqa: BLE001 - handed to every waiting request
             for unit in units:

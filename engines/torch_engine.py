@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -102,8 +103,12 @@ class TorchEngine:
         if self._graphs is not None:
             self._graphs.release()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """For each prompt (in order), `params.n` completions (in order)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_token: TokenCallback | None = None) -> list[list[Completion]]:
+        """For each prompt (in order), `params.n` completions (in order).
+
+        on_token(i, j, token, logprob): called (in this thread) with each token of completion j
+        of prompt i as it is sampled, for streaming; the returned completions are the same."""
         self._check_open()
         vocab = self.model.config.vocab_size
         for i, prompt in enumerate(prompts):
@@ -128,8 +133,9 @@ class TorchEngine:
                 backend = self._backend()
                 for start in range(0, len(rows), self.max_batch_size):
                     chunk = rows[start : start + self.max_batch_size]
+                    emit = None if on_token is None else functools.partial(_emit_row, on_token, chunk)
                     done = _generate_batch(
-                        backend, [prompts[i] for i, _ in chunk], params, generator, self.device
+                        backend, [prompts[i] for i, _ in chunk], params, generator, self.device, emit
                     )
                     for (i, j), completion in zip(chunk, done, strict=True):
                         results[i][j] = completion
@@ -174,6 +180,14 @@ def load_weights_into(model: nn.Module, checkpoint_path: str) -> None:
             if name not in source or source[name].shape != param.shape:
                 raise ValueError(f"checkpoint_path {checkpoint_path!r}: no matching {name!r}")
             param.copy_(source[name])
+
+
+TokenCallback = Callable[[int, int, int, float], None]
+
+
+def _emit_row(on_token: TokenCallback, chunk: list[tuple[int, int]], row: int, token: int,
+              logprob: float) -> None:
+    on_token(*chunk[row], token, logprob)
 
 
 class Backend(Protocol):
@@ -301,8 +315,10 @@ def _generate_batch(
     params: SamplingParams,
     generator: torch.Generator,
     device: torch.device,
+    emit: Callable[[int, int, float], None] | None = None,
 ) -> list[Completion]:
-    """Sample one completion per entry of `prompts` (equal prompts share one prefill)."""
+    """Sample one completion per entry of `prompts` (equal prompts share one prefill).
+    emit(row, token, logprob): called with each row's token as it is sampled (streaming)."""
     unique: dict[tuple[int, ...], int] = {}
     source = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     tokens, pad = _left_pad(list(unique), device)
@@ -332,6 +348,11 @@ def _generate_batch(
         token, logprob = sample_next(logits, params, draws)
         out.tokens[rows, t] = token
         out.logprobs[rows, t] = logprob
+        if emit is not None:
+            for b, tok, lp, alive in zip(rows.tolist(), token.tolist(), logprob.tolist(), live.tolist(),
+                                         strict=True):
+                if alive:
+                    emit(b, tok, lp)
         if stop is not None:
             hit = torch.isin(token, stop) & live
             finished = rows[hit].tolist()

@@ -35,8 +35,17 @@ from rlpipe.envs.base import (
     prompt_messages,
 )
 from rlpipe.envs.expr import ExpressionError, evaluate
+from rlpipe.models.tool_calls import CALC_PREFIX, CALC_TOOL, CalculatorParser
 
-CALL, ANSWER = "calc ", "ans "
+CALL, ANSWER = f"{CALC_PREFIX} ", "ans "
+# The parser `rlpipe serve --tool-call-parser calculator` uses: a turn is a tool call exactly
+# when the environment runs one, so a model trained here is served with its tool working.
+PARSER = CalculatorParser()
+# The tool in OpenAI's `tools` shape, for clients driving a served model.
+TOOL = {"type": "function", "function": {
+    "name": CALC_TOOL, "description": "evaluate an integer expression with + - *",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,9 +122,9 @@ class CalculatorEnv:
         return prompt_messages(example)
 
     def step(self, example: Example, messages: Messages, completion_text: str) -> StepResult:
-        text = completion_text.strip()
-        if text.startswith(CALL.strip()):
-            reply = run_tool(text[len(CALL.strip()):])
+        calls = PARSER.parse(completion_text).calls
+        if calls:
+            reply = run_tool(calls[0].arguments["expression"])
             return StepResult(messages_to_append=[{"role": "tool", "content": reply}], done=False)
         return StepResult(messages_to_append=[], done=True)
 
@@ -123,7 +132,7 @@ class CalculatorEnv:
         messages = transcript if isinstance(transcript, list) else [
             {"role": "assistant", "content": transcript}]
         assistant = [str(m.get("content", "")).strip() for m in messages if m.get("role") == "assistant"]
-        calls = sum(a.startswith(CALL.strip()) for a in assistant)
+        calls = sum(bool(PARSER.parse(a).calls) for a in assistant)
         final = assistant[-1] if assistant else ""
         answered = final.startswith(ANSWER.strip())
         correct = answered and final[len(ANSWER.strip()):].strip() == str(example.answer)

@@ -64,8 +64,8 @@ def test_chat_content_parts_greedy_and_refusals(client):
                                                   "temperature": 0, "max_tokens": 5}).json()
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"] and a["choices"][0]["logprobs"] is None
     for bad, message in [({"messages": []}, "messages is empty"),
-                         ({"messages": MESSAGES, "stream": True}, "stream=true is not supported"),
-                         ({"messages": MESSAGES, "stop": ["\n"]}, "stop strings are not supported"),
+                         ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice 'required'"),
+                         ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs needs logprobs"),
                          ({"messages": MESSAGES, "response_format": {}}, "response_format"),
                          ({"messages": [{"role": "robot", "content": "x"}]}, "unknown chat role"),
                          ({"messages": MESSAGES, "model": "other"}, "does not exist"),

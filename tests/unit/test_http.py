@@ -20,6 +20,7 @@ from rlpipe.engines.http import (
     parse_engine_url,
     read_token,
 )
+from rlpipe.engines.protocol import end_of_turn_ids
 from rlpipe.engines.server import build_app
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
@@ -71,6 +72,24 @@ def test_generate_and_sync_through_the_server(run_dir):
         with pytest.raises(ValueError, match="checkpoint path"):
             engine.sync(None, 3)
         assert engine.generate([], params) == []
+
+
+def test_rollouts_through_the_server_run_past_eos_as_in_process(run_dir):
+    """The server stops at EOS for OpenAI clients; the HTTP engine opts out (ignore_eos), so a
+    rollout holds the same tokens and log-probs as the in-process engine's, EOS tokens inside."""
+    engine, client = served_engine(run_dir)
+    tok = build_tokenizer()
+    local = TorchEngine(load_checkpoint(ckpt(run_dir, 0), restore_rng=False).model.eval())
+    with client:
+        params = SamplingParams(n=8, max_new_tokens=64, seed=7)
+        expected = local.generate(PROMPTS, params)
+        eos = set(end_of_turn_ids(tok))  # where the server stops an OpenAI client's completion
+        assert any(eos & set(c.tokens[:-1]) for group in expected for c in group)  # EOS mid-way
+        out = engine.generate(PROMPTS, params)
+        for got_group, exp_group in zip(out, expected, strict=True):
+            for got, exp in zip(got_group, exp_group, strict=True):
+                assert got.tokens == exp.tokens and got.finish_reason == exp.finish_reason == "length"
+                assert got.logprobs == pytest.approx(exp.logprobs, abs=1e-4)
 
 
 def test_token_is_sent(run_dir):

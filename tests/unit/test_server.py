@@ -51,7 +51,7 @@ def complete(client, **body):
 
 def test_completions_shape(client):
     out = complete(client, prompt=PROMPTS[:2], n=2, max_tokens=6, seed=3, logprobs=0,
-                   return_tokens_as_token_ids=True)
+                   return_tokens_as_token_ids=True, ignore_eos=True)
     assert out["object"] == "text_completion" and out["policy_version"] == 0
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     for choice in out["choices"]:
@@ -62,7 +62,7 @@ def test_completions_shape(client):
         assert isinstance(choice["text"], str)
     assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 24, "total_tokens": 31}
     # without logprobs the field is null, token ids still come back
-    plain = complete(client, prompt=PROMPTS[0], max_tokens=3, seed=3)
+    plain = complete(client, prompt=PROMPTS[0], max_tokens=3, seed=3, ignore_eos=True)
     assert plain["choices"][0]["logprobs"] is None and len(plain["choices"][0]["token_ids"]) == 3
 
 
@@ -71,7 +71,7 @@ def test_logprobs_equal_in_process_engine(client, run_dir):
     params = SamplingParams(n=2, max_new_tokens=8, temperature=0.7, top_k=20, seed=11)
     expected = engine.generate(PROMPTS, params)
     out = complete(client, prompt=PROMPTS, n=2, max_tokens=8, temperature=0.7, top_k=20, seed=11,
-                   logprobs=0)
+                   logprobs=0, ignore_eos=True)
     for i, group in enumerate(expected):
         for j, completion in enumerate(group):
             choice = out["choices"][i * 2 + j]
@@ -117,14 +117,16 @@ def test_token_required(run_dir):
         ({"prompt": [[]], "max_tokens": 3}, 400, "empty"),
         ({"prompt": [1, "a"], "max_tokens": 3}, 400, "prompt"),
         ({"prompt": [1, 2], "n": 0}, 400, "n must be"),
-        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_new_tokens"),
+        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens must be >= 1"),
         ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
         ({"prompt": [1, 2], "top_p": 1.5}, 400, "top_p"),
         ({"prompt": [1, 2], "temperature": "hot"}, 400, "temperature"),
         ({"prompt": [1, 100000]}, 400, "outside"),
         ({"prompt": [1, -1]}, 400, "outside"),
-        ({"prompt": [1, 2], "stream": True}, 400, "stream"),
-        ({"prompt": [1, 2], "stop": ["\n"]}, 400, "stop strings"),
+        ({"prompt": [1, 2], "stream": "yes"}, 400, "stream"),
+        ({"prompt": [1, 2], "stop": [""]}, 400, "stop[0] must have 1 to"),
+        ({"prompt": [1, 2], "stop": ["x"] * 17}, 400, "at most 16"),
+        ({"prompt": [1, 2], "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
         ({"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
         ({"prompt": [1, 2], "logprobs": 99}, 400, "logprobs"),
         ({"prompt": [1, 2], "model": "gpt-9"}, 404, "gpt-9"),
@@ -202,14 +204,15 @@ def test_concurrent_requests_are_batched(run_dir):
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as c:
-            unseeded = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "logprobs": 0})
+            unseeded = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "logprobs": 0, "ignore_eos": True})
                         for p in PROMPTS * 2]
-            seeded = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "seed": 9, "logprobs": 0})
+            seeded = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "seed": 9, "logprobs": 0,
+                                                    "ignore_eos": True})
                       for p in PROMPTS]
             first = await asyncio.gather(*unseeded)
             calls_unseeded = stats.engine_calls
             second = await asyncio.gather(*seeded)
-            solo = [await c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "seed": 9})
+            solo = [await c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "seed": 9, "ignore_eos": True})
                     for p in PROMPTS]
             await app.state.rlpipe.batcher.stop()
             return first, calls_unseeded, second, solo

@@ -1,0 +1,145 @@
+"""A real `rlpipe serve` process against clients that never finish a request: headers sent a byte
+at a time or never completed are cut off after --header-timeout-s, a body never completed gets
+408 after --body-timeout-s, and the server answers others meanwhile. Also the command line's
+token checks: an empty token exits 2, a token file others can read is warned about.
+
+All traffic stays on 127.0.0.1; every wait is bounded; the server is killed in a finally."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from rlpipe.engines.serve_process import ROOT, serve_url, start_serve, stop_processes
+from rlpipe.models.presets import build_model
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.training.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    tok = build_tokenizer()
+    return save_checkpoint(tmp_path_factory.mktemp("run"), 0, build_model("tiny-dense", vocab_size=len(tok), seed=0),
+                           tok)
+
+
+def wait_ready(url: str, limit_s: float = 60.0) -> None:
+    """Until /health answers (the socket is bound before the server listens on it)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=5)
+            return
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def read_answer(sock: socket.socket, limit_s: float) -> bytes:
+    """An HTTP answer read whole (headers, then content-length bytes of body)."""
+    sock.settimeout(limit_s)
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+def closed_within(sock: socket.socket, limit_s: float) -> float | None:
+    """Seconds until the server closes `sock` (reads return b""), None if still open at limit_s."""
+    sock.settimeout(limit_s)
+    start = time.perf_counter()
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.perf_counter() - start
+
+
+def test_half_sent_requests_are_cut_off(checkpoint):
+    proc = start_serve(checkpoint, "--header-timeout-s", "1", "--body-timeout-s", "1")
+    try:
+        url = serve_url(proc)
+        wait_ready(url)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        address = (host, int(port))
+        # headers never finished
+        stuck = socket.create_connection(address)
+        stuck.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        # headers trickling in a byte every 0.2 s (each byte would restart a keep-alive timer)
+        trickle = socket.create_connection(address)
+        start = time.perf_counter()
+        closed_at = None
+        for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 200:
+            try:
+                trickle.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed_at = time.perf_counter() - start
+                break
+            time.sleep(0.2)
+            if time.perf_counter() - start > 8:
+                break
+        # a body never finished
+        body = socket.create_connection(address)
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        answer = read_answer(body, 10)
+        # meanwhile (and afterwards) the server answers everyone else
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert closed_within(stuck, 10) is not None
+        assert closed_at is not None and closed_at < 5, closed_at
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s=1" in answer
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "1+1=", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
+        for sock in (stuck, trickle, body):
+            sock.close()
+    finally:
+        stop_processes([proc])
+
+
+def test_token_checks_of_the_command_line(checkpoint, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RLPIPE_API_TOKEN"}
+    command = [sys.executable, "-m", "rlpipe.flows.cli", "serve", str(checkpoint), "--port", "0", "--threads", "1"]
+    empty = subprocess.run([*command, "--token", ""], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "--token is empty" in empty.stderr
+    # the same command line without the CLI's other imports (faster)
+    serve = [sys.executable, "-m", "rlpipe.engines.serve_cli", *command[4:]]
+    blank = subprocess.run(serve, cwd=ROOT, env={**env, "RLPIPE_API_TOKEN": " "}, capture_output=True, text=True,
+                           timeout=120)
+    assert blank.returncode == 2 and "RLPIPE_API_TOKEN is set but empty" in blank.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    token_file.chmod(0o644)
+    proc = subprocess.Popen([*command, "--token-file", str(token_file)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = serve_url(proc)
+        wait_ready(url)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 401
+        assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer s3cret"}, timeout=5).status_code == 200
+    finally:
+        stop_processes([proc])
+        warning = proc.stderr.read()
+        proc.stderr.close()
+    assert "readable by other users (mode 644)" in warning
