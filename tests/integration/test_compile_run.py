@@ -35,7 +35,7 @@ def test_a_tiny_run_with_compile_finishes_with_loadable_checkpoints(tmp_path):
     command = [sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
                "--set", f"runs_root={runs}", "--set", "train.compile=true", "--set", "sft.steps=3",
                "--set", "rl.steps=2", "--set", "rl.kl_coef=0.05", "--set", "threads=1"]
-    done = subprocess.run(command, env=env_for(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, env=env_for(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     for phase in ("sft", "rl"):
         run = runs / "tiny" / phase
