@@ -145,3 +145,12 @@ def test_a_supervised_phase_refuses_the_constant_normaliser_it_has_no_divisor_fo
     with pytest.raises(ConfigError, match=rf"{phase}: .*optim.normaliser = 'constant'.*use 'token' or 'sequence'"):
         validate_config({phase: {"optim": {"normaliser": "constant"}}})
     assert validate_config({"rl": {"optim": {"normaliser": "constant"}}}).rl.optim.normaliser == "constant"
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_lora_and_kl_are_accepted_under_data_parallelism(parallel):
+    """The README's promise; tests/integration/test_distributed_extras.py checks that such a step
+    equals one process's."""
+    config = load_config(ROOT / "configs" / "tiny.toml",
+                         [f"train.parallel={parallel}", "model.lora.rank=4", "rl.kl_coef=0.05"])
+    assert (config.train.parallel, config.model.lora.rank, config.rl.kl_coef) == (parallel, 4, 0.05)
