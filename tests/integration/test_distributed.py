@@ -60,14 +60,40 @@ def _steps(seed: int = 0) -> list[list[Sequence]]:
     return out
 
 
-def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=SINGLE_PROCESS) -> list[float]:
+def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=SINGLE_PROCESS,
+           record: dict | None = None) -> list[float]:
+    """Train on `steps`; the losses. `record` (a dict) receives each step's gradient norm before
+    clipping (`grad_norms`) and every parameter's whole gradient after the first backward
+    (`grads`; under FSDP2 gathered, a collective)."""
     optimizer = build_optimizer(model, lr=1e-3)
     losses = []
     for seqs in steps:
         metrics = forward_backward(model, micro_batches_of(seqs), loss_fn, StepOptions(normaliser=normaliser), ranks=dp)
-        optim_step(model, optimizer, None, max_grad_norm=1.0)
+        if record is not None and "grads" not in record:
+            record["grads"] = {name: _whole(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        norm = optim_step(model, optimizer, None, max_grad_norm=1.0)["grad_norm"]
+        if record is not None:
+            record.setdefault("grad_norms", []).append(norm)
         losses.append(metrics["loss"])
     return losses
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain copy of a (possibly sharded DTensor) tensor."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def assert_same_gradients(got: dict, want: dict, rtol: float = 1e-4) -> None:
+    """The first step's gradients, parameter by parameter, and every step's gradient norm before
+    clipping, within `rtol` of one process's. Weights alone cannot show a wrong gradient scale:
+    AdamW is invariant to a constant factor and the norm is clipped (a halved loss moved the
+    weights by ~2e-7), while the gradients differ by the factor itself."""
+    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=rtol), (got["grad_norms"], want["grad_norms"])
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        scale = grad.abs().max().item()
+        worst = (got["grads"][name] - grad).abs().max().item()
+        assert worst <= rtol * scale + 1e-12, f"{name}: gradient off by {worst:.3g} (largest {scale:.3g})"
 
 
 def _full_state(model) -> dict[str, torch.Tensor]:
@@ -86,11 +112,12 @@ def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: 
     try:
         model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
         dp = data_parallel(model, kind, torch.device("cpu"))
+        record = {}
         losses = _train(model, _steps(), build_rl_loss("reinforce"), normaliser,
-                        lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp)
+                        lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp, record)
         state = _full_state(model)
         if rank == 0:
-            torch.save({"losses": losses, "state": state}, out)
+            torch.save({"losses": losses, "state": state, "record": record}, out)
     finally:
         dp = None  # DDP before its group (else its destructor can hang at exit)
         gc.collect()
@@ -109,11 +136,13 @@ def test_two_ranks_equal_one_process(tmp_path, preset, kind):
     def both_ranks(seqs):
         return [b for rank in (0, 1) for b in shard_micro_batches(seqs, 96, rank, 2) if not is_filler(b)]
 
-    single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks)
+    single_record = {}
+    single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks, record=single_record)
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, free_port(), preset, kind, normaliser, out), nprocs=2, join=True)
     result = torch.load(out)
     assert result["losses"] == pytest.approx(single_losses, rel=1e-5)
+    assert_same_gradients(result["record"], single_record)
     expected = single.state_dict()
     worst = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
     # AdamW steps every weight by ~lr = 1e-3 whatever the gradient's size, so float-order noise
@@ -153,9 +182,10 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
         dp = data_parallel(model, "ddp", torch.device("cpu"))
         optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce")
         if rank == 0:  # only rank 0 knows the data, as in a flow
-            losses = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, ONE_STEP)["loss"] for seqs in _steps()]
+            metrics = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, ONE_STEP) for seqs in _steps()]
             stop_followers(dp)
-            torch.save({"losses": losses, "state": model.state_dict()}, out)
+            torch.save({"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+                        "state": model.state_dict()}, out)
         else:  # DDP replicas hold whole tensors
             torch.save({"steps": follow(dp, optimizer, None, loss_fn), "state": model.state_dict()},
                        out + ".rank1")
@@ -176,8 +206,10 @@ def test_rank_zero_leads_and_the_others_follow(tmp_path):
     def both_ranks(seqs):
         return [b for rank in (0, 1) for b in share_of(_packed(seqs), rank, 2) if not is_filler(b)]
 
-    assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks),
-                                           rel=1e-5)
+    record = {}
+    assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks,
+                                                  record=record), rel=1e-5)
+    assert lead["grad_norms"] == pytest.approx(record["grad_norms"], rel=1e-4)  # weights cannot see a scale
     for name, value in single.state_dict().items():  # replicas stay equal, and equal to one process
         assert torch.equal(lead["state"][name], follower["state"][name]), name
         assert (lead["state"][name] - value).abs().max().item() < 1e-5, name

@@ -31,7 +31,7 @@ from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same 
 # a reference far from the policy (another init), so a KL term missing or bound to the wrong
 # micro-batch on any rank moves the weights by ~lr, far above the tolerance
 KL = dict(kl_coef=0.1, kl_estimator="k3")
-METRICS = ("loss", "entropy", "kl")
+METRICS = ("loss", "entropy", "kl", "grad_norm")  # grad_norm: before clipping, sees a gradient's scale
 
 
 def _named_steps() -> list[list]:
