@@ -60,4 +60,4 @@ def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_pa
     assert query(run_dir, "select count(distinct step) from train_steps")[0][0] == 8
     # each sync's wait for the round in flight is logged apart from the reload itself
     synced = [metrics for _, metrics in tracker.metrics if "perf/seconds_sync" in metrics]
-    assert len(synced) == 8 and all(metrics["perf/seconds_sync_wait"] >= 0 for metrics in synced)
+    assert len(synced) == 8 and all(metrics["perf/seconds_sync_wait"] > 0 for metrics in synced)  # timed at all

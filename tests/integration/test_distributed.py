@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from datetime import timedelta
 
 import pytest
@@ -25,7 +24,6 @@ from rlpipe.training.distributed import (
     share_of,
 )
 from rlpipe.training.loss_inputs import is_filler
-from rlpipe.training.ports import free_port
 from rlpipe.training.rl_loss import build_rl_loss
 from rlpipe.training.step import (
     SINGLE_PROCESS,
@@ -103,12 +101,13 @@ def _full_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: str, out: str) -> None:
+def _rank(rank: int, world: int, store: str, preset: str, kind: str, normaliser: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # a file store, not a TCP port: nothing another process could take between pick and bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     try:
         model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
         dp = data_parallel(model, kind, torch.device("cpu"))
@@ -139,7 +138,7 @@ def test_two_ranks_equal_one_process(tmp_path, preset, kind):
     single_record = {}
     single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks, record=single_record)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, free_port(), preset, kind, normaliser, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), preset, kind, normaliser, out), nprocs=2, join=True)
     result = torch.load(out)
     assert result["losses"] == pytest.approx(single_losses, rel=1e-5)
     assert_same_gradients(result["record"], single_record)
@@ -171,12 +170,13 @@ def _packed(seqs: list[Sequence]) -> list[PackedBatch]:
     return pack(seqs, balanced_budget(sum(len(s.tokens) for s in seqs), max(len(s.tokens) for s in seqs), 96, 2))
 
 
-def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
+def _lead_or_follow(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # a file store, not a TCP port: nothing another process could take between pick and bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     try:
         model = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
         dp = data_parallel(model, "ddp", torch.device("cpu"))
@@ -198,7 +198,7 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_rank_zero_leads_and_the_others_follow(tmp_path):
     out = str(tmp_path / "lead.pt")
-    mp.spawn(_lead_or_follow, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_lead_or_follow, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
     lead, follower = torch.load(out), torch.load(out + ".rank1")
     assert follower["steps"] == STEPS
     single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
@@ -215,12 +215,13 @@ def test_rank_zero_leads_and_the_others_follow(tmp_path):
         assert (lead["state"][name] - value).abs().max().item() < 1e-5, name
 
 
-def _restore_rank(rank: int, world: int, port: int, preset: str, out: str) -> None:
+def _restore_rank(rank: int, world: int, store: str, preset: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # a file store, not a TCP port: nothing another process could take between pick and bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     try:
         loss_fn, steps, cpu = build_rl_loss("reinforce"), _steps(), torch.device("cpu")
 
@@ -261,7 +262,7 @@ def test_fsdp2_state_gathers_to_rank_0_and_restores_on_two_ranks_or_one(tmp_path
     """The gathered whole state (what a checkpoint saves) resumes FSDP2 exactly, and also resumes
     a single process (another world size) to float-order noise."""
     out = str(tmp_path / "restore.pt")
-    mp.spawn(_restore_rank, args=(2, free_port(), "tiny-moe", out), nprocs=2, join=True)
+    mp.spawn(_restore_rank, args=(2, str(tmp_path / "store"), "tiny-moe", out), nprocs=2, join=True)
     result = torch.load(out)
     for name, value in result["continued"].items():
         assert torch.equal(result["restored"][name], value), name
