@@ -19,15 +19,17 @@ from rlpipe.tasks.checkpoint import (
     TrainingState,
     checkpoint_task,
     complete_registrations,
+    promote_best,
     register_options,
 )
 from rlpipe.tasks.config import RunConfig
+from rlpipe.tasks.evaluate import best_accuracy_before
 from rlpipe.tasks.origin import origin_task
 from rlpipe.tasks.record import step_metrics, train_step_row
 from rlpipe.tasks.supervised import supervised_train_task
 from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
 from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import CheckpointRecord, latest_checkpoint
+from rlpipe.training.checkpoint import CheckpointRecord, checkpoint_steps, latest_checkpoint
 from rlpipe.training.timing import Stopwatch
 
 
@@ -56,14 +58,16 @@ def run_supervised(config: RunConfig, phase: str, parent_mlflow_run_id: str | No
 
 
 def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, tracker) -> dict:
-    """The phase's steps in order: (pack + train) → eval when due → checkpoint."""
+    """The phase's steps in order: (pack + train) → eval when due → checkpoint; the `best` alias
+    of `NAME-<phase>` moves to a checkpoint whose eval beats every earlier checkpointed eval."""
     section, run_dir, run_id = getattr(config, phase), state.run_dir, state.run_id
-    trainer, model_name = run.trainer, registered_model_name(config)
-    saving = register_options(config.engine, f"{model_name}-{phase}")
+    trainer, model_name = run.trainer, f"{registered_model_name(config)}-{phase}"
+    saving = register_options(config.engine, model_name)
     saved = TrainingState(trainer.model, run.tokenizer, trainer.optimizer, trainer.scheduler)
     # a kill between a checkpoint's rename and its registration: completed before going on
     complete_registrations(run_dir=run_dir, run_id=run_id, tracker=tracker, options=saving)
     last_path, eval_metrics, cursor = None, {}, {}
+    best = best_accuracy_before(run_dir, run.start_step, checkpoint_steps(run_dir))
     bar = progress(total=section.steps, initial=run.start_step, desc=f"{phase}")
     for step in range(run.start_step + 1, section.steps + 1):
         watch = Stopwatch()
@@ -71,9 +75,11 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
             metrics, cursor = supervised_train_task(trainer, run.sequences, run.loss_fn, step=step, seed=config.seed,
                                                     per_step=section.sequences_per_step,
                                                     token_budget=section.optim.token_budget)
+        accuracy = None
         if due(step, section.eval_every, section.steps):
             with watch("eval"):  # a resumed step's stored evals are read back, not evaluated again
                 evals = run.evaluate(step, run_dir=run_dir, run_id=run_id)
+            accuracy = evals.metrics[m.EVAL_ACCURACY]  # stored or not: its checkpoint is written now
             if not evals.stored:  # stored evals were logged by the run that evaluated them
                 eval_metrics = evals.metrics
         # the step's row, then (due) every queued table and the checkpoint that marks the step done
@@ -84,6 +90,7 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
                 run_dir=run_dir, run_id=run_id, step=step, state=saved,
                 record=CheckpointRecord({"cursor": cursor}, metrics, policy_version=step), tracker=tracker,
                 options=saving)
+        best = promote_best(tracker, model_name, row, accuracy, best)
         last_path = row["path"] if row else last_path
         tracker.log_metrics(step_metrics(metrics, {}, watch.seconds) | eval_metrics, step=step)
         bar.update(1)

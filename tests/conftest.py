@@ -9,13 +9,19 @@ The GPU tests run where only torch, transformers, vLLM and TRL were added to a C
 Python (README, "On a GPU"): most other test modules import Prefect, MLflow or DuckDB, so a mark
 expression that selects no test without the `gpu` mark skips collecting anything outside
 tests/gpu (this file imports nothing of those either).
+
+Tests write only under temporary folders: the session fails, naming the paths, when the
+repository gained a file or folder that `git status --ignored` shows (Python's `__pycache__`,
+the virtual environments and tool caches aside).
 """
 
 import os
 import re
+import subprocess
 from itertools import combinations
 from pathlib import Path
 
+import pytest
 import torch
 from _pytest.mark.expression import Expression
 from rlpipe.core.environment import quiet_defaults
@@ -52,3 +58,45 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     path = collection_path.resolve()
     inside = path == GPU_TESTS or GPU_TESTS in path.parents
     return None if inside or path in GPU_TESTS.parents else True
+
+
+REPO = Path(__file__).resolve().parent.parent
+# what running anything in the checkout leaves, beside the test session's own writes
+ALLOWED = re.compile(r"(^|/)(__pycache__|\.venv[^/]*|\.pytest_cache|\.ruff_cache|[^/]*\.egg-info)(/|$)")
+
+
+def repository_entries() -> set[str] | None:
+    """`git status --porcelain --ignored` lines of the checkout, less ALLOWED; None outside a
+    git checkout (an installed copy of the tests)."""
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--ignored"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode:
+        return None
+    return {line for line in done.stdout.splitlines() if not ALLOWED.search(line[3:])}
+
+
+def pytest_sessionstart(session) -> None:
+    """Note what the checkout holds before any test runs (in the main process only under xdist)."""
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[REPOSITORY_BEFORE] = repository_entries()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Fail the session, naming them, if tests left files in the checkout."""
+    before = session.config.stash.get(REPOSITORY_BEFORE, None)
+    after = repository_entries() if before is not None else None
+    gained = sorted(after - before) if after is not None else []
+    if gained:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = "tests wrote into the repository (write under tmp_path): " + ", ".join(gained)
+        if reporter:
+            reporter.write_sep("=", message, red=True)
+        else:
+            print(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+REPOSITORY_BEFORE = pytest.StashKey[set[str] | None]()

@@ -60,4 +60,32 @@ def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_pa
     assert query(run_dir, "select count(distinct step) from train_steps")[0][0] == 8
     # each sync's wait for the round in flight is logged apart from the reload itself
     synced = [metrics for _, metrics in tracker.metrics if "perf/seconds_sync" in metrics]
-    assert len(synced) == 8 and all(metrics["perf/seconds_sync_wait"] >= 0 for metrics in synced)
+    assert len(synced) == 8 and all(metrics["perf/seconds_sync_wait"] > 0 for metrics in synced)  # timed at all
+
+
+def test_carried_groups_stay_within_max_staleness_and_weights_go_out_every_sync_every_steps(
+        sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
+    """k = 1 with over-sampling ×2 (tiny.toml): surplus groups are carried to later steps, so a
+    trained sample may lag by more than k, up to rl.max_staleness = 2 and never beyond (older
+    groups are dropped as stale, which happens here: the bound bites); and with
+    engine.sync_every = 2 the sync stage runs at steps 2, 4, 6 and 8 only."""
+    import rlpipe.flows.rl
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.storage.tracking import NullTracker
+    from rlpipe.tasks.config import validate_config
+
+    tracker = NullTracker()
+    monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
+    config = config_dict(tmp_path, "carried", {"max_off_policy_steps": 1, "max_staleness": 2, "steps": 8})
+    config["engine"] = {**config.get("engine", {}), "sync_every": 2}
+    config = validate_config(config)
+    run_rl(config, start_checkpoint=sft_checkpoint)
+    run_dir = config.run_dir / "rl"
+    low, high, trained, distinct = staleness_report(run_dir)
+    stale = query(run_dir, "select count(*) from groups where status = 'stale'")[0][0]
+    assert 0 <= low and high <= 2, (low, high, stale)
+    assert high > 1 and stale > 0, f"max lag {high}, {stale} stale groups: the bound was never approached"
+    assert trained == distinct > 0
+    assert untracked_groups(run_dir) == 0
+    synced = sorted(step for step, metrics in tracker.metrics if "perf/seconds_sync" in metrics)
+    assert synced == [2, 4, 6, 8], synced

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from datetime import timedelta
 
 import pytest
@@ -25,7 +24,6 @@ from rlpipe.training.distributed import (
     share_of,
 )
 from rlpipe.training.loss_inputs import is_filler
-from rlpipe.training.ports import free_port
 from rlpipe.training.rl_loss import build_rl_loss
 from rlpipe.training.step import (
     SINGLE_PROCESS,
@@ -60,14 +58,40 @@ def _steps(seed: int = 0) -> list[list[Sequence]]:
     return out
 
 
-def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=SINGLE_PROCESS) -> list[float]:
+def _train(model, steps, loss_fn, normaliser, micro_batches_of, dp=SINGLE_PROCESS,
+           record: dict | None = None) -> list[float]:
+    """Train on `steps`; the losses. `record` (a dict) receives each step's gradient norm before
+    clipping (`grad_norms`) and every parameter's whole gradient after the first backward
+    (`grads`; under FSDP2 gathered, a collective)."""
     optimizer = build_optimizer(model, lr=1e-3)
     losses = []
     for seqs in steps:
         metrics = forward_backward(model, micro_batches_of(seqs), loss_fn, StepOptions(normaliser=normaliser), ranks=dp)
-        optim_step(model, optimizer, None, max_grad_norm=1.0)
+        if record is not None and "grads" not in record:
+            record["grads"] = {name: _whole(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        norm = optim_step(model, optimizer, None, max_grad_norm=1.0)["grad_norm"]
+        if record is not None:
+            record.setdefault("grad_norms", []).append(norm)
         losses.append(metrics["loss"])
     return losses
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain copy of a (possibly sharded DTensor) tensor."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def assert_same_gradients(got: dict, want: dict, rtol: float = 1e-4) -> None:
+    """The first step's gradients, parameter by parameter, and every step's gradient norm before
+    clipping, within `rtol` of one process's. Weights alone cannot show a wrong gradient scale:
+    AdamW is invariant to a constant factor and the norm is clipped (a halved loss moved the
+    weights by ~2e-7), while the gradients differ by the factor itself."""
+    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=rtol), (got["grad_norms"], want["grad_norms"])
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        scale = grad.abs().max().item()
+        worst = (got["grads"][name] - grad).abs().max().item()
+        assert worst <= rtol * scale + 1e-12, f"{name}: gradient off by {worst:.3g} (largest {scale:.3g})"
 
 
 def _full_state(model) -> dict[str, torch.Tensor]:
@@ -77,20 +101,22 @@ def _full_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _rank(rank: int, world: int, port: int, preset: str, kind: str, normaliser: str, out: str) -> None:
+def _rank(rank: int, world: int, store: str, preset: str, kind: str, normaliser: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # a file store, not a TCP port: nothing another process could take between pick and bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     try:
         model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
         dp = data_parallel(model, kind, torch.device("cpu"))
+        record = {}
         losses = _train(model, _steps(), build_rl_loss("reinforce"), normaliser,
-                        lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp)
+                        lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp, record)
         state = _full_state(model)
         if rank == 0:
-            torch.save({"losses": losses, "state": state}, out)
+            torch.save({"losses": losses, "state": state, "record": record}, out)
     finally:
         dp = None  # DDP before its group (else its destructor can hang at exit)
         gc.collect()
@@ -109,11 +135,13 @@ def test_two_ranks_equal_one_process(tmp_path, preset, kind):
     def both_ranks(seqs):
         return [b for rank in (0, 1) for b in shard_micro_batches(seqs, 96, rank, 2) if not is_filler(b)]
 
-    single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks)
+    single_record = {}
+    single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks, record=single_record)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, free_port(), preset, kind, normaliser, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), preset, kind, normaliser, out), nprocs=2, join=True)
     result = torch.load(out)
     assert result["losses"] == pytest.approx(single_losses, rel=1e-5)
+    assert_same_gradients(result["record"], single_record)
     expected = single.state_dict()
     worst = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
     # AdamW steps every weight by ~lr = 1e-3 whatever the gradient's size, so float-order noise
@@ -142,20 +170,22 @@ def _packed(seqs: list[Sequence]) -> list[PackedBatch]:
     return pack(seqs, balanced_budget(sum(len(s.tokens) for s in seqs), max(len(s.tokens) for s in seqs), 96, 2))
 
 
-def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
+def _lead_or_follow(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # a file store, not a TCP port: nothing another process could take between pick and bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     try:
         model = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
         dp = data_parallel(model, "ddp", torch.device("cpu"))
         optimizer, loss_fn = build_optimizer(model, lr=1e-3), build_rl_loss("reinforce")
         if rank == 0:  # only rank 0 knows the data, as in a flow
-            losses = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, ONE_STEP)["loss"] for seqs in _steps()]
+            metrics = [lead_step(dp, optimizer, None, _packed(seqs), loss_fn, ONE_STEP) for seqs in _steps()]
             stop_followers(dp)
-            torch.save({"losses": losses, "state": model.state_dict()}, out)
+            torch.save({"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+                        "state": model.state_dict()}, out)
         else:  # DDP replicas hold whole tensors
             torch.save({"steps": follow(dp, optimizer, None, loss_fn), "state": model.state_dict()},
                        out + ".rank1")
@@ -168,7 +198,7 @@ def _lead_or_follow(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_rank_zero_leads_and_the_others_follow(tmp_path):
     out = str(tmp_path / "lead.pt")
-    mp.spawn(_lead_or_follow, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_lead_or_follow, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
     lead, follower = torch.load(out), torch.load(out + ".rank1")
     assert follower["steps"] == STEPS
     single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
@@ -176,19 +206,22 @@ def test_rank_zero_leads_and_the_others_follow(tmp_path):
     def both_ranks(seqs):
         return [b for rank in (0, 1) for b in share_of(_packed(seqs), rank, 2) if not is_filler(b)]
 
-    assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks),
-                                           rel=1e-5)
+    record = {}
+    assert lead["losses"] == pytest.approx(_train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks,
+                                                  record=record), rel=1e-5)
+    assert lead["grad_norms"] == pytest.approx(record["grad_norms"], rel=1e-4)  # weights cannot see a scale
     for name, value in single.state_dict().items():  # replicas stay equal, and equal to one process
         assert torch.equal(lead["state"][name], follower["state"][name]), name
         assert (lead["state"][name] - value).abs().max().item() < 1e-5, name
 
 
-def _restore_rank(rank: int, world: int, port: int, preset: str, out: str) -> None:
+def _restore_rank(rank: int, world: int, store: str, preset: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # a file store, not a TCP port: nothing another process could take between pick and bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     try:
         loss_fn, steps, cpu = build_rl_loss("reinforce"), _steps(), torch.device("cpu")
 
@@ -229,7 +262,7 @@ def test_fsdp2_state_gathers_to_rank_0_and_restores_on_two_ranks_or_one(tmp_path
     """The gathered whole state (what a checkpoint saves) resumes FSDP2 exactly, and also resumes
     a single process (another world size) to float-order noise."""
     out = str(tmp_path / "restore.pt")
-    mp.spawn(_restore_rank, args=(2, free_port(), "tiny-moe", out), nprocs=2, join=True)
+    mp.spawn(_restore_rank, args=(2, str(tmp_path / "store"), "tiny-moe", out), nprocs=2, join=True)
     result = torch.load(out)
     for name, value in result["continued"].items():
         assert torch.equal(result["restored"][name], value), name

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 from datetime import timedelta
 
 import pytest
@@ -22,7 +21,6 @@ from rlpipe.training.dist_trainer import follow, lead_step, stop_followers
 from rlpipe.training.distributed import data_parallel
 from rlpipe.training.kl import frozen_copy, reference_logprobs
 from rlpipe.training.lora import LoraOptions, add_lora
-from rlpipe.training.ports import free_port
 from rlpipe.training.rl_loss import build_rl_loss
 from rlpipe.training.step import StepOptions, build_optimizer
 from rlpipe.training.trainer import LocalTrainer, TrainOptions
@@ -31,7 +29,7 @@ from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same 
 # a reference far from the policy (another init), so a KL term missing or bound to the wrong
 # micro-batch on any rank moves the weights by ~lr, far above the tolerance
 KL = dict(kl_coef=0.1, kl_estimator="k3")
-METRICS = ("loss", "entropy", "kl")
+METRICS = ("loss", "entropy", "kl", "grad_norm")  # grad_norm: before clipping, sees a gradient's scale
 
 
 def _named_steps() -> list[list]:
@@ -52,12 +50,13 @@ def _reference():
     return frozen_copy(build_model("tiny-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=0))
 
 
-def _rank(rank: int, world: int, port: int, kind: str, lora: bool, ref_on: str, out: str) -> None:
+def _rank(rank: int, world: int, store: str, kind: str, lora: bool, ref_on: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # a file store, not a TCP port: nothing another process could take between pick and bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     dp = None
     try:
         model = _model(lora)
@@ -113,7 +112,7 @@ def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, k
     torch.set_num_threads(1)
     expected, metrics, logprobs = _one_process(lora, KL)
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(2, free_port(), kind, lora, ref_on, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), kind, lora, ref_on, out), nprocs=2, join=True)
     lead, follower = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
     assert follower["steps"] == STEPS
     for got, want in zip(lead["metrics"], metrics, strict=True):  # global figures, as one process

@@ -27,11 +27,15 @@ from rlpipe.training.checkpoint import METADATA_FILE, _verify
 from safetensors.torch import load_file
 from test_resume import ONE_THREAD, cli, env_for, rows  # same folder: pytest puts it on sys.path
 
+from tests.leftovers import strays
+from tests.seeds import draw_seed
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEP_TIMEOUT_S = 600
 # The tiny pipeline with progress made durable often (so kills land between checkpoints).
-OVERRIDES = ["--set", "rl.checkpoint_every=1", "--set", "sft.checkpoint_every=10", *ONE_THREAD]
+OVERRIDES = ["--set", "rl.checkpoint_every=1", "--set", "sft.checkpoint_every=10", "--set", "sft.eval_every=10",
+             *ONE_THREAD]
 
 
 def run_args(runs: Path, name: str) -> list[str]:
@@ -59,12 +63,12 @@ def partition(run_dir: Path, point: tuple[str, str, int]) -> Path:
     return run_dir / phase / "tables" / table / f"step={step}" / "part-0.parquet"
 
 
-def check_consistent(run_dir: Path) -> None:
+def check_consistent(run_dir: Path, where: str) -> None:
     """What must hold after any kill: every visible partition is a whole Parquet file; every
     checkpoint that marks a step done is whole (sha256) and the step's tables are on disk."""
     for path in run_dir.rglob("*.parquet"):
         if not path.name.startswith("."):
-            pq.read_metadata(path)
+            pq.read_metadata(path)  # raises naming the file
     for phase, tables in (("sft", ["train_steps"]), ("rl", ["rollouts", "scores", "batches", "train_steps"])):
         root = run_dir / phase / "checkpoints"
         for folder in sorted(root.glob("step_*")) if root.is_dir() else []:
@@ -72,7 +76,7 @@ def check_consistent(run_dir: Path) -> None:
                 continue
             step = _verify(folder)["step"]
             for table in tables:
-                assert partition(run_dir, (phase, table, step)).is_file(), (folder, table)
+                assert partition(run_dir, (phase, table, step)).is_file(), (folder, table, where)
 
 
 def best_step(tracking: Path, model: str) -> str | None:
@@ -91,8 +95,7 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_
     finishes; the final weights, the row counts of every stage's table and the step the `best`
     alias points at equal those of an uninterrupted run."""
     runs, env = tmp_path / "runs", env_for(tmp_path, prefect_api_url)
-    seed = random.randrange(1 << 30)
-    print(f"kill points drawn with seed {seed}")
+    seed = draw_seed("test_sigkill_at_ten_random_points_each_followed_by_resume")
     rng = random.Random(seed)
     # the uninterrupted run goes on beside the killed one (each is one thread)
     log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
@@ -100,27 +103,27 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_
     # home; both runs talk to the session's Prefect server
     straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
                     "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
-    straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=ROOT, stdout=subprocess.DEVNULL,
+    straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                                 stderr=log.open("w"), start_new_session=True)
     killed_dir, kills, command = runs / "killed", [], cli(*run_args(runs, "killed"))
     try:
         pending = kill_points()
         while len(kills) < 10:
             pending = [p for p in pending if not partition(killed_dir, p).exists()]
-            assert pending, f"ran out of kill points after {kills}"
+            assert pending, f"ran out of kill points after {kills} (seed {seed})"
             # one of the next few, to spread the kills over the run, but never so far ahead that
             # the points left cannot hold the kills still to come (a run may also pass a point or
             # two between a poll and the kill, hence the slack of 3 per skipped point)
             slack = len(pending) - (10 - len(kills))
             point = rng.choice(pending[:1 + min(3, max(0, slack) // 3)])
-            process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+            process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, start_new_session=True)
             try:
                 deadline = time.monotonic() + STEP_TIMEOUT_S
                 while not partition(killed_dir, point).exists() and process.poll() is None \
                         and time.monotonic() < deadline:
                     time.sleep(0.02)
-                assert process.poll() is None, f"run ended before the kill point {point} (kills: {kills})"
+                assert process.poll() is None, f"run ended before the kill point {point} (kills: {kills}, seed {seed})"
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
             finally:
@@ -128,28 +131,34 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait(timeout=30)
             kills.append(point)
-            check_consistent(killed_dir)
+            check_consistent(killed_dir, f"kills {kills}, seed {seed}")
             pending.remove(point)
             command = cli("resume", str(killed_dir))
-        print(f"killed at {kills}")
-        resumed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        where = f"kills {kills}, seed {seed}"
+        resumed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+        assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
         assert straight.wait(timeout=STEP_TIMEOUT_S) == 0, log.read_text()[-3000:]
     finally:
         if straight.poll() is None:
             os.killpg(straight.pid, signal.SIGKILL)
             straight.wait(timeout=30)
 
-    check_consistent(killed_dir)
+    check_consistent(killed_dir, where)
     last = lambda run: sorted((runs / run / "rl" / "checkpoints").glob("step_*"))[-1]  # noqa: E731
     a, b = load_file(last("straight") / "model.safetensors"), load_file(last("killed") / "model.safetensors")
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys(), where
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=f"{name} ({where})")
     for table in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals"):
-        assert rows(killed_dir, table) == rows(runs / "straight", table), table
-    assert best_step(tmp_path / "mlflow.db", "killed") == best_step(tmp_path / "mlflow-straight.db", "straight")
-    assert json.loads((killed_dir / "run.json").read_text())["status"] == "finished"
+        assert rows(killed_dir, table) == rows(runs / "straight", table), f"{table} ({where})"
+    # SFT evals at steps 10-40 (OVERRIDES): its `best` is set, and a resume must keep it where an
+    # uninterrupted run puts it; RL's (compared too) is set only if RL beats its step-0 eval
+    for suffix in ("-sft", ""):
+        killed_best = best_step(tmp_path / "mlflow.db", "killed" + suffix)
+        assert killed_best == best_step(tmp_path / "mlflow-straight.db", "straight" + suffix), f"{suffix} ({where})"
+    assert best_step(tmp_path / "mlflow.db", "killed-sft") is not None, where
+    assert strays(killed_dir / "rl" / "tables") == [] and strays(killed_dir / "sft" / "tables") == [], where
+    assert json.loads((killed_dir / "run.json").read_text())["status"] == "finished", where
 
 
 def mlflow_statuses(tracking: Path, experiment: str) -> dict[str, str]:
@@ -170,7 +179,7 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
     log = tmp_path / "term.log"  # a file, not a pipe nobody reads while the run writes to it
     # no over-sampling: every step samples, so the resume reads back the rollouts of the step it
     # restarts (with carried groups a step may train on earlier steps' rollouts alone)
-    process = subprocess.Popen(cli(*run_args(runs, "term"), "--set", "rl.oversample_factor=1.0"), env=env, cwd=ROOT,
+    process = subprocess.Popen(cli(*run_args(runs, "term"), "--set", "rl.oversample_factor=1.0"), env=env, cwd=tmp_path,
                                stdout=subprocess.DEVNULL,
                                stderr=log.open("w"), start_new_session=True)
     try:
@@ -180,7 +189,7 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
             time.sleep(0.02)
         assert process.poll() is None, log.read_text()[-3000:]
         os.kill(process.pid, signal.SIGSTOP)  # held still (its lock too) while a second process tries
-        second = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+        second = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
                                 timeout=300)
         assert second.returncode == 2 and f"in use by another process (pid {process.pid})" in second.stderr, \
             second.stderr[-2000:]
@@ -210,11 +219,11 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
     victim = partition(run_dir, ("rl", "rollouts", last + 1))
     assert victim.is_file(), last
     victim.write_bytes(victim.read_bytes()[:40])
-    broken = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+    broken = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
                             timeout=STEP_TIMEOUT_S)
     assert broken.returncode == 1 and f"partition file '{victim}' is corrupt" in broken.stderr, broken.stderr[-3000:]
     victim.unlink()
-    done = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=STEP_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"

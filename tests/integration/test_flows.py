@@ -43,6 +43,7 @@ def test_pipeline_runs_sft_then_rl_and_records_everything(prefect_api, tmp_path,
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)  # MLflow puts a SQLite store's artifacts under ./mlruns
     config = tiny_config(tmp_path, tracking__registered_model="tiny-test")
     result = pipeline_flow(config=config)
 
@@ -81,6 +82,34 @@ def test_pipeline_runs_sft_then_rl_and_records_everything(prefect_api, tmp_path,
                  "eval/accuracy"):
         assert name in rl_metrics, name
     assert by_phase["rl"].data.tags.get("mlflow.parentRunId") == by_phase["pipeline"].info.run_id
+
+
+def test_best_alias_follows_the_best_checkpointed_sft_eval_and_latest_is_the_newest(prefect_api, tmp_path,
+                                                                                     monkeypatch):
+    """An SFT run whose eval improves: `NAME-sft@best` is the checkpoint with the highest eval
+    accuracy (the first of equals), `NAME-sft@latest` the last checkpoint. On the tiny task the
+    accuracy goes 0 → 0.05 at step 20, back to 0, 0.05 again at 30: an alias that followed every
+    checkpoint, or moved on equal accuracy, would name step 30."""
+    import duckdb
+    from mlflow import MlflowClient
+    from rlpipe.flows.sft import sft_flow
+    from rlpipe.storage.tracking import resolve_model_version
+    from rlpipe.storage.writer import read_table
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    config = tiny_config(tmp_path, flow="sft", tracking__registered_model="best-test", sft__eval_every=5, sft__steps=30,
+                         sft__checkpoint_every=5)
+    sft_flow(config=config)
+    evals = read_table(Path(config["runs_root"]) / config["run_name"], "evals")  # noqa: F841 (read by duckdb)
+    accuracy = dict(duckdb.sql("select step, avg(correct::int) from evals group by step order by step").fetchall())
+    assert sorted(accuracy) == list(range(5, 35, 5))
+    best_step = max(sorted(accuracy), key=lambda s: (accuracy[s], -s))
+    assert accuracy[best_step] > accuracy[5], f"the eval never improved, nothing to check: {accuracy}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert resolve_model_version(client, "models:/best-test-sft@best").tags["step"] == str(best_step), accuracy
+    assert resolve_model_version(client, "models:/best-test-sft@latest").tags["step"] == "30"
 
 
 def test_stages_are_named_task_runs_unless_turned_off(prefect_api, tmp_path):

@@ -18,6 +18,7 @@ def test_multiturn_config_runs_and_records_turns(tmp_path, monkeypatch):
     from rlpipe.storage.catalog import connect
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)  # MLflow puts a SQLite store's artifacts under ./mlruns
     config = tomllib.loads((ROOT / "configs" / "multiturn.toml").read_text())
     config |= {"runs_root": str(tmp_path / "runs")}
     config["model"]["overrides"] = {"num_hidden_layers": 1}

@@ -17,6 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.leftovers import strays
+from tests.seeds import draw_seed
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -72,27 +75,29 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, prefect_api_url
     log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
     straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
                     "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
-    straight_run = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=ROOT,
+    straight_run = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=tmp_path,
                                     stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
     try:
-        table, step = random.Random().choice(KILL_POINTS)
+        seed = draw_seed("test_sigkill_then_resume_matches_uninterrupted_run")
+        table, step = random.Random(seed).choice(KILL_POINTS)
+        where = f"kill point {table}/step={step}, seed {seed}"
         trigger = runs / "killed" / "rl" / "tables" / table / f"step={step}"
-        process = subprocess.Popen(cli(*run_args(runs, "killed")), env=env, cwd=ROOT,
+        process = subprocess.Popen(cli(*run_args(runs, "killed")), env=env, cwd=tmp_path,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
             while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert process.poll() is None, f"run ended before the kill point {table}/step={step}"
+            assert process.poll() is None, f"run ended before the {where}"
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
 
-        resumed = subprocess.run(cli("resume", str(runs / "killed")), env=env, cwd=ROOT, capture_output=True,
+        resumed = subprocess.run(cli("resume", str(runs / "killed")), env=env, cwd=tmp_path, capture_output=True,
                                  text=True, timeout=600)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
         assert straight_run.wait(timeout=600) == 0, log.read_text()[-3000:]
     finally:
         if straight_run.poll() is None:
@@ -100,14 +105,14 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, prefect_api_url
             straight_run.wait(timeout=30)
 
     straight, killed = final_weights(runs / "straight"), final_weights(runs / "killed")
-    assert straight.keys() == killed.keys()
+    assert straight.keys() == killed.keys(), where
     for name in straight:
-        torch.testing.assert_close(killed[name], straight[name], rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(killed[name], straight[name], rtol=0, atol=1e-6, msg=f"{name} ({where})")
     for table_name in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals"):
-        assert rows(runs / "killed", table_name) == rows(runs / "straight", table_name), table_name
+        assert rows(runs / "killed", table_name) == rows(runs / "straight", table_name), f"{table_name} ({where})"
     # no temporary or partial files left visible
-    leftovers = [p for p in (runs / "killed").rglob("*") if p.name.startswith(".") and p.is_file()]
-    assert not [p for p in leftovers if "tables" in p.parts and p.suffix == ".parquet"]
+    assert strays(runs / "killed" / "rl" / "tables") == [], where
+    assert strays(runs / "killed" / "sft" / "tables") == [], where
 
 
 def sample_versions(run_dir: Path) -> set[tuple[str, int]]:
@@ -126,31 +131,33 @@ def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_pa
     runs = tmp_path / "runs"
     env = env_for(tmp_path, prefect_api_url)
     args = [*run_args(runs, "async"), "--set", "rl.max_off_policy_steps=1", "--set", "rl.steps=6"]
-    table, step = random.Random().choice([("rollouts", 3), ("scores", 4), ("groups", 2), ("batches", 3),
+    seed = draw_seed("test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice")
+    table, step = random.Random(seed).choice([("rollouts", 3), ("scores", 4), ("groups", 2), ("batches", 3),
                                           ("train_steps", 2), ("checkpoints", 3), ("advantages", 5)])
+    where = f"kill point {table}/step={step}, seed {seed}"
     trigger = runs / "async" / "rl" / "tables" / table / f"step={step}"
-    process = subprocess.Popen(cli(*args), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(cli(*args), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert process.poll() is None, f"run ended before the kill point {table}/step={step}"
+        assert process.poll() is None, f"run ended before the {where}"
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     before = sample_versions(runs / "async")
-    resumed = subprocess.run(cli("resume", str(runs / "async")), env=env, cwd=ROOT, capture_output=True,
+    resumed = subprocess.run(cli("resume", str(runs / "async")), env=env, cwd=tmp_path, capture_output=True,
                              text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
     rl_dir = runs / "async" / "rl"
-    assert before <= sample_versions(runs / "async")  # every sampled rollout kept, same policy version
+    assert before <= sample_versions(runs / "async"), where  # every sampled rollout kept, same policy version
     low, high, trained, distinct = staleness_report(rl_dir)
-    assert 0 <= low and high <= 1 and trained == distinct > 0, (table, step)
-    assert untracked_groups(rl_dir) == 0
-    assert rows(runs / "async", "train_steps") == 6
+    assert 0 <= low and high <= 1 and trained == distinct > 0, where
+    assert untracked_groups(rl_dir) == 0, where
+    assert rows(runs / "async", "train_steps") == 6, where
 
 
 KILL_AFTER_RENAME = """
@@ -173,13 +180,13 @@ def test_kill_right_after_the_checkpoint_rename_is_repaired_on_resume(tmp_path, 
     runs = tmp_path / "runs"
     env = env_for(tmp_path, prefect_api_url)
     killed = subprocess.run([sys.executable, "-c", KILL_AFTER_RENAME, *run_args(runs, "window")], env=env,
-                            cwd=ROOT, capture_output=True, text=True, timeout=600, start_new_session=True)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     rl_dir = runs / "window" / "rl"
     assert (rl_dir / "checkpoints" / "step_000002").is_dir()
     assert not (rl_dir / "tables" / "checkpoints" / "step=2").exists()
     assert (rl_dir / "tables" / "train_steps" / "step=2").exists()  # on disk before the rename
-    resumed = subprocess.run(cli("resume", str(runs / "window")), env=env, cwd=ROOT, capture_output=True,
+    resumed = subprocess.run(cli("resume", str(runs / "window")), env=env, cwd=tmp_path, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert rows(runs / "window", "checkpoints") == 4 and rows(runs / "window", "train_steps") == 4

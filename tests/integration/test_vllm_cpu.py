@@ -118,9 +118,9 @@ def test_served_vllm_samples_scores_and_reloads_like_the_trainer(tmp_path):
         engine.close()
 
 
-def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints():
+def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints(tmp_path):
     result = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_cpu_colocated.py")],
-                            env=vllm_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+                            env=vllm_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["shape"] == [[8, 8], [8, 8]]
@@ -160,7 +160,7 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
                 "--set", "engine.timeout_s=120", "--set", "rl.steps=3", "--set", "rl.eval_every=0",
                 # no surplus groups carried to the next step: each step trains on its own samples
                 "--set", "rl.max_staleness=0", *FLOAT32, *overrides, *ONE_THREAD]
-        done = subprocess.run(cli(*args), env=env_for(tmp_path, prefect_api_url), cwd=ROOT,
+        done = subprocess.run(cli(*args), env=env_for(tmp_path, prefect_api_url), cwd=tmp_path,
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
         return tmp_path / "runs" / name
@@ -201,7 +201,7 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
         env = dict(env_for(tmp_path, prefect_api_url), OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
         env.pop("VIRTUAL_ENV", None)
         log = (tmp_path / f"{name}.log").open("w")
-        return subprocess.Popen(args, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), tmp_path / "runs" / name
+        return subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT), tmp_path / "runs" / name
 
     def finish(run: tuple[subprocess.Popen, Path]) -> Path:
         process, run_dir = run

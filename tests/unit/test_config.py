@@ -174,3 +174,10 @@ def test_every_shipped_config_validates_again_to_itself_under_every_loss(path):
         dumped = json.loads(json.dumps(config.model_dump(mode="json")))
         assert validate_config(dumped) == config, (path.name, loss)
         assert validate_config(config.model_dump()) == config  # the python-mode dump a rank's copy takes
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_lora_and_kl_are_accepted_under_data_parallelism(parallel):
+    """The README's promise; tests/integration/test_distributed_extras.py checks that such a step
+    equals one process's."""
+    config = load_config(ROOT / "configs" / "tiny.toml",
+                         [f"train.parallel={parallel}", "model.lora.rank=4", "rl.kl_coef=0.05"])
+    assert (config.train.parallel, config.model.lora.rank, config.rl.kl_coef) == (parallel, 4, 0.05)

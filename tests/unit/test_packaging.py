@@ -11,7 +11,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from rlpipe.core.config import describe_fields
 from rlpipe.core.user_code import import_user_object
+from rlpipe.tasks.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_SHIPPED = {"tests", "benchmarks"}
@@ -47,7 +49,7 @@ def test_a_users_own_models_and_tasks_do_not_shadow_rlpipe(tmp_path):
         done = subprocess.run([*command, "run", "--help-config"], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        assert "rl.group_size" in done.stdout
+        assert done.stdout == "\n".join(describe_fields(RunConfig)) + "\n"  # every key with its doc
 
 
 def test_user_objects_come_from_the_working_directory(tmp_path, monkeypatch):

@@ -54,5 +54,27 @@ def test_a_second_process_cannot_lock_a_locked_run_dir_and_is_told_who_holds_it(
     finally:
         release_run_lock(run_dir)
     assert other_process_locks(run_dir).stdout.strip() == "locked"  # free after the last release
-    # a process killed while holding it leaves no stale lock: the kernel drops a flock at exit
+
+
+def test_a_lock_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
+    """The kernel drops a flock when its holder dies: no cleanup code runs after SIGKILL."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from rlpipe.storage.runlock import acquire_run_lock
+        acquire_run_lock({str(run_dir)!r})
+        print("locked", flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert "RunLockedError" in other_process_locks(run_dir).stderr  # held while it lives
+        holder.send_signal(signal.SIGKILL)
+        assert holder.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=30)
     assert other_process_locks(run_dir).stdout.strip() == "locked"

@@ -279,6 +279,7 @@ def test_a_long_request_does_not_starve_a_small_one_or_a_weight_update(run_dir):
     assert small.json()["policy_version"] == 0 and after.json()["policy_version"] == 3
 
 
+@pytest.mark.serial  # a 0.3 s deadline against ~100 engine calls: never beside another test
 def test_a_request_past_its_deadline_gets_504_and_its_remaining_parts_are_dropped(run_dir):
     app = build_app(ckpt(run_dir, 0), batch_window_ms=0,
                     limits=ServeLimits(chunk_sequences=2, request_timeout_s=0.3))
@@ -301,6 +302,7 @@ def test_a_request_past_its_deadline_gets_504_and_its_remaining_parts_are_droppe
     assert stats.dropped == 1
 
 
+@pytest.mark.serial  # a 0.3 s deadline against ~100 engine calls: never beside another test
 def test_a_client_that_goes_away_stops_its_request(run_dir):
     # a real uvicorn on a loopback port (in a thread): a client timing out closes its connection,
     # and the server stops generating for it instead of computing all 100 parts for nobody
