@@ -70,6 +70,10 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("n_turns", pa.int32()),
         _opt("turns", pa.list_(_TURN)),  # spans of completion_tokens: who produced which
         _opt("messages", pa.string()),  # the transcript as JSON chat messages
+        # reasoning vs answer (models/chat.py split_thinking_tokens); null for episodes
+        _opt("thinking_tokens", pa.int32()),  # inside <think> ... </think>, tags included
+        _opt("answer_tokens", pa.int32()),
+        _opt("answer_text", pa.string()),  # the text the reward saw
     ],
     # one row per completion (score)
     "scores": _KEY

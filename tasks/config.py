@@ -84,6 +84,9 @@ class RunConfig(Section):
         if self.engine.sync_every > k + 1:
             raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "
                              f"= {k + 1}: engines would sample from weights older than the staleness bound")
+        if self.rl.sampling.max_thinking_tokens and self.engine.type != "torch":
+            raise ValueError(f"rl.sampling.max_thinking_tokens needs engine.type = 'torch' (got "
+                             f"{self.engine.type!r}): the thinking budget is enforced in its sampling loop")
         check_plain_name(self.run_name, "run_name")
         return self
 
