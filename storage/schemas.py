@@ -169,7 +169,8 @@ _FIELDS: dict[str, list[pa.Field]] = {
     + [
         _f("sample_id", pa.string()),
         _f("group_id", pa.string()),
-        # trained | zero_variance | stale | carried | over_cap | reward_error | truncated | filtered
+        # trained | zero_variance | stale | carried | over_cap | reward_error | truncated |
+        # cut_in_thinking | filtered
         _f("status", pa.string()),
         _f("reason", pa.string()),
     ],
