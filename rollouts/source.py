@@ -205,7 +205,7 @@ class RolloutSource:
             cut = all_cut_message(sampled, self.options.drops.max_new_tokens)
             if cut is None:
                 raise
-            plain = BatchFillError(f"{cut} ({error})")
+            plain = BatchFillError(f"step {step} could not fill its batch: {cut}")
             plain.decisions, plain.metrics = getattr(error, "decisions", []), error.metrics
             raise plain from None
         with watch("filter"):

@@ -180,3 +180,82 @@ def test_a_budget_needs_think_tags_and_the_torch_engine(tok):
     config = validate_config({"model": {"chat_template_kwargs": {"enable_thinking": False}},
                               "rl": {"sampling": {"max_thinking_tokens": 8}}})
     assert config.model.chat_template_kwargs == OFF and config.rl.sampling.max_thinking_tokens == 8
+
+
+class CutStages:
+    """Every completion is the empty block `<think>\\n\\n</think>\\n\\n` cut at the token limit
+    (reward 0): the issue of a thinking template under a character-tokenizer budget."""
+
+    def generate(self, examples, *, step, attempt, policy_version, previous):
+        return [rollout(step=step, policy_version=policy_version, env=e.env, example_id=e.example_id,
+                        group_id=f"s{step}a{attempt}g{i}", sample_id=f"s{step}a{attempt}g{i}:{j}", attempt=attempt,
+                        prompt_tokens=[1], completion_tokens=[5, 9, 6, 9], completion_logprobs=[-1.0] * 4,
+                        finish_reason="length", n_completion_tokens=4, thinking_tokens=3, answer_tokens=1,
+                        answer_text="")
+                for i, e in enumerate(examples) for j in range(4)]
+
+    def score(self, examples, rollouts, *, step, previous):
+        return [Score("r", step, r.sample_id, r.group_id, 0.0, {}, None) for r in rollouts]
+
+    def select(self, fill, rows, options, *, step, empty):
+        from rlpipe.rollouts.fates import select_step
+
+        return select_step(fill, rows, options, step=step)
+
+
+def test_a_source_whose_completions_are_all_cut_fails_naming_the_token_budget():
+    from rlpipe.envs.prompts import PromptSource
+    from rlpipe.rollouts.options import rollout_options
+    from rlpipe.rollouts.source import RolloutSource
+    from rlpipe.training.config import RLConfig
+    from rlpipe.training.oversampling import BatchFillError, GroupBuffer
+
+    options = rollout_options(RLConfig(steps=1, prompts_per_step=2, max_attempts=2))
+    examples = [Example("e", str(i), f"q{i}", None) for i in range(20)]
+    src = RolloutSource(options, PromptSource(examples, seed=0), GroupBuffer(options.buffer), CutStages(),
+                        start_step=0, published_version=0)
+    with src, pytest.raises(BatchFillError) as error:
+        src.batch(1)
+    message = str(error.value)
+    sampled = int(error.value.metrics["rollout/fate_zero_variance"])  # every group: all rewards 0
+    assert sampled >= 16
+    assert message.startswith(f"step 1 could not fill its batch: all {sampled} completions were cut at "
+                              "rl.sampling.max_new_tokens=16 tokens")
+    assert f"{sampled} before any answer" in message and "easier" not in message
+
+
+def test_the_report_plots_reasoning_and_answer_lengths_of_thinking_runs(tmp_path):
+    import pyarrow.parquet as pq
+    from rlpipe.dashboards import report
+    from rlpipe.storage.synthetic import synthetic_step
+    from rlpipe.storage.writer import write_table
+
+    def run(folder, run_id, thinking: bool):
+        for step in (1, 2):
+            tables = synthetic_step(step, run_id=run_id, n_groups=2, group_size=4, n_token_rows=1, n_examples=4)
+            rows = tables["rollouts"].to_pylist()
+            for i, row in enumerate(rows):
+                think = (3 + step + i % 2) if thinking else 0
+                row.update(thinking_tokens=think, answer_tokens=row["n_completion_tokens"] - think)
+            for name, data in (tables | {"rollouts": rows}).items():
+                write_table(folder, name, step, data, run_id=run_id, durable=False)
+
+    run(tmp_path / "think", "t/rl", thinking=True)
+    run(tmp_path / "plain", "p/rl", thinking=False)
+    data = report.report_data([tmp_path / "think", tmp_path / "plain"])
+    section = next(s for s in data["sections"] if s["id"] == "completions")
+    (plot,) = [p for p in section["plots"] if p["id"] == "thinking"]
+    solid = [line for line in plot["series"] if line["style"] == "solid"]
+    assert [line["run_id"] for line in solid] == ["t/rl"]  # runs without reasoning draw no line
+    assert solid[0]["y"] == pytest.approx([4.5, 5.5])
+    only_plain = report.report_data([tmp_path / "plain"])
+    section = next(s for s in only_plain["sections"] if s["id"] == "completions")
+    assert "thinking" not in {p["id"] for p in section["plots"]}
+    # a run written before these columns existed still gets its report
+    old = tmp_path / "old"
+    run(old, "o/rl", thinking=False)
+    for path in (old / "tables" / "rollouts").rglob("*.parquet"):
+        table = pq.read_table(path)
+        pq.write_table(table.drop_columns(["thinking_tokens", "answer_tokens", "answer_text"]).replace_schema_metadata(
+            table.schema.metadata), path)
+    assert report.query_results([old])["thinking_by_step"] == []
