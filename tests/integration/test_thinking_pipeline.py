@@ -109,5 +109,10 @@ def test_qwen3_template_sft_then_rl_agree_and_answer(prefect_api, tmp_path, monk
     rewards = {r["sample_id"]: r["reward"] for r in read_table(Path(result["run_dir"]) / "rl", "scores").to_pylist()}
     right = [r for r in answered if rewards[r["sample_id"]] >= 1]
     assert right and all(r["answer_text"].isdigit() for r in right)
-    print(f"thinking={thinking}: {len(stopped)}/{len(rollouts)} stopped, {len(right)} right; e.g. "
-          f"{right[0]['prompt_text']!r} -> {right[0]['completion_text']!r}")
+    first = sft_sequences[0]
+    cut = _weighted_from(first.weights)
+    print(f"thinking={thinking}: SFT sequence {tok.decode(first.tokens[:cut])!r} + loss on "
+          f"{tok.decode([t for t, w in zip(first.tokens, first.weights, strict=True) if w])!r}; RL "
+          f"{right[0]['prompt_text']!r} -> {right[0]['completion_text']!r} (answer {right[0]['answer_text']!r}, "
+          f"{right[0]['thinking_tokens']} thinking + {right[0]['answer_tokens']} answer tokens); "
+          f"{len(stopped)}/{len(rollouts)} stopped, {len(right)} right")
