@@ -221,17 +221,19 @@ class RolloutSource:
 
 
 def all_cut_message(sampled: list[Rollout], max_new_tokens: int) -> str | None:
-    """Why a batch could not fill when every completion was cut at the token limit (None when
-    some ended on their own): their rewards are those of unfinished answers, so easier or harder
+    """Why a batch could not fill when most of its completions (half or more) were cut at the
+    token limit, None otherwise: their rewards are those of missing answers, so easier or harder
     prompts cannot help; the budget, counted in the model's tokens, is what is short."""
-    if not sampled or any(r.finish_reason != "length" for r in sampled):
+    cut = [r for r in sampled if r.finish_reason == "length"]
+    if not cut or 2 * len(cut) < len(sampled):
         return None
-    unanswered = sum(not r.answer_text for r in sampled if r.answer_text is not None)
-    thinking = sum(bool(r.thinking_tokens) for r in sampled)
-    return (f"all {len(sampled)} completions were cut at rl.sampling.max_new_tokens={max_new_tokens} tokens "
-            f"({unanswered} before any answer, {thinking} spending tokens on a <think> block): raise "
-            "rl.sampling.max_new_tokens (it counts the model's tokens, reasoning included; a budget set "
-            "for the character tokenizer is far too small for a BPE one), set rl.sampling.max_thinking_tokens, "
+    answered = sum(r.finish_reason != "length" and bool(r.completion_text if r.answer_text is None else r.answer_text)
+                   for r in sampled)
+    thinking = sum(bool(r.thinking_tokens) for r in cut)
+    return (f"{len(cut)} of {len(sampled)} completions were cut at rl.sampling.max_new_tokens={max_new_tokens} "
+            f"tokens ({thinking} of them after spending tokens on a <think> block); {answered} finished with an "
+            "answer. Raise rl.sampling.max_new_tokens (it counts the model's tokens, reasoning included; a budget "
+            "set for the character tokenizer is far too small for a BPE one), set rl.sampling.max_thinking_tokens, "
             "or turn thinking off (model.chat_template_kwargs = { enable_thinking = false })")
 
 

@@ -116,3 +116,20 @@ def test_qwen3_template_sft_then_rl_agree_and_answer(prefect_api, tmp_path, monk
           f"{right[0]['prompt_text']!r} -> {right[0]['completion_text']!r} (answer {right[0]['answer_text']!r}, "
           f"{right[0]['thinking_tokens']} thinking + {right[0]['answer_tokens']} answer tokens); "
           f"{len(stopped)}/{len(rollouts)} stopped, {len(right)} right")
+
+
+def test_a_budget_that_ends_every_completion_inside_the_block_says_so(prefect_api, tmp_path, monkeypatch, model_dir):
+    """A character-tokenizer budget after SFT with thinking on: the completions are cut in (or
+    right after) their reasoning block, and the run says that instead of 'make the task easier'."""
+    from rlpipe.flows.pipeline import pipeline_flow
+    from rlpipe.training.oversampling import BatchFillError
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    config = _config(tmp_path, model_dir, thinking=True)
+    config["rl"].update(sampling={"max_new_tokens": 3}, max_attempts=2)
+    with pytest.raises(BatchFillError) as error:
+        pipeline_flow(config=config)
+    message = str(error.value)
+    assert "completions were cut at rl.sampling.max_new_tokens=3 tokens" in message, message
+    assert "<think> block" in message and "easier" not in message
+    print(message)
