@@ -11,6 +11,11 @@ adds. Consecutive turns whose contexts extend one another share one segment (a p
 template gives one segment per conversation, as before); where a context rewrites earlier tokens,
 a new segment starts. Segments of one conversation share their common leading tokens through the
 packer's shared-prefix layout (`Sequence.prefix_len`, training/batch.py).
+
+Every rendering takes the template's extra variables (`model.chat_template_kwargs`, e.g. Qwen3's
+`enable_thinking`). A completion's reasoning block and its answer are told apart here too
+(`split_thinking_tokens` on token ids, `split_thinking` on text): the answer follows the last
+`</think>`, as Qwen3's guide parses it.
 """
 
 from __future__ import annotations
