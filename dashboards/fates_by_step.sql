@@ -4,7 +4,8 @@
 -- columns:
 --   run_id   VARCHAR  run
 --   step     BIGINT   the step that sampled the completions
---   status   VARCHAR  trained | zero_variance | stale | carried | over_cap | reward_error | truncated | filtered,
+--   status   VARCHAR  trained | zero_variance | stale | carried | over_cap | reward_error | truncated |
+--                     cut_in_thinking | filtered,
 --                     or pending: no decision yet (the run stopped while that step was being filled)
 --   n        BIGINT   completions of that step with that final status
 SELECT run_id, CAST(step AS BIGINT) AS step, coalesce(status, 'pending') AS status, count(*) AS n

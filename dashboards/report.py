@@ -47,8 +47,10 @@ HERE = Path(__file__).resolve().parent
 QUERIES = (
     "reward_by_step", "zero_variance_by_step", "completion_length_by_step", "length_vs_reward",
     "loss_by_step", "throughput_by_step", "eval_by_step", "samples_by_step", "hardest_prompts",
-    "fates_by_step", "rollout_browser",
+    "fates_by_step", "rollout_browser", "thinking_by_step",
 )
+# queries of columns runs of older rlpipe versions lack: no rows there instead of an error
+NEWER_COLUMNS = ("thinking_by_step",)
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#7f7f7f", "#bcbd22")
 MAX_SAMPLE_STEPS = 40  # per run: the sample table keeps this many steps, evenly spread
@@ -137,10 +139,18 @@ def query_results(run_dirs: list[Path]) -> dict[str, Rows]:
     con = connect(run_dirs)
     try:
         stand_in = rollouts.ensure_fates(con)
-        return {name: [_clean_row(row) for row in con.sql(canned_sql(name)).to_arrow_table().to_pylist()]
-                for name in QUERIES} | {"fates_stand_in": [{"stand_in": stand_in}]}
+        return {name: _query_rows(con, name) for name in QUERIES} | {"fates_stand_in": [{"stand_in": stand_in}]}
     finally:
         con.close()
+
+
+def _query_rows(con, name: str) -> Rows:
+    try:
+        return [_clean_row(row) for row in con.sql(canned_sql(name)).to_arrow_table().to_pylist()]
+    except duckdb.BinderException:
+        if name in NEWER_COLUMNS:
+            return []
+        raise
 
 
 def _clean_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -103,6 +103,13 @@ def completion_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
         plot("truncated", "Truncated completions", "completion_length_by_step",
              series(rows, order, "truncated_fraction"), y_label="share of completions",
              y_range=(0, 1), percent=True, subtitle="finish_reason = 'length': cut at the token limit"),
+        plot("thinking", "Reasoning and answer", "thinking_by_step",
+             series(r.get("thinking_by_step", []), order, "thinking_tokens_mean")
+             + series(r.get("thinking_by_step", []), order, "answer_tokens_mean", style="dashed")
+             + series(r.get("thinking_by_step", []), order, "cut_in_thinking_fraction", style="dotted"),
+             y_label="tokens", optional=True,
+             subtitle="solid: mean tokens of the <think> block; dashed: after </think>; "
+                      "dotted: share cut inside the block"),
         plot("length_reward_corr", "Length–reward correlation", "length_vs_reward",
              series(r["length_vs_reward"], order, "length_reward_corr"), y_label="Pearson r", y_range=(-1, 1),
              subtitle="per step, over all scored completions"),

@@ -33,6 +33,7 @@ FATES: tuple[tuple[str, str], ...] = (
     ("over_cap", "#9467bd"),
     ("reward_error", "#d62728"),
     ("truncated", "#ff7f0e"),
+    ("cut_in_thinking", "#bcbd22"),
     ("filtered", "#e377c2"),
     (PENDING, "#d9dde3"),
 )

@@ -39,6 +39,12 @@ class SamplingParams:
     """Same seed, prompts and weights -> same completions. None: a fresh random seed per call."""
     greedy: bool = False
     """Argmax decoding; log-probs are reported at temperature 1."""
+    max_thinking_tokens: int = 0
+    """Thinking budget (0 = none): a completion that has spent this many tokens inside its
+    reasoning block gets `think_ids[1]` (`</think>`) as its next token, then samples on. The
+    forced token's log-prob is the policy's own for it. Only the torch engine honours it."""
+    think_ids: tuple[int, int] | None = None
+    """(`<think>`, `</think>`) token ids; the block may open in the prompt. Needed by a budget."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -61,6 +67,13 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=0)
         if not isinstance(self.greedy, bool):
             raise ValueError(f"greedy must be a bool, got {self.greedy!r}")
+        _check_int("max_thinking_tokens", self.max_thinking_tokens, minimum=0)
+        if self.think_ids is not None:
+            object.__setattr__(self, "think_ids", tuple(self.think_ids))
+            if len(self.think_ids) != 2 or not all(isinstance(t, int) and t >= 0 for t in self.think_ids):
+                raise ValueError(f"think_ids must be two token ids (<think>, </think>), got {self.think_ids!r}")
+        if self.max_thinking_tokens and self.think_ids is None:
+            raise ValueError("max_thinking_tokens needs think_ids (the <think> and </think> token ids)")
 
 
 def prompt_seed(params: SamplingParams, prompt_index: int) -> int | None:

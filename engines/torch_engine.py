@@ -17,6 +17,10 @@ Weights are read at the start of every `generate`, so after an optimizer step th
 samples from the new weights with no sync (`sync(None, v)` only records the policy version).
 Sampling draws one uniform per sequence and step from a `torch.Generator` seeded by
 `params.seed`: same seed, prompts and weights -> same completions.
+
+A thinking budget (`params.max_thinking_tokens`) is kept in the sampling loop: a sequence that
+has spent the budget inside its `<think>` block (opened by its prompt or by itself) gets
+`</think>` as its next token and goes on sampling its answer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rlpipe.engines.base import Completion, SamplingParams
 from rlpipe.engines.decode_graphs import DecodeGraphs, GraphBackend
 from rlpipe.engines.qwen3_support import unsupported_reason
 from rlpipe.engines.sampling import sample_next
+from rlpipe.models.chat import ThinkTags, thinking_open
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -342,10 +347,13 @@ def _generate_batch(
     rows = torch.arange(n_rows, device=device)  # batch position -> sequence index
     live = torch.ones(n_rows, dtype=torch.bool, device=device)
     positions = torch.tensor([len(p) for p in prompts], device=device)
+    budget = _ThinkingBudget.of(prompts, params, device)
     n_live = n_rows
     for t in range(max_new):
         draws = None if uniforms is None else uniforms[t][rows]
         token, logprob = sample_next(logits, params, draws)
+        if budget is not None:
+            token, logprob = budget.apply(rows, token, logprob, logits, params)
         out.tokens[rows, t] = token
         out.logprobs[rows, t] = logprob
         if emit is not None:
@@ -378,6 +386,45 @@ def _generate_batch(
         )
         for b, n in enumerate(out.lengths)
     ]
+
+
+@dataclass
+class _ThinkingBudget:
+    """Per sequence: inside its reasoning block or not, and the reasoning tokens it has spent
+    (the tags not counted). A sequence at the budget gets `</think>` instead of its draw."""
+
+    start: int
+    end: int
+    limit: int
+    inside: torch.Tensor  # bool [B]
+    spent: torch.Tensor  # int64 [B]
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], params: SamplingParams, device: torch.device) -> _ThinkingBudget | None:
+        if not params.max_thinking_tokens or params.think_ids is None:
+            return None
+        start, end = params.think_ids
+        tags = ThinkTags(start, end)
+        inside = torch.tensor([thinking_open(p, tags) for p in prompts], dtype=torch.bool, device=device)
+        return cls(start, end, params.max_thinking_tokens, inside, torch.zeros(len(prompts), dtype=torch.long,
+                                                                                  device=device))
+
+    def apply(self, rows: torch.Tensor, token: torch.Tensor, logprob: torch.Tensor, logits: torch.Tensor,
+              params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tokens with `</think>` where a sequence's budget is spent (its log-prob the
+        policy's own, as `sample_next` reports it), and the state moved past them."""
+        inside = self.inside[rows]
+        over = inside & (self.spent[rows] >= self.limit)
+        if bool(over.any()):
+            scaled = logits.float() if params.greedy else logits.float() / params.temperature
+            forced = torch.log_softmax(scaled, dim=-1)[:, self.end]
+            token = torch.where(over, torch.full_like(token, self.end), token)
+            logprob = torch.where(over, forced.to(logprob.dtype), logprob)
+        opens = ~inside & (token == self.start)
+        closes = inside & (token == self.end)
+        self.spent[rows] += (inside & ~closes).long()
+        self.inside[rows] = (inside | opens) & ~closes
+        return token, logprob
 
 
 def _left_pad(

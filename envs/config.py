@@ -31,6 +31,9 @@ class RewardModelConfig(Section):
     """classifier: sequences per forward pass."""
     prompt: str = ""
     """judge: prompt with a {conversation} field; '' = envs.reward_models.JUDGE_PROMPT."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables of this model's chat template (a Qwen3 judge: `{ enable_thinking = false }`
+    to answer within its few tokens); unset = model.chat_template_kwargs."""
 
 
 class TaskConfig(Section):

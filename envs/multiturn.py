@@ -32,6 +32,7 @@ optional per-turn reward from `StepResult.reward`), so DuckDB answers per-turn q
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,14 +90,17 @@ class Episode:
         self.completion_logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
 
 
-def env_tokens(tokenizer: Any, messages: list[dict], appended: list[dict]) -> list[int]:
+def env_tokens(tokenizer: Any, messages: list[dict], appended: list[dict],
+               template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Tokens the template renders for `appended` after the last assistant turn of `messages`,
-    through the next generation prompt (the assistant's own end-of-turn token excluded)."""
+    through the next generation prompt (the assistant's own end-of-turn token excluded);
+    `template_kwargs` (model.chat_template_kwargs) reach every rendering."""
+    kwargs = dict(template_kwargs or {})
     end_id = end_of_turn_id(tokenizer)
     if end_id is None:
         raise ValueError("the tokenizer has neither <|im_end|> nor an eos token: cannot find turn ends")
-    ends = template_ids(tokenizer, messages).count(end_id)
-    full = template_ids(tokenizer, messages + appended, add_generation_prompt=True)
+    ends = template_ids(tokenizer, messages, **kwargs).count(end_id)
+    full = template_ids(tokenizer, messages + appended, add_generation_prompt=True, **kwargs)
     positions = [i for i, t in enumerate(full) if t == end_id]
     if len(positions) < ends:
         raise ValueError("the chat template renders fewer turn ends once the environment's messages "
@@ -126,11 +130,12 @@ def _sample_turn(engine: Engine, active: list[Episode], params: SamplingParams, 
     return out
 
 
-def _next_context(episode: Episode, tokenizer: Any, appended: list[dict], context: str) -> tuple[str, list[int]]:
+def _next_context(episode: Episode, tokenizer: Any, appended: list[dict], context: str,
+                  template_kwargs: Mapping[str, Any]) -> tuple[str, list[int]]:
     """("env", tokens to append) or ("context", a whole new segment's context)."""
     if context == "tokens":
-        return "env", env_tokens(tokenizer, episode.messages, appended)
-    rendered = template_ids(tokenizer, episode.messages + appended, add_generation_prompt=True)
+        return "env", env_tokens(tokenizer, episode.messages, appended, template_kwargs)
+    rendered = template_ids(tokenizer, episode.messages + appended, add_generation_prompt=True, **template_kwargs)
     stream = episode.context()
     if rendered[: len(stream)] == stream:
         return "env", rendered[len(stream):]
@@ -138,7 +143,7 @@ def _next_context(episode: Episode, tokenizer: Any, appended: list[dict], contex
 
 
 def _advance(episode: Episode, completion, tokenizer, env: Environment, max_turns: int,
-             max_tokens: int, context: str = "tokens") -> None:
+             max_tokens: int, context: str = "tokens", template_kwargs: Mapping[str, Any] | None = None) -> None:
     """Append a sampled turn, let the environment answer, decide whether the episode goes on."""
     episode.add("model", list(completion.tokens), [float(x) for x in completion.logprobs])
     text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
@@ -153,7 +158,8 @@ def _advance(episode: Episode, completion, tokenizer, env: Environment, max_turn
             episode.add("env", [], None, reward)
         episode.done, episode.finish_reason = True, "stop"
         return
-    producer, observation = _next_context(episode, tokenizer, list(result.messages_to_append), context)
+    producer, observation = _next_context(episode, tokenizer, list(result.messages_to_append), context,
+                                          dict(template_kwargs or {}))
     episode.messages += list(result.messages_to_append)
     room = max_tokens - (len(observation) if producer == "context" else len(episode.context()) + len(observation))
     if episode.n_turns >= max_turns:
@@ -172,12 +178,12 @@ def _advance(episode: Episode, completion, tokenizer, env: Environment, max_turn
 
 def run_episodes(
     engine: Engine, tokenizer: Any, env: Environment, examples: list[Example], params: SamplingParams,
-    *, max_turns: int, max_tokens: int, context: str = "tokens",
+    *, max_turns: int, max_tokens: int, context: str = "tokens", template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[Episode]]:
     """`params.n` episodes per example (in order), each run until done, max_turns or max_tokens.
 
     context: "tokens" (the stream so far) or "template" (the template's rendering; see the
-    module docstring)."""
+    module docstring). template_kwargs: model.chat_template_kwargs, given to every rendering."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if context not in ("tokens", "template"):
@@ -185,7 +191,7 @@ def run_episodes(
     episodes: list[list[Episode]] = []
     for example in examples:
         messages = env.reset(example)
-        prompt = template_ids(tokenizer, messages, add_generation_prompt=True)
+        prompt = template_ids(tokenizer, messages, add_generation_prompt=True, **(template_kwargs or {}))
         if len(prompt) >= max_tokens:
             raise ValueError(f"prompt of example {example.env}/{example.example_id} has {len(prompt)} "
                              f"tokens, no room left under max_tokens={max_tokens}")
@@ -196,19 +202,22 @@ def run_episodes(
     while active := [e for e in flat if not e.done]:
         for episode, completion in zip(active, _sample_turn(engine, active, params, turn, max_tokens),
                                        strict=True):
-            _advance(episode, completion, tokenizer, env, max_turns, max_tokens, context)
+            _advance(episode, completion, tokenizer, env, max_turns, max_tokens, context, template_kwargs)
         turn += 1
     return episodes
 
 
-def transcript_of(messages: str | None, completion_text: str) -> str | list[dict]:
-    """What the environment judges for a rollout: the messages (JSON) of an episode, else the text."""
-    return json.loads(messages) if messages else completion_text
+def transcript_of(messages: str | None, completion_text: str, answer_text: str | None = None) -> str | list[dict]:
+    """What the environment judges for a rollout: the messages (JSON) of an episode, else the
+    answer (the text after `</think>`, tasks/generate.py `thinking_fields`), else the text."""
+    if messages:
+        return json.loads(messages)
+    return completion_text if answer_text is None else answer_text
 
 
 def row_transcript(row: dict) -> str | list[dict]:
     """`transcript_of` a rollouts table row."""
-    return transcript_of(row.get("messages"), row["completion_text"])
+    return transcript_of(row.get("messages"), row["completion_text"], row.get("answer_text"))
 
 
 def with_turn_rewards(result: RewardResult, turn_rewards: list[float | None]) -> RewardResult:

@@ -17,8 +17,8 @@ function reward that raises (envs/rewards.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,6 +57,8 @@ class ClassifierReward:
     label: int | str | None = None
     batch_size: int = 16
     max_length: int = 1024
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra variables of the classifier's chat template (envs/config.py `chat_template_kwargs`)."""
 
     @classmethod
     def from_dir(cls, path: str | Path, **options: Any) -> ClassifierReward:
@@ -88,7 +90,7 @@ class ClassifierReward:
         for example, transcript in zip(examples, transcripts, strict=True):
             messages = transcript_messages(example, transcript)
             if getattr(self.tokenizer, "chat_template", None):
-                out.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+                out.append(self.tokenizer.apply_chat_template(messages, tokenize=False, **self.template_kwargs))
             else:
                 out.append(render_plain(messages))
         return out
@@ -128,6 +130,8 @@ class JudgeReward:
     prompt: str = JUDGE_PROMPT
     scale: float = 10.0
     max_new_tokens: int = 8
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra variables of the judge's chat template (envs/config.py `chat_template_kwargs`)."""
 
     def judge_prompts(self, examples: Sequence[Example], transcripts: Sequence[str | Messages]) -> list[list[int]]:
         from rlpipe.models.chat import template_ids
@@ -136,7 +140,7 @@ class JudgeReward:
         for example, transcript in zip(examples, transcripts, strict=True):
             text = self.prompt.format(conversation=render_plain(transcript_messages(example, transcript)))
             prompts.append(template_ids(self.tokenizer, [{"role": "user", "content": text}],
-                                        add_generation_prompt=True))
+                                        add_generation_prompt=True, **self.template_kwargs))
         return prompts
 
     def parse(self, text: str) -> float:
@@ -203,10 +207,14 @@ class WithModelRewards:
         return out
 
 
-def build_scorer(spec: Any) -> BatchScorer:
-    """A scorer from a `task.reward_models` entry (envs/config.py RewardModelConfig)."""
+def build_scorer(spec: Any, template_kwargs: Mapping[str, Any] | None = None) -> BatchScorer:
+    """A scorer from a `task.reward_models` entry (envs/config.py RewardModelConfig); its chats
+    render with its own chat_template_kwargs, else `template_kwargs` (model.chat_template_kwargs)."""
+    own = getattr(spec, "chat_template_kwargs", None)
+    kwargs = dict(own if own is not None else template_kwargs or {})
     if spec.type == "classifier":
-        return ClassifierReward.from_dir(spec.path, label=spec.label, batch_size=spec.batch_size)
+        return ClassifierReward.from_dir(spec.path, label=spec.label, batch_size=spec.batch_size,
+                                         template_kwargs=kwargs)
     if spec.type == "judge":
         from rlpipe.engines.torch_engine import TorchEngine
         from rlpipe.models.loading import load_model
@@ -217,5 +225,6 @@ def build_scorer(spec: Any) -> BatchScorer:
         except ValueError as error:
             raise ValueError(f"judge model: {error}") from None
         engine = TorchEngine(model.eval())
-        return JudgeReward(engine, load_tokenizer(spec.path), prompt=spec.prompt or JUDGE_PROMPT)
+        return JudgeReward(engine, load_tokenizer(spec.path), prompt=spec.prompt or JUDGE_PROMPT,
+                           template_kwargs=kwargs)
     raise ValueError(f"unknown reward model type {spec.type!r}; expected classifier or judge")

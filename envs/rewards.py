@@ -1,6 +1,9 @@
 """Reward functions: a registry users extend with plain Python functions, and safe scoring.
 
 A reward function is `fn(completion_text, answer, example) -> float | (float, components)`.
+`completion_text` is the completion's answer: for a thinking model the text after `</think>`
+(`''` when the completion was cut inside its reasoning; docs/DESIGN.md, "Chat templates,
+reasoning and answer"), else the whole completion.
 Register one with the decorator or a call:
 
     from rlpipe.envs.rewards import register_reward

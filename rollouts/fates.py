@@ -4,7 +4,8 @@ A step's completions are decided at two levels, and this module is where both be
 
 - per completion, before grouping (`sample_drop`): `reward_error` (the reward function raised:
   its made-up reward of 0 is not trained on), `truncated` (cut at max_new_tokens, with
-  rl.drop_truncated), `filtered` (the user filter rl.sample_filter returned False or a reason);
+  rl.drop_truncated), `cut_in_thinking` (the same, cut inside its `<think>` block before any
+  answer), `filtered` (the user filter rl.sample_filter returned False or a reason);
 - per group (`decide_groups`), from what the over-sampling buffer did while filling the batch
   (`Fill`): `trained` (in the step's batch), `carried` (valid surplus waiting for a later step),
   `zero_variance`, `stale` (too old, or replaced by a newer group of the same example),
@@ -38,7 +39,15 @@ if TYPE_CHECKING:
     from rlpipe.training.advantages import Group
     from rlpipe.training.oversampling import GroupDecision
 
-STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_error", "truncated", "filtered")
+STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_error", "truncated",
+            "cut_in_thinking", "filtered")
+
+
+def cut_in_thinking(rollout: Rollout) -> bool:
+    """Cut at max_new_tokens inside its reasoning block: every token is reasoning, no answer
+    (rollouts table: thinking_tokens = n_completion_tokens, finish_reason 'length')."""
+    return (rollout.finish_reason == "length" and bool(rollout.thinking_tokens)
+            and rollout.thinking_tokens == rollout.n_completion_tokens)
 
 
 @functools.cache
@@ -65,6 +74,9 @@ def sample_drop(rollout: Rollout, score: Score, options: DropOptions) -> tuple[s
     if score.error is not None:
         first = score.error.splitlines()[0] if score.error else "no message"
         return "reward_error", f"reward function raised: {first}"
+    if options.drop_truncated and cut_in_thinking(rollout):
+        return "cut_in_thinking", (f"cut at rl.sampling.max_new_tokens={options.max_new_tokens} inside its "
+                                   "<think> block, before any answer, and rl.drop_truncated is on")
     if options.drop_truncated and rollout.finish_reason == "length":
         return "truncated", (f"cut at rl.sampling.max_new_tokens={options.max_new_tokens} "
                              "(finish_reason 'length') and rl.drop_truncated is on")

@@ -55,6 +55,13 @@ class Rollout(_Row):
     """Spans of completion_tokens: turn, producer (model | env | context), start, length, reward."""
     messages: str | None = None
     """The transcript as JSON chat messages."""
+    # reasoning and answer told apart (models/chat.py split_thinking_tokens); None for episodes
+    thinking_tokens: int | None = None
+    """Completion tokens inside `<think>` ... `</think>`, the tags included (0 without a block)."""
+    answer_tokens: int | None = None
+    """Completion tokens outside the reasoning block."""
+    answer_text: str | None = None
+    """What the reward sees: the text after `</think>` ('' when cut inside the reasoning)."""
 
 
 @dataclass(frozen=True)

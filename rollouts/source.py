@@ -38,6 +38,7 @@ from rlpipe.rollouts.fates import (
     DropOptions,
     Fill,
     Selection,
+    cut_in_thinking,
     fate_metrics,
     over_cap,
     sample_drop,
@@ -201,7 +202,12 @@ class RolloutSource:
             selection = self.stages.select(Fill([], failed, drops), self._rows, self.options.advantages,
                                            step=step, empty=not sampled)
             error.metrics = fate_metrics(selection.decisions, self.buffer.pending)
-            raise
+            cut = all_cut_message(sampled, self.options.drops.max_new_tokens)
+            if cut is None:
+                raise
+            plain = BatchFillError(f"step {step} could not fill its batch: {cut}")
+            plain.decisions, plain.metrics = getattr(error, "decisions", []), error.metrics
+            raise plain from None
         with watch("filter"):
             batch, metrics = self.buffer.take()
             selection = self.stages.select(Fill(batch, decisions, drops), self._rows, self.options.advantages,
@@ -212,6 +218,23 @@ class RolloutSource:
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)
         return StepBatch(step=step, samples=selection.samples, metrics=metrics, seconds=watch.seconds,
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
+
+
+def all_cut_message(sampled: list[Rollout], max_new_tokens: int) -> str | None:
+    """Why a batch could not fill when most of its completions (half or more) were cut at the
+    token limit, None otherwise: their rewards are those of missing answers, so easier or harder
+    prompts cannot help; the budget, counted in the model's tokens, is what is short."""
+    cut = [r for r in sampled if r.finish_reason == "length"]
+    if not cut or 2 * len(cut) < len(sampled):
+        return None
+    answered = sum(r.finish_reason != "length" and bool(r.completion_text if r.answer_text is None else r.answer_text)
+                   for r in sampled)
+    thinking = sum(bool(r.thinking_tokens) for r in cut)
+    return (f"{len(cut)} of {len(sampled)} completions were cut at rl.sampling.max_new_tokens={max_new_tokens} "
+            f"tokens ({thinking} of them after spending tokens on a <think> block); {answered} finished with an "
+            "answer. Raise rl.sampling.max_new_tokens (it counts the model's tokens, reasoning included; a budget "
+            "set for the character tokenizer is far too small for a BPE one), set rl.sampling.max_thinking_tokens, "
+            "or turn thinking off (model.chat_template_kwargs = { enable_thinking = false })")
 
 
 def _groups(rollouts: list[Rollout], scores: list[Score], options: DropOptions, attempt: int,
@@ -240,6 +263,11 @@ def _sampling_metrics(sampled: list[Rollout], scored: list[Score], batch: list[G
     out[m.REWARD_ERRORS] = float(sum(s.error is not None for s in scored))  # 0 in a step served from carry
     if sampled:  # means of what this step sampled: none when carried groups filled the batch
         out[m.COMPLETION_LENGTH] = sum(r.n_completion_tokens for r in sampled) / len(sampled)
+        split = [r for r in sampled if r.thinking_tokens is not None]  # single-turn rollouts
+        if split:
+            out[m.THINKING_LENGTH] = sum(r.thinking_tokens for r in split) / len(split)
+            out[m.ANSWER_LENGTH] = sum(r.answer_tokens for r in split) / len(split)
+            out[m.CUT_IN_THINKING] = float(sum(cut_in_thinking(r) for r in split))
         out[m.REWARD_MEAN_ALL] = sum(s.reward for s in scored) / len(scored)
     return out
 

@@ -70,6 +70,10 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("n_turns", pa.int32()),
         _opt("turns", pa.list_(_TURN)),  # spans of completion_tokens: who produced which
         _opt("messages", pa.string()),  # the transcript as JSON chat messages
+        # reasoning vs answer (models/chat.py split_thinking_tokens); null for episodes
+        _opt("thinking_tokens", pa.int32()),  # inside <think> ... </think>, tags included
+        _opt("answer_tokens", pa.int32()),
+        _opt("answer_text", pa.string()),  # the text the reward saw
     ],
     # one row per completion (score)
     "scores": _KEY
@@ -165,7 +169,8 @@ _FIELDS: dict[str, list[pa.Field]] = {
     + [
         _f("sample_id", pa.string()),
         _f("group_id", pa.string()),
-        # trained | zero_variance | stale | carried | over_cap | reward_error | truncated | filtered
+        # trained | zero_variance | stale | carried | over_cap | reward_error | truncated |
+        # cut_in_thinking | filtered
         _f("status", pa.string()),
         _f("reason", pa.string()),
     ],

@@ -69,6 +69,10 @@ def synthetic_step(
             "n_turns": [None] * n,
             "turns": [None] * n,
             "messages": [None] * n,
+            # no reasoning blocks: every completion token is answer
+            "thinking_tokens": [0] * n,
+            "answer_tokens": n_completion,
+            "answer_text": [f"answer {k}" for k in n_completion],
         },
         schema=schema_for("rollouts"),
     )

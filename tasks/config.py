@@ -88,6 +88,9 @@ class RunConfig(Section):
         if self.pretrain.data:
             raise ValueError("pretrain.data: a mixture of sources is for SFT ([[sft.data]]); pretraining reads "
                              "pretrain.data_path")
+        if self.rl.sampling.max_thinking_tokens and self.engine.type != "torch":
+            raise ValueError(f"rl.sampling.max_thinking_tokens needs engine.type = 'torch' (got "
+                             f"{self.engine.type!r}): the thinking budget is enforced in its sampling loop")
         check_plain_name(self.run_name, "run_name")
         return self
 

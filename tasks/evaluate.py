@@ -5,13 +5,16 @@ Step 0 measures the starting weights (for RL, the SFT checkpoint).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
+from rlpipe.models.chat import think_tags
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.generate import encode_prompts
+from rlpipe.tasks.generate import encode_prompts, thinking_budget, thinking_fields
 from rlpipe.tasks.record import StageTable
 from rlpipe.tasks.score import reward_of
 from rlpipe.training import metric_names as m
@@ -20,17 +23,23 @@ from rlpipe.training import metric_names as m
 def evaluate_greedy(
     engine: Engine, tokenizer, env: Environment, examples: list[Example], *, run_id: str, step: int,
     max_new_tokens: int, stop_token_ids: tuple[int, ...], max_context: int,
+    template_kwargs: Mapping[str, Any] | None = None, max_thinking_tokens: int = 0,
 ) -> tuple[list[dict], dict[str, float]]:
+    """Greedy completions of `examples`, rendered and sampled as RL's (template_kwargs, thinking
+    budget), each judged by the env on its answer (the text after `</think>`)."""
     params = SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens,
-                            stop_token_ids=stop_token_ids, seed=0)
+                            stop_token_ids=stop_token_ids, seed=0,
+                            **thinking_budget(tokenizer, max_thinking_tokens))
     if getattr(env, "max_turns", 1) > 1:
-        return _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, max_context)
-    prompts = encode_prompts(tokenizer, env, examples, max_context, max_new_tokens)
+        return _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, max_context,
+                                  template_kwargs)
+    prompts = encode_prompts(tokenizer, env, examples, max_context, max_new_tokens, template_kwargs)
     completions = engine.generate(prompts, params)
+    tags = think_tags(tokenizer)
     rows = []
     for example, prompt, (completion,) in zip(examples, prompts, completions, strict=True):
         text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
-        result = reward_of(env, example, text)
+        result = reward_of(env, example, thinking_fields(tokenizer, prompt, list(completion.tokens), tags)["answer_text"])
         correct = result.components.get("correct", 1.0 if result.reward >= 1.0 else 0.0)
         rows.append({
             "run_id": run_id, "step": step, "env": example.env, "example_id": example.example_id,
@@ -41,12 +50,13 @@ def evaluate_greedy(
     return rows, eval_metrics(rows)
 
 
-def _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, max_context):
+def _evaluate_episodes(engine, tokenizer, env, examples, params, run_id, step, max_context, template_kwargs):
     """Greedy multi-turn episodes (envs/multiturn.py), judged on their transcripts."""
     from rlpipe.envs.multiturn import episode_fields, run_episodes, with_turn_rewards
 
     groups = run_episodes(engine, tokenizer, env, examples, params, max_turns=env.max_turns,
-                          max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"))
+                          max_tokens=max_context, context=getattr(env, "rollout_context", "tokens"),
+                          template_kwargs=template_kwargs)
     rows = []
     for example, (episode,) in zip(examples, groups, strict=True):
         result = with_turn_rewards(reward_of(env, example, episode.messages), [t.reward for t in episode.turns])

@@ -6,13 +6,20 @@ index) and never from a clock, so a resumed stage rewrites the same rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
+from rlpipe.models.chat import (
+    ThinkTags,
+    split_thinking_tokens,
+    template_ids,
+    think_tags,
+)
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks._prefect import stage
 from rlpipe.tasks.record import StageTable
@@ -52,6 +59,8 @@ class GenerateOptions:
     """The model's context: a prompt plus its completion must fit."""
     seed: int = 0
     """The run's seed; each sampling round's seed derives from it (`for_round`)."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """model.chat_template_kwargs: given to every rendering of a prompt."""
 
     def for_round(self, step: int, attempt: int) -> GenerateOptions:
         """These options with the sampling seed of one round (`sample_seed`)."""
@@ -74,21 +83,21 @@ class SampleRound:
         return group_id_for(self.run_id, self.step, self.attempt, self.first_group_index + index)
 
 
-def encode_messages(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Prompt token ids of a chat, ending with the assistant generation prompt."""
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(encoded, "keys") and "input_ids" in encoded:  # transformers 5 may return a dict
-        encoded = encoded["input_ids"]
-    return list(encoded)
+def encode_messages(tokenizer: Any, messages: list[dict],
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """Prompt token ids of a chat, ending with the assistant generation prompt: exactly the
+    context SFT trains an assistant turn in (models/chat.py `chat_segments`), same kwargs."""
+    return template_ids(tokenizer, messages, add_generation_prompt=True, **(template_kwargs or {}))
 
 
 def encode_prompts(
-    tokenizer: Any, env: Environment, examples: list[Example], max_context: int, max_new_tokens: int
+    tokenizer: Any, env: Environment, examples: list[Example], max_context: int, max_new_tokens: int,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each example's first turn; refuses prompts that leave no room to answer."""
     prompts = []
     for example in examples:
-        tokens = encode_messages(tokenizer, env.reset(example))
+        tokens = encode_messages(tokenizer, env.reset(example), template_kwargs)
         if len(tokens) + max_new_tokens > max_context:
             raise PromptTooLongError(
                 f"prompt of example {example.env}/{example.example_id} has {len(tokens)} tokens; "
@@ -112,8 +121,10 @@ def generate_rollouts(
     if getattr(env, "max_turns", 1) > 1:
         return _episode_rows(engine, tokenizer, env, examples, options, sample_round)
     params, ids = options.sampling, sample_round
-    prompts = encode_prompts(tokenizer, env, examples, options.max_context, params.max_new_tokens)
+    prompts = encode_prompts(tokenizer, env, examples, options.max_context, params.max_new_tokens,
+                             options.template_kwargs)
     completions = generate_spread(engine if isinstance(engine, list) else [engine], prompts, params)
+    tags = think_tags(tokenizer)
     rows = []
     for index, (example, prompt, group) in enumerate(zip(examples, prompts, completions, strict=True)):
         group_id = ids.group_id(index)
@@ -128,9 +139,33 @@ def generate_rollouts(
                     finish_reason=completion.finish_reason, prompt_text=prompt_text,
                     completion_text=tokenizer.decode(completion.tokens, skip_special_tokens=True),
                     n_prompt_tokens=len(prompt), n_completion_tokens=len(completion.tokens),
+                    **thinking_fields(tokenizer, prompt, list(completion.tokens), tags),
                 )
             )
     return rows
+
+
+def thinking_budget(tokenizer: Any, max_thinking_tokens: int) -> dict[str, Any]:
+    """The SamplingParams fields of rl.sampling.max_thinking_tokens (none when 0); ValueError
+    when the tokenizer has no `<think>` / `</think>` tokens to keep a budget with."""
+    if not max_thinking_tokens:
+        return {}
+    tags = think_tags(tokenizer)
+    if tags is None:
+        raise ValueError("rl.sampling.max_thinking_tokens needs a tokenizer with <think> and </think> "
+                         "tokens; this model's tokenizer has none")
+    return {"max_thinking_tokens": max_thinking_tokens, "think_ids": (tags.start, tags.end)}
+
+
+def thinking_fields(tokenizer: Any, prompt: list[int], completion: list[int],
+                    tags: ThinkTags | None) -> dict[str, Any]:
+    """A completion's reasoning and answer told apart (models/chat.py `split_thinking_tokens`):
+    `thinking_tokens`, `answer_tokens` and `answer_text`, the text its reward sees (what follows
+    `</think>`; '' when cut inside its reasoning; the whole completion without a reasoning block)."""
+    split = split_thinking_tokens(prompt, completion, tags)
+    answer = tokenizer.decode(completion[split.thinking_tokens:], skip_special_tokens=True)
+    return {"thinking_tokens": split.thinking_tokens, "answer_tokens": split.answer_tokens,
+            "answer_text": answer.strip()}
 
 
 def _episode_rows(engine, tokenizer, env, examples, options: GenerateOptions, ids: SampleRound) -> list[Rollout]:
@@ -142,7 +177,8 @@ def _episode_rows(engine, tokenizer, env, examples, options: GenerateOptions, id
 
     def episodes(one: Engine, chunk: list[Example]):
         return run_episodes(one, tokenizer, env, chunk, options.sampling, max_turns=env.max_turns,
-                            max_tokens=options.max_context, context=getattr(env, "rollout_context", "tokens"))
+                            max_tokens=options.max_context, context=getattr(env, "rollout_context", "tokens"),
+                            template_kwargs=options.template_kwargs)
 
     with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
         groups = [g for part in pool.map(episodes, engines, chunks) for g in part]

@@ -19,7 +19,7 @@ from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.evaluate import eval_step
-from rlpipe.tasks.generate import GenerateOptions
+from rlpipe.tasks.generate import GenerateOptions, thinking_budget
 from rlpipe.tasks.rollout_stages import RunStages
 from rlpipe.tasks.score import ScoreOptions
 from rlpipe.tasks.setup import make_env, max_context, stop_token_ids
@@ -47,6 +47,10 @@ class RLRun:
     max_context: int
     max_new_tokens: int
     closing: list[Engine] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """model.chat_template_kwargs (evals render prompts as rollouts do)."""
+    max_thinking_tokens: int = 0
+    """rl.sampling.max_thinking_tokens (evals keep the rollouts' thinking budget)."""
 
     @property
     def model(self):
@@ -57,7 +61,8 @@ class RLRun:
         """Greedy held-out accuracy of the trainer's weights at `step` (the `evals` table)."""
         return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
                          run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
-                         stop_token_ids=self.stop_token_ids, max_context=self.max_context).metrics
+                         stop_token_ids=self.stop_token_ids, max_context=self.max_context,
+                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens).metrics
 
     @property
     def needs_checkpoint_to_sync(self) -> bool:
@@ -83,8 +88,9 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) ->
     from rlpipe.envs.prompts import PromptSource
 
     rl = config.rl
+    chat_kwargs = config.model.chat_template_kwargs
     env = with_reward_timeout(make_env(config.task.env, config.task.options, config.task.reward_models,
-                                       config.task.env_reward_weight), config.task.reward_timeout_s)
+                                       config.task.env_reward_weight, chat_kwargs), config.task.reward_timeout_s)
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
@@ -103,9 +109,11 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) ->
     stops, context = stop_token_ids(built.tokenizer), max_context(built.model)
     sampling = SamplingParams(n=rl.group_size, temperature=rl.sampling.temperature, top_p=rl.sampling.top_p,
                               top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
-                              stop_token_ids=stops)
+                              stop_token_ids=stops,
+                              **thinking_budget(built.tokenizer, rl.sampling.max_thinking_tokens))
     stages = RunStages(engines=built.engines, tokenizer=built.tokenizer, env=env,
-                       generating=GenerateOptions(sampling, max_context=context, seed=config.seed),
+                       generating=GenerateOptions(sampling, max_context=context, seed=config.seed,
+                                                  template_kwargs=chat_kwargs),
                        scoring=ScoreOptions(rl.max_reward_error_fraction, overlong_penalty_fn(rl)),
                        run_dir=run_dir, run_id=run_id)
     source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version)
@@ -113,4 +121,5 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) ->
                  engines=built.engines, eval_engine=built.eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=built.start_step, stop_token_ids=stops, max_context=context,
-                 max_new_tokens=rl.sampling.max_new_tokens, closing=built.closing)
+                 max_new_tokens=rl.sampling.max_new_tokens, closing=built.closing, template_kwargs=chat_kwargs,
+                 max_thinking_tokens=rl.sampling.max_thinking_tokens)

@@ -67,7 +67,7 @@ def _rewards(env: Environment, examples: dict[str, Example], rollouts: list[Roll
     """One result per rollout: batched where the env scores batches (model rewards,
     envs/reward_models.py), else one reward_of each; per-turn rewards of episodes added."""
     batch = [examples[r.example_id] for r in rollouts]
-    transcripts = [transcript_of(r.messages, r.completion_text) for r in rollouts]
+    transcripts = [transcript_of(r.messages, r.completion_text, r.answer_text) for r in rollouts]
     if callable(getattr(env, "reward_batch", None)):
         try:
             results = env.reward_batch(batch, transcripts)

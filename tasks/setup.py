@@ -25,14 +25,15 @@ from rlpipe.training.step import build_optimizer, build_scheduler
 
 
 def make_env(env_name: str, options: dict[str, Any], reward_models: list[Any] | tuple = (),
-             env_reward_weight: float = 1.0) -> Environment:
-    """The environment, its reward composed with `task.reward_models` when any are configured."""
+             env_reward_weight: float = 1.0, template_kwargs: dict[str, Any] | None = None) -> Environment:
+    """The environment, its reward composed with `task.reward_models` when any are configured
+    (a judge renders its chats with its own chat_template_kwargs, else `template_kwargs`)."""
     env = build_env(env_name, **options)
     if not reward_models:
         return env
     from rlpipe.envs.reward_models import WithModelRewards, build_scorer
 
-    scorers = {rm.name: (build_scorer(rm), rm.weight) for rm in reward_models}
+    scorers = {rm.name: (build_scorer(rm, template_kwargs), rm.weight) for rm in reward_models}
     return WithModelRewards(env, scorers, env_weight=env_reward_weight)
 
 
@@ -233,9 +234,11 @@ def mix(sources: list[list], weights: list[float], total: int, seed: int) -> lis
 
 
 def sft_data(env: Environment, tokenizer, n_examples: int, seed: int, max_len: int,
-             data_path: str = "", sources: list | tuple = ()) -> list[Sequence]:
+             data_path: str = "", sources: list | tuple = (),
+             template_kwargs: dict[str, Any] | None = None) -> list[Sequence]:
     """Training sequences with assistant-only weights: from a mixture of sources (`sft.data`,
-    `n_examples` conversations), a JSONL of chats, or the env."""
+    `n_examples` conversations), a JSONL of chats, or the env; rendered with `template_kwargs`
+    (model.chat_template_kwargs) as RL's prompts are."""
     if sources:
         chats = mix([source_chats(source) for source in sources], [source.weight for source in sources],
                     n_examples, seed)
@@ -243,7 +246,7 @@ def sft_data(env: Environment, tokenizer, n_examples: int, seed: int, max_len: i
         chats = read_chat_jsonl(Path(data_path))
     else:
         chats = env_conversations(env, n_examples, seed)
-    return sft_sequences(chats, tokenizer, max_len=max_len)
+    return sft_sequences(chats, tokenizer, max_len=max_len, template_kwargs=template_kwargs)
 
 
 def read_documents(path: Path) -> list[str]:

@@ -7,7 +7,7 @@ result for the whole phase.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,10 @@ class SupervisedRun:
     eval_examples: list[Example]
     start_step: int
     max_new_tokens: int
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """model.chat_template_kwargs (evals render prompts as RL does)."""
+    max_thinking_tokens: int = 0
+    """rl.sampling.max_thinking_tokens (evals keep RL's thinking budget)."""
 
     @property
     def model(self):
@@ -45,12 +49,14 @@ class SupervisedRun:
         resumed step's stored evals are read back, `stored`)."""
         return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
                          run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
-                         stop_token_ids=stop_token_ids(self.tokenizer), max_context=max_context(self.model))
+                         stop_token_ids=stop_token_ids(self.tokenizer), max_context=max_context(self.model),
+                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens)
 
 
 def open_supervised(config, phase: str, run_dir: Path, start_checkpoint: str | None) -> SupervisedRun:
     """Build (or restore, from the run's newest checkpoint) everything `phase` (pretrain | sft) needs."""
     section = getattr(config, phase)
+    chat_kwargs = config.model.chat_template_kwargs
     env = with_reward_timeout(make_env(config.task.env, config.task.options), config.task.reward_timeout_s)
     built = build(config, supervised_plan(config, phase), start_point(config, run_dir, start_checkpoint))
     if phase == "pretrain":
@@ -58,8 +64,9 @@ def open_supervised(config, phase: str, run_dir: Path, start_checkpoint: str | N
     else:
         sequences = sft_data(env, built.tokenizer, section.examples, config.seed,
                              max_len=min(max_context(built.model), section.optim.token_budget),
-                             data_path=section.data_path, sources=section.data)
+                             data_path=section.data_path, sources=section.data, template_kwargs=chat_kwargs)
     return SupervisedRun(trainer=built.trainer, loss_fn=built.loss_fn, tokenizer=built.tokenizer, env=env,
                          sequences=sequences, eval_engine=built.eval_engine,
                          eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
-                         start_step=built.start_step, max_new_tokens=config.rl.sampling.max_new_tokens)
+                         start_step=built.start_step, max_new_tokens=config.rl.sampling.max_new_tokens,
+                         template_kwargs=chat_kwargs, max_thinking_tokens=config.rl.sampling.max_thinking_tokens)

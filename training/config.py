@@ -63,6 +63,13 @@ class ModelConfig(Section):
     master copy; small updates can round away); float32 is the default (with bf16_autocast)."""
     lora: LoraSection = Field(default_factory=LoraSection)
     """LoRA: train low-rank adapters only; checkpoints hold merged weights plus a PEFT adapter/."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables of the chat template, given to every rendering of a chat: SFT sequences,
+    RL and eval prompts, multi-turn episodes and reward-model judges (unless a judge sets its
+    own), so training and sampling see the same text. Qwen3: `{ enable_thinking = false }` puts
+    the empty `<think>\n\n</think>\n\n` into the generation prompt (SFT then trains the answer
+    after it, never the empty block); thinking on (Qwen3's default) makes the model write its
+    reasoning block first."""
 
 
 class TrainConfig(Section):
@@ -193,7 +200,14 @@ class SamplingConfig(Section):
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off)."""
     max_new_tokens: int = Field(16, ge=1)
-    """Completion length limit."""
+    """Completion length limit, in the model's tokens (reasoning and answer together): a budget
+    set for rlpipe's character tokenizer means far more text with a BPE tokenizer, and the
+    reasoning block of a thinking model spends it first."""
+    max_thinking_tokens: int = Field(0, ge=0)
+    """Thinking budget (0 = none): once a completion has spent this many tokens inside its
+    `<think>` block, the engine writes `</think>` as its next token and sampling goes on with
+    the answer, as Qwen3's guide does by hand. The torch engine only (engine.type = "torch");
+    needs a tokenizer with `<think>` and `</think>` tokens."""
 
 
 class RLConfig(Section):

@@ -14,8 +14,9 @@ tokens[i]; `pack` shifts it onto labels.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
-from typing import Literal
+from typing import Any, Literal
 
 from rlpipe.models.chat import chat_segments, shared_prefix_len
 from rlpipe.training.batch import PackedBatch, Sequence, pack
@@ -58,6 +59,7 @@ def sft_sequences(
     tokenizer: PreTrainedTokenizerBase,
     max_len: int,
     overflow: Overflow = "error",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Sequence]:
     """Chat conversations ([{role, content}, ...] each) → sequences weighted by the assistant mask.
 
@@ -66,6 +68,7 @@ def sft_sequences(
     A sequence longer than max_len tokens raises ValueError naming it (overflow="error"),
     is cut to max_len ("truncate"), or is left out ("drop"). A conversation whose assistant
     tokens are all cut or absent is left out. Raises ValueError if nothing remains.
+    `template_kwargs` (model.chat_template_kwargs) reach every rendering (models/chat.py).
     """
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2; got {max_len}")
@@ -76,7 +79,7 @@ def sft_sequences(
     out: list[Sequence] = []
     for c, messages in enumerate(conversations):
         pieces = []
-        segments = chat_segments(tokenizer, list(messages), conv=c)
+        segments = chat_segments(tokenizer, list(messages), conv=c, template_kwargs=template_kwargs)
         for segment in segments:
             tokens, weights = segment.tokens, segment.weights
             if len(tokens) > max_len:

@@ -15,6 +15,9 @@ REWARD_MEAN = "rollout/reward_mean"
 REWARD_MEAN_ALL = "rollout/reward_mean_all"
 REWARD_ERRORS = "rollout/reward_errors"
 COMPLETION_LENGTH = "rollout/completion_length_mean"
+THINKING_LENGTH = "rollout/thinking_length_mean"  # tokens of the <think> block, tags included
+ANSWER_LENGTH = "rollout/answer_length_mean"  # tokens after </think>
+CUT_IN_THINKING = "rollout/cut_in_thinking"  # completions cut at max_new_tokens inside their reasoning
 LAG_MEAN = "rollout/policy_lag_mean"
 LAG_MAX = "rollout/policy_lag_max"
 

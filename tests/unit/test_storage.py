@@ -44,6 +44,9 @@ EXAMPLE_ROWS: dict[str, dict] = {
         n_turns=1,
         turns=[{"turn": 0, "producer": "model", "start": 0, "length": 2, "reward": None}],
         messages='[{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]',
+        thinking_tokens=0,
+        answer_tokens=2,
+        answer_text="3",
     ),
     "scores": dict(
         sample_id="g1-0",
