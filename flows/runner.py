@@ -122,14 +122,15 @@ def main_run(argv: list[str]) -> int:
         print(f"rlpipe run: {config.run_dir} already holds a run; `rlpipe resume {config.run_dir}` "
               "continues it, --overwrite starts over", file=sys.stderr)
         return 2
+    kind = _parallel_kind(config) if args.nproc_per_node is not None else None
+    # the config's own contradictions first, then what only its components can check
+    if kind is not None and isinstance(ranks := _with_parallel(config, kind), str):  # before N processes start
+        print(f"rlpipe run: {ranks}", file=sys.stderr)
+        return 2
     if problem := _preflight(config):
         print(f"rlpipe run: {problem}", file=sys.stderr)
         return 2
-    if args.nproc_per_node is not None:
-        kind = _parallel_kind(config)
-        if isinstance(ranks := _with_parallel(config, kind), str):  # must hold before N processes start
-            print(f"rlpipe run: {ranks}", file=sys.stderr)
-            return 2
+    if kind is not None:
         return launch(args, ["run", *strip_launch_flags(argv), "--set", f"train.parallel={kind}"], config.run_dir)
     return _execute(config, overwrite=args.overwrite)
 
@@ -155,13 +156,14 @@ def main_resume(argv: list[str]) -> int:
         print(f"rlpipe resume: {config.run_dir} already finished; left as it is")
         return 0
     say_code_trusted("rlpipe resume", config, config.run_dir)
+    launching = args.nproc_per_node is not None  # the ranks see train.parallel 'none' as ddp (_execute)
+    if launching and isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
+        print(f"rlpipe resume: {ranks}", file=sys.stderr)
+        return 2
     if problem := _preflight(config):
         print(f"rlpipe resume: {problem}", file=sys.stderr)
         return 2
-    if args.nproc_per_node is not None:  # the ranks see train.parallel 'none' as ddp (_execute)
-        if isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
-            print(f"rlpipe resume: {ranks}", file=sys.stderr)
-            return 2
+    if launching:
         return launch(args, ["resume", *strip_launch_flags(argv)], config.run_dir)
     return _execute(config, resume=True)
 

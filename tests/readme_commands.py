@@ -100,6 +100,23 @@ COMMANDS: dict[str, str] = {
     "prefect worker start --pool rlpipe": SERVER,
     "prefect deployment run 'pipeline/tiny'": SERVER,
     "prefect deploy": PLACEHOLDER,
+    "prefect deployment run 'pipeline/tiny' --params '{\"overrides\": [\"run_name=tiny-0123abcd\"], \"resume\": true}'":
+        SERVER,
+    "prefect deployment run 'pipeline/tiny' --params '{\"overrides\": [\"run_name=tiny\"], \"overwrite\": true}'":
+        SERVER,
+    # "Your model, your data, your reward"
+    "rlpipe run configs/gsm8k.toml":
+        "downloads Qwen/Qwen3-0.6B and GSM8K from the hub and wants a GPU; "
+        "tests/integration/test_gsm8k_run.py runs this config with --set overrides from a hub-layout cache",
+    "pip install -e '.[vllm]'": INSTALL,
+    "rlpipe rescore RUN --reward mypkg.rewards:strict_math": PLACEHOLDER,
+    "rlpipe replay": PLACEHOLDER,
+    "rlpipe rescore": PLACEHOLDER,
+    "rlpipe run": PLACEHOLDER,
+    # "Serving"
+    "rlpipe serve runs/multiturn/rl/checkpoints/step_000040 --served-model-name calc-agent \\":
+        "a long-running server on a fixed port; tests/integration/test_serve_calculator_agent.py "
+        "serves the trained agent with --served-model-name and --tool-call-parser calculator on a free port",
 }
 
 

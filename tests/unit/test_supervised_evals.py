@@ -27,7 +27,7 @@ def test_stored_evals_are_read_back_and_not_logged_twice(tmp_path, monkeypatch):
 
     monkeypatch.setattr(supervised, "supervised_train_task",
                         lambda *args, **kwargs: ({"loss": 1.0, "tokens": 8}, {}))
-    monkeypatch.setattr(supervised, "checkpoint_task", lambda **kwargs: {"path": "c"} if kwargs["checkpoint"] else None)
+    monkeypatch.setattr(supervised, "checkpoint_task", lambda **kwargs: {"path": "c", "mlflow_model_version": None} if kwargs["checkpoint"] else None)
     config = RunConfig(sft={"steps": 4, "eval_every": 2, "checkpoint_every": 4})
     trainer = SimpleNamespace(model=None, optimizer=None, scheduler=None, finish=lambda: None)
     run = SimpleNamespace(trainer=trainer, loss_fn=None, sequences=[], tokenizer=None, evaluate=evaluate, start_step=0)
