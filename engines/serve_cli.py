@@ -22,6 +22,7 @@ import os
 import socket
 import stat
 import sys
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -127,6 +128,18 @@ def template_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
+def run_template_kwargs(checkpoint: str) -> dict[str, Any]:
+    """The `model.chat_template_kwargs` of the run a checkpoint was saved by (its
+    `RUN/checkpoints/step_N` folder's RUN/config.json), so a served model renders chats as it was
+    trained to; {} for a checkpoint outside a run folder or a run without them."""
+    config = Path(checkpoint).expanduser().parent.parent / "config.json"
+    try:
+        kwargs = json.loads(config.read_text()).get("model", {}).get("chat_template_kwargs")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dict(kwargs) if isinstance(kwargs, dict) else {}
+
+
 def allowed_hosts(names: list[str] | None, bind_host: str) -> tuple[str, ...] | None:
     """The Host allowlist: the names given ('*' = any), else loopback and the bind address."""
     if names:
@@ -193,7 +206,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(models/tool_calls.py; default: never)")
     parser.add_argument("--chat-template-kwargs", default="", metavar="JSON",
                         help="a JSON object passed to every chat template rendering, under a "
-                        "request's own chat_template_kwargs (e.g. '{\"enable_thinking\": false}')")
+                        "request's own chat_template_kwargs (e.g. '{\"enable_thinking\": false}'; default: the "
+                        "model.chat_template_kwargs of the run that saved CHECKPOINT)")
     parser.add_argument("--allow-client-chat-template", action="store_true",
                         help="accept a request's own chat template (refused by default: it is code "
                         "the server runs)")
@@ -217,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = server_token(args.token, args.token_file)
         limits = ServeLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
-        kwargs = template_kwargs(args.chat_template_kwargs)
+        kwargs = (template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs
+                  else run_template_kwargs(args.checkpoint))
     except ValueError as err:
         print(f"rlpipe serve: {err}", file=sys.stderr)
         return 2

@@ -85,3 +85,22 @@ def test_allowed_hosts_from_the_command_line():
     assert allowed_hosts(None, "0.0.0.0") == ("localhost", "127.0.0.1", "::1")
     assert allowed_hosts(["gpu1.lan"], "0.0.0.0") == ("gpu1.lan",)
     assert allowed_hosts(["*"], "0.0.0.0") is None
+
+
+def test_a_served_checkpoint_renders_chats_with_its_runs_template_kwargs(tmp_path):
+    """`rlpipe serve RUN/checkpoints/step_N` defaults --chat-template-kwargs to the run's
+    model.chat_template_kwargs; a checkpoint outside a run folder, or a run without them, gets {}."""
+    import json
+
+    from rlpipe.engines.serve_cli import run_template_kwargs
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    assert run_template_kwargs(str(checkpoint)) == {}
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"model": {"chat_template_kwargs": None}}))
+    assert run_template_kwargs(str(checkpoint)) == {}
+    (tmp_path / "run" / "config.json").write_text(
+        json.dumps({"model": {"chat_template_kwargs": {"enable_thinking": False}}}))
+    assert run_template_kwargs(str(checkpoint)) == {"enable_thinking": False}
+    (tmp_path / "run" / "config.json").write_text("{not json")
+    assert run_template_kwargs(str(checkpoint)) == {}
