@@ -33,12 +33,12 @@ def strict(completion_text, answer, example):
     return float(completion_text == example.meta["target_text"])
 '''
 
-# what each command's output must show, beyond exit status 0
+# what each command's output must show, beyond exit status 0 (a terminal table may cut its headers)
 SHOWS = {
-    "rlpipe sql runs/demo/rl --query reward_by_step": "step",
+    "rlpipe sql runs/demo/rl --query reward_by_step": "60 row(s)",
     "rlpipe report runs/demo/rl runs/demo/sft": "report",
     "rlpipe rescore runs/demo/rl --reward mypkg.rewards:strict": "re-scored",
-    "rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare": "groups_kept",
+    "rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare": "60 row(s)",
     'rlpipe sql runs "select run, step, avg(reward) from scores group by all order by all"': "demo/rl",
     "rlpipe run --help-config": "rl.loss",
 }
