@@ -40,7 +40,7 @@ def finish(completion: Completion, tokenizer: Any, stops: tuple[str, ...], eos_i
     if hits:  # the stop string completed first (as a stream finds it), then the earliest
         at, stop = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
         end = at + len(stop)
-        keep = _tokens_covering(tokens, end, tokenizer, skip_special_tokens)
+        keep = tokens_covering(tokens, end, tokenizer, skip_special_tokens)
         return Finished(tokens[:keep], logprobs[:keep], text[:end] if include_stop else text[:at], "stop", stop)
     stop_reason = None
     if completion.finish_reason == "stop" and tokens and tokens[-1] not in eos_ids:
@@ -48,8 +48,9 @@ def finish(completion: Completion, tokenizer: Any, stops: tuple[str, ...], eos_i
     return Finished(tokens, logprobs, text, completion.finish_reason, stop_reason)
 
 
-def _tokens_covering(tokens: list[int], chars: int, tokenizer: Any, skip: bool) -> int:
-    """The fewest leading tokens whose text is at least `chars` long (binary search)."""
+def tokens_covering(tokens: list[int], chars: int, tokenizer: Any, skip: bool) -> int:
+    """The fewest leading tokens whose text is at least `chars` long (binary search): where a
+    stop string ending at `chars` ends the completion, streamed or not."""
     low, high = 1, len(tokens)
     while low < high:
         mid = (low + high) // 2

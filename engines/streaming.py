@@ -10,9 +10,9 @@ engine calls back from its thread: engines/torch_engine.py `on_token`). What nee
 completion first streams a replay of it, in the same chunks: top log-probs (a scoring pass after
 sampling) and chat replies parsed for tool calls (engines/chat_api.py).
 
-Text deltas (`ChoiceStream`): each token's chunk carries what its token adds to the decoded text,
-holding back as many characters as a stop string could still need (and a partial UTF-8
-character), so no stop string is ever sent; a choice ends at the first stop string completed
+Text deltas (`ChoiceStream`): each token's chunk carries what its token adds to the decoded text
+(decoded incrementally), holding back as many characters as a stop string could still need (and
+a partial UTF-8 character), so no stop string is ever sent; a choice ends at the first stop string completed
 (its own last chunk, `finish_reason` "stop") or with its engine completion. The deltas add up to
 the text of the answer without `stream` (engines/openai_output.py `finish`). Chunks of several
 choices interleave, each carrying its `index`; a usage chunk (`choices: []`) follows with
@@ -29,50 +29,70 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.openai_output import Finished, chat_logprobs, token_strings, usage
+from rlpipe.engines.openai_output import (
+    Finished,
+    chat_logprobs,
+    token_strings,
+    tokens_covering,
+    usage,
+)
 from rlpipe.engines.protocol import RequestError, end_of_turn_ids
 
 
 class ChoiceStream:
-    """One choice's tokens in, text deltas out, cut at the first stop string completed."""
+    """One choice's tokens in, text deltas out, cut at the first stop string completed.
+
+    Decoding is incremental (as vLLM's detokenizer): each token decodes a short window of recent
+    tokens, not the whole completion, so a long stream costs the event loop O(1) per token; a
+    window ending in an incomplete UTF-8 character waits for the next token."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...], eos_ids: tuple[int, ...], skip: bool,
                  include_stop: bool) -> None:
         self.tokenizer, self.stops, self.eos_ids = tokenizer, stops, eos_ids
         self.skip, self.include_stop = skip, include_stop
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.longest = max((len(s) for s in stops), default=1)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.sent = 0
+        self.text = ""  # the text decoded so far
+        self.sent = 0  # characters of it sent
+        self._prefix = self._read = 0  # token offsets of the decoding window
         self.done: Finished | None = None
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip)
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=self.skip)
+
+    def _advance(self, final: bool = False) -> None:
+        """Append what the newest tokens add to `text` (all that is left when `final`)."""
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
 
     def add(self, token: int, logprob: float) -> str:
         """The text `token` adds that can be sent now (`done` is set when a stop string ends it)."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        text = self._text()
-        hits = [(text.find(s), s) for s in self.stops if s in text]
+        searched = max(0, len(self.text) - self.longest + 1)
+        self._advance()
+        hits = [(self.text.find(s, searched), s) for s in self.stops]
+        hits = [(at, s) for at, s in hits if at >= 0]
         if hits:
             at, stop = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
-            final = text[: at + len(stop)] if self.include_stop else text[:at]
-            self.done = Finished(list(self.tokens), list(self.logprobs), final, "stop", stop)
+            final = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
+            keep = tokens_covering(self.tokens, at + len(stop), self.tokenizer, self.skip)
+            self.done = Finished(self.tokens[:keep], self.logprobs[:keep], final, "stop", stop)
             return self._send(final, len(final))
-        safe = len(text) - self.hold
-        while safe > self.sent and text[safe - 1] == "\ufffd":  # a character still incomplete
-            safe -= 1
-        return self._send(text, safe)
+        return self._send(self.text, len(self.text) - (self.longest - 1 if self.stops else 0))
 
     def close(self, finish_reason: str) -> str:
         """The rest of the text, once the engine's completion ended with `finish_reason`."""
-        text = self._text()
+        self._advance(final=True)
         stop_reason = None
         if finish_reason == "stop" and self.tokens and self.tokens[-1] not in self.eos_ids:
             stop_reason = self.tokens[-1]
-        self.done = Finished(list(self.tokens), list(self.logprobs), text, finish_reason, stop_reason)
-        return self._send(text, len(text))
+        self.done = Finished(list(self.tokens), list(self.logprobs), self.text, finish_reason, stop_reason)
+        return self._send(self.text, len(self.text))
 
     def _send(self, text: str, upto: int) -> str:
         if upto <= self.sent:
@@ -132,7 +152,7 @@ class _Choices:
         return self.streams[index]
 
     def completion_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.streams.values())
+        return sum(len(s.done.tokens if s.done is not None else s.tokens) for s in self.streams.values())
 
 
 async def completion_chunks(events: AsyncIterator[tuple], head: dict[str, Any], tokenizer: Any, req: Any, n: int,

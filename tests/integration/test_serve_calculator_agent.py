@@ -30,6 +30,7 @@ def train_agent(tmp_path: Path, monkeypatch) -> Path:
     from rlpipe.flows.sft import sft_flow
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)  # MLflow's default artifact root (./mlruns) lands in tmp too
     config = tomllib.loads((ROOT / "configs" / "multiturn.toml").read_text())
     config |= {"runs_root": str(tmp_path / "runs"), "flow": "sft"}
     config.pop("rl")

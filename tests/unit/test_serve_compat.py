@@ -430,3 +430,38 @@ def test_a_stream_past_its_deadline_ends_with_an_error_event(checkpoint):
         assert chunks[-1] == {"error": {"message": "request took longer than request_timeout_s=0.3 "
                                                    "(--request-timeout-s)", "type": "invalid_request_error",
                                         "code": 504}}
+
+
+def test_incremental_decoding_adds_up_to_the_whole_text():
+    """A byte-level BPE (Qwen3's kind) and the character tokenizer: random completions with
+    special tokens and characters split across tokens stream deltas that add up to the whole
+    decoded text, and stop strings cut where the answer without `stream` cuts."""
+    import random
+
+    from rlpipe.engines.openai_output import finish
+    from rlpipe.engines.streaming import ChoiceStream
+
+    from tests.bpe_tokenizer import build_qwen3_like_tokenizer
+
+    rng = random.Random(0)
+    for tok in (build_qwen3_like_tokenizer(), build_tokenizer()):
+        pieces = ["Let me think", " 12+30", "é", "ü", "日本", "<|im_end|>", "<tool_call>", "\n", " ", "42."]
+        for trial in range(60):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            skip = trial % 2 == 0
+            whole = tok.decode(ids, skip_special_tokens=skip)
+            stops = tuple(rng.sample([" 12", "日", "42", "\n"], rng.randint(0, 2)))
+            stream = ChoiceStream(tok, stops, (), skip, False)
+            deltas = []
+            for t in ids:
+                deltas.append(stream.add(t, -1.0))
+                if stream.done is not None:
+                    break
+            else:
+                deltas.append(stream.close("length"))
+            expected = finish(Completion(ids, [-1.0] * len(ids), "length"), tok, stops, (), skip_special_tokens=skip)
+            assert "".join(deltas) == stream.done.text == expected.text, (text, stops)
+            assert stream.done.tokens == expected.tokens and stream.done.stop_reason == expected.stop_reason
+            if not stops:
+                assert expected.text == whole
