@@ -116,14 +116,16 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_
             # two between a poll and the kill, hence the slack of 3 per skipped point)
             slack = len(pending) - (10 - len(kills))
             point = rng.choice(pending[:1 + min(3, max(0, slack) // 3)])
+            attempt_log = tmp_path / f"attempt-{len(kills)}.log"
             process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL, start_new_session=True)
+                                       stderr=attempt_log.open("w"), start_new_session=True)
             try:
                 deadline = time.monotonic() + STEP_TIMEOUT_S
                 while not partition(killed_dir, point).exists() and process.poll() is None \
                         and time.monotonic() < deadline:
                     time.sleep(0.02)
-                assert process.poll() is None, f"run ended before the kill point {point} (kills: {kills}, seed {seed})"
+                assert process.poll() is None, (f"run ended ({process.returncode}) before the kill point {point} "
+                                                f"(kills: {kills}, seed {seed}): {attempt_log.read_text()[-2000:]}")
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
             finally:
