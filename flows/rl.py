@@ -47,7 +47,8 @@ from rlpipe.tasks.rl_setup import RLRun, open_rl
 from rlpipe.tasks.sync import sync_task
 from rlpipe.tasks.train import train_task
 from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import CheckpointRecord, checkpoint_steps, latest_checkpoint
+from rlpipe.training.checkpoint import CheckpointRecord
+from rlpipe.training.checkpoint_files import checkpoint_steps, latest_checkpoint
 from rlpipe.training.oversampling import BatchFillError
 from rlpipe.training.timing import Stopwatch
 
