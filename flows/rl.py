@@ -19,9 +19,7 @@ from prefect import flow
 from rlpipe.flows.common import (
     already_finished,
     finished_result,
-    flow_run_folder,
     make_tracker,
-    name_flow_run,
     open_run,
     phase_run_dir,
     registered_model_name,
@@ -30,6 +28,7 @@ from rlpipe.flows.common import (
     write_run_report,
 )
 from rlpipe.flows.progress import progress
+from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import due
 from rlpipe.tasks.checkpoint import (
     TrainingState,
@@ -57,7 +56,7 @@ from rlpipe.training.timing import Stopwatch
 def rl_flow(config_path: str | None = None, overrides: list[str] | None = None,
             config: dict | None = None, resume: bool = False, overwrite: bool = False) -> dict:
     """RL from `model.path` (e.g. an SFT checkpoint) or a preset; returns the last checkpoint.
-    resume / overwrite: act on an existing run folder (flows/common.py `run_folder`)."""
+    resume / overwrite: act on an existing run folder (flows/run_folders.py `run_folder`)."""
     with flow_run_folder(config_path, overrides, config, resume=resume, overwrite=overwrite) as cfg:
         if (done := already_finished(phase_run_dir(cfg, "rl"))) is not None:
             return done
