@@ -182,7 +182,8 @@ def static_vs_eager(prompts, new_tokens: int, repeats: int) -> list[dict]:
     """Decode tokens/s of the eager and the static (uncaptured) decode, same draws, alternating."""
     from rlpipe.engines import qwen3_fast
     from rlpipe.engines.decode_graphs import DecodeGraphs, GraphBackend
-    from rlpipe.engines.torch_engine import FastBackend, _generate_batch
+    from rlpipe.engines.decode_loop import generate_batch
+    from rlpipe.engines.torch_engine import FastBackend
 
     prompts = sorted(prompts, key=len, reverse=True)  # as the engine orders them
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
@@ -199,7 +200,7 @@ def static_vs_eager(prompts, new_tokens: int, repeats: int) -> list[dict]:
                         graphs.bind(weights)
                     backend = GraphBackend(graphs) if path == "static" else FastBackend(weights)
                     start = time.perf_counter()
-                    _generate_batch(backend, prompts, params, torch.Generator().manual_seed(rep), torch.device("cpu"))
+                    generate_batch(backend, prompts, params, torch.Generator().manual_seed(rep), torch.device("cpu"))
                     if rep:
                         seconds[path].append(time.perf_counter() - start)
         tokens = len(prompts) * new_tokens

@@ -46,14 +46,16 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.openai_output import Finished, chat_logprobs, finish, text_pieces, usage
 from rlpipe.engines.protocol import (
     OpenAIRequest,
-    RequestError,
     check_model,
-    check_request_limits,
     end_of_turn_ids,
-    read_request,
     sample,
     sampling_params,
     top_of,
+)
+from rlpipe.engines.request_pipeline import (
+    RequestError,
+    check_request_limits,
+    read_request,
     until_answered,
 )
 from rlpipe.engines.streaming import chat_chunks as stream_chat_chunks

@@ -28,7 +28,7 @@ from typing import Any
 import h11
 import torch
 from rlpipe.engines.http import read_token
-from rlpipe.engines.protocol import LOOPBACK_HOSTS, ServeLimits
+from rlpipe.engines.request_pipeline import LOOPBACK_HOSTS, ServeLimits
 from rlpipe.engines.server import DEFAULT_PORT, TOKEN_ENV, build_app
 from rlpipe.models.tool_calls import PARSERS
 

@@ -5,7 +5,7 @@
 
 Every request passes, in order: a Host allowlist (403; loopback names and the bind address by
 default, against DNS rebinding), the bearer token when the server has one (401); every POST body
-then goes through one pipeline (engines/protocol.py `read_request`): a JSON Content-Type (415),
+then goes through one pipeline (engines/request_pipeline.py `read_request`): a JSON Content-Type (415),
 a body-size cap (413) and deadline (408), valid JSON no deeper than 32 levels with valid Unicode
 text (400), and the route's request model, whose refusals name the field (400). Requests over a
 cap (n, max_tokens, prompts, prompt + max_tokens over the context) get 400 naming the cap and its
@@ -77,20 +77,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rlpipe.engines.chat_api import add_chat_completions
 from rlpipe.engines.openai_output import Finished, completion_logprobs, finish, usage
 from rlpipe.engines.protocol import (
-    LOOPBACK_HOSTS,
     CompletionRequest,
     ReloadRequest,
-    RequestError,
-    ServeLimits,
-    check_host,
     check_model,
-    check_request_limits,
     end_of_turn_ids,
     prompt_token_ids,
-    read_request,
     resolve_model_path,
     sample,
     top_of,
+)
+from rlpipe.engines.request_pipeline import (
+    LOOPBACK_HOSTS,
+    RequestError,
+    ServeLimits,
+    check_host,
+    check_request_limits,
+    read_request,
 )
 from rlpipe.engines.serving import (
     Batcher,
@@ -195,7 +197,7 @@ def build_app(
     token: if set, every request needs `Authorization: Bearer <token>`.
     allow_root: folder that /update_weights_from_disk may load from (default: the folder
     holding `checkpoint`, i.e. `<run_dir>/checkpoints`).
-    limits: request caps (engines.protocol.ServeLimits). allowed_hosts: Host header names
+    limits: request caps (engines.request_pipeline.ServeLimits). allowed_hosts: Host header names
     accepted (None = any); loopback names by default, against DNS rebinding.
     served_model_names: the names `model` may take and /v1/models lists (default: the
     checkpoint path as given). tool_call_parser: the name of a models/tool_calls.py parser that

@@ -36,7 +36,8 @@ from rlpipe.engines.openai_output import (
     tokens_covering,
     usage,
 )
-from rlpipe.engines.protocol import RequestError, end_of_turn_ids
+from rlpipe.engines.protocol import end_of_turn_ids
+from rlpipe.engines.request_pipeline import RequestError
 
 
 class ChoiceStream:

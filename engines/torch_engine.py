@@ -10,17 +10,19 @@ How it is fast on CPU:
   DynamicCache (same sampling, slower).
 - Each prompt is prefilled once and its cache copied to its n samples.
 - Prompts are sorted by length before being cut into batches of `max_batch_size` sequences, so
-  little padding is computed; finished sequences leave the batch (the cache is compacted once
-  an eighth of the rows are done), so long tails do not cost the whole batch.
+  little padding is computed; each batch is sampled by engines/decode_loop.py `generate_batch`,
+  where finished sequences leave the batch (the cache is compacted once an eighth of the rows
+  are done), so long tails do not cost the whole batch.
 
 Weights are read at the start of every `generate`, so after an optimizer step the next call
 samples from the new weights with no sync (`sync(None, v)` only records the policy version).
 Sampling draws one uniform per sequence and step from a `torch.Generator` seeded by
 `params.seed`: same seed, prompts and weights -> same completions.
 
-A thinking budget (`params.max_thinking_tokens`) is kept in the sampling loop: a sequence that
-has spent the budget inside its `<think>` block (opened by its prompt or by itself) gets
-`</think>` as its next token and goes on sampling its answer.
+A thinking budget (`params.max_thinking_tokens`) is kept in the sampling loop
+(engines/decode_loop.py): a sequence that has spent the budget inside its `<think>` block
+(opened by its prompt or by itself) gets `</think>` as its next token and goes on sampling its
+answer.
 """
 
 from __future__ import annotations
@@ -29,24 +31,17 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from rlpipe.engines import qwen3_fast
 from rlpipe.engines.base import Completion, SamplingParams
 from rlpipe.engines.decode_graphs import DecodeGraphs, GraphBackend
+from rlpipe.engines.decode_loop import Backend, compact_by_fraction, generate_batch
 from rlpipe.engines.qwen3_support import unsupported_reason
-from rlpipe.engines.sampling import sample_next
-from rlpipe.models.chat import ThinkTags, thinking_open
 from torch import nn
 
 log = logging.getLogger(__name__)
-
-# Compact the batch once this fraction of its rows has finished: a compaction copies the
-# filled cache once, about what one decode step reads, while a dead row costs every step.
-_COMPACT_FRACTION = 1 / 8
 
 
 class TorchEngine:
@@ -139,7 +134,7 @@ class TorchEngine:
                 for start in range(0, len(rows), self.max_batch_size):
                     chunk = rows[start : start + self.max_batch_size]
                     emit = None if on_token is None else functools.partial(_emit_row, on_token, chunk)
-                    done = _generate_batch(
+                    done = generate_batch(
                         backend, [prompts[i] for i, _ in chunk], params, generator, self.device, emit
                     )
                     for (i, j), completion in zip(chunk, done, strict=True):
@@ -195,28 +190,6 @@ def _emit_row(on_token: TokenCallback, chunk: list[tuple[int, int]], row: int, t
     on_token(*chunk[row], token, logprob)
 
 
-class Backend(Protocol):
-    """What `_generate_batch` needs from a model runner (one batch at a time)."""
-
-    def start(self, tokens: torch.Tensor, pad: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Prefill left-padded prompts tokens [U, P] (pad [U] columns each), room for max_len
-        columns in all. Returns last-position logits float32 [U, V]."""
-        ...
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` (int64, may repeat: used to copy a prompt to n samples)."""
-        ...
-
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (int64 [B]) at RoPE positions [B]; logits float32 [B, V],
-        valid until the next call (a graph backend overwrites them in place)."""
-        ...
-
-    def worth_compacting(self, rows: int, live: int) -> bool:
-        """Whether to drop finished rows now, `live` of `rows` still running."""
-        ...
-
-
 @functools.cache
 def _forward_takes_cache(model_class: type) -> bool:
     return "cache" in inspect.signature(model_class.forward).parameters
@@ -226,11 +199,6 @@ def cache_keyword(model: nn.Module) -> str:
     """The KV-cache argument of an HF causal LM's forward: `cache` from transformers 5.24 (which
     maps the old name with a warning), `past_key_values` before."""
     return "cache" if _forward_takes_cache(type(model)) else "past_key_values"
-
-
-def compact_by_fraction(rows: int, live: int) -> bool:
-    """The eager rule: once `_COMPACT_FRACTION` of the rows are done."""
-    return rows - live >= _COMPACT_FRACTION * rows
 
 
 class FastBackend:
@@ -302,138 +270,3 @@ class HFBackend:
 
     def worth_compacting(self, rows: int, live: int) -> bool:
         return compact_by_fraction(rows, live)
-
-
-@dataclass
-class _Batch:
-    """Bookkeeping of one decoding batch; index b is a sequence of the batch as generated."""
-
-    tokens: torch.Tensor  # int64 [B, max_new]
-    logprobs: torch.Tensor  # float32 [B, max_new]
-    lengths: list[int]
-    reasons: list[str]
-
-
-def _generate_batch(
-    backend: Backend,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    generator: torch.Generator,
-    device: torch.device,
-    emit: Callable[[int, int, float], None] | None = None,
-) -> list[Completion]:
-    """Sample one completion per entry of `prompts` (equal prompts share one prefill).
-    emit(row, token, logprob): called with each row's token as it is sampled (streaming)."""
-    unique: dict[tuple[int, ...], int] = {}
-    source = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-    tokens, pad = _left_pad(list(unique), device)
-    max_new = params.max_new_tokens
-    logits = backend.start(tokens, pad, tokens.shape[1] + max_new)
-    source_t = torch.tensor(source, device=device)
-    if len(unique) != len(prompts):  # n > 1: copy each prompt's cache to its samples
-        backend.select(source_t)
-        logits = logits[source_t]
-    n_rows = len(prompts)
-    uniforms = (
-        None if params.greedy else torch.rand(max_new, n_rows, generator=generator).to(device)
-    )
-    stop = torch.tensor(params.stop_token_ids, device=device) if params.stop_token_ids else None
-    out = _Batch(
-        tokens=torch.zeros(n_rows, max_new, dtype=torch.long, device=device),
-        logprobs=torch.zeros(n_rows, max_new, dtype=torch.float32, device=device),
-        lengths=[max_new] * n_rows,
-        reasons=["length"] * n_rows,
-    )
-    rows = torch.arange(n_rows, device=device)  # batch position -> sequence index
-    live = torch.ones(n_rows, dtype=torch.bool, device=device)
-    positions = torch.tensor([len(p) for p in prompts], device=device)
-    budget = _ThinkingBudget.of(prompts, params, device)
-    n_live = n_rows
-    for t in range(max_new):
-        draws = None if uniforms is None else uniforms[t][rows]
-        token, logprob = sample_next(logits, params, draws)
-        if budget is not None:
-            token, logprob = budget.apply(rows, token, logprob, logits, params)
-        out.tokens[rows, t] = token
-        out.logprobs[rows, t] = logprob
-        if emit is not None:
-            for b, tok, lp, alive in zip(rows.tolist(), token.tolist(), logprob.tolist(), live.tolist(),
-                                         strict=True):
-                if alive:
-                    emit(b, tok, lp)
-        if stop is not None:
-            hit = torch.isin(token, stop) & live
-            finished = rows[hit].tolist()
-            for b in finished:
-                out.lengths[b], out.reasons[b] = t + 1, "stop"
-            if finished:
-                live &= ~hit
-                n_live -= len(finished)
-        if t == max_new - 1 or n_live == 0:
-            break
-        if backend.worth_compacting(len(rows), n_live):
-            keep = live.nonzero().squeeze(1)
-            backend.select(keep)
-            rows, positions, token, live = rows[keep], positions[keep], token[keep], live[keep]
-        logits = backend.step(token, positions)
-        positions = positions + 1
-    tokens_cpu, logprobs_cpu = out.tokens.cpu(), out.logprobs.cpu()
-    return [
-        Completion(
-            tokens=tokens_cpu[b, :n].tolist(),
-            logprobs=logprobs_cpu[b, :n].tolist(),
-            finish_reason=out.reasons[b],  # type: ignore[arg-type]
-        )
-        for b, n in enumerate(out.lengths)
-    ]
-
-
-@dataclass
-class _ThinkingBudget:
-    """Per sequence: inside its reasoning block or not, and the reasoning tokens it has spent
-    (the tags not counted). A sequence at the budget gets `</think>` instead of its draw."""
-
-    start: int
-    end: int
-    limit: int
-    inside: torch.Tensor  # bool [B]
-    spent: torch.Tensor  # int64 [B]
-
-    @classmethod
-    def of(cls, prompts: list[list[int]], params: SamplingParams, device: torch.device) -> _ThinkingBudget | None:
-        if not params.max_thinking_tokens or params.think_ids is None:
-            return None
-        start, end = params.think_ids
-        tags = ThinkTags(start, end)
-        inside = torch.tensor([thinking_open(p, tags) for p in prompts], dtype=torch.bool, device=device)
-        return cls(start, end, params.max_thinking_tokens, inside, torch.zeros(len(prompts), dtype=torch.long,
-                                                                                  device=device))
-
-    def apply(self, rows: torch.Tensor, token: torch.Tensor, logprob: torch.Tensor, logits: torch.Tensor,
-              params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's tokens with `</think>` where a sequence's budget is spent (its log-prob the
-        policy's own, as `sample_next` reports it), and the state moved past them."""
-        inside = self.inside[rows]
-        over = inside & (self.spent[rows] >= self.limit)
-        if bool(over.any()):
-            scaled = logits.float() if params.greedy else logits.float() / params.temperature
-            forced = torch.log_softmax(scaled, dim=-1)[:, self.end]
-            token = torch.where(over, torch.full_like(token, self.end), token)
-            logprob = torch.where(over, forced.to(logprob.dtype), logprob)
-        opens = ~inside & (token == self.start)
-        closes = inside & (token == self.end)
-        self.spent[rows] += (inside & ~closes).long()
-        self.inside[rows] = (inside | opens) & ~closes
-        return token, logprob
-
-
-def _left_pad(
-    prompts: list[tuple[int, ...]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad with token 0 (masked). Returns tokens int64 [U, P] and pad int64 [U]."""
-    width = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
-    return tokens.to(device), pad.to(device)

@@ -14,14 +14,13 @@ from prefect import flow
 from prefect.runtime import flow_run
 from rlpipe.flows.common import (
     already_finished,
-    flow_run_folder,
     make_tracker,
-    name_flow_run,
     open_run,
     run_phase,
     write_run_report,
 )
 from rlpipe.flows.rl import run_rl
+from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import run_supervised
 from rlpipe.tasks.config import RunConfig
 from rlpipe.training import metric_names as m
@@ -47,7 +46,7 @@ def phase_flow(config: RunConfig, phase: str, parent_mlflow_run_id: str | None =
 def pipeline_flow(config_path: str | None = None, overrides: list[str] | None = None,
                   config: dict | None = None, resume: bool = False, overwrite: bool = False) -> dict:
     """SFT then RL; returns both phases' final checkpoints and eval metrics. resume / overwrite:
-    act on an existing run folder (flows/common.py `run_folder`)."""
+    act on an existing run folder (flows/run_folders.py `run_folder`)."""
     with flow_run_folder(config_path, overrides, config, resume=resume, overwrite=overwrite) as cfg:
         if (done := already_finished(cfg.run_dir)) is not None:
             return done

@@ -19,9 +19,7 @@ from prefect import flow
 from rlpipe.flows.common import (
     already_finished,
     finished_result,
-    flow_run_folder,
     make_tracker,
-    name_flow_run,
     open_run,
     phase_run_dir,
     registered_model_name,
@@ -30,6 +28,7 @@ from rlpipe.flows.common import (
     write_run_report,
 )
 from rlpipe.flows.progress import progress
+from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import due
 from rlpipe.tasks.checkpoint import (
     TrainingState,
@@ -47,7 +46,8 @@ from rlpipe.tasks.rl_setup import RLRun, open_rl
 from rlpipe.tasks.sync import sync_task
 from rlpipe.tasks.train import train_task
 from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import CheckpointRecord, checkpoint_steps, latest_checkpoint
+from rlpipe.training.checkpoint import CheckpointRecord
+from rlpipe.training.checkpoint_files import checkpoint_steps, latest_checkpoint
 from rlpipe.training.oversampling import BatchFillError
 from rlpipe.training.timing import Stopwatch
 
@@ -56,7 +56,7 @@ from rlpipe.training.timing import Stopwatch
 def rl_flow(config_path: str | None = None, overrides: list[str] | None = None,
             config: dict | None = None, resume: bool = False, overwrite: bool = False) -> dict:
     """RL from `model.path` (e.g. an SFT checkpoint) or a preset; returns the last checkpoint.
-    resume / overwrite: act on an existing run folder (flows/common.py `run_folder`)."""
+    resume / overwrite: act on an existing run folder (flows/run_folders.py `run_folder`)."""
     with flow_run_folder(config_path, overrides, config, resume=resume, overwrite=overwrite) as cfg:
         if (done := already_finished(phase_run_dir(cfg, "rl"))) is not None:
             return done

@@ -26,12 +26,7 @@ from rlpipe.core.config import ConfigError, describe_fields
 from rlpipe.core.environment import quiet_defaults
 from rlpipe.core.files import io_error
 from rlpipe.core.termination import Terminated, sigterm_received, sigterm_stops_the_run
-from rlpipe.flows.common import (
-    clear_run_dir,
-    finished_result,
-    refuse_locked_overwrite,
-    say_code_trusted,
-)
+from rlpipe.flows.common import finished_result, say_code_trusted
 from rlpipe.flows.launch import (
     add_launch_arguments,
     check_launch_arguments,
@@ -39,6 +34,7 @@ from rlpipe.flows.launch import (
     launched_rank,
     strip_launch_flags,
 )
+from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, validate_config
 from rlpipe.tasks.preflight import preflight

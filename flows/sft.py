@@ -6,13 +6,8 @@
 from __future__ import annotations
 
 from prefect import flow
-from rlpipe.flows.common import (
-    already_finished,
-    flow_run_folder,
-    name_flow_run,
-    phase_run_dir,
-    write_run_report,
-)
+from rlpipe.flows.common import already_finished, phase_run_dir, write_run_report
+from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import run_supervised
 
 

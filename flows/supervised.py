@@ -29,7 +29,8 @@ from rlpipe.tasks.record import step_metrics, train_step_row
 from rlpipe.tasks.supervised import supervised_train_task
 from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
 from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import CheckpointRecord, checkpoint_steps, latest_checkpoint
+from rlpipe.training.checkpoint import CheckpointRecord
+from rlpipe.training.checkpoint_files import checkpoint_steps, latest_checkpoint
 from rlpipe.training.timing import Stopwatch
 
 

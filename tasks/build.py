@@ -21,7 +21,8 @@ from rlpipe.engines.base import Engine
 from rlpipe.tasks.losses import phase_loss
 from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
-from rlpipe.training.checkpoint import load_checkpoint, resume_checkpoint
+from rlpipe.training.checkpoint import load_checkpoint
+from rlpipe.training.checkpoint_files import resume_checkpoint
 from rlpipe.training.step import StepOptions
 from rlpipe.training.trainer import Trainer, TrainOptions
 

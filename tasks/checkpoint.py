@@ -17,14 +17,8 @@ from typing import Any
 
 from rlpipe.tasks._prefect import stage
 from rlpipe.tasks.record import StageTable, drain_writes, load_rows, persist_now
-from rlpipe.training.checkpoint import (
-    CheckpointOptions,
-    CheckpointRecord,
-    checkpoint_dir,
-    checkpoint_steps,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from rlpipe.training.checkpoint import CheckpointOptions, CheckpointRecord, save_checkpoint
+from rlpipe.training.checkpoint_files import checkpoint_dir, checkpoint_steps, verify_checkpoint
 
 
 def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, model_name: str | None,

@@ -38,7 +38,7 @@ from rlpipe.storage.writer import read_table
 from rlpipe.tasks.build import StartPoint, build, rl_plan
 from rlpipe.tasks.tokens import packed_batch
 from rlpipe.tasks.train import train_on_batches
-from rlpipe.training.checkpoint import checkpoint_dir, checkpoint_steps
+from rlpipe.training.checkpoint_files import checkpoint_dir, checkpoint_steps
 
 PARALLEL_TOLERANCE = 1e-4
 """How far a data-parallel step's replay may be from the logged figures. Measured on configs/tiny.toml

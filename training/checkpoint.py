@@ -21,15 +21,11 @@ SGLang): config.json never names rlpipe's own attention implementation. `optimiz
 `rng_state.pt` hold only tensors and plain numbers and are loaded with `weights_only=True`, so
 loading a checkpoint runs no code from it. It is written into a
 hidden temporary folder beside the final one and renamed into place, so a reader never sees a
-half-written checkpoint; `latest_checkpoint` ignores hidden folders and folders without
-metadata.json (which is written last).
+half-written checkpoint; training/checkpoint_files.py `latest_checkpoint` ignores hidden
+folders and folders without metadata.json (which is written last).
 
-Every file of a checkpoint (weights, optimizer state, RNG and data state, tokenizer, adapter) is
-hashed into metadata.json (`files`), and `load_checkpoint` checks them all: a truncated or
-damaged file is named, never loaded. `resume_checkpoint` is what a resuming run starts from: the
-newest checkpoint whose files all match, with any damaged newer one moved aside
-(`.corrupt-step_<NNNNNN>-<hex>`, kept for inspection), so the run replays the steps after the
-good one instead of failing on the same file at every resume.
+Every file is hashed into metadata.json and checked on load; finding checkpoints, verifying them
+and the damaged-checkpoint fallback of a resume are training/checkpoint_files.py.
 
 A write that fails (a full disk, an I/O error) raises OSError naming the file and its errno, also
 where torch or safetensors report it in their own words, and leaves no partial folder behind.
@@ -56,14 +52,18 @@ import torch
 from rlpipe.core.files import fsync_path, naming_io_errors
 from rlpipe.models.loading import load_model
 from rlpipe.models.tokenizer import load_tokenizer
+from rlpipe.training.checkpoint_files import (
+    METADATA_FILE,
+    checkpoint_dir,
+    file_hashes,
+    verify_checkpoint,
+)
 from rlpipe.training.lora import ADAPTER_DIR, has_lora, load_adapter, save_model_files
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-CHECKPOINTS = "checkpoints"
 OPTIMIZER_FILE = "optimizer.pt"
 DATA_STATE_FILE = "data_state.json"
 RNG_FILE = "rng_state.pt"
-METADATA_FILE = "metadata.json"
 LM_HEAD_FILE = "lm_head.safetensors"  # explicit_lm_head (see the module doc)
 # Attention implementations plain transformers resolves by itself; anything else is ours.
 _STANDARD_ATTENTION = {None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"}
@@ -82,20 +82,6 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.metadata["step"])
-
-
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    """`<run_dir>/checkpoints/step_<NNNNNN>`."""
-    return Path(run_dir) / CHECKPOINTS / f"step_{step:06d}"
-
-
-def sha256_file(path: Path, block: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
@@ -223,7 +209,7 @@ def save_checkpoint(
         for file in tmp.rglob("*.safetensors"):
             # a write error that safetensors did not report leaves the file short
             _check_safetensors(file, final / file.relative_to(tmp))
-        every = _file_hashes(tmp)  # each file hashed once: what `_verify` checks
+        every = file_hashes(tmp)  # each file hashed once: what `verify_checkpoint` checks
         files = {p.name: every[p.name] for p in weights}
         metadata = {
             "step": step,
@@ -291,12 +277,6 @@ def _check_safetensors(file: Path, shown: Path) -> None:
                   + (f" of {expected})" if expected else ", its header unreadable)"), str(shown))
 
 
-def _file_hashes(folder: Path) -> dict[str, str]:
-    """sha256 of every file under `folder` but metadata.json, by path relative to it."""
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != METADATA_FILE}
-
-
 def write_explicit_lm_head(model: PreTrainedModel, folder: Path) -> None:
     """A tied model's lm_head (its embeddings' values) as LM_HEAD_FILE in a saved model folder,
     named in the shard index if there is one; nothing for an untied model."""
@@ -311,41 +291,6 @@ def write_explicit_lm_head(model: PreTrainedModel, folder: Path) -> None:
         content = json.loads(index.read_text())
         content["weight_map"]["lm_head.weight"] = LM_HEAD_FILE
         _write_json(index, content)
-
-
-def _verify(path: Path) -> dict[str, Any]:
-    """Check a checkpoint folder's files; return its metadata. ValueError naming the problem."""
-    if not path.is_dir():
-        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
-    for name in ("config.json", METADATA_FILE):
-        if not (path / name).is_file():
-            raise ValueError(f"checkpoint {str(path)!r} has no {name}")
-    try:
-        metadata = json.loads((path / METADATA_FILE).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"checkpoint metadata {str(path / METADATA_FILE)!r} is corrupt: {err}") from err
-    files = metadata.get("weight_files")
-    if not files:
-        raise ValueError(f"checkpoint metadata {str(path / METADATA_FILE)!r} lists no weight files")
-    # every file where metadata.json lists them (`files`); the weights alone in older checkpoints
-    for name, expected in {**files, **(metadata.get("files") or {})}.items():
-        file = path / name
-        kind = "weights file" if name in files else "file"
-        if not file.is_file():
-            raise ValueError(f"checkpoint {str(path)!r} is missing its {kind} {name}")
-        actual = sha256_file(file)
-        if actual != expected:
-            raise ValueError(
-                f"{kind} {str(file)!r} is corrupt: sha256 {actual[:12]}… does not match "
-                f"{expected[:12]}… recorded in metadata.json"
-            )
-    return metadata
-
-
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check that a checkpoint folder is whole (every file it lists with its sha256); return its
-    metadata. ValueError naming the folder or file otherwise."""
-    return _verify(Path(path))
 
 
 def load_checkpoint(
@@ -366,7 +311,7 @@ def load_checkpoint(
     metadata, a corrupt safetensors file or a sha256 mismatch.
     """
     path = Path(path)
-    metadata = _verify(path)
+    metadata = verify_checkpoint(path)
     if model is None:
         model = load_model(path, dtype=dtype or torch.float32)
     elif has_lora(model):  # the frozen base is the run's start: only the adapters change
@@ -410,48 +355,3 @@ def read_optimizer_state(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{str(opt_file)!r} holds no {key} state")
     return states
 
-
-def checkpoint_steps(run_dir: str | Path) -> set[int]:
-    """Steps of the complete checkpoints under `<run_dir>/checkpoints`."""
-    return {int(path.name[len("step_"):]) for path in _complete(run_dir)}
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under `<run_dir>/checkpoints`, or None."""
-    found = [(int(path.name[len("step_"):]), path) for path in _complete(run_dir)]
-    return max(found)[1] if found else None
-
-
-def resume_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint under `<run_dir>/checkpoints` whose files all match their sha256
-    (None: none), and a line for each damaged newer one, which is moved aside
-    (`.corrupt-<folder>-<hex>` beside it) so that the run replays its steps from the good one.
-    ValueError naming the folder to remove when a damaged one cannot be moved."""
-    notes: list[str] = []
-    for _, path in sorted(((int(p.name[len("step_"):]), p) for p in _complete(run_dir)), reverse=True):
-        try:
-            _verify(path)
-            return path, notes
-        except ValueError as error:
-            aside = path.parent / f".corrupt-{path.name}-{uuid.uuid4().hex[:8]}"
-            try:
-                os.replace(path, aside)
-            except OSError as move:
-                raise ValueError(f"{error}; it could not be moved aside ({move}): remove {str(path)!r} "
-                                 "and resume again") from None
-            notes.append(f"{error}; moved it to {str(aside)!r} and resume from the checkpoint before it")
-    return None, notes
-
-
-def _complete(run_dir: str | Path) -> list[Path]:
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found: list[Path] = []
-    for child in root.iterdir():
-        name = child.name
-        if not name.startswith("step_") or not child.is_dir() or not (child / METADATA_FILE).is_file():
-            continue
-        if name[len("step_"):].isdigit():
-            found.append(child)
-    return found

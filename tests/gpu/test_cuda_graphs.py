@@ -12,7 +12,8 @@ import torch
 from rlpipe.engines import decode_graphs as dg
 from rlpipe.engines import qwen3_fast
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.torch_engine import TorchEngine, _left_pad
+from rlpipe.engines.decode_loop import left_pad
+from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
 
 pytestmark = [
@@ -76,7 +77,7 @@ def test_bf16_graph_replay_stays_close_to_eager():
 
 def test_replayed_logits_equal_the_uncaptured_static_step():
     weights = qwen3_fast.QwenWeights.from_model(_model("small-moe"))
-    tokens, pad = _left_pad([tuple(p) for p in _prompts([9, 4, 6])], CUDA)
+    tokens, pad = left_pad([tuple(p) for p in _prompts([9, 4, 6])], CUDA)
     logits = []
     with torch.inference_mode():
         for capture in (False, True):
@@ -96,7 +97,7 @@ def test_replayed_logits_equal_the_uncaptured_static_step():
 
 def test_replayed_steps_never_wait_for_the_gpu():
     weights = qwen3_fast.QwenWeights.from_model(_model("small-dense"))
-    tokens, pad = _left_pad([tuple(p) for p in _prompts([9, 4])], CUDA)
+    tokens, pad = left_pad([tuple(p) for p in _prompts([9, 4])], CUDA)
     with torch.inference_mode():
         graphs = dg.DecodeGraphs(2, capture=True, span_chunk=64)
         graphs.bind(weights)

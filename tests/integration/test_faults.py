@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from rlpipe.training.checkpoint import METADATA_FILE, _verify
+from rlpipe.training.checkpoint_files import METADATA_FILE, _verify
 from safetensors.torch import load_file
 from test_resume import ONE_THREAD, cli, env_for, rows  # same folder: pytest puts it on sys.path
 

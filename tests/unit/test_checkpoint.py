@@ -15,10 +15,10 @@ from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.checkpoint import (
     CheckpointOptions,
     CheckpointRecord,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
+from rlpipe.training.checkpoint_files import latest_checkpoint
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import build_optimizer, build_scheduler, forward_backward, optim_step
 from transformers import AutoModelForCausalLM
@@ -180,7 +180,7 @@ class _Boom:
 
 def _rehash(path, name: str) -> None:
     """Record a replaced file's sha256 in metadata.json, as a hand-made checkpoint would."""
-    from rlpipe.training.checkpoint import sha256_file
+    from rlpipe.training.checkpoint_files import sha256_file
 
     metadata = json.loads((path / "metadata.json").read_text())
     metadata["files"][name] = sha256_file(path / name)

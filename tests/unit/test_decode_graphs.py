@@ -13,7 +13,8 @@ import torch
 from rlpipe.engines import decode_graphs as dg
 from rlpipe.engines import qwen3_fast, qwen3_moe
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.torch_engine import FastBackend, TorchEngine, _generate_batch, _left_pad
+from rlpipe.engines.decode_loop import generate_batch, left_pad
+from rlpipe.engines.torch_engine import FastBackend, TorchEngine
 from rlpipe.models.presets import build_model
 from rlpipe.tasks.build import (
     make_engines,  # imported here: importing Prefect resets logging handlers
@@ -50,7 +51,7 @@ def static_backend(weights, max_rows: int = 8, span_chunk: int = 4) -> dg.GraphB
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 def test_static_step_equals_eager_step_through_expansion_compaction_and_padding(preset):
     weights = qwen3_fast.QwenWeights.from_model(model_of(preset))
-    tokens, pad = _left_pad([tuple(p) for p in prompts_of([9, 3, 6])], CPU)
+    tokens, pad = left_pad([tuple(p) for p in prompts_of([9, 3, 6])], CPU)
     eager, static = FastBackend(weights), static_backend(weights)
     with torch.inference_mode():
         logits_e = eager.start(tokens, pad, 9 + 14)
@@ -76,19 +77,19 @@ def test_static_step_equals_eager_step_through_expansion_compaction_and_padding(
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_generate_batch_static_equals_eager_with_rows_finishing_early(preset, greedy):
+def testgenerate_batch_static_equals_eager_with_rows_finishing_early(preset, greedy):
     model = model_of(preset)
     weights = qwen3_fast.QwenWeights.from_model(model)
     prompts = prompts_of([7, 2, 11, 4, 4, 9])
     # stop tokens chosen from what the model emits, so that rows end at different steps
     params = SamplingParams(n=1, max_new_tokens=16, seed=3, greedy=greedy)
-    probe = _generate_batch(FastBackend(weights), prompts, params, torch.Generator().manual_seed(3), CPU)
+    probe = generate_batch(FastBackend(weights), prompts, params, torch.Generator().manual_seed(3), CPU)
     stops = sorted({c.tokens[k] for c, k in zip(probe, (3, 6, 9, 12, 1, 14), strict=True)})
     params = SamplingParams(n=1, max_new_tokens=16, seed=3, greedy=greedy, stop_token_ids=stops)
 
     def run(backend):
         with torch.inference_mode():
-            return _generate_batch(backend, prompts, params, torch.Generator().manual_seed(3), CPU)
+            return generate_batch(backend, prompts, params, torch.Generator().manual_seed(3), CPU)
 
     eager, static = run(FastBackend(weights)), run(static_backend(weights, span_chunk=8))
     lengths = [len(c.tokens) for c in eager]
@@ -103,8 +104,8 @@ def test_samples_of_one_prompt_static_equals_eager():
     prompts = [p for p in prompts_of([5, 8]) for _ in range(3)]  # n = 3: one prefill per prompt
     params = SamplingParams(max_new_tokens=10, seed=0, temperature=1.0)
     with torch.inference_mode():
-        eager = _generate_batch(FastBackend(weights), prompts, params, torch.Generator().manual_seed(0), CPU)
-        static = _generate_batch(static_backend(weights), prompts, params, torch.Generator().manual_seed(0), CPU)
+        eager = generate_batch(FastBackend(weights), prompts, params, torch.Generator().manual_seed(0), CPU)
+        static = generate_batch(static_backend(weights), prompts, params, torch.Generator().manual_seed(0), CPU)
     assert [c.tokens for c in static] == [c.tokens for c in eager]
     assert len({tuple(c.tokens) for c in eager}) > 2  # the samples differ from each other
 
@@ -182,18 +183,18 @@ def test_graphs_are_keyed_by_bucket_and_span_reused_and_dropped_on_growth(monkey
     prompts = prompts_of([5, 3, 6])
     with torch.inference_mode():
         runner.bind(qwen3_fast.QwenWeights.from_model(model))
-        first = _generate_batch(dg.GraphBackend(runner), prompts, params, torch.Generator(), CPU)
+        first = generate_batch(dg.GraphBackend(runner), prompts, params, torch.Generator(), CPU)
         # 3 rows -> bucket 4; columns 7..15 attended -> spans 8 and 16
         assert sorted(runner.graphs) == [(4, 8), (4, 16)] and runner.captures == 2
-        eager = _generate_batch(FastBackend(qwen3_fast.QwenWeights.from_model(model)), prompts, params,
+        eager = generate_batch(FastBackend(qwen3_fast.QwenWeights.from_model(model)), prompts, params,
                                 torch.Generator(), CPU)
         assert [c.tokens for c in first] == [c.tokens for c in eager]
         runner.bind(qwen3_fast.QwenWeights.from_model(model))
-        _generate_batch(dg.GraphBackend(runner), prompts, params, torch.Generator(), CPU)
+        generate_batch(dg.GraphBackend(runner), prompts, params, torch.Generator(), CPU)
         assert runner.captures == 2  # same buckets and capacity: reused
         assert sum(graph.replays for graph, _ in runner.graphs.values()) == 2 * 9
         runner.bind(qwen3_fast.QwenWeights.from_model(model))
-        _generate_batch(dg.GraphBackend(runner), prompts, SamplingParams(max_new_tokens=30, greedy=True),
+        generate_batch(dg.GraphBackend(runner), prompts, SamplingParams(max_new_tokens=30, greedy=True),
                         torch.Generator(), CPU)
         assert runner.capacity == 40  # grew to 6 + 30 columns, rounded up to the chunk
         assert (4, 8) in runner.graphs and runner.captures == 2 + 5  # all recaptured over the new cache
@@ -240,7 +241,7 @@ def test_bind_reallocates_on_a_new_weight_layout(monkeypatch):
         runner.bind(qwen3_fast.QwenWeights.from_model(model_of("tiny-dense")))
         runner.reserve(10)
         backend = dg.GraphBackend(runner)
-        tokens, pad = _left_pad([(3, 4, 5)], CPU)
+        tokens, pad = left_pad([(3, 4, 5)], CPU)
         backend.start(tokens, pad, 10)
         backend.step(torch.tensor([7]), torch.tensor([3]))
         assert runner.graphs
@@ -269,11 +270,11 @@ def test_stale_cache_columns_from_an_earlier_call_do_not_leak():
     params = SamplingParams(max_new_tokens=6, seed=0, temperature=1.0)
     prompts = prompts_of([3, 5])
     with torch.inference_mode():
-        _generate_batch(backend, prompts, params, torch.Generator(), CPU)
+        generate_batch(backend, prompts, params, torch.Generator(), CPU)
         for t in backend.graphs.cache.k + backend.graphs.cache.v:
             t.fill_(float("nan"))
-        static = _generate_batch(dg.GraphBackend(backend.graphs), prompts, params, torch.Generator(), CPU)
-        eager = _generate_batch(FastBackend(weights), prompts, params, torch.Generator(), CPU)
+        static = generate_batch(dg.GraphBackend(backend.graphs), prompts, params, torch.Generator(), CPU)
+        eager = generate_batch(FastBackend(weights), prompts, params, torch.Generator(), CPU)
     assert [c.tokens for c in static] == [c.tokens for c in eager]
     assert all(torch.tensor(c.logprobs).isfinite().all() for c in static)
 
@@ -302,7 +303,7 @@ class OpLog(TorchDispatchMode):
 
 
 def _logged_steps(backend, weights, steps: int) -> list[list[tuple[str, tuple]]]:
-    tokens, pad = _left_pad([tuple(p) for p in prompts_of([6, 3, 5])], CPU)
+    tokens, pad = left_pad([tuple(p) for p in prompts_of([6, 3, 5])], CPU)
     logs = []
     with torch.inference_mode():
         logits = backend.start(tokens, pad, 6 + steps)

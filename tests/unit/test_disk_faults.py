@@ -14,7 +14,8 @@ from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table, write_table
 from rlpipe.tasks.record import load_rows
-from rlpipe.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint_files import checkpoint_dir, latest_checkpoint
 
 
 def disk_full(*_args, **_kwargs):
@@ -93,7 +94,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch, fail_at):
     for step in (2, 1):  # a new step, and a rewrite of an existing one
         with pytest.raises(OSError) as raised:
             save_checkpoint(tmp_path, step, model, tok, optimizer=optimizer)
-        folder = checkpoint.checkpoint_dir(tmp_path, step)
+        folder = checkpoint_dir(tmp_path, step)
         assert raised.value.filename == str(folder / shown), raised.value
         if fail_at != "weights_short":  # a short file's cause is ENOSPC only on a disk that is full
             assert raised.value.errno == errno.ENOSPC and "No space left" in str(raised.value)
@@ -126,7 +127,7 @@ def test_a_truncated_file_of_the_newest_checkpoint_falls_back_to_the_one_before(
     previous checkpoint with one line naming the damaged folder and where it was moved, the
     damaged folder is no longer a checkpoint (hidden, kept), and asking again finds the same
     good checkpoint with nothing more to say (no loop)."""
-    from rlpipe.training.checkpoint import resume_checkpoint
+    from rlpipe.training.checkpoint_files import resume_checkpoint
     from rlpipe.training.step import build_optimizer
 
     tok = build_tokenizer()
@@ -150,7 +151,7 @@ def test_a_truncated_file_of_the_newest_checkpoint_falls_back_to_the_one_before(
 
 def test_only_damaged_checkpoints_resume_from_the_start(tmp_path):
     """Afterwards: with its one checkpoint damaged, a run resumes from its start (None)."""
-    from rlpipe.training.checkpoint import resume_checkpoint
+    from rlpipe.training.checkpoint_files import resume_checkpoint
 
     tok = build_tokenizer()
     only = save_checkpoint(tmp_path, 3, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)

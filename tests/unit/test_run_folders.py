@@ -12,12 +12,10 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from rlpipe.flows.common import (
-    RunState,
-    code_named_by,
+from rlpipe.flows.common import RunState, code_named_by, finished_result
+from rlpipe.flows.run_folders import (
     config_differences,
     deployment_run_name,
-    finished_result,
     refuse_locked_overwrite,
     run_folder,
 )

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from rlpipe.engines.protocol import ServeLimits
+from rlpipe.engines.request_pipeline import ServeLimits
 from rlpipe.engines.serve_cli import check_token_file, main, server_token
 from rlpipe.engines.server import build_app
 

@@ -362,7 +362,7 @@ def test_live_streams_equal_the_whole_answers(client):
 
 def test_a_live_stream_sends_tokens_while_it_samples_and_stops_its_work_when_closed(checkpoint):
     from rlpipe.engines.base import SamplingParams
-    from rlpipe.engines.protocol import ServeLimits
+    from rlpipe.engines.request_pipeline import ServeLimits
     from rlpipe.engines.streaming import live_events
 
     app = build_app(checkpoint, limits=ServeLimits(chunk_sequences=1))
@@ -409,7 +409,7 @@ def test_nulls_mean_the_defaults(client):
 
 
 def test_a_chat_without_max_tokens_gets_what_the_cap_allows(checkpoint, monkeypatch):
-    from rlpipe.engines.protocol import ServeLimits
+    from rlpipe.engines.request_pipeline import ServeLimits
 
     with TestClient(build_app(checkpoint, limits=ServeLimits(max_tokens=5)), base_url="http://localhost") as c:
         model = c.app.state.rlpipe.slot.current.engine.model
@@ -419,7 +419,7 @@ def test_a_chat_without_max_tokens_gets_what_the_cap_allows(checkpoint, monkeypa
 
 
 def test_a_stream_past_its_deadline_ends_with_an_error_event(checkpoint):
-    from rlpipe.engines.protocol import ServeLimits
+    from rlpipe.engines.request_pipeline import ServeLimits
 
     limits = ServeLimits(request_timeout_s=0.3, max_tokens=3000)
     with TestClient(build_app(checkpoint, limits=limits), base_url="http://localhost") as c:

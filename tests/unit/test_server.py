@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.protocol import ServeLimits
+from rlpipe.engines.request_pipeline import ServeLimits
 from rlpipe.engines.server import build_app
 from rlpipe.engines.serving import group_jobs, load_served_model
 from rlpipe.engines.torch_engine import TorchEngine

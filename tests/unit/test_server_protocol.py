@@ -1,11 +1,11 @@
-"""`rlpipe serve`'s request checks (engines/protocol.py) through the app: caps named in their
+"""`rlpipe serve`'s request checks (engines/request_pipeline.py, engines/protocol.py) through the app: caps named in their
 4xx, malformed bodies never a 500, JSON-only reloads, allowed Host names."""
 
 from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from rlpipe.engines.protocol import ServeLimits
+from rlpipe.engines.request_pipeline import ServeLimits
 from rlpipe.engines.server import build_app
 
 from tests.unit.test_server import ckpt, client, run_dir  # noqa: F401 - fixtures
