@@ -212,8 +212,8 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
         assert json.loads((folder / "run.json").read_text())["status"] == "failed", folder
     statuses = mlflow_statuses(tmp_path / "mlflow.db", "rlpipe-tiny")
     assert statuses["term"] == "FAILED" and statuses["term/rl"] == "FAILED" and statuses["term/sft"] == "FINISHED"
-    check_consistent(run_dir)
-    assert not [p for p in (run_dir / "rl" / "tables").rglob("*.tmp")]
+    check_consistent(run_dir, "after SIGTERM")
+    assert strays(run_dir / "rl" / "tables") == []
     assert partition(run_dir, ("rl", "train_steps", 1)).is_file()  # drained before the process left
 
     # a partition that the resume reads back: the rollouts of the step after the last checkpoint

@@ -2,7 +2,7 @@
 (JSON content type, size, depth, text, sampling and field checks: a 4xx naming the field, never a
 500, however the body is malformed); a client chat template is refused unless allowed, and then
 rendered off the event loop under the request deadline; an empty token is refused and a token
-file others can read is warned about. Connection deadlines: tests/integration/test_serve_abuse.py."""
+file others can read is warned about. Connection deadlines: tests/integration/test_serve_abuse_http.py."""
 
 from __future__ import annotations
 
