@@ -10,15 +10,22 @@ from pathlib import Path
 
 import httpx
 
+from tests.ports import PortTaken, says_port_taken
+
 SERVER_START_S = 180
 
 
 def wait_healthy(url: str, server: subprocess.Popen, log: Path, start_s: float = SERVER_START_S,
                  name: str = "prefect server") -> None:
-    """Return once `url`/health answers 200; fail with the server's log if it exits or times out."""
+    """Return once `url`/health answers 200; fail with the server's log if it exits or times out
+    (PortTaken where the log says its port was in use, so the caller can start it on another)."""
     deadline = time.monotonic() + start_s
     while time.monotonic() < deadline:
-        assert server.poll() is None, f"{name} exited:\n{log.read_text()[-3000:]}"
+        if server.poll() is not None:
+            text = log.read_text()
+            if says_port_taken(text):
+                raise PortTaken(f"{name} exited, its port taken:\n{text[-3000:]}")
+            raise AssertionError(f"{name} exited:\n{text[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return

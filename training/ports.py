@@ -2,8 +2,8 @@
 and benchmarks start on this machine. Standard library only, so importing it costs nothing.
 
 The port is free when this returns and is released at once, so another process could take it
-before the caller binds it; on a loopback port picked by the OS that window has not mattered here.
-Where the caller itself binds, pass port 0 and read the bound port back instead (`rlpipe serve
+before the caller binds it: the tests start their servers through tests/ports.py, which starts
+one again on a fresh port when that happens. Where the caller itself binds, pass port 0 and read the bound port back instead (`rlpipe serve
 --port 0` does).
 """
 

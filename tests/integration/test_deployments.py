@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from rlpipe.training.ports import free_port
 
+from tests.ports import start_on_free_port
 from tests.prefect_server import stop_group, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,14 +96,21 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
-    port = free_port()
+    def start_server(port: int) -> subprocess.Popen:
+        server = start(prefect("server", "start", "--host", "127.0.0.1", "--port", str(port)),
+                       prefect_env(tmp_path, port), tmp_path / "server.log")
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/api", server, tmp_path / "server.log")
+        except BaseException:
+            stop_group(server)
+            raise
+        return server
+
+    port, server = start_on_free_port(start_server)
     env = prefect_env(tmp_path, port)
     runs = tmp_path / "runs"
-    server = start(prefect("server", "start", "--host", "127.0.0.1", "--port", str(port)), env,
-                   tmp_path / "server.log")
     worker = None
     try:
-        wait_healthy(env["PREFECT_API_URL"], server, tmp_path / "server.log")
         run(prefect("work-pool", "create", "rlpipe", "--type", "process"), env, 120)
         deployed = run(prefect("--no-prompt", "deploy", "--all"), env, 300)
         for name in ("tiny", "pipeline", "pretrain", "sft", "rl"):

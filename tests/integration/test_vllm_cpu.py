@@ -27,8 +27,8 @@ from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.checkpoint import LM_HEAD_FILE, write_explicit_lm_head
-from rlpipe.training.ports import free_port
 
+from tests.ports import start_on_free_port
 from tests.prefect_server import stop_group, wait_healthy
 from tests.vllm_cpu_colocated import gap, recompute
 
@@ -61,20 +61,27 @@ def shared_positions(a: list[int], b: list[int]) -> int:
 @contextlib.contextmanager
 def vllm_server(checkpoint: Path, tmp_path: Path) -> Iterator[str]:
     """`vllm serve checkpoint` (dev mode, float32, rlpipe's log-prob convention); its base URL."""
-    port = free_port()
     log = tmp_path / "vllm.log"
-    server = subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
-         "--logprobs-mode", "processed_logprobs",
-         # a prefill split across steps rewinds a seeded request's generator, which vLLM 0.32's
-         # CPU build cannot ("CPU Generator does not use offset"): room for every prompt at once
-         "--max-num-batched-tokens", "32768", "--max-num-seqs", "512"],
-        env=vllm_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(port: int) -> subprocess.Popen:
+        server = subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+             "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+             "--logprobs-mode", "processed_logprobs",
+             # a prefill split across steps rewinds a seeded request's generator, which vLLM 0.32's
+             # CPU build cannot ("CPU Generator does not use offset"): room for every prompt at once
+             "--max-num-batched-tokens", "32768", "--max-num-seqs", "512"],
+            env=vllm_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", server, log, start_s=300, name="vllm server")
+        except BaseException:
+            stop_group(server)
+            raise
+        return server
+
+    port, server = start_on_free_port(start)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server, log, start_s=300, name="vllm server")
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop_group(server)
 

@@ -26,7 +26,8 @@ from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
-from rlpipe.training.ports import free_port
+
+from tests.ports import closed_port
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
@@ -142,10 +143,10 @@ def test_unavailable_then_ok_and_read_timeout_not_retried():
 
 
 def test_closed_loopback_port_fails_clearly():
-    port = free_port()  # nothing listens there
-    engine = HttpEngine(f"http://127.0.0.1:{port}", HttpOptions(retries=1, backoff_s=0.01, timeout_s=5))
-    with pytest.raises(EngineUnavailableError, match=f"127.0.0.1:{port}"):
-        engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    with closed_port() as port:  # held by this test, nothing listens there
+        engine = HttpEngine(f"http://127.0.0.1:{port}", HttpOptions(retries=1, backoff_s=0.01, timeout_s=5))
+        with pytest.raises(EngineUnavailableError, match=f"127.0.0.1:{port}"):
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
