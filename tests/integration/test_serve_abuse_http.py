@@ -1,7 +1,9 @@
 """A real `rlpipe serve` process against clients that never finish a request: headers sent a byte
 at a time or never completed are cut off after --header-timeout-s, a body never completed gets
 408 after --body-timeout-s, and the server answers others meanwhile. Also the command line's
-token checks: an empty token exits 2, a token file others can read is warned about.
+token checks (an empty token exits 2, a token file others can read is warned about, a request
+without the file's token gets 401) and its caps (--max-n, --max-tokens, --max-prompts,
+--max-body-bytes: one past each is refused naming the flag, a request within them answered).
 
 All traffic stays on 127.0.0.1; every wait is bounded; the server is killed in a finally."""
 
@@ -118,7 +120,7 @@ def test_half_sent_requests_are_cut_off(checkpoint):
         stop_processes([proc])
 
 
-def test_token_checks_of_the_command_line(checkpoint, tmp_path):
+def test_token_and_cap_flags_of_the_command_line(checkpoint, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RLPIPE_API_TOKEN"}
     command = [sys.executable, "-m", "rlpipe.flows.cli", "serve", str(checkpoint), "--port", "0", "--threads", "1"]
     empty = subprocess.run([*command, "--token", ""], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -131,13 +133,28 @@ def test_token_checks_of_the_command_line(checkpoint, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     token_file.chmod(0o644)
-    proc = subprocess.Popen([*command, "--token-file", str(token_file)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    caps = ["--max-n", "2", "--max-tokens", "3", "--max-prompts", "2", "--max-body-bytes", "1500"]
+    proc = subprocess.Popen([*command, "--token-file", str(token_file), *caps], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = serve_url(proc)
         wait_ready(url)
+        auth = {"Authorization": "Bearer s3cret"}
+        within = {"prompt": [[5, 6], [7]], "n": 2, "max_tokens": 3}
         assert httpx.get(f"{url}/health", timeout=5).status_code == 401
-        assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer s3cret"}, timeout=5).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=within, timeout=30).status_code == 401
+        assert httpx.post(f"{url}/v1/completions", json=within, headers={"Authorization": "Bearer wrong"},
+                          timeout=30).status_code == 401
+        assert httpx.get(f"{url}/health", headers=auth, timeout=5).status_code == 200
+        answer = httpx.post(f"{url}/v1/completions", json=within, headers=auth, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()["choices"]) == 4, answer.text
+        # each cap as set on the command line, one past it refused with its flag named
+        for body, status, words in (({**within, "n": 3}, 400, "max_n=2 (--max-n)"),
+                                    ({**within, "max_tokens": 4}, 400, "max_tokens=3 (--max-tokens)"),
+                                    ({**within, "prompt": [[5]] * 3}, 400, "max_prompts=2 (--max-prompts)"),
+                                    ({**within, "prompt": [[5] * 1000]}, 413, "max_body_bytes=1500 (--max-body-bytes)")):
+            refused = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=30)
+            assert refused.status_code == status and words in refused.json()["error"]["message"], refused.text
     finally:
         stop_processes([proc])
         warning = proc.stderr.read()
