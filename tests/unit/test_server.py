@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -279,60 +280,84 @@ def test_a_long_request_does_not_starve_a_small_one_or_a_weight_update(run_dir):
     assert small.json()["policy_version"] == 0 and after.json()["policy_version"] == 3
 
 
-@pytest.mark.serial  # a 0.3 s deadline against ~100 engine calls: never beside another test
+class GatedEngine:
+    """The app's engine calls counted by max_tokens, the first of the long request's (max_tokens
+    16) held until the test releases it: that request is in flight, not finished, for as long as
+    the test needs, however slow the machine."""
+
+    def __init__(self, app) -> None:
+        self.slot = app.state.rlpipe.slot
+        self.real = self.slot.generate
+        self.calls: list[int] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.slot.generate = self
+
+    def __call__(self, prompts, params, *rest):
+        self.calls.append(params.max_new_tokens)
+        if self.calls.count(16) == 1 and params.max_new_tokens == 16:
+            self.entered.set()
+            assert self.release.wait(120), "the test never released the held engine call"
+        return self.real(prompts, params, *rest)
+
+
 def test_a_request_past_its_deadline_gets_504_and_its_remaining_parts_are_dropped(run_dir):
     app = build_app(ckpt(run_dir, 0), batch_window_ms=0,
-                    limits=ServeLimits(chunk_sequences=2, request_timeout_s=0.3))
+                    limits=ServeLimits(chunk_sequences=2, request_timeout_s=1))
     stats = app.state.rlpipe.batcher.stats
+    engine = GatedEngine(app)
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=120) as c:
+            # 100 parts of 2 sequences; its first part held: the deadline passes mid-request
             slow = await c.post("/v1/completions", json={"prompt": [PROMPTS[0]] * 200, "max_tokens": 16})
-            calls = stats.engine_calls
-            await asyncio.sleep(0.5)  # nothing more is generated for it
+            held = engine.entered.is_set()
+            engine.release.set()
             quick = await c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1})
             await app.state.rlpipe.batcher.stop()
-            return slow, calls, quick
+            return slow, held, quick
 
-    slow, calls, quick = asyncio.run(main())
-    assert slow.status_code == 504 and "request_timeout_s=0.3 (--request-timeout-s)" in slow.json()["error"]["message"]
-    assert calls < 100  # far from its 100 parts
-    assert stats.engine_calls <= calls + 2 and quick.status_code == 200
+    slow, held, quick = asyncio.run(main())
+    assert held
+    assert slow.status_code == 504 and "request_timeout_s=1 (--request-timeout-s)" in slow.json()["error"]["message"]
+    assert quick.status_code == 200
+    assert engine.calls.count(16) == 1 and engine.calls.count(1) == 1  # none of its 99 other parts
     assert stats.dropped == 1
 
 
-@pytest.mark.serial  # a 0.3 s deadline against ~100 engine calls: never beside another test
 def test_a_client_that_goes_away_stops_its_request(run_dir):
     # a real uvicorn on a loopback port (in a thread): a client timing out closes its connection,
     # and the server stops generating for it instead of computing all 100 parts for nobody
     import socket
-    import threading
     import time
 
     import uvicorn
 
     app = build_app(ckpt(run_dir, 0), batch_window_ms=0, limits=ServeLimits(chunk_sequences=2))
     stats = app.state.rlpipe.batcher.stats
+    engine = GatedEngine(app)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+        # its first part held: the client's timeout passes mid-request, and it hangs up
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json={"prompt": [PROMPTS[0]] * 200, "max_tokens": 16}, timeout=0.5)
+            httpx.post(url, json={"prompt": [PROMPTS[0]] * 200, "max_tokens": 16}, timeout=1)
+        assert engine.entered.is_set()
+        engine.release.set()
         while stats.dropped < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert stats.dropped == 1
-        calls = stats.engine_calls
-        time.sleep(0.5)
-        assert stats.engine_calls <= calls + 1 and calls < 100
-        assert httpx.post(url, json={"prompt": PROMPTS[0], "max_tokens": 1}, timeout=30).status_code == 200
+        held = engine.calls.count(16)
+        assert httpx.post(url, json={"prompt": PROMPTS[0], "max_tokens": 1}, timeout=60).status_code == 200
+        # dropped: nothing more generated for it, far from its 100 parts
+        assert engine.calls.count(16) == held and held < 50, engine.calls
     finally:
         server.should_exit = True
         thread.join(timeout=30)
