@@ -38,7 +38,9 @@ def replay(capsys, *args: str) -> tuple[int, str]:
 def test_a_step_with_a_checkpoint_before_it_replays_bit_for_bit(rl_run, capsys):
     code, out = replay(capsys, str(rl_run), "--step", "3")
     assert code == 0, out
-    assert "trainer state from" in out and "step_000002" in out and "OK: step 3 matches bit for bit" in out
+    first = out.splitlines()[0]
+    assert first.endswith(f"trainer state from {rl_run / 'checkpoints' / 'step_000002'}"), first
+    assert "OK: step 3 matches bit for bit" in out
     assert out.count(" yes") == 4  # loss, grad_norm, lr, trainer_logprobs
 
 
