@@ -73,9 +73,12 @@ async def main():
     async with get_client() as client:
         flows = await client.read_flow_runs()
         tasks = await client.read_task_runs()
+        flow_names = {f.id: f.name for f in await client.read_flows()}
+        deployments = await client.read_deployments()
     print(json.dumps({"flows": [{"id": str(r.id), "name": r.name, "state": r.state_name,
                                  "subflow": r.parent_task_run_id is not None} for r in flows],
-                      "tasks": [str(t.flow_run_id) for t in tasks]}))
+                      "tasks": [str(t.flow_run_id) for t in tasks],
+                      "deployments": sorted(f"{flow_names[d.flow_id]}/{d.name}" for d in deployments)}))
 
 asyncio.run(main())
 """
@@ -112,9 +115,7 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
     worker = None
     try:
         run(prefect("work-pool", "create", "rlpipe", "--type", "process"), env, 120)
-        deployed = run(prefect("--no-prompt", "deploy", "--all"), env, 300)
-        for name in ("tiny", "pipeline", "pretrain", "sft", "rl"):
-            assert f"/{name}'" in deployed.stdout or f"/{name}" in deployed.stdout, deployed.stdout[-2000:]
+        run(prefect("--no-prompt", "deploy", "--all"), env, 300)
         worker = start(prefect("worker", "start", "--pool", "rlpipe"), env, tmp_path / "worker.log")
         # a loss with its own normaliser: the flow validates its parameters again (tests/integration/test_every_loss.py has every loss)
         overrides = [f"runs_root={runs}", "rl.loss=gspo"]
@@ -147,6 +148,8 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
             stop_group(worker)
         stop_group(server)
 
+    # prefect.yaml's deployments, each of its flow, as the server holds them
+    assert listed["deployments"] == ["pipeline/pipeline", "pipeline/tiny", "pretrain/pretrain", "rl/rl", "sft/sft"]
     # flow runs are named after their run folder; SFT and RL are subflows with task runs
     names = {r["name"]: r for r in listed["flows"]}
     assert run_dir.name in names and not names[run_dir.name]["subflow"], sorted(names)
