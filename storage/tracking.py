@@ -41,10 +41,16 @@ def default_tracking_uri(runs_root: str | os.PathLike) -> str:
 
 
 def default_artifact_root(runs_root: str | os.PathLike) -> str | None:
-    """`<runs_root>/mlartifacts` as a file URI, or None when $MLFLOW_TRACKING_URI picks the store."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return None
-    return (Path(runs_root).resolve() / "mlartifacts").as_uri()
+    """Where new experiments keep artifacts, as a file URI: `mlartifacts` beside the SQLite
+    database that holds the runs (`<runs_root>/mlflow.db`, or the file $MLFLOW_TRACKING_URI names),
+    never MLflow's default `./mlruns` of whatever folder a command ran in; None when
+    $MLFLOW_TRACKING_URI names a server or another store, which decides for itself."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return (Path(runs_root).resolve() / "mlartifacts").as_uri()
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
+    return None
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from _pytest.mark.expression import Expression
+from hypothesis import settings
 from rlpipe.core.environment import quiet_defaults
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the first Hugging Face import
@@ -31,6 +32,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 quiet_defaults()
 os.environ.setdefault("RLPIPE_PROGRESS", "0")
 torch.set_num_threads(1)
+# hypothesis keeps its example database in ./.hypothesis by default: the checkout stays as it was
+settings.register_profile("rlpipe", database=None)
+settings.load_profile("rlpipe")
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 

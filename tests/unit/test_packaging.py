@@ -4,6 +4,7 @@ subpackages are the repository's layer folders (pyproject's package-dir), so a u
 filter modules are found in the working directory however rlpipe was started."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -30,8 +31,12 @@ def test_every_layer_folder_is_installed_under_rlpipe():
 
 @pytest.mark.slow
 def test_the_wheel_holds_rlpipe_alone(tmp_path):
+    # built from a copy: setuptools writes build/ into the tree it builds
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".venv*", ".git", "build", "runs", "mlruns", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+                    "-w", str(tmp_path), str(source)], check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = tmp_path.glob("rlpipe-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"rlpipe", wheel.name.split("-py3")[0] + ".dist-info"}

@@ -30,6 +30,9 @@ def test_defaults_point_under_runs_root(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
     assert default_tracking_uri(tmp_path) == "http://tracking:5000"
     assert default_artifact_root(tmp_path) is None
+    # a SQLite store named by the environment keeps artifacts beside it, not in ./mlruns
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/elsewhere/mlflow.db")
+    assert default_artifact_root(tmp_path) == (tmp_path.resolve() / "elsewhere" / "mlartifacts").as_uri()
 
 
 def test_flatten_params():
