@@ -18,6 +18,7 @@ the virtual environments and tool caches aside).
 import os
 import re
 import subprocess
+import tempfile
 from itertools import combinations
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 import torch
 from _pytest.mark.expression import Expression
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 from rlpipe.core.environment import quiet_defaults
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the first Hugging Face import
@@ -32,7 +34,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 quiet_defaults()
 os.environ.setdefault("RLPIPE_PROGRESS", "0")
 torch.set_num_threads(1)
-# hypothesis keeps its example database in ./.hypothesis by default: the checkout stays as it was
+# hypothesis keeps its example database and caches in ./.hypothesis by default: the checkout
+# stays as it was
+set_hypothesis_home_dir(tempfile.mkdtemp(prefix="rlpipe-hypothesis-"))
 settings.register_profile("rlpipe", database=None)
 settings.load_profile("rlpipe")
 
