@@ -115,14 +115,17 @@ async def live_events(state: Any, prompts: list[list[int]], params: SamplingPara
     task = asyncio.ensure_future(state.batcher.submit(prompts, params, on_token))
     task.add_done_callback(lambda _: queue.put_nowait(("end",)))
     timeout = state.limits.request_timeout_s
+    deadline = loop.time() + timeout
     try:
-        try:
-            async with asyncio.timeout(timeout):
-                while (event := await queue.get())[0] != "end":
-                    yield event
-        except TimeoutError:
-            raise RequestError(f"request took longer than request_timeout_s={timeout:g} "
-                               "(--request-timeout-s)", 504) from None
+        while True:  # the deadline bounds each wait here, never a `yield`: a timeout scope held
+            try:     # across `yield` would cancel whatever the consumer awaits (the socket send)
+                event = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise RequestError(f"request took longer than request_timeout_s={timeout:g} "
+                                   "(--request-timeout-s)", 504) from None
+            if event[0] == "end":
+                break
+            yield event
         groups, served = task.result()
         yield ("done", groups, served)
     finally:

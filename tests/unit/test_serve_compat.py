@@ -432,6 +432,38 @@ def test_a_stream_past_its_deadline_ends_with_an_error_event(checkpoint):
                                         "code": 504}}
 
 
+def test_a_deadline_that_passes_while_the_consumer_waits_reaches_the_stream_as_its_error():
+    """The request deadline lands while the reader of the stream awaits something of its own
+    (the socket send of the last chunk): the stream still ends with the 504 error, and the
+    reader's own wait is not cancelled under it."""
+    from types import SimpleNamespace
+
+    from rlpipe.engines.base import SamplingParams
+    from rlpipe.engines.request_pipeline import RequestError, ServeLimits
+    from rlpipe.engines.streaming import live_events
+
+    class SlowBatcher:
+        async def submit(self, prompts, params, on_token):
+            for k in range(1000):
+                on_token(0, 0, k, 0.0)
+                await asyncio.sleep(0.01)
+
+    state = SimpleNamespace(batcher=SlowBatcher(), limits=ServeLimits(request_timeout_s=0.2))
+
+    async def main():
+        seen, outcome = 0, None
+        try:
+            async for _event in live_events(state, [[1]], SamplingParams(max_new_tokens=5)):
+                seen += 1
+                await asyncio.sleep(0.15)  # the reader's own wait, across the deadline
+        except RequestError as err:
+            outcome = err
+        return seen, outcome
+
+    seen, outcome = asyncio.run(main())
+    assert seen >= 1 and isinstance(outcome, RequestError) and outcome.status == 504
+
+
 def test_incremental_decoding_adds_up_to_the_whole_text():
     """A byte-level BPE (Qwen3's kind) and the character tokenizer: random completions with
     special tokens and characters split across tokens stream deltas that add up to the whole
