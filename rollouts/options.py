@@ -1,6 +1,7 @@
 """The options of the rollout components, built from the `[rl]` section in one place.
 
-Each component reads only its own frozen options: the group buffer (`BufferOptions`), the
+Each component reads only its own frozen options: the group buffer (`BufferOptions`, with its
+batch maker's `BatchMakerOptions`), the
 advantage estimator (`AdvantageOptions`), the completions left out before grouping
 (`DropOptions`); the rollout source holds them together with the few fields it reads itself.
 The defaults and the meaning of every field are the `[rl]` section's.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from rlpipe.rollouts.fates import DropOptions
 from rlpipe.training.advantages import AdvantageOptions
+from rlpipe.training.batch_makers import BatchMakerOptions
 from rlpipe.training.config import RLConfig
 from rlpipe.training.oversampling import BufferOptions
 
@@ -32,14 +34,18 @@ class RolloutOptions:
     advantages: AdvantageOptions
 
 
-def rollout_options(rl: RLConfig) -> RolloutOptions:
-    """The rollout components' options from the `[rl]` config section."""
+def rollout_options(rl: RLConfig, *, seed: int = 0) -> RolloutOptions:
+    """The rollout components' options from the `[rl]` config section; `seed` (the run's) seeds
+    the batch maker."""
+    maker = BatchMakerOptions(retention=rl.buffer.retention, max_age=rl.buffer.max_age, sampling=rl.buffer.sampling,
+                              reservoir_size=rl.buffer.reservoir_size, seed=seed,
+                              staleness_limit=max(rl.max_staleness, rl.max_off_policy_steps), spec=rl.batch_maker)
     return RolloutOptions(
         steps=rl.steps, ppo_epochs=rl.ppo_epochs, max_off_policy_steps=rl.max_off_policy_steps,
         buffer=BufferOptions(prompts_per_step=rl.prompts_per_step, oversample_factor=rl.oversample_factor,
                              max_attempts=rl.max_attempts, partial_batches=rl.partial_batches,
                              max_staleness=rl.max_staleness, max_off_policy_steps=rl.max_off_policy_steps,
-                             drop_zero_variance=rl.drop_zero_variance),
+                             drop_zero_variance=rl.drop_zero_variance, maker=maker),
         drops=DropOptions(drop_truncated=rl.drop_truncated, max_new_tokens=rl.sampling.max_new_tokens,
                           sample_filter=rl.sample_filter),
         advantages=AdvantageOptions(estimator=rl.estimator, normalize_std=rl.normalize_std,

@@ -94,7 +94,7 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) ->
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
-    options = rollout_options(rl)
+    options = rollout_options(rl, seed=config.seed)
     buffer = GroupBuffer(options.buffer)
     if start.resume is not None:
         prompts.load_state_dict(built.data_state["prompts"])

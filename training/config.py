@@ -210,6 +210,27 @@ class SamplingConfig(Section):
     needs a tokenizer with `<think>` and `</think>` tokens."""
 
 
+class BufferConfig(Section):
+    """`[rl.buffer]`: what the built-in batch maker keeps of the valid groups and how it takes a
+    step's batch from them (training/batch_makers.py `GrpoBatchMaker`)."""
+
+    retention: Literal["latest", "all", "max_age"] = "latest"
+    """Which valid groups wait for a later step: "latest" keeps only the newest policy version of
+    each example (an older group is dropped as stale when a newer one arrives), "all" keeps every
+    version; both drop groups more than max(rl.max_staleness, rl.max_off_policy_steps) versions
+    old. "max_age" keeps every version up to `max_age` versions old instead."""
+    max_age: int = Field(1, ge=0)
+    """retention = "max_age": most policy versions a held group may lag the version being
+    trained (in place of rl.max_staleness)."""
+    sampling: Literal["oldest", "reservoir"] = "oldest"
+    """How a batch is taken from the held groups: "oldest" first, or "reservoir": at most
+    `reservoir_size` valid groups are held (a new one evicts a held one at random) and each batch
+    is drawn from them at random, seeded by the run's `seed`; the generator's state is in the
+    checkpoint, so a resumed run draws the same batches."""
+    reservoir_size: int = Field(64, ge=1)
+    """sampling = "reservoir": most valid groups held; at least rl.prompts_per_step."""
+
+
 class RLConfig(Section):
     """`[rl]`: the RL phase: batches, groups, advantages, the policy loss and off-policy bounds."""
 
@@ -228,6 +249,12 @@ class RLConfig(Section):
     train on the valid groups found instead of failing the step."""
     max_staleness: int = Field(1, ge=0)
     """Carried-over groups older than this many policy versions are dropped."""
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    """The built-in batch maker's retention and sampling ([rl.buffer])."""
+    batch_maker: str = ""
+    """A user's batch maker "module:Class" in place of the built-in one ("" = built-in): the
+    class is constructed with the buffer's options and answers add / create_batch / metadata /
+    state_dict / load_state_dict (docs/DESIGN.md, "Write a batch maker")."""
     max_off_policy_steps: int = Field(0, ge=0)
     """Async RL: rollouts of the next k steps are generated while the current step trains
     (0 = synchronous, on-policy). A trained sample lags the updated weights by at most
@@ -317,4 +344,10 @@ class RLConfig(Section):
         if self.max_off_policy_steps > 0 and self.ppo_epochs > 1:
             raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
                              "count steps, which the staleness bound is stated in)")
+        if self.buffer.sampling == "reservoir" and self.buffer.reservoir_size < self.prompts_per_step:
+            raise ValueError(f"rl.buffer.reservoir_size ({self.buffer.reservoir_size}) is smaller than "
+                             f"rl.prompts_per_step ({self.prompts_per_step}): the reservoir could never fill a batch")
+        module, _, cls = self.batch_maker.partition(":")
+        if self.batch_maker and not (module and cls):
+            raise ValueError(f"rl.batch_maker must be 'module:Class', got {self.batch_maker!r}")
         return self

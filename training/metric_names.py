@@ -43,3 +43,8 @@ def seconds(phase: str) -> str:
 def train(name: str) -> str:
     """train/<name>: a metric of the optimizer step (loss, grad_norm, lr, ratio_mean, ...)."""
     return f"train/{name}"
+
+
+def batch(name: str) -> str:
+    """rollout/batch_<name>: what the batch maker reports of the step's batch (training/batch_makers.py)."""
+    return f"rollout/batch_{name}"

@@ -1,12 +1,14 @@
 """The over-sampling group buffer: fills each step's batch with groups that carry signal.
 
 Over-sampling: a sampling round asks for `oversample_factor ×` the groups still needed (scaled up
-by the share of sampled groups that turned out valid), and the buffer drops zero-variance groups,
-keeps the valid ones, gives `prompts_per_step` of them to the step and carries the surplus to the
-next step. Carried groups more than `staleness_limit` policy versions behind the step being trained
-are dropped as stale, and only the latest policy version of each example is kept. After
-`max_attempts` rounds without a full batch, `fill` raises `BatchFillError` (or, with
-`partial_batches`, returns what it found). Its state is plain JSON (checkpoint data_state.json).
+by the share of sampled groups that turned out valid), and the buffer drops zero-variance groups
+and hands the valid ones to its batch maker (training/batch_makers.py), which keeps them under
+its retention, makes the step's batch of `prompts_per_step` groups and carries the surplus to the
+next step. The built-in maker's defaults: carried groups more than `staleness_limit` policy
+versions behind the step being trained are dropped as stale, only the latest policy version of
+each example is kept, batches are taken oldest first. After `max_attempts` rounds without a full
+batch, `fill` raises `BatchFillError` (or, with `partial_batches`, returns what it found). Its
+state, the maker's included, is plain JSON (checkpoint data_state.json).
 
     buffer = GroupBuffer(options)                   # BufferOptions (rollouts/options.py builds them)
     decisions = buffer.fill(version, sample_round)  # sample_round(attempt, n_prompts) -> groups
@@ -23,7 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpipe.training import metric_names as m
-from rlpipe.training.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
+from rlpipe.training.advantages import ZERO_VARIANCE_EPS, Group
+from rlpipe.training.batch_makers import (
+    BatchMaker,
+    BatchMakerOptions,
+    GroupDecision,
+    build_batch_maker,
+    valid,
+)
+
+__all__ = ["BatchFillError", "BufferOptions", "GroupBuffer", "GroupDecision", "staleness_limit"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,8 @@ class BufferOptions:
     max_staleness: int
     max_off_policy_steps: int
     drop_zero_variance: bool
+    maker: BatchMakerOptions = BatchMakerOptions()
+    """The batch maker's options (`[rl.buffer]`, rl.batch_maker, the seed)."""
 
 
 class BatchFillError(RuntimeError):
@@ -58,49 +71,56 @@ _COUNTERS = ("sampled_groups", "zero_var_groups", "valid_groups", "stale_dropped
 
 
 @dataclass
-class GroupDecision:
-    """What the buffer did with one group: status is 'valid', 'zero_variance' or 'stale'
-    (dropped for age; `kept` in the groups table says whether a valid group was trained), and
-    `reason`, the human text of a drop (the `fates` view, rollouts/fates.py)."""
-
-    group: Group
-    stats: GroupStats
-    status: str
-    reason: str = ""
-
-
-@dataclass
 class GroupBuffer:
-    """Valid groups waiting to be trained on, with the counters of the batch being filled."""
+    """Valid groups waiting to be trained on, held by the batch maker, with the counters of the
+    batch being filled. The buffer keeps its own list of the groups the maker holds (`pending`:
+    those it kept and has not yet dropped or put in a batch) for the fates of carried groups."""
 
     options: BufferOptions
-    pending: list[Group] = field(default_factory=list)
+    maker: BatchMaker = field(default=None)  # type: ignore[assignment]  # built from options.maker
+    held: dict[str, Group] = field(default_factory=dict)
     policy_version: int = 0
     attempts: int = 0
+    batch: list[Group] | None = None
     batch_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
     total_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+
+    def __post_init__(self) -> None:
+        if self.maker is None:
+            self.maker = build_batch_maker(self.options.maker)
+
+    @property
+    def pending(self) -> list[Group]:
+        """The valid groups waiting in the batch maker (carried to a later step)."""
+        return list(self.held.values())
 
     def _count(self, name: str, n: int = 1) -> None:
         self.batch_counts[name] += n
         self.total_counts[name] += n
 
+    def _record(self, decisions: Sequence[GroupDecision]) -> list[GroupDecision]:
+        """Follow the maker's decisions: a kept group is held, a dropped one ('stale') no longer."""
+        for d in decisions:
+            if d.status == "valid":
+                self.held[d.group.group_id] = d.group
+            else:
+                self.held.pop(d.group.group_id, None)
+                self._count("stale_dropped")
+        return list(decisions)
+
     def start_batch(self, policy_version: int) -> list[GroupDecision]:
-        """Begin filling the batch that trains `policy_version`: evict stale carried groups
-        (returned as decisions), reset counters."""
+        """Begin filling the batch that trains `policy_version`: reset counters, let the maker
+        evict held groups for age (returned as decisions)."""
         self.policy_version = policy_version
         self.attempts = 0
+        self.batch = None
         self.batch_counts = dict.fromkeys(_COUNTERS, 0)
-        limit = staleness_limit(self.options)
-        stale = [g for g in self.pending if policy_version - g.policy_version > limit]
-        self._count("stale_dropped", len(stale))
-        self.pending = [g for g in self.pending if policy_version - g.policy_version <= limit]
-        return [GroupDecision(g, g.stats(ZERO_VARIANCE_EPS), "stale",
-                              f"policy version {g.policy_version} lags training version {policy_version} by "
-                              f"more than the staleness limit {limit}") for g in stale]
+        evict = getattr(self.maker, "start_batch", None)
+        return self._record(evict(policy_version) if evict is not None else [])
 
     def need(self) -> int:
         """Valid groups still missing for a full batch."""
-        return max(0, self.options.prompts_per_step - len(self.pending))
+        return max(0, self.options.prompts_per_step - len(self.batch or []) - len(self.held))
 
     def prompts_to_sample(self, max_boost: float = 8.0) -> int:
         """Prompts for the next round: ceil(need × oversample_factor), scaled up by the share of
@@ -119,56 +139,70 @@ class GroupBuffer:
             c = self.batch_counts
             raise BatchFillError(
                 f"could not fill {self.options.prompts_per_step} groups with non-zero reward variance "
-                f"after {self.attempts} attempts ({len(self.pending)} valid; of {c['sampled_groups']} "
-                f"groups sampled, {c['zero_var_groups']} had zero variance): raise rl.max_attempts or "
-                "rl.oversample_factor, set rl.partial_batches, or make the task easier/harder so "
-                "rewards differ within a group"
+                f"after {self.attempts} attempts ({len(self.held) + len(self.batch or [])} valid; of "
+                f"{c['sampled_groups']} groups sampled, {c['zero_var_groups']} had zero variance): raise "
+                "rl.max_attempts or rl.oversample_factor, set rl.partial_batches, or make the task easier/harder "
+                "so rewards differ within a group"
             )
         self.attempts += 1
         return self.attempts
 
     def add(self, groups: Iterable[Group]) -> list[GroupDecision]:
-        """Filter scored groups into the buffer; returns what happened to each (for `groups`)."""
-        decisions = []
+        """Filter scored groups: zero-variance ones are dropped here, the valid ones go to the batch
+        maker; returns what happened to each (for `groups`)."""
+        decisions: list[GroupDecision] = []
+        kept: list[Group] = []
+
+        def flush() -> None:  # hand the valid groups met so far to the maker, in order
+            if kept:
+                answer = self.maker.add(list(kept))
+                decisions.extend(self._record([valid(g) for g in kept] if answer is None else answer))
+                kept.clear()
+
         for g in groups:
             stats = g.stats(ZERO_VARIANCE_EPS)
             self._count("sampled_groups")
             if stats.zero_variance and self.options.drop_zero_variance:
+                flush()
                 self._count("zero_var_groups")
                 decisions.append(GroupDecision(g, stats, "zero_variance", f"group reward std {stats.std:.3g} <= "
                                                f"eps {ZERO_VARIANCE_EPS:g} (all {stats.n} rewards equal)"))
             else:
                 self._count("valid_groups")
-                decisions += self._insert(g, stats)
+                kept.append(g)
+        flush()
         return decisions
 
-    def _insert(self, group: Group, stats: GroupStats) -> list[GroupDecision]:
-        """Keep only the latest policy version of each example: `group` is 'valid', or 'stale'
-        when a newer one waits; older waiting groups it replaces are evicted as 'stale'."""
-        same = [p for p in self.pending if (p.env, p.example_id) == (group.env, group.example_id)]
-        newer = [p for p in same if p.policy_version > group.policy_version]
-        if newer:
-            self._count("stale_dropped")
-            return [GroupDecision(group, stats, "stale", f"group {newer[0].group_id} of the same example from "
-                                  f"newer policy version {newer[0].policy_version} is waiting")]
-        older = [p for p in same if p.policy_version < group.policy_version]
-        if older:
-            self._count("stale_dropped", len(older))
-            self.pending = [p for p in self.pending if all(p is not o for o in older)]
-        self.pending.append(group)
-        return [GroupDecision(p, p.stats(ZERO_VARIANCE_EPS), "stale", f"replaced by group {group.group_id} of the "
-                              f"same example from newer policy version {group.policy_version}") for p in older
-                ] + [GroupDecision(group, stats, "valid")]
+    def _collect(self, size: int) -> bool:
+        """Ask the maker for `size` more groups of the batch; whether it made them."""
+        got = self.maker.create_batch(size) if size > 0 else []
+        if got is None:
+            return False
+        self.batch = (self.batch or []) + list(got)
+        for g in got:
+            self.held.pop(g.group_id, None)
+        return True
+
+    def _missing(self) -> int:
+        return self.options.prompts_per_step - len(self.batch or [])
+
+    def _collect_partial(self) -> None:
+        """The largest batch the maker can make from what it holds (rl.partial_batches)."""
+        for size in range(min(self._missing(), len(self.held)), 0, -1):
+            if self._collect(size):
+                return
 
     def fill(self, policy_version: int, sample_round: Callable[[int, int], Sequence[Group]]
              ) -> list[GroupDecision]:
-        """Run sampling rounds until the batch is full: `sample_round(attempt, n_prompts)` returns
-        a round's scored groups. Carried groups count first. With `partial_batches`, stops after
-        max_attempts rounds instead of raising BatchFillError."""
+        """Run sampling rounds until the maker makes a full batch: `sample_round(attempt,
+        n_prompts)` returns a round's scored groups. Carried groups count first. With
+        `partial_batches`, stops after max_attempts rounds instead of raising BatchFillError."""
         decisions = self.start_batch(policy_version)
-        while self.need() > 0:
+        self.batch = []
+        while not self._collect(self._missing()):
             if self.options.partial_batches and self.attempts >= self.options.max_attempts:
-                break  # train on what the rounds found
+                self._collect_partial()  # train on what the rounds found
+                break
             try:
                 attempt = self.begin_attempt()
             except BatchFillError as error:
@@ -178,10 +212,12 @@ class GroupBuffer:
         return decisions
 
     def take(self) -> tuple[list[Group], dict[str, float]]:
-        """The batch's groups (oldest first, up to prompts_per_step) and its metrics; the surplus
-        stays for the next step."""
-        n = self.options.prompts_per_step
-        batch, self.pending = self.pending[:n], self.pending[n:]
+        """The batch's groups (as the maker made it, up to prompts_per_step: full when `fill` ran
+        without partial batches) and its metrics; the surplus stays for the next step."""
+        if self.batch is None or len(self.batch) < self.options.prompts_per_step:
+            if not self._collect(self._missing()):
+                self._collect_partial()
+        batch, self.batch = self.batch or [], None
         c = self.batch_counts
         metrics = {
             m.ZERO_VAR_GROUPS: float(c["zero_var_groups"]),
@@ -190,15 +226,17 @@ class GroupBuffer:
             m.STALE_DROPPED: float(c["stale_dropped"]),
             m.ZERO_VAR_FRACTION: c["zero_var_groups"] / c["sampled_groups"] if c["sampled_groups"] else 0.0,
             m.ATTEMPTS: float(self.attempts),
-            m.CARRIED_GROUPS: float(len(self.pending)),
+            m.CARRIED_GROUPS: float(len(self.held)),
             m.BATCH_GROUPS: float(len(batch)),
         }
+        metrics |= {m.batch(name): float(value) for name, value in self.maker.metadata(batch).items()}
         return batch, metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain JSON: pending groups, policy version, counters (the config excluded)."""
+        """Plain JSON: pending groups, the maker's state, policy version, counters (the config excluded)."""
         return {
-            "pending": [g.to_dict() for g in self.pending],
+            "pending": [g.to_dict() for g in self.held.values()],
+            "maker": self.maker.state_dict(),
             "policy_version": self.policy_version,
             "attempts": self.attempts,
             "batch_counts": dict(self.batch_counts),
@@ -206,8 +244,13 @@ class GroupBuffer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.pending = [Group.from_dict(d) for d in state["pending"]]
+        """Restore `state_dict` (a state without the maker's, written before batch makers, held
+        its pending groups oldest first, which is the built-in maker's state)."""
+        pending = [Group.from_dict(d) for d in state["pending"]]
+        self.held = {g.group_id: g for g in pending}
+        self.maker.load_state_dict(state.get("maker", {"groups": state["pending"]}))
         self.policy_version = int(state["policy_version"])
         self.attempts = int(state["attempts"])
+        self.batch = None
         self.batch_counts = {k: int(state["batch_counts"].get(k, 0)) for k in _COUNTERS}
         self.total_counts = {k: int(state["total_counts"].get(k, 0)) for k in _COUNTERS}
