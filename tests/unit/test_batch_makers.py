@@ -1,0 +1,204 @@
+"""Batch makers: the built-in's retention and sampling, the reservoir's seeded draws and their
+exact resumption, a user's batch maker loaded from "module:Class", and the config's checks."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from rlpipe.core.config import ConfigError
+from rlpipe.rollouts.options import rollout_options
+from rlpipe.training.advantages import Group
+from rlpipe.training.batch_makers import BatchMakerOptions, GrpoBatchMaker, batch_maker_class
+from rlpipe.training.config import RLConfig
+from rlpipe.training.oversampling import GroupBuffer
+
+
+def group(gid: str, example: str, version: int, rewards=(0.0, 1.0)) -> Group:
+    return Group(gid, "e", example, version, [f"{gid}:{j}" for j in range(len(rewards))], list(rewards))
+
+
+def buffer_for(seed: int = 0, **rl) -> GroupBuffer:
+    return GroupBuffer(rollout_options(RLConfig(**rl), seed=seed).buffer)
+
+
+def rounds(seed: int):
+    """A deterministic stream of sampling rounds: every other group zero-variance, ids unique."""
+    counter = iter(range(10_000))
+
+    def sample_round(attempt: int, n: int) -> list[Group]:
+        out = []
+        for _ in range(n):
+            i = next(counter)
+            out.append(group(f"g{i}", f"x{i}", 0, (1.0, 1.0) if i % 2 else (0.0, 1.0)))
+        return out
+    return sample_round
+
+
+def run_steps(buffer: GroupBuffer, sample_round, steps: range) -> list[list[str]]:
+    """The group ids of each step's batch, filling from `sample_round` (policy version = step - 1)."""
+    out = []
+    for step in steps:
+        buffer.fill(step - 1, sample_round)
+        batch, _ = buffer.take()
+        out.append([g.group_id for g in batch])
+    return out
+
+
+RESERVOIR = {"prompts_per_step": 3, "oversample_factor": 3.0, "max_staleness": 10,
+             "buffer": {"sampling": "reservoir", "reservoir_size": 5}}
+
+
+def test_retention_latest_replaces_all_keeps_every_version():
+    latest = GrpoBatchMaker(BatchMakerOptions(retention="latest", staleness_limit=5))
+    every = GrpoBatchMaker(BatchMakerOptions(retention="all", staleness_limit=5))
+    old, new = group("a0", "a", 0), group("a1", "a", 1)
+    for maker in (latest, every):
+        maker.add([old])
+    decisions = latest.add([new])
+    assert [(d.group.group_id, d.status) for d in decisions] == [("a0", "stale"), ("a1", "valid")]
+    assert "replaced by group a1" in decisions[0].reason
+    assert [d.status for d in every.add([new])] == ["valid"]
+    assert [g.group_id for g in latest.groups] == ["a1"]
+    assert [g.group_id for g in every.groups] == ["a0", "a1"]
+
+
+def test_retention_max_age_bounds_age_by_its_own_field():
+    maker = GrpoBatchMaker(BatchMakerOptions(retention="max_age", max_age=2, staleness_limit=0))
+    maker.add([group("a0", "a", 0), group("a1", "a", 1), group("b2", "b", 2)])
+    assert maker.start_batch(2) == []  # ages 2, 1, 0: all within max_age (the staleness limit 0 is not used)
+    evicted = maker.start_batch(3)
+    assert [d.group.group_id for d in evicted] == ["a0"] and evicted[0].status == "stale"
+    assert "rl.buffer.max_age 2" in evicted[0].reason
+    assert [g.group_id for g in maker.groups] == ["a1", "b2"]
+
+
+def test_the_buffer_records_what_the_maker_drops_as_stale_decisions():
+    buffer = buffer_for(prompts_per_step=2, max_staleness=5, buffer={"retention": "all"})
+    buffer.start_batch(0)
+    buffer.add([group("a0", "a", 0), group("a1", "a", 1)])
+    assert [g.group_id for g in buffer.pending] == ["a0", "a1"]  # "all": both versions wait
+    batch, metrics = buffer.take()
+    assert [g.group_id for g in batch] == ["a0", "a1"] and buffer.pending == []
+    assert metrics["rollout/batch_oldest_version"] == 0 and metrics["rollout/batch_newest_version"] == 1
+
+
+def test_reservoir_draws_are_seeded_random_and_bounded():
+    a = run_steps(buffer_for(seed=7, **RESERVOIR), rounds(0), range(1, 7))
+    b = run_steps(buffer_for(seed=7, **RESERVOIR), rounds(0), range(1, 7))
+    c = run_steps(buffer_for(seed=8, **RESERVOIR), rounds(0), range(1, 7))
+    oldest = run_steps(buffer_for(seed=7, **{**RESERVOIR, "buffer": {}}), rounds(0), range(1, 7))
+    assert a == b  # same seed, same batches
+    assert a != c  # another seed draws others
+    assert a != oldest  # not oldest first
+    assert all(len(batch) == 3 for batch in a)
+    buffer = buffer_for(seed=7, **RESERVOIR)
+    buffer.start_batch(0)
+    decisions = buffer.add([group(f"g{i}", f"x{i}", 0) for i in range(8)])  # 8 valid into a reservoir of 5
+    assert len(buffer.pending) == 5 == len(buffer.maker.groups)
+    evicted = [d for d in decisions if d.status == "stale"]
+    assert len(evicted) == 3 and all("reservoir_size=5" in d.reason for d in evicted)
+    assert {d.group.group_id for d in evicted}.isdisjoint(g.group_id for g in buffer.pending)
+
+
+@pytest.mark.parametrize("buffer", [RESERVOIR["buffer"], {}, {"retention": "all"}], ids=["reservoir", "oldest", "all"])
+def test_a_restored_buffer_makes_the_identical_next_batches(buffer):
+    rl = {**RESERVOIR, "buffer": buffer}
+    straight = buffer_for(seed=3, **rl)
+    sample_round = rounds(0)
+    run_steps(straight, sample_round, range(1, 4))
+    state = json.loads(json.dumps(straight.state_dict()))  # what data_state.json holds
+    assert state["pending"], "the check needs groups carried across the cut"
+    after = run_steps(straight, sample_round, range(4, 8))
+
+    restored = buffer_for(seed=3, **rl)
+    restored.load_state_dict(state)
+    replayed = rounds(0)
+    run_steps(buffer_for(seed=3, **rl), replayed, range(1, 4))  # the rounds' stream at the cut
+    assert run_steps(restored, replayed, range(4, 8)) == after
+
+
+def test_a_state_written_before_batch_makers_loads_its_pending_groups():
+    old = {"pending": [group("a0", "a", 0).to_dict(), group("b0", "b", 0).to_dict()], "policy_version": 0,
+           "attempts": 1, "batch_counts": {}, "total_counts": {"sampled_groups": 4}}
+    buffer = buffer_for(prompts_per_step=2)
+    buffer.load_state_dict(old)
+    assert [g.group_id for g in buffer.take()[0]] == ["a0", "b0"]
+
+
+USER_MAKER = '''
+from rlpipe.training.advantages import Group
+
+
+class NewestFirst:
+    """Trains the newest valid groups first; keeps the others."""
+
+    def __init__(self, options):
+        self.groups = []
+
+    def add(self, groups):
+        self.groups += groups
+
+    def create_batch(self, size):
+        if len(self.groups) < size:
+            return None
+        self.groups.sort(key=lambda g: g.policy_version)
+        batch, self.groups = self.groups[-size:], self.groups[:-size]
+        return batch
+
+    def metadata(self, batch):
+        return {"newest_version": max(g.policy_version for g in batch)}
+
+    def state_dict(self):
+        return {"groups": [g.to_dict() for g in self.groups]}
+
+    def load_state_dict(self, state):
+        self.groups = [Group.from_dict(d) for d in state["groups"]]
+'''
+
+
+def test_a_user_batch_maker_from_module_colon_class(tmp_path, monkeypatch):
+    (tmp_path / "my_makers.py").write_text(textwrap.dedent(USER_MAKER))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    buffer = buffer_for(prompts_per_step=2, max_staleness=5, batch_maker="my_makers:NewestFirst")
+    assert type(buffer.maker).__name__ == "NewestFirst"
+    buffer.start_batch(2)
+    decisions = buffer.add([group("a0", "a", 0), group("z", "z", 0, (1.0, 1.0)), group("b2", "b", 2),
+                            group("c1", "c", 1)])
+    assert [d.status for d in decisions] == ["valid", "zero_variance", "valid", "valid"]
+    batch, metrics = buffer.take()
+    assert [g.group_id for g in batch] == ["c1", "b2"]  # the user's order, not oldest first
+    assert metrics["rollout/batch_newest_version"] == 2 and metrics["rollout/carried_groups"] == 1
+    restored = buffer_for(prompts_per_step=1, max_staleness=5, batch_maker="my_makers:NewestFirst")
+    restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
+    assert [g.group_id for g in restored.pending] == ["a0"] and restored.take()[0][0].group_id == "a0"
+
+
+def test_bad_batch_maker_specs_are_one_line_naming_the_key(tmp_path, monkeypatch):
+    from rlpipe.tasks.config import validate_config
+    from rlpipe.tasks.preflight import _check_user_code
+
+    with pytest.raises(ValueError, match="rl.batch_maker must be 'module:Class', got 'nocolon'"):
+        RLConfig(batch_maker="nocolon")
+    (tmp_path / "half_maker.py").write_text("class Half:\n    def add(self, groups): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"rl.batch_maker 'half_maker:Half' must name a class .*missing: "
+                                         r"create_batch, metadata, state_dict, load_state_dict"):
+        batch_maker_class("half_maker:Half")
+    for spec, why in [("no_such_module_xyz:C", "cannot import module"), ("half_maker:Nope", "has no attribute")]:
+        config = validate_config({"flow": "rl", "rl": {"batch_maker": spec}})
+        with pytest.raises(ConfigError) as error:
+            _check_user_code(config)
+        message = str(error.value)
+        assert message.startswith("rl.batch_maker") and why in message and "\n" not in message
+
+
+def test_rl_buffer_section_is_checked():
+    assert RLConfig().buffer.retention == "latest" and RLConfig().buffer.sampling == "oldest"
+    with pytest.raises(ValueError, match=r"rl.buffer.reservoir_size \(2\) is smaller than rl.prompts_per_step \(4\)"):
+        RLConfig(prompts_per_step=4, buffer={"sampling": "reservoir", "reservoir_size": 2})
+    with pytest.raises(ValueError, match="retention"):
+        RLConfig(buffer={"retention": "newest"})
+    with pytest.raises(ValueError, match="oversample_factor"):
+        RLConfig(buffer={"oversample_factor": 2})  # the [rl] fields stay in [rl]
