@@ -31,6 +31,7 @@ from rlpipe.training.batch_makers import (
     BatchMakerOptions,
     GroupDecision,
     build_batch_maker,
+    stale,
     valid,
 )
 
@@ -173,24 +174,38 @@ class GroupBuffer:
         flush()
         return decisions
 
-    def _collect(self, size: int) -> bool:
-        """Ask the maker for `size` more groups of the batch; whether it made them."""
+    def _bound(self) -> int:
+        """Most policy versions a trained group may lag: the maker's age bound, or the async bound
+        when that is larger (the built-in maker keeps to it; a user's maker is held to it here)."""
+        return max(self.options.maker.age_limit, self.options.max_off_policy_steps)
+
+    def _collect(self, size: int) -> list[GroupDecision] | None:
+        """Ask the maker for `size` more groups of the batch: None when it cannot make them, else
+        the decisions of those it gave that lag more than the bound (dropped as stale)."""
         got = self.maker.create_batch(size) if size > 0 else []
         if got is None:
-            return False
-        self.batch = (self.batch or []) + list(got)
+            return None
+        limit, late = self._bound(), []
         for g in got:
             self.held.pop(g.group_id, None)
-        return True
+            if self.policy_version - g.policy_version > limit:
+                self._count("stale_dropped")
+                late.append(stale(g, f"policy version {g.policy_version} lags training version "
+                                     f"{self.policy_version} by more than the staleness limit {limit}"))
+            else:
+                self.batch = (self.batch or []) + [g]
+        return late
 
     def _missing(self) -> int:
         return self.options.prompts_per_step - len(self.batch or [])
 
-    def _collect_partial(self) -> None:
+    def _collect_partial(self) -> list[GroupDecision]:
         """The largest batch the maker can make from what it holds (rl.partial_batches)."""
         for size in range(min(self._missing(), len(self.held)), 0, -1):
-            if self._collect(size):
-                return
+            late = self._collect(size)
+            if late is not None:
+                return late
+        return []
 
     def fill(self, policy_version: int, sample_round: Callable[[int, int], Sequence[Group]]
              ) -> list[GroupDecision]:
@@ -199,9 +214,13 @@ class GroupBuffer:
         `partial_batches`, stops after max_attempts rounds instead of raising BatchFillError."""
         decisions = self.start_batch(policy_version)
         self.batch = []
-        while not self._collect(self._missing()):
+        while self._missing() > 0:
+            late = self._collect(self._missing())
+            if late is not None:  # made (less any groups too old for the bound: then ask again)
+                decisions += late
+                continue
             if self.options.partial_batches and self.attempts >= self.options.max_attempts:
-                self._collect_partial()  # train on what the rounds found
+                decisions += self._collect_partial()  # train on what the rounds found
                 break
             try:
                 attempt = self.begin_attempt()
@@ -214,9 +233,8 @@ class GroupBuffer:
     def take(self) -> tuple[list[Group], dict[str, float]]:
         """The batch's groups (as the maker made it, up to prompts_per_step: full when `fill` ran
         without partial batches) and its metrics; the surplus stays for the next step."""
-        if self.batch is None or len(self.batch) < self.options.prompts_per_step:
-            if not self._collect(self._missing()):
-                self._collect_partial()
+        if self._missing() > 0 and self._collect(self._missing()) is None:
+            self._collect_partial()
         batch, self.batch = self.batch or [], None
         c = self.batch_counts
         metrics = {

@@ -202,3 +202,18 @@ def test_rl_buffer_section_is_checked():
         RLConfig(buffer={"retention": "newest"})
     with pytest.raises(ValueError, match="oversample_factor"):
         RLConfig(buffer={"oversample_factor": 2})  # the [rl] fields stay in [rl]
+
+
+def test_a_user_makers_groups_older_than_the_bound_are_dropped_as_stale(tmp_path, monkeypatch):
+    (tmp_path / "keep_all.py").write_text(textwrap.dedent(USER_MAKER))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    buffer = buffer_for(prompts_per_step=2, max_staleness=1, batch_maker="keep_all:NewestFirst")
+    buffer.start_batch(0)
+    buffer.add([group("old", "o", 0)])
+    fresh = iter(range(100))
+    decisions = buffer.fill(5, lambda attempt, n: [group(f"f{next(fresh)}", "f", 5) for _ in range(n)])
+    batch, metrics = buffer.take()
+    assert [g.policy_version for g in batch] == [5, 5]
+    too_old = [d for d in decisions if d.group.group_id == "old"]
+    assert [d.status for d in too_old] == ["stale"] and "staleness limit 1" in too_old[0].reason
+    assert metrics["rollout/stale_dropped"] == 1
