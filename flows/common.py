@@ -239,10 +239,10 @@ def _mlflow_run_dir(tracker, run_id: str) -> str | None:
 def code_named_by(config: RunConfig) -> list[str]:
     """The Python code a run's config names (imported by whatever builds its environment or
     filters: resume, rescore): the dataset environment's `reward_module`, the verifiers
-    environment's `taskset`, `rl.sample_filter`."""
+    environment's `taskset`, `rl.sample_filter`, `rl.batch_maker`."""
     options = config.task.options
     named = [str(options[key]) for key in ("reward_module", "taskset") if options.get(key)]
-    return named + ([config.rl.sample_filter] if config.rl.sample_filter else [])
+    return named + [spec for spec in (config.rl.sample_filter, config.rl.batch_maker) if spec]
 
 
 def say_code_trusted(command: str, config: RunConfig, run_dir: Path) -> None:

@@ -213,6 +213,8 @@ def test_code_a_run_config_names():
                               "reward_module": "myrewards"}}, "rl": {"sample_filter": "myfilters:keep"}})
     assert code_named_by(config) == ["myrewards", "myfilters:keep"]
     assert code_named_by(validate_config({"flow": "rl"})) == []
+    assert code_named_by(validate_config({"flow": "rl", "rl": {"batch_maker": "my_makers:NewestFirst"}})) == [
+        "my_makers:NewestFirst"]
 
 
 
