@@ -228,7 +228,8 @@ class BufferConfig(Section):
     is drawn from them at random, seeded by the run's `seed`; the generator's state is in the
     checkpoint, so a resumed run draws the same batches."""
     reservoir_size: int = Field(64, ge=1)
-    """sampling = "reservoir": most valid groups held; at least rl.prompts_per_step."""
+    """sampling = "reservoir": most valid groups held; at least rl.prompts_per_step. The
+    reservoir holds groups with non-zero advantages only (it needs rl.drop_zero_variance)."""
 
 
 class RLConfig(Section):
@@ -347,6 +348,9 @@ class RLConfig(Section):
         if self.buffer.sampling == "reservoir" and self.buffer.reservoir_size < self.prompts_per_step:
             raise ValueError(f"rl.buffer.reservoir_size ({self.buffer.reservoir_size}) is smaller than "
                              f"rl.prompts_per_step ({self.prompts_per_step}): the reservoir could never fill a batch")
+        if self.buffer.sampling == "reservoir" and not self.drop_zero_variance:
+            raise ValueError("rl.buffer.sampling = 'reservoir' holds groups with non-zero advantages: it needs "
+                             "rl.drop_zero_variance = true")
         module, _, cls = self.batch_maker.partition(":")
         if self.batch_maker and not (module and cls):
             raise ValueError(f"rl.batch_maker must be 'module:Class', got {self.batch_maker!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 from rlpipe.core.config import ConfigError
@@ -127,39 +128,18 @@ def test_a_state_written_before_batch_makers_loads_its_pending_groups():
     assert [g.group_id for g in buffer.take()[0]] == ["a0", "b0"]
 
 
-USER_MAKER = '''
-from rlpipe.training.advantages import Group
+def documented_example() -> str:
+    """The batch maker docs/DESIGN.md shows under "Write a batch maker", as printed there."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md").read_text()
+    section = text.split("#### Write a batch maker", 1)[1]
+    return textwrap.dedent(section[section.index("    from rlpipe"):section.index("\nPut it in")])
 
 
-class NewestFirst:
-    """Trains the newest valid groups first; keeps the others."""
-
-    def __init__(self, options):
-        self.groups = []
-
-    def add(self, groups):
-        self.groups += groups
-
-    def create_batch(self, size):
-        if len(self.groups) < size:
-            return None
-        self.groups.sort(key=lambda g: g.policy_version)
-        batch, self.groups = self.groups[-size:], self.groups[:-size]
-        return batch
-
-    def metadata(self, batch):
-        return {"newest_version": max(g.policy_version for g in batch)}
-
-    def state_dict(self):
-        return {"groups": [g.to_dict() for g in self.groups]}
-
-    def load_state_dict(self, state):
-        self.groups = [Group.from_dict(d) for d in state["groups"]]
-'''
+USER_MAKER = documented_example()
 
 
 def test_a_user_batch_maker_from_module_colon_class(tmp_path, monkeypatch):
-    (tmp_path / "my_makers.py").write_text(textwrap.dedent(USER_MAKER))
+    (tmp_path / "my_makers.py").write_text(USER_MAKER)
     monkeypatch.syspath_prepend(str(tmp_path))
     buffer = buffer_for(prompts_per_step=2, max_staleness=5, batch_maker="my_makers:NewestFirst")
     assert type(buffer.maker).__name__ == "NewestFirst"
@@ -200,12 +180,15 @@ def test_rl_buffer_section_is_checked():
         RLConfig(prompts_per_step=4, buffer={"sampling": "reservoir", "reservoir_size": 2})
     with pytest.raises(ValueError, match="retention"):
         RLConfig(buffer={"retention": "newest"})
+    with pytest.raises(ValueError, match="reservoir' holds groups with non-zero advantages: it needs "
+                                         "rl.drop_zero_variance = true"):
+        RLConfig(drop_zero_variance=False, buffer={"sampling": "reservoir"})
     with pytest.raises(ValueError, match="oversample_factor"):
         RLConfig(buffer={"oversample_factor": 2})  # the [rl] fields stay in [rl]
 
 
 def test_a_user_makers_groups_older_than_the_bound_are_dropped_as_stale(tmp_path, monkeypatch):
-    (tmp_path / "keep_all.py").write_text(textwrap.dedent(USER_MAKER))
+    (tmp_path / "keep_all.py").write_text(USER_MAKER)
     monkeypatch.syspath_prepend(str(tmp_path))
     buffer = buffer_for(prompts_per_step=2, max_staleness=1, batch_maker="keep_all:NewestFirst")
     buffer.start_batch(0)
