@@ -20,6 +20,7 @@ Plain Python (no torch), like training/advantages.py whose `Group` records it ho
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,8 +248,19 @@ class GroupBuffer:
             m.CARRIED_GROUPS: float(len(self.held)),
             m.BATCH_GROUPS: float(len(batch)),
         }
-        metrics |= {m.batch(name): float(value) for name, value in self.maker.metadata(batch).items()}
+        metrics |= self._metadata(batch)
         return batch, metrics
+
+    def _metadata(self, batch: list[Group]) -> dict[str, float]:
+        """The maker's metadata of `batch` as rollout/batch_<name> metrics; TypeError naming a value
+        that is not a number."""
+        out = {}
+        for name, value in (self.maker.metadata(batch) or {}).items():
+            if not isinstance(value, numbers.Real):
+                raise TypeError(f"batch maker {type(self.maker).__name__}: metadata {name!r} is {value!r}; its "
+                                "values must be numbers (logged as rollout/batch_<name>)")
+            out[m.batch(name)] = float(value)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON: pending groups, the maker's state, policy version, counters (the config excluded)."""

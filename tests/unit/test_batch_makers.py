@@ -153,6 +153,10 @@ def test_a_user_batch_maker_from_module_colon_class(tmp_path, monkeypatch):
     restored = buffer_for(prompts_per_step=1, max_staleness=5, batch_maker="my_makers:NewestFirst")
     restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
     assert [g.group_id for g in restored.pending] == ["a0"] and restored.take()[0][0].group_id == "a0"
+    restored.maker.metadata = lambda batch: {"note": "text"}
+    restored.add([group("d3", "d", 3)])
+    with pytest.raises(TypeError, match="batch maker NewestFirst: metadata 'note' is 'text'; its values must be numbers"):
+        restored.take()
 
 
 def test_bad_batch_maker_specs_are_one_line_naming_the_key(tmp_path, monkeypatch):
