@@ -8,7 +8,8 @@ A step's completions are decided at two levels, and this module is where both be
   answer), `filtered` (the user filter rl.sample_filter returned False or a reason);
 - per group (`decide_groups`), from what the over-sampling buffer did while filling the batch
   (`Fill`): `trained` (in the step's batch), `carried` (valid surplus waiting for a later step),
-  `zero_variance`, `stale` (too old, or replaced by a newer group of the same example),
+  `zero_variance`, `stale` (too old, replaced by a newer group of the same example, or evicted
+  from the batch maker's full reservoir),
   `over_cap` (sampled by a step that used up rl.max_attempts without filling its batch: the step
   failed and the run stopped).
 

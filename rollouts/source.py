@@ -10,7 +10,7 @@ rollouts with their advantages.
 
 Behind it: sampling rounds (generate and score stages, injected as `RolloutStages`), the
 over-sampling buffer (training.oversampling: zero-variance filter, carry-over, max-attempts guard,
-partial batches) and the filter/advantages stage, which decides each group and completion once
+partial batches; its batch maker, training.batch_makers, keeps the valid groups and makes the batch) and the filter/advantages stage, which decides each group and completion once
 (rollouts/fates.py `select_step`: trained, carried or dropped and why), computes the advantages
 and records them. `options` are the `[rl]` fields it reads (rollouts/options.py).
 
