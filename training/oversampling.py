@@ -157,8 +157,9 @@ class GroupBuffer:
 
         def flush() -> None:  # hand the valid groups met so far to the maker, in order
             if kept:
-                answer = self.maker.add(list(kept))
-                decisions.extend(self._record([valid(g) for g in kept] if answer is None else answer))
+                answer = list(self.maker.add(list(kept)) or [])
+                decided = {d.group.group_id for d in answer}  # a group it did not decide: kept
+                decisions.extend(self._record(answer + [valid(g) for g in kept if g.group_id not in decided]))
                 kept.clear()
 
         for g in groups:
@@ -186,6 +187,9 @@ class GroupBuffer:
         got = self.maker.create_batch(size) if size > 0 else []
         if got is None:
             return None
+        if len(got) != size:
+            raise ValueError(f"batch maker {type(self.maker).__name__}: create_batch({size}) returned {len(got)} "
+                             f"groups; it returns exactly {size}, or None when it cannot make that many yet")
         limit, late = self._bound(), []
         for g in got:
             self.held.pop(g.group_id, None)

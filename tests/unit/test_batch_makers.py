@@ -11,7 +11,12 @@ import pytest
 from rlpipe.core.config import ConfigError
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.training.advantages import Group
-from rlpipe.training.batch_makers import BatchMakerOptions, GrpoBatchMaker, batch_maker_class
+from rlpipe.training.batch_makers import (
+    BatchMakerOptions,
+    GroupDecision,
+    GrpoBatchMaker,
+    batch_maker_class,
+)
 from rlpipe.training.config import RLConfig
 from rlpipe.training.oversampling import GroupBuffer
 
@@ -204,3 +209,38 @@ def test_a_user_makers_groups_older_than_the_bound_are_dropped_as_stale(tmp_path
     too_old = [d for d in decisions if d.group.group_id == "old"]
     assert [d.status for d in too_old] == ["stale"] and "staleness limit 1" in too_old[0].reason
     assert metrics["rollout/stale_dropped"] == 1
+
+
+class Sloppy:
+    """A maker that decides only some of the groups it is given and makes batches of the wrong size."""
+
+    def __init__(self, options):
+        self.groups = []
+
+    def add(self, groups):
+        self.groups += groups
+        return [GroupDecision(groups[0], groups[0].stats(), "valid")]
+
+    def create_batch(self, size):
+        return list(self.groups) if self.groups else None
+
+    def metadata(self, batch):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_groups_a_maker_leaves_undecided_are_held_and_a_wrong_batch_size_is_named():
+    buffer = buffer_for(prompts_per_step=2)
+    buffer.maker = Sloppy(None)
+    buffer.start_batch(0)
+    decisions = buffer.add([group("a", "a", 0), group("b", "b", 0), group("c", "c", 0)])
+    assert [(d.group.group_id, d.status) for d in decisions] == [("a", "valid"), ("b", "valid"), ("c", "valid")]
+    assert [g.group_id for g in buffer.pending] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match=r"batch maker Sloppy: create_batch\(2\) returned 3 groups; it returns "
+                                         r"exactly 2, or None"):
+        buffer.take()
