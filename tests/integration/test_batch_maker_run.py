@@ -1,6 +1,7 @@
 """A tiny RL run with the reservoir batch maker, stopped after its step-2 checkpoint and resumed,
 trains the same batches as the run that went straight through: the reservoir's held groups and
-its random generator come back from the checkpoint's data_state. It needs the flow because that
+its random generator come back from the checkpoint's data_state, and every decision, the
+reservoir's evictions included, is a fate. It needs the flow because that
 is where the buffer's state travels: checkpoint, resume, the `groups` table the batches are read
 from."""
 
@@ -14,7 +15,7 @@ from tests.integration.test_rl_loop_regression import config_dict, sft_checkpoin
 pytestmark = pytest.mark.slow
 
 RL = {"steps": 3, "checkpoint_every": 1, "eval_every": 0, "max_staleness": 2,
-      "buffer": {"sampling": "reservoir", "reservoir_size": 8}}
+      "buffer": {"sampling": "reservoir", "reservoir_size": 5}}
 
 
 def trained(run_dir) -> list[tuple]:
@@ -27,6 +28,7 @@ def trained(run_dir) -> list[tuple]:
 def test_a_reservoir_run_resumed_after_a_stop_trains_the_batches_of_a_straight_run(sft_checkpoint, tmp_path,  # noqa: F811
                                                                                    monkeypatch):
     import rlpipe.flows.rl
+    from rlpipe.storage.catalog import connect
     from rlpipe.tasks.config import validate_config
 
     torch.set_num_threads(1)
@@ -51,8 +53,14 @@ def test_a_reservoir_run_resumed_after_a_stop_trains_the_batches_of_a_straight_r
     expected = trained(straight.run_dir / "rl")
     assert {row[0] for row in expected} == {1, 2, 3} and len(expected) == 3 * 4
     assert trained(stopped.run_dir / "rl") == expected
-    from rlpipe.storage.catalog import connect
+    con = connect(stopped.run_dir / "rl")
 
-    held = connect(straight.run_dir / "rl").sql(
-        "select count(*) from groups where status = 'carried' and step = 2").fetchall()[0][0]
-    assert held > 0, "the check needs groups held in the reservoir across the stop"
+    def one(sql: str):
+        return con.sql(sql).fetchall()[0][0]
+
+    assert one("select count(*) from groups where status = 'carried' and step = 2") > 0, \
+        "the check needs groups held in the reservoir across the stop"
+    # every decision lands in the tables: one fate per sampled completion, reservoir evictions included
+    assert one("select count(*) from rollouts") == one("select count(*) from fates") > 0
+    assert one("select count(*) from fates where status = 'stale' and reason like 'evicted at random from the full "
+               "reservoir (rl.buffer.reservoir_size=5)%'") > 0
