@@ -1,0 +1,289 @@
+"""Tools from MCP servers (envs/mcp_tools.py): a tiny MCP server this file writes and starts, over
+stdio and over streamable HTTP; listing, calling, every error path, closing, and episodes whose
+scripted turns call a tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import duckdb
+import pytest
+from rlpipe.core.config import ConfigError
+from rlpipe.engines.base import SamplingParams
+from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv
+from rlpipe.envs.base import Example
+from rlpipe.envs.config import McpServerConfig
+from rlpipe.envs.mcp_tools import McpToolbox, McpToolsEnv, ToolUseOptions, schema_error
+from rlpipe.envs.multiturn import episode_reward
+from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.storage.writer import conform
+
+from tests.ports import PortTaken, says_port_taken, start_on_free_port
+from tests.scripted_engine import ScriptedEngine
+
+pytest.importorskip("mcp")
+
+SERVER = textwrap.dedent('''
+    import os, sys, time
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("test tools")
+
+    @server.tool()
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @server.tool()
+    def slow(seconds: float) -> str:
+        """Sleep, then answer."""
+        time.sleep(seconds)
+        return "awake"
+
+    @server.tool()
+    def boom() -> str:
+        """Always fails."""
+        raise RuntimeError("kaboom")
+
+    @server.tool()
+    def shout(text: str) -> str:
+        """The text, repeated."""
+        return text * 100
+
+    @server.tool()
+    def pid() -> int:
+        """The server's process id."""
+        return os.getpid()
+
+    @server.tool()
+    def die() -> str:
+        """Ends the server's process."""
+        os._exit(3)
+
+    if sys.argv[1:2] == ["http"]:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        server.run()
+''')
+
+
+TOOL_CALLS_SQL = """
+select m->>'$.tool_call.server' as server, m->>'$.tool_call.name' as tool, m->>'$.tool_call.error' as error
+from (select unnest(from_json(messages, '["json"]')) as m from rollouts)
+where m->>'$.role' = 'tool'
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def server_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mcp") / "server.py"
+    path.write_text(SERVER)
+    return path
+
+
+def _stdio(script, name="local", **options) -> McpServerConfig:
+    return McpServerConfig(name=name, command=sys.executable, args=[str(script)], **options)
+
+
+@pytest.fixture(scope="module")
+def http_url(server_script, tmp_path_factory):
+    """A streamable HTTP server the test starts on a free port (its URL)."""
+    log = tmp_path_factory.mktemp("mcp-http") / "server.log"
+
+    def start(port: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, str(server_script), "http", str(port)],
+                                stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                text = log.read_text()
+                raise PortTaken(text) if says_port_taken(text) else AssertionError(text)
+            if "Uvicorn running" in log.read_text():
+                return proc
+            time.sleep(0.1)
+        proc.kill()
+        raise AssertionError(f"the MCP HTTP server did not start: {log.read_text()[-2000:]}")
+
+    port, proc = start_on_free_port(start)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def toolbox(server_script):
+    """One stdio server shared by the tests that do not end it."""
+    box = McpToolbox([_stdio(server_script, call_timeout_s=1.0, max_output_chars=50)])
+    yield box
+    box.close()
+
+
+def test_tools_are_listed_in_openai_shape_and_into_the_chat_template(toolbox):
+    assert toolbox.names == ["add", "slow", "boom", "shout", "pid", "die"]
+    add = toolbox.tools[0]
+    assert add["type"] == "function" and add["function"]["name"] == "add"
+    assert add["function"]["description"] == "Add two integers."
+    assert add["function"]["parameters"]["required"] == ["a", "b"]
+    env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox)
+    tok = build_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+                                   add_generation_prompt=True, tools=env.tools)
+    assert json.dumps(add) in text and "<tool_call>" in text
+
+
+def test_calls_answer_and_every_failure_is_a_tool_reply_not_a_crash(toolbox):
+    ok = toolbox.call("add", {"a": 2, "b": 40})
+    assert (ok.text, ok.error, ok.server) == ("42", None, "local")
+    unknown = toolbox.call("nope", {})
+    assert unknown.error == "unknown_tool" and "'nope'" in unknown.text and "add" in unknown.text
+    bad = toolbox.call("add", {"a": "x", "b": 1})
+    assert bad.error == "bad_arguments" and "'x' is not of type 'integer'" in bad.text
+    failed = toolbox.call("boom", {})
+    assert failed.error == "tool_error" and "kaboom" in failed.text
+    long = toolbox.call("shout", {"text": "ab"})
+    assert long.error is None and long.text.startswith("ab" * 25 + "\n[... 150 more characters cut]")
+    slow = toolbox.call("slow", {"seconds": 10})
+    assert slow.error == "timeout" and "call_timeout_s=1" in slow.text and 0.9 < slow.seconds < 6
+    # the server goes on answering after a call timed out
+    assert toolbox.call("add", {"a": 1, "b": 1}).text == "2"
+    assert toolbox.call("add", {"a": 1, "b": 1}).record() == {
+        "server": "local", "name": "add", "arguments": {"a": 1, "b": 1}, "error": None,
+        "seconds": pytest.approx(0.0, abs=5.0)}
+
+
+def test_schema_errors_name_the_argument():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert schema_error(schema, {"n": 3}) is None
+    assert schema_error(schema, {}) == "'n' is a required property"
+    assert schema_error(schema, {"n": "3"}) == "n: '3' is not of type 'integer'"
+
+
+def test_streamable_http_server_and_stdio_server_together(server_script, http_url):
+    # both list the same tools: one server keeps `add`, the other everything but it
+    servers = [_stdio(server_script, tools=["add", "pid"]),
+               McpServerConfig(name="remote", url=http_url, tools=["boom", "slow"], call_timeout_s=0.5)]
+    with McpToolbox(servers) as box:
+        assert box.names == ["add", "pid", "boom", "slow"]
+        assert box.call("add", {"a": 1, "b": 2}).text == "3"
+        failed = box.call("boom", {})
+        assert (failed.server, failed.error) == ("remote", "tool_error")
+        assert box.call("slow", {"seconds": 5}).error == "timeout"
+        stdio_pid = int(box.call("pid", {}).text)
+    assert _gone(stdio_pid)  # closing ended the stdio server's process
+
+
+def test_a_server_that_dies_is_answered_as_an_error_and_leaves_no_process(server_script):
+    with McpToolbox([_stdio(server_script)]) as box:
+        pid = int(box.call("pid", {}).text)
+        died = box.call("die", {})
+        assert died.error == "server_error" and "'local'" in died.text
+        after = box.call("add", {"a": 1, "b": 1})
+        assert after.error == "server_error"
+    assert _gone(pid)
+
+
+def test_starting_fails_in_one_line_naming_the_server(server_script, http_url, tmp_path):
+    with pytest.raises(ValueError, match=r"^MCP server 'ghost' .*could not be started: .*$"):
+        McpToolbox([McpServerConfig(name="ghost", command=str(tmp_path / "no-such-program"))])
+    mute = tmp_path / "mute.py"
+    mute.write_text("import time\ntime.sleep(60)\n")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"^MCP server 'mute' .*within connect_timeout_s=1$"):
+        McpToolbox([McpServerConfig(name="mute", command=sys.executable, args=[str(mute)], connect_timeout_s=1)])
+    assert time.monotonic() - started < 20
+    with pytest.raises(ValueError, match=r"^MCP server 'local' lists no tool 'missing'; it lists: add, "):
+        McpToolbox([_stdio(server_script, tools=["missing"])])
+    with pytest.raises(ValueError, match=r"^MCP tool 'add' is listed by servers 'local' and 'remote'"):
+        McpToolbox([_stdio(server_script), McpServerConfig(name="remote", url=http_url)])
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ('name = "a"', "task.mcp_servers.0: Value error, MCP server 'a': give exactly one of command (stdio) or url"),
+    ('name = "a"\ncommand = "x"\nurl = "http://h/mcp"', "give exactly one of command (stdio) or url"),
+    ('name = "a"\nurl = "ftp://h/mcp"', "url must start with http:// or https://, got 'ftp://h/mcp'"),
+    ('name = "a"\ncommand = "x"\nheaders = { k = "v" }', "headers apply to url servers only"),
+    ('name = "a"\ncommand = "x"\ncall_timeout_s = 0', "task.mcp_servers.0.call_timeout_s: Input should be greater than 0"),
+    ('name = "a"\ncommand = "x"\n[[task.mcp_servers]]\nname = "a"\nurl = "http://h/mcp"',
+     "server names must be unique, repeated: a"),
+    ('name = "a"\ncommand = "x"\n[task]\ntool_call_parser = "nope"', "unknown parser 'nope'; known: calculator, hermes"),
+])
+def test_bad_mcp_config_is_refused_in_one_line_naming_the_key(tmp_path, entry, message):
+    from rlpipe.tasks.config import load_config
+
+    config = tmp_path / "run.toml"
+    config.write_text(f"[[task.mcp_servers]]\n{entry}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(config)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def _scripted(tok, turns: list[str]) -> ScriptedEngine:
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+
+    def play(prompt):
+        k = sum(prompt[i:i + len(header)] == header for i in range(len(prompt))) - 1
+        return tok.encode(turns[k], add_special_tokens=False) + [end]
+
+    return ScriptedEngine(play, end)
+
+
+def test_an_episode_calls_the_tool_and_the_call_lands_in_the_rollout_row(toolbox):
+    from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
+
+    tok = build_tokenizer()
+    env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox, ToolUseOptions(max_turns=3))
+    assert env.max_turns == 3 and env.name == "arithmetic"
+    call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+    engine = _scripted(tok, [call, "42"])
+    example = Example("arithmetic", "x", "12+30=", 42)
+    (row,) = generate_rollouts(engine, tok, env, [example], GenerateOptions(SamplingParams(n=1, max_new_tokens=256), max_context=2048),
+                               SampleRound(run_id="r", step=1, attempt=1, policy_version=0))
+    # the tools were in every turn's context
+    first_prompt = tok.decode(engine.calls[0][0][0])
+    assert first_prompt.startswith("<|im_start|>system\n# Tools\n") and '"name": "add"' in first_prompt
+    messages = json.loads(row.messages)
+    assert messages[1] == {"role": "assistant", "content": call}
+    assert messages[2] == {"role": "tool", "name": "add", "content": "42", "tool_call": {
+        "server": "local", "name": "add", "arguments": {"a": 12, "b": 30}, "error": None,
+        "seconds": messages[2]["tool_call"]["seconds"]}}
+    assert messages[3] == {"role": "assistant", "content": "42"}
+    assert [(t["turn"], t["producer"]) for t in row.turns] == [(0, "model"), (0, "env"), (1, "model")]
+    assert row.n_turns == 2 and row.finish_reason == "stop"
+    env_span = row.turns[1]
+    assert tok.decode(row.completion_tokens[env_span["start"]: env_span["start"] + env_span["length"]]) == (
+        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    rollouts = conform("rollouts", [vars(row)], run_id="r", step=1)  # noqa: F841 - scanned by DuckDB below
+    # the calls, queried from the rollouts table as docs/ shows
+    assert duckdb.sql(TOOL_CALLS_SQL).fetchall() == [("local", "add", None)]
+    assert episode_reward(env, vars(row), example).reward == 1.0
+
+
+def test_a_failing_call_goes_back_to_the_model_and_the_episode_goes_on(toolbox):
+    from rlpipe.envs.multiturn import run_episodes
+
+    tok = build_tokenizer()
+    env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox, ToolUseOptions(max_turns=4))
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": "twelve"}}</tool_call>'
+             '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+             '<tool_call>{"name": "slow", "arguments": {"seconds": 10}}</tool_call>', "7"]
+    (group,) = run_episodes(_scripted(tok, turns), tok, env, [Example("arithmetic", "y", "3+4=", 7)],
+                            SamplingParams(n=1, max_new_tokens=256), max_turns=4, max_tokens=4096)
+    episode = group[0]
+    errors = [m["tool_call"]["error"] for m in episode.messages if m["role"] == "tool"]
+    assert errors == ["bad_arguments", "unknown_tool", "timeout"]
+    assert episode.finish_reason == "stop" and episode.n_turns == 3
+    assert episode_reward(env, episode, episode.example).reward == 1.0
