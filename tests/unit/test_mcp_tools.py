@@ -230,6 +230,16 @@ def test_bad_mcp_config_is_refused_in_one_line_naming_the_key(tmp_path, entry, m
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_preflight_refuses_a_stdio_command_that_is_not_there(tmp_path):
+    from rlpipe.tasks.config import load_config
+    from rlpipe.tasks.preflight import preflight
+
+    config = tmp_path / "run.toml"
+    config.write_text(f'[[task.mcp_servers]]\nname = "a"\ncommand = "{tmp_path / "nothing"}"\n')
+    with pytest.raises(ConfigError, match=r"^task.mcp_servers\[0\].command: '.*nothing' is not an executable"):
+        preflight(load_config(config))
+
+
 def _scripted(tok, turns: list[str]) -> ScriptedEngine:
     end = tok.convert_tokens_to_ids("<|im_end|>")
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
