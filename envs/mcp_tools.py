@@ -216,7 +216,7 @@ class McpToolbox:
         try:
             import mcp  # noqa: F401
         except ImportError:
-            raise ValueError("task.mcp_servers needs the MCP SDK: pip install 'rlpipe[mcp]'") from None
+            raise ValueError("task.mcp_servers needs the MCP SDK: pip install -e '.[mcp]' in the checkout") from None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlpipe-mcp", daemon=True)
         self._thread.start()

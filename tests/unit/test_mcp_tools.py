@@ -72,10 +72,11 @@ SERVER = textwrap.dedent('''
 ''')
 
 
+# README's query ("Tools from MCP servers"): calls per tool and outcome
 TOOL_CALLS_SQL = """
-select m->>'$.tool_call.server' as server, m->>'$.tool_call.name' as tool, m->>'$.tool_call.error' as error
-from (select unnest(from_json(messages, '["json"]')) as m from rollouts)
-where m->>'$.role' = 'tool'
+    select m->>'$.tool_call.name' as tool, m->>'$.tool_call.error' as error, count(*)
+    from (select unnest(from_json(messages, '["json"]')) as m from rollouts)
+    where m->>'$.role' = 'tool' group by all
 """
 
 
@@ -278,7 +279,7 @@ def test_an_episode_calls_the_tool_and_the_call_lands_in_the_rollout_row(toolbox
         "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
     rollouts = conform("rollouts", [vars(row)], run_id="r", step=1)  # noqa: F841 - scanned by DuckDB below
     # the calls, queried from the rollouts table as docs/ shows
-    assert duckdb.sql(TOOL_CALLS_SQL).fetchall() == [("local", "add", None)]
+    assert duckdb.sql(TOOL_CALLS_SQL).fetchall() == [("add", None, 1)]
     assert episode_reward(env, vars(row), example).reward == 1.0
 
 
