@@ -99,13 +99,11 @@ def _stdio(script, name="local", **options) -> McpServerConfig:
     return McpServerConfig(name=name, command=sys.executable, args=[str(script)], **options)
 
 
-@pytest.fixture(scope="module")
-def http_url(server_script, tmp_path_factory):
-    """A streamable HTTP server the test starts on a free port (its URL)."""
-    log = tmp_path_factory.mktemp("mcp-http") / "server.log"
+def _start_http(script, log):
+    """A streamable HTTP server of `script` on a free port: (its URL, its process)."""
 
     def start(port: int) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, str(server_script), "http", str(port)],
+        proc = subprocess.Popen([sys.executable, str(script), "http", str(port)],
                                 stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -119,7 +117,14 @@ def http_url(server_script, tmp_path_factory):
         raise AssertionError(f"the MCP HTTP server did not start: {log.read_text()[-2000:]}")
 
     port, proc = start_on_free_port(start)
-    yield f"http://127.0.0.1:{port}/mcp"
+    return f"http://127.0.0.1:{port}/mcp", proc
+
+
+@pytest.fixture(scope="module")
+def http_url(server_script, tmp_path_factory):
+    """A streamable HTTP server the test starts on a free port (its URL)."""
+    url, proc = _start_http(server_script, tmp_path_factory.mktemp("mcp-http") / "server.log")
+    yield url
     proc.terminate()
     proc.wait(10)
 
@@ -194,6 +199,21 @@ def test_a_server_that_dies_is_answered_as_an_error_and_leaves_no_process(server
         after = box.call("add", {"a": 1, "b": 1})
         assert after.error == "server_error"
     assert _gone(pid)
+
+
+def test_an_http_server_that_dies_is_answered_as_an_error(server_script, tmp_path):
+    url, proc = _start_http(server_script, tmp_path / "server.log")
+    try:
+        with McpToolbox([McpServerConfig(name="remote", url=url)]) as box:
+            assert box.call("add", {"a": 1, "b": 2}).text == "3"
+            died = box.call("die", {})
+            assert died.error == "server_error" and "'remote'" in died.text
+            assert proc.wait(10) == 3
+            after = box.call("add", {"a": 1, "b": 2})
+            assert after.error == "server_error" and "'remote'" in after.text
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_starting_fails_in_one_line_naming_the_server(server_script, http_url, tmp_path):
