@@ -49,13 +49,20 @@ class McpServerConfig(Section):
     args: list[str] = Field(default_factory=list)
     """stdio: its command-line arguments."""
     env: dict[str, str] = Field(default_factory=dict)
-    """stdio: environment variables set for the server, over the SDK's safe default set."""
+    """stdio: environment variables set for the server, over the SDK's safe default set (plain
+    values: they are written to config.json; pass secrets with pass_env)."""
+    pass_env: list[str] = Field(default_factory=list)
+    """stdio: variables of the run's own environment handed to the server by name (API keys: their
+    values never enter the config); one that is not set stops the run naming it."""
     cwd: str = ""
     """stdio: the server's working folder ('' = the run's)."""
     url: str = ""
     """streamable HTTP: the server's endpoint (e.g. "http://127.0.0.1:8000/mcp")."""
     headers: dict[str, str] = Field(default_factory=dict)
-    """streamable HTTP: headers sent with every request (e.g. Authorization)."""
+    """streamable HTTP: headers sent with every request, plain values (written to config.json)."""
+    headers_env: dict[str, str] = Field(default_factory=dict)
+    """streamable HTTP: headers whose value is read from an environment variable, header name →
+    variable name (e.g. { Authorization = "SEARCH_AUTH" }): tokens never enter the config."""
     tools: list[str] | None = None
     """The server's tools the policy sees, by name (unset = all it lists); a name it does not list
     is an error when the run starts."""
@@ -72,10 +79,10 @@ class McpServerConfig(Section):
             raise ValueError(f"MCP server {self.name!r}: give exactly one of command (stdio) or url (streamable HTTP)")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"MCP server {self.name!r}: url must start with http:// or https://, got {self.url!r}")
-        if self.command and self.headers:
-            raise ValueError(f"MCP server {self.name!r}: headers apply to url servers only")
-        if self.url and (self.args or self.env or self.cwd):
-            raise ValueError(f"MCP server {self.name!r}: args, env and cwd apply to command servers only")
+        if self.command and (self.headers or self.headers_env):
+            raise ValueError(f"MCP server {self.name!r}: headers and headers_env apply to url servers only")
+        if self.url and (self.args or self.env or self.pass_env or self.cwd):
+            raise ValueError(f"MCP server {self.name!r}: args, env, pass_env and cwd apply to command servers only")
         return self
 
 

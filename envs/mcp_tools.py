@@ -39,9 +39,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,20 +121,34 @@ def schema_error(schema: dict[str, Any], arguments: dict[str, Any]) -> str | Non
     return f"{where}: {error.message}" if where else error.message
 
 
+def from_environment(server: McpServerConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What `server` takes from the run's environment: its `pass_env` variables (stdio) or its
+    `headers_env` headers (HTTP), by their names; ValueError naming a variable that is not set."""
+    environ = os.environ if environ is None else environ
+    wanted = {name: name for name in server.pass_env} | dict(server.headers_env)
+    missing = sorted(f"{variable!r}" for variable in wanted.values() if variable not in environ)
+    if missing:
+        key = "pass_env" if server.pass_env else "headers_env"
+        raise ValueError(f"MCP server {server.name!r}: environment variable {', '.join(missing)} of {key} is not set")
+    return {key: environ[variable] for key, variable in wanted.items()}
+
+
 async def _transport(server: McpServerConfig, stack: contextlib.AsyncExitStack) -> Any:
     """The SDK transport of `server`; an HTTP client it needs is closed with `stack`."""
     if server.command:
         from mcp import StdioServerParameters, stdio_client
 
+        env = {**server.env, **from_environment(server)}
         return stdio_client(StdioServerParameters(command=server.command, args=list(server.args),
-                                                  env=dict(server.env) or None, cwd=server.cwd or None))
+                                                  env=env or None, cwd=server.cwd or None))
     import httpx2
     from mcp.client.streamable_http import streamable_http_client
 
     # the SDK's default timeouts (30 s, 5 min for a stream's reads); the calls' own deadline is
     # call_timeout_s
+    headers = {**server.headers, **from_environment(server)}
     http = await stack.enter_async_context(httpx2.AsyncClient(
-        headers=dict(server.headers), follow_redirects=True, timeout=httpx2.Timeout(30.0, read=300.0)))
+        headers=headers, follow_redirects=True, timeout=httpx2.Timeout(30.0, read=300.0)))
     return streamable_http_client(server.url, http_client=http)
 
 

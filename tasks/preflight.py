@@ -95,8 +95,8 @@ def _check_env(config) -> None:
 
 
 def _check_mcp_servers(task) -> None:
-    """The MCP SDK is installed and every stdio server's command is an executable (the servers
-    themselves start with the run: envs/mcp_tools.py)."""
+    """The MCP SDK is installed, every stdio server's command is an executable and the environment
+    variables the servers take are set (the servers themselves start with the run: envs/mcp_tools.py)."""
     import shutil
     from importlib.util import find_spec
 
@@ -107,6 +107,10 @@ def _check_mcp_servers(task) -> None:
         if server.command and shutil.which(server.command, path=server.env.get("PATH")) is None:
             raise ConfigError(f"task.mcp_servers[{index}].command: {server.command!r} is not an executable "
                               "file or on PATH (give the server's program, e.g. python, npx or uvx)")
+        from rlpipe.envs.mcp_tools import from_environment
+
+        _check(f"task.mcp_servers[{index}]", "set it in the run's environment",
+               lambda server=server: from_environment(server))
 
 
 def _phases(flow: str) -> tuple[str, ...]:

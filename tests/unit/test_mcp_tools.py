@@ -18,7 +18,7 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv
 from rlpipe.envs.base import Example
 from rlpipe.envs.config import McpServerConfig
-from rlpipe.envs.mcp_tools import McpToolbox, McpToolsEnv, ToolUseOptions, schema_error
+from rlpipe.envs.mcp_tools import McpToolbox, McpToolsEnv, ToolUseOptions, from_environment, schema_error
 from rlpipe.envs.multiturn import episode_reward
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import conform
@@ -59,6 +59,11 @@ SERVER = textwrap.dedent('''
     def pid() -> int:
         """The server's process id."""
         return os.getpid()
+
+    @server.tool()
+    def getenv(name: str) -> str:
+        """A variable of the server's environment ('' when unset)."""
+        return os.environ.get(name, "")
 
     @server.tool()
     def die() -> str:
@@ -138,7 +143,7 @@ def toolbox(server_script):
 
 
 def test_tools_are_listed_in_openai_shape_and_into_the_chat_template(toolbox):
-    assert toolbox.names == ["add", "slow", "boom", "shout", "pid", "die"]
+    assert toolbox.names == ["add", "slow", "boom", "shout", "pid", "getenv", "die"]
     add = toolbox.tools[0]
     assert add["type"] == "function" and add["function"]["name"] == "add"
     assert add["function"]["description"] == "Add two integers."
@@ -216,6 +221,21 @@ def test_an_http_server_that_dies_is_answered_as_an_error(server_script, tmp_pat
         proc.wait(10)
 
 
+def test_secrets_come_from_the_run_environment_by_name_never_from_the_config(server_script, monkeypatch):
+    monkeypatch.setenv("RLPIPE_TEST_MCP_SECRET", "s3cret")
+    with McpToolbox([_stdio(server_script, pass_env=["RLPIPE_TEST_MCP_SECRET"], tools=["getenv"]),
+                     _stdio(server_script, name="other", tools=["pid"])]) as box:
+        assert box.call("getenv", {"name": "RLPIPE_TEST_MCP_SECRET"}).text == "s3cret"
+    with McpToolbox([_stdio(server_script, tools=["getenv"])]) as box:  # not passed: not there
+        assert box.call("getenv", {"name": "RLPIPE_TEST_MCP_SECRET"}).text == ""
+    remote = McpServerConfig(name="remote", url="http://h/mcp", headers={"X-Team": "a"},
+                             headers_env={"Authorization": "SEARCH_AUTH"})
+    assert from_environment(remote, {"SEARCH_AUTH": "Bearer t"}) == {"Authorization": "Bearer t"}
+    with pytest.raises(ValueError, match=r"^MCP server 'remote': environment variable 'SEARCH_AUTH' of "
+                                         r"headers_env is not set$"):
+        from_environment(remote, {})
+
+
 def test_starting_fails_in_one_line_naming_the_server(server_script, http_url, tmp_path):
     with pytest.raises(ValueError, match=r"^MCP server 'ghost' .*could not be started: .*$"):
         McpToolbox([McpServerConfig(name="ghost", command=str(tmp_path / "no-such-program"))])
@@ -235,7 +255,8 @@ def test_starting_fails_in_one_line_naming_the_server(server_script, http_url, t
     ('name = "a"', "task.mcp_servers.0: Value error, MCP server 'a': give exactly one of command (stdio) or url"),
     ('name = "a"\ncommand = "x"\nurl = "http://h/mcp"', "give exactly one of command (stdio) or url"),
     ('name = "a"\nurl = "ftp://h/mcp"', "url must start with http:// or https://, got 'ftp://h/mcp'"),
-    ('name = "a"\ncommand = "x"\nheaders = { k = "v" }', "headers apply to url servers only"),
+    ('name = "a"\ncommand = "x"\nheaders = { k = "v" }', "headers and headers_env apply to url servers only"),
+    ('name = "a"\nurl = "http://h/mcp"\npass_env = ["K"]', "args, env, pass_env and cwd apply to command servers only"),
     ('name = "a"\ncommand = "x"\ncall_timeout_s = 0', "task.mcp_servers.0.call_timeout_s: Input should be greater than 0"),
     ('name = "a"\ncommand = "x"\n[[task.mcp_servers]]\nname = "a"\nurl = "http://h/mcp"',
      "server names must be unique, repeated: a"),
@@ -258,6 +279,11 @@ def test_preflight_refuses_a_stdio_command_that_is_not_there(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(f'[[task.mcp_servers]]\nname = "a"\ncommand = "{tmp_path / "nothing"}"\n')
     with pytest.raises(ConfigError, match=r"^task.mcp_servers\[0\].command: '.*nothing' is not an executable"):
+        preflight(load_config(config))
+    config.write_text(f'[[task.mcp_servers]]\nname = "a"\ncommand = "{sys.executable}"\n'
+                      'pass_env = ["RLPIPE_TEST_MCP_UNSET"]\n')
+    with pytest.raises(ConfigError, match=r"^task.mcp_servers\[0\]: MCP server 'a': environment variable "
+                                          r"'RLPIPE_TEST_MCP_UNSET' of pass_env is not set \(set it"):
         preflight(load_config(config))
 
 
