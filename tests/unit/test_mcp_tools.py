@@ -18,7 +18,13 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv
 from rlpipe.envs.base import Example
 from rlpipe.envs.config import McpServerConfig
-from rlpipe.envs.mcp_tools import McpToolbox, McpToolsEnv, ToolUseOptions, from_environment, schema_error
+from rlpipe.envs.mcp_tools import (
+    McpToolbox,
+    McpToolsEnv,
+    ToolUseOptions,
+    from_environment,
+    schema_error,
+)
 from rlpipe.envs.multiturn import episode_reward
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import conform
