@@ -30,14 +30,7 @@ assert set(string.digits + string.ascii_letters + string.punctuation + " \n") <=
 
 # Qwen-style ChatML (roles system, user, assistant and tool: a tool's reply is its own turn). The {% generation %} markers let transformers return the assistant mask
 # (`return_assistant_tokens_mask=True`): assistant content and its <|im_end|> are trained on.
-# Given `tools=` (OpenAI's shape), a first system turn lists them as JSON, one a line, and says
-# the Hermes call format (models/tool_calls.py), as Qwen's templates do.
 CHAT_TEMPLATE = (
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\n# Tools\n' -}}"
-    "{%- for tool in tools -%}{{- (tool | tojson) + '\n' -}}{%- endfor -%}"
-    "{{- 'Call one with <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>.<|im_end|>\n' -}}"
-    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}"

@@ -25,10 +25,11 @@ from rlpipe.envs.mcp_tools import (
     from_environment,
     schema_error,
 )
-from rlpipe.envs.multiturn import episode_reward
+from rlpipe.envs.multiturn import episode_reward, with_env_tools
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import conform
 
+from tests.bpe_tokenizer import build_qwen3_like_tokenizer
 from tests.ports import PortTaken, says_port_taken, start_on_free_port
 from tests.scripted_engine import ScriptedEngine
 
@@ -155,10 +156,10 @@ def test_tools_are_listed_in_openai_shape_and_into_the_chat_template(toolbox):
     assert add["function"]["description"] == "Add two integers."
     assert add["function"]["parameters"]["required"] == ["a", "b"]
     env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox)
-    tok = build_tokenizer()
-    text = tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
-                                   add_generation_prompt=True, tools=env.tools)
-    assert json.dumps(add) in text and "<tool_call>" in text
+    text = build_qwen3_like_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True,
+        **with_env_tools(env, {}))
+    assert f"<tools>\n{json.dumps(add)}\n" in text
 
 
 def test_calls_answer_and_every_failure_is_a_tool_reply_not_a_crash(toolbox):
@@ -294,11 +295,11 @@ def test_preflight_refuses_a_stdio_command_that_is_not_there(tmp_path):
 
 
 def _scripted(tok, turns: list[str]) -> ScriptedEngine:
+    """The k-th assistant turn of every episode writes turns[k]."""
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
 
     def play(prompt):
-        k = sum(prompt[i:i + len(header)] == header for i in range(len(prompt))) - 1
+        k = tok.decode(prompt).count("<|im_start|>assistant") - 1
         return tok.encode(turns[k], add_special_tokens=False) + [end]
 
     return ScriptedEngine(play, end)
@@ -307,7 +308,7 @@ def _scripted(tok, turns: list[str]) -> ScriptedEngine:
 def test_an_episode_calls_the_tool_and_the_call_lands_in_the_rollout_row(toolbox):
     from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
 
-    tok = build_tokenizer()
+    tok = build_qwen3_like_tokenizer()  # Qwen3's chat template, which renders `tools`
     env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox, ToolUseOptions(max_turns=3))
     assert env.max_turns == 3 and env.name == "arithmetic"
     call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
@@ -316,8 +317,7 @@ def test_an_episode_calls_the_tool_and_the_call_lands_in_the_rollout_row(toolbox
     (row,) = generate_rollouts(engine, tok, env, [example], GenerateOptions(SamplingParams(n=1, max_new_tokens=256), max_context=2048),
                                SampleRound(run_id="r", step=1, attempt=1, policy_version=0))
     # the tools were in every turn's context
-    first_prompt = tok.decode(engine.calls[0][0][0])
-    assert first_prompt.startswith("<|im_start|>system\n# Tools\n") and '"name": "add"' in first_prompt
+    assert all(json.dumps(toolbox.tools[0]) in tok.decode(prompts[0]) for prompts, _ in engine.calls)
     messages = json.loads(row.messages)
     assert messages[1] == {"role": "assistant", "content": call}
     assert messages[2] == {"role": "tool", "name": "add", "content": "42", "tool_call": {
@@ -328,7 +328,7 @@ def test_an_episode_calls_the_tool_and_the_call_lands_in_the_rollout_row(toolbox
     assert row.n_turns == 2 and row.finish_reason == "stop"
     env_span = row.turns[1]
     assert tok.decode(row.completion_tokens[env_span["start"]: env_span["start"] + env_span["length"]]) == (
-        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     rollouts = conform("rollouts", [vars(row)], run_id="r", step=1)  # noqa: F841 - scanned by DuckDB below
     # the calls, queried from the rollouts table as docs/ shows
     assert duckdb.sql(TOOL_CALLS_SQL).fetchall() == [("add", None, 1)]
