@@ -19,7 +19,8 @@ Every failure of a call is the model's to see, never the run's: an unknown tool,
 do not match the tool's input schema (checked here with jsonschema before anything is sent), an
 error the tool reports, a call over `call_timeout_s`, or a server that died are each answered with
 a tool message saying so (`ToolOutcome.error` names the kind: `unknown_tool`, `bad_arguments`,
-`tool_error`, `timeout`, `server_error`). A server that died stays dead for the rest of the run;
+`tool_error`, `timeout`, `server_error`; a Hermes `<tool_call>` block that is not a call at all is
+answered as `bad_call`). A server that died stays dead for the rest of the run;
 calls to it are answered at once. Only starting fails the run: a server that does not start,
 connect and list its tools within `connect_timeout_s`, a `tools` name it does not list, or two
 servers listing the same tool name raise one line naming the server.
@@ -27,9 +28,10 @@ servers listing the same tool name raise one line naming the server.
 `McpToolsEnv` gives an environment these tools: `tools` (what envs/multiturn.py hands the chat
 template as `tools=`), `max_turns` above 1 so episodes are multi-turn, and a `step` that runs the
 calls of an assistant turn (parsed by `tool_call_parser`, models/tool_calls.py) in order and
-appends one tool message per call. A turn without calls goes to the wrapped environment's own
-`step` (a single-turn environment ends the episode there, and its reward judges the last assistant
-message). Each tool message records its call under `tool_call` (server, name, arguments, error,
+appends one tool message per call. A turn without calls (or calling a tool of the wrapped
+environment's own `tools`) goes to the wrapped environment's own `step` (a single-turn
+environment ends the episode there, and its reward judges the last assistant message). Each
+tool message records its call under `tool_call` (server, name, arguments, error,
 seconds), kept in the rollouts table's `messages` column with the rest of the episode.
 """
 
@@ -372,7 +374,9 @@ class McpToolsEnv:
         self.parser = get_parser(self.options.parser)
         self.max_turns = max(self.options.max_turns, getattr(env, "max_turns", 1))
         self.rollout_context = getattr(env, "rollout_context", "tokens")
-        self.tools = [*(getattr(env, "tools", None) or []), *toolbox.tools]
+        own = list(getattr(env, "tools", None) or [])
+        self._own_tools = {tool["function"]["name"] for tool in own}
+        self.tools = [*own, *toolbox.tools]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.env, name)
@@ -392,9 +396,12 @@ class McpToolsEnv:
 
     def step(self, example: Example, messages: Messages, completion_text: str) -> StepResult:
         """The turn's tool calls answered as tool messages (episode goes on), or, for a turn
-        without calls, the wrapped environment's step."""
+        without calls or calling the wrapped environment's own tools, the wrapped environment's
+        step. A Hermes `<tool_call>` block that is not a call is answered as a `bad_call` error."""
         calls = self.parser.parse(completion_text).calls
-        if not calls:
+        if not calls and self.parser.name == "hermes" and "<tool_call>" in completion_text:
+            return StepResult(messages_to_append=[bad_call_message()], done=False)
+        if not calls or any(call.name in self._own_tools for call in calls):
             return self.env.step(example, messages, completion_text)
         return StepResult(messages_to_append=[tool_message(self.toolbox.call(call.name, call.arguments), call)
                                               for call in calls], done=False)
@@ -414,6 +421,13 @@ class McpToolsEnv:
 def tool_message(outcome: ToolOutcome, call: ToolCall) -> dict[str, Any]:
     """The tool message of one call: what the model reads, and the call's record (`tool_call`)."""
     return {"role": "tool", "name": call.name, "content": outcome.text, "tool_call": outcome.record()}
+
+
+def bad_call_message() -> dict[str, Any]:
+    """The answer to a `<tool_call>` block whose JSON is not {"name": ..., "arguments": {...}}."""
+    text = 'error: a <tool_call> block must hold one JSON object {"name": ..., "arguments": {...}}'
+    return {"role": "tool", "content": text, "tool_call": {
+        "server": "", "name": "", "arguments": {}, "error": "bad_call", "seconds": 0.0}}
 
 
 def with_mcp_tools(env: Environment, servers: Sequence[McpServerConfig],

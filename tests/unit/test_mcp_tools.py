@@ -16,7 +16,7 @@ import pytest
 from rlpipe.core.config import ConfigError
 from rlpipe.engines.base import SamplingParams
 from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv
-from rlpipe.envs.base import Example
+from rlpipe.envs.base import Example, StepResult
 from rlpipe.envs.config import McpServerConfig
 from rlpipe.envs.mcp_tools import (
     McpToolbox,
@@ -339,14 +339,30 @@ def test_a_failing_call_goes_back_to_the_model_and_the_episode_goes_on(toolbox):
     from rlpipe.envs.multiturn import run_episodes
 
     tok = build_tokenizer()
-    env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox, ToolUseOptions(max_turns=4))
     turns = ['<tool_call>{"name": "add", "arguments": {"a": "twelve"}}</tool_call>'
              '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
-             '<tool_call>{"name": "slow", "arguments": {"seconds": 10}}</tool_call>', "7"]
+             '<tool_call>{"name": "slow", "arguments": {"seconds": 10}}</tool_call>',
+             '<tool_call>add(3, 4)</tool_call>', "7"]
+    env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox, ToolUseOptions(max_turns=5))
     (group,) = run_episodes(_scripted(tok, turns), tok, env, [Example("arithmetic", "y", "3+4=", 7)],
-                            SamplingParams(n=1, max_new_tokens=256), max_turns=4, max_tokens=4096)
+                            SamplingParams(n=1, max_new_tokens=256), max_turns=5, max_tokens=4096)
     episode = group[0]
     errors = [m["tool_call"]["error"] for m in episode.messages if m["role"] == "tool"]
-    assert errors == ["bad_arguments", "unknown_tool", "timeout"]
-    assert episode.finish_reason == "stop" and episode.n_turns == 3
+    assert errors == ["bad_arguments", "unknown_tool", "timeout", "bad_call"]
+    assert episode.finish_reason == "stop" and episode.n_turns == 4
     assert episode_reward(env, episode, episode.example).reward == 1.0
+
+
+def test_a_call_of_the_wrapped_environments_own_tool_is_its_own_step(toolbox):
+    class OwnTool:
+        name, max_turns, tools = "own", 2, [{"type": "function", "function": {"name": "mine"}}]
+
+        def step(self, example, messages, completion_text):
+            return StepResult([{"role": "tool", "content": "from the environment"}], done=False)
+
+    env = McpToolsEnv(OwnTool(), toolbox)
+    assert [t["function"]["name"] for t in env.tools][:2] == ["mine", "add"]
+    own = env.step(None, [], '<tool_call>{"name": "mine", "arguments": {}}</tool_call>')
+    assert own.messages_to_append == [{"role": "tool", "content": "from the environment"}]
+    mcp = env.step(None, [], '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert mcp.messages_to_append[0]["content"] == "3"
