@@ -246,12 +246,12 @@ def test_secrets_come_from_the_run_environment_by_name_never_from_the_config(ser
 def test_starting_fails_in_one_line_naming_the_server(server_script, http_url, tmp_path):
     with pytest.raises(ValueError, match=r"^MCP server 'ghost' .*could not be started: .*$"):
         McpToolbox([McpServerConfig(name="ghost", command=str(tmp_path / "no-such-program"))])
-    mute = tmp_path / "mute.py"
-    mute.write_text("import time\ntime.sleep(60)\n")
+    mute, pid_file = tmp_path / "mute.py", tmp_path / "mute.pid"
+    mute.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"^MCP server 'mute' .*within connect_timeout_s=1$"):
         McpToolbox([McpServerConfig(name="mute", command=sys.executable, args=[str(mute)], connect_timeout_s=1)])
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 20 and _gone(int(pid_file.read_text()))  # not left behind
     with pytest.raises(ValueError, match=r"^MCP server 'local' lists no tool 'missing'; it lists: add, "):
         McpToolbox([_stdio(server_script, tools=["missing"])])
     with pytest.raises(ValueError, match=r"^MCP tool 'add' is listed by servers 'local' and 'remote'"):
