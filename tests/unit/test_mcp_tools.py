@@ -230,11 +230,11 @@ def test_an_http_server_that_dies_is_answered_as_an_error(server_script, tmp_pat
 
 def test_secrets_come_from_the_run_environment_by_name_never_from_the_config(server_script, monkeypatch):
     monkeypatch.setenv("RLPIPE_TEST_MCP_SECRET", "s3cret")
-    with McpToolbox([_stdio(server_script, pass_env=["RLPIPE_TEST_MCP_SECRET"], tools=["getenv"]),
-                     _stdio(server_script, name="other", tools=["pid"])]) as box:
+    monkeypatch.setenv("RLPIPE_TEST_MCP_OTHER", "kept")
+    with McpToolbox([_stdio(server_script, pass_env=["RLPIPE_TEST_MCP_SECRET"], tools=["getenv"])]) as box:
         assert box.call("getenv", {"name": "RLPIPE_TEST_MCP_SECRET"}).text == "s3cret"
-    with McpToolbox([_stdio(server_script, tools=["getenv"])]) as box:  # not passed: not there
-        assert box.call("getenv", {"name": "RLPIPE_TEST_MCP_SECRET"}).text == ""
+        # set in the run's environment but not named: not the server's
+        assert box.call("getenv", {"name": "RLPIPE_TEST_MCP_OTHER"}).text == ""
     remote = McpServerConfig(name="remote", url="http://h/mcp", headers={"X-Team": "a"},
                              headers_env={"Authorization": "SEARCH_AUTH"})
     assert from_environment(remote, {"SEARCH_AUTH": "Bearer t"}) == {"Authorization": "Bearer t"}
