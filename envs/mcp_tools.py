@@ -194,6 +194,14 @@ class _Server:
                 if not future.done():
                     future.set_exception(ConnectionError(self.dead))
 
+    def enqueue(self, item: tuple[str, dict[str, Any], concurrent.futures.Future]) -> None:
+        """Hand a call to the server's task (on the loop's thread: a server that ended meanwhile
+        fails the call at once rather than leaving it unread)."""
+        if self.dead is not None or self.queue is None:
+            item[2].set_exception(ConnectionError(self.dead or "not started"))
+        else:
+            self.queue.put_nowait(item)
+
     async def _serve(self, client: Any) -> None:
         import anyio
 
@@ -298,7 +306,7 @@ class McpToolbox:
         future: concurrent.futures.Future = concurrent.futures.Future()
         server.pending.add(future)
         try:
-            self._loop.call_soon_threadsafe(server.queue.put_nowait, (name, dict(arguments), future))
+            self._loop.call_soon_threadsafe(server.enqueue, (name, dict(arguments), future))
             result = future.result(timeout=server.config.call_timeout_s + _GRACE_S)
         except concurrent.futures.TimeoutError:
             return outcome(label, _timeout_text(name, server.config), "timeout")
