@@ -335,8 +335,10 @@ def test_an_episode_calls_the_tool_and_the_call_lands_in_the_rollout_row(toolbox
     assert episode_reward(env, vars(row), example).reward == 1.0
 
 
-def test_a_failing_call_goes_back_to_the_model_and_the_episode_goes_on(toolbox):
-    from rlpipe.envs.multiturn import run_episodes
+def test_a_failing_call_goes_back_to_the_model_and_the_episode_goes_on(toolbox, tmp_path):
+    from rlpipe.envs.multiturn import episode_fields, run_episodes
+    from rlpipe.storage.queries import run_canned
+    from rlpipe.storage.writer import write_table
 
     tok = build_tokenizer()
     turns = ['<tool_call>{"name": "add", "arguments": {"a": "twelve"}}</tool_call>'
@@ -350,6 +352,14 @@ def test_a_failing_call_goes_back_to_the_model_and_the_episode_goes_on(toolbox):
     errors = [m["tool_call"]["error"] for m in episode.messages if m["role"] == "tool"]
     assert errors == ["bad_arguments", "unknown_tool", "timeout", "bad_call"]
     assert episode.finish_reason == "stop" and episode.n_turns == 4
+    # the canned query counts them per tool
+    row = {"run_id": "r", "step": 1, "policy_version": 0, "env": "arithmetic", "example_id": "y", "group_id": "g",
+           "sample_id": "s", "attempt": 1, **episode_fields(episode, tok)}
+    write_table(tmp_path, "rollouts", 1, [row], run_id="r")
+    got = run_canned([tmp_path], "tool_calls_by_step").to_pylist()
+    assert [(r["server"], r["tool"], r["calls"], r["errors"], r["timeouts"]) for r in got] == [
+        ("", "", 1, 1, 0), ("", "nope", 1, 1, 0), ("local", "add", 1, 1, 0), ("local", "slow", 1, 1, 1)]
+    assert got[-1]["seconds_mean"] > 0.9
     assert episode_reward(env, episode, episode.example).reward == 1.0
 
 
