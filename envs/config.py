@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from rlpipe.core.config import Section
+from rlpipe.models.tool_calls import PARSERS
 
 
 class RewardModelConfig(Section):
@@ -36,6 +37,55 @@ class RewardModelConfig(Section):
     to answer within its few tokens); unset = model.chat_template_kwargs."""
 
 
+class McpServerConfig(Section):
+    """One `[[task.mcp_servers]]` entry: an MCP server whose tools the policy may call
+    (envs/mcp_tools.py). Give `command` (a stdio server the run starts) or `url` (a streamable
+    HTTP server already running), not both."""
+
+    name: str = Field(min_length=1)
+    """Name of the server in the record of each call (the `tool_call.server` of a tool message)."""
+    command: str = ""
+    """stdio: the executable that starts the server (e.g. "python", "npx", "uvx")."""
+    args: list[str] = Field(default_factory=list)
+    """stdio: its command-line arguments."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """stdio: environment variables set for the server, over the SDK's safe default set (plain
+    values: they are written to config.json; pass secrets with pass_env)."""
+    pass_env: list[str] = Field(default_factory=list)
+    """stdio: variables of the run's own environment handed to the server by name (API keys: their
+    values never enter the config); one that is not set stops the run naming it."""
+    cwd: str = ""
+    """stdio: the server's working folder ('' = the run's)."""
+    url: str = ""
+    """streamable HTTP: the server's endpoint (e.g. "http://127.0.0.1:8000/mcp")."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """streamable HTTP: headers sent with every request, plain values (written to config.json)."""
+    headers_env: dict[str, str] = Field(default_factory=dict)
+    """streamable HTTP: headers whose value is read from an environment variable, header name →
+    variable name (e.g. { Authorization = "SEARCH_AUTH" }): tokens never enter the config."""
+    tools: list[str] | None = None
+    """The server's tools the policy sees, by name (unset = all it lists); a name it does not list
+    is an error when the run starts."""
+    connect_timeout_s: float = Field(30.0, gt=0)
+    """Seconds to start (stdio), connect and list the tools before the run fails naming the server."""
+    call_timeout_s: float = Field(30.0, gt=0)
+    """Seconds one tool call may take; a slower call is answered to the model as a timeout error."""
+    max_output_chars: int = Field(4000, ge=1)
+    """A tool's reply is cut to this many characters (the cut is said in the reply)."""
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"MCP server {self.name!r}: give exactly one of command (stdio) or url (streamable HTTP)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"MCP server {self.name!r}: url must start with http:// or https://, got {self.url!r}")
+        if self.command and (self.headers or self.headers_env):
+            raise ValueError(f"MCP server {self.name!r}: headers and headers_env apply to url servers only")
+        if self.url and (self.args or self.env or self.pass_env or self.cwd):
+            raise ValueError(f"MCP server {self.name!r}: args, env, pass_env and cwd apply to command servers only")
+        return self
+
+
 class TaskConfig(Section):
     """`[task]`: the environment and its rewards."""
 
@@ -52,3 +102,23 @@ class TaskConfig(Section):
     reward_timeout_s: float = Field(0.0, ge=0)
     """Seconds one reward call may take (0 = no limit). A call over it is recorded as a reward
     error (reward 0), counted in the share that fails a step (rl.max_reward_error_fraction)."""
+    mcp_servers: list[McpServerConfig] = Field(default_factory=list)
+    """MCP servers whose tools the policy may call (envs/mcp_tools.py): episodes become multi-turn,
+    the tools are listed to the chat template, each call's result is a tool message."""
+    tool_max_turns: int = Field(4, ge=2)
+    """With mcp_servers: assistant turns per episode (tool-calling turns plus the final answer),
+    unless the environment is multi-turn with more turns of its own."""
+    tool_call_parser: str = "hermes"
+    """With mcp_servers: the model's tool-call format (models/tool_calls.py), as `rlpipe serve
+    --tool-call-parser` names it."""
+
+    @model_validator(mode="after")
+    def _mcp_names(self) -> TaskConfig:
+        names = [server.name for server in self.mcp_servers]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"mcp_servers: server names must be unique, repeated: {', '.join(repeated)}")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r}; "
+                             f"known: {', '.join(sorted(PARSERS))}")
+        return self

@@ -25,6 +25,8 @@ Token fidelity (the bug reports of every multi-turn trainer are about this):
 
 An episode ends when the environment says done ("stop"), at `max_turns` ("max_turns"), when a
 turn is cut by max_new_tokens, or when the next turn would pass `max_tokens` ("length").
+An environment with a `tools` attribute (OpenAI's `tools` shape; envs/mcp_tools.py) has them
+rendered by the chat template (`tools=`) in every turn's context.
 `turns` records who produced which span of the completion (turn index, producer, start, length,
 optional per-turn reward from `StepResult.reward`), so DuckDB answers per-turn questions.
 """
@@ -183,11 +185,13 @@ def run_episodes(
     """`params.n` episodes per example (in order), each run until done, max_turns or max_tokens.
 
     context: "tokens" (the stream so far) or "template" (the template's rendering; see the
-    module docstring). template_kwargs: model.chat_template_kwargs, given to every rendering."""
+    module docstring). template_kwargs: model.chat_template_kwargs, given to every rendering,
+    with the environment's `tools` (if it has any) as the template's `tools=`."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if context not in ("tokens", "template"):
         raise ValueError(f"context must be 'tokens' or 'template', got {context!r}")
+    template_kwargs = with_env_tools(env, template_kwargs)
     episodes: list[list[Episode]] = []
     for example in examples:
         messages = env.reset(example)
@@ -205,6 +209,16 @@ def run_episodes(
             _advance(episode, completion, tokenizer, env, max_turns, max_tokens, context, template_kwargs)
         turn += 1
     return episodes
+
+
+def with_env_tools(env: Environment, template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`template_kwargs` with the environment's tools (its `tools` attribute, OpenAI's shape:
+    envs/mcp_tools.py) as the chat template's `tools=`, so the model sees what it may call."""
+    kwargs = dict(template_kwargs or {})
+    tools = getattr(env, "tools", None)
+    if tools:
+        kwargs["tools"] = list(tools)
+    return kwargs
 
 
 def transcript_of(messages: str | None, completion_text: str, answer_text: str | None = None) -> str | list[dict]:

@@ -86,11 +86,31 @@ def _check_env(config) -> None:
         raise ConfigError(f"task.env: unknown environment {task.env!r} (set one of {', '.join(ENV_NAMES)})")
     _check("task.options", f"give task.options that environment {task.env!r} accepts",
            lambda: build_env(task.env, **task.options))
+    _check_mcp_servers(task)
     for index, reward_model in enumerate(task.reward_models):
         from rlpipe.models.loading import check_model, resolve_model_path
 
         _check(f"task.reward_models[{index}].path", "a Hugging Face model folder or hub id",
                lambda path=reward_model.path: check_model(resolve_model_path(path)))
+
+
+def _check_mcp_servers(task) -> None:
+    """The MCP SDK is installed, every stdio server's command is an executable and the environment
+    variables the servers take are set (the servers themselves start with the run: envs/mcp_tools.py)."""
+    import shutil
+    from importlib.util import find_spec
+
+    if task.mcp_servers and find_spec("mcp") is None:
+        raise ConfigError("task.mcp_servers: MCP tools need the MCP SDK, which is not installed "
+                          "(pip install -e '.[mcp]' in the checkout)")
+    for index, server in enumerate(task.mcp_servers):
+        if server.command and shutil.which(server.command, path=server.env.get("PATH")) is None:
+            raise ConfigError(f"task.mcp_servers[{index}].command: {server.command!r} is not an executable "
+                              "file or on PATH (give the server's program, e.g. python, npx or uvx)")
+        from rlpipe.envs.mcp_tools import from_environment
+
+        _check(f"task.mcp_servers[{index}]", "set it in the run's environment",
+               lambda server=server: from_environment(server))
 
 
 def _phases(flow: str) -> tuple[str, ...]:

@@ -70,9 +70,12 @@ class RLRun:
         return any(e.syncs_from_checkpoint for e in self.engines)
 
     def close(self) -> None:
-        """Close every engine once."""
-        for engine in self.closing:
-            engine.close()
+        """Close every engine once, then the environment (its MCP servers, if any)."""
+        try:
+            for engine in self.closing:
+                engine.close()
+        finally:
+            close_env(self.env)
 
 
 def overlong_penalty_fn(rl):
@@ -84,13 +87,42 @@ def overlong_penalty_fn(rl):
 
 
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
-    """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop needs."""
+    """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop
+    needs. The environment's MCP servers (task.mcp_servers) start first; `RLRun.close` stops them."""
+    task = config.task
+    env = with_reward_timeout(make_env(task.env, task.options, task.reward_models, task.env_reward_weight,
+                                       config.model.chat_template_kwargs, task.mcp_servers, tool_use_options(task)),
+                              task.reward_timeout_s)
+    try:
+        return _open_rl(config, env, run_dir, run_id, start_checkpoint)
+    except BaseException:
+        close_env(env)
+        raise
+
+
+def tool_use_options(task):
+    """The options of episodes with MCP tools (`task.tool_max_turns`, `task.tool_call_parser`),
+    None without `task.mcp_servers`."""
+    if not task.mcp_servers:
+        return None
+    from rlpipe.envs.mcp_tools import ToolUseOptions
+
+    return ToolUseOptions(max_turns=task.tool_max_turns, parser=task.tool_call_parser)
+
+
+def close_env(env) -> None:
+    """Close an environment that holds resources (MCP servers: envs/mcp_tools.py); others have
+    nothing to close."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
+
+
+def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     from rlpipe.envs.prompts import PromptSource
 
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
-    env = with_reward_timeout(make_env(config.task.env, config.task.options, config.task.reward_models,
-                                       config.task.env_reward_weight, chat_kwargs), config.task.reward_timeout_s)
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
     prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)

@@ -85,6 +85,8 @@ COMMANDS: dict[str, str] = {
     "rlpipe run --help-config": RUN,
     "rlpipe rescore --reward mypkg.mod:fn": PLACEHOLDER,
     "pip install -e '.[verifiers]'": INSTALL,
+    # "Tools from MCP servers"
+    "pip install -e '.[mcp]'": INSTALL,
     "python -m benchmarks.bench_losses": SLOW,
     # "Runs, crashes and trust", "Serving"
     "rlpipe run --overwrite": PLACEHOLDER,
