@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import importlib.util
 import json
 import logging
 import os
@@ -85,6 +87,28 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
+
+
+FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
+_said: set[str] = set()  # one-time log lines already given in this process
+
+
+def use_sampler_without_flashinfer(environ: dict | None = None) -> bool:
+    """Where FlashInfer is not installed and the user set nothing, set VLLM_USE_FLASHINFER_SAMPLER=0
+    (in `environ`, default os.environ) so that vLLM's GPU sampler takes its PyTorch top-k/top-p
+    path instead of importing FlashInfer, which stops the engine from starting (vLLM 0.26). Call
+    before vLLM is imported or reads its settings; returns whether it set the variable. A value the
+    user set is kept (1 without FlashInfer then fails in vLLM, as asked)."""
+    environ = os.environ if environ is None else environ
+    if FLASHINFER_SAMPLER in environ or importlib.util.find_spec("flashinfer") is not None:
+        return False
+    environ[FLASHINFER_SAMPLER] = "0"
+    if FLASHINFER_SAMPLER not in _said:
+        _said.add(FLASHINFER_SAMPLER)
+        logging.getLogger(__name__).warning(
+            "FlashInfer is not installed: vLLM samples with its PyTorch top-k/top-p sampler "
+            "(%s=0; install flashinfer-python for its kernels)", FLASHINFER_SAMPLER)
+    return True
 
 
 @contextlib.contextmanager
@@ -164,6 +188,27 @@ def _keep_vllm_record(record: logging.LogRecord) -> bool:
 
 
 
+def shutdown_llm(llm: Any, asleep: bool) -> None:
+    """Stop a `vllm.LLM`'s engine core (the in-process executor, its model and KV cache). A
+    sleeping engine is woken first: its memory is unmapped, and freeing unmapped CuMem
+    allocations is not something vLLM's CUDA allocator does."""
+    if asleep:
+        llm.wake_up()
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def cumem_pool_bytes() -> int:
+    """Bytes vLLM's sleep-mode (CuMem) allocator still has allocated in this process; 0 where
+    it was never used."""
+    import sys
+
+    module = sys.modules.get("vllm.device_allocator.cumem")
+    instance = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
+    return int(instance.get_current_usage()) if instance is not None else 0
+
+
 class VllmEngine:
     """In-process vLLM on one GPU, sampling from `model`'s current weights (see module doc).
 
@@ -188,6 +233,7 @@ class VllmEngine:
         policy_version: int = 0,
         seed: int = 0,
     ) -> None:
+        use_sampler_without_flashinfer()  # before vLLM is imported
         reason = vllm_unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason + "; use engine.type = 'torch' or 'http' instead")
@@ -301,13 +347,27 @@ class VllmEngine:
             self._asleep = False
 
     def close(self) -> None:
+        """Shut vLLM down and free everything it holds, so that this process can build another
+        VllmEngine (one sleep-mode engine at a time: vLLM's CuMem pool serves one engine per
+        process and must be empty when the next one loads its weights). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            del self._llm
+            llm = self.__dict__.pop("_llm", None)
+            if llm is not None:
+                shutdown_llm(llm, asleep=self._asleep)
+                del llm
+            self._asleep = False
+            gc.collect()  # vLLM's model, KV cache and runner sit in reference cycles
             self._config_dir.cleanup()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                left = cumem_pool_bytes()
+                if left:
+                    logging.getLogger(__name__).warning(
+                        "vLLM's memory pool still holds %d bytes after close: another VllmEngine in "
+                        "this process will fail to load its weights", left)
 
     def _push_weights(self) -> None:
         self._push(trainer_weights(self.model))

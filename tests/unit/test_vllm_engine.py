@@ -187,3 +187,53 @@ def test_a_moe_model_whose_kernels_vllm_does_not_name_is_warned_about(caplog):
     assert not caplog.records
     check_pushable_moe_backends([], moe=True)
     assert "cannot tell which kernel" in caplog.text
+
+
+def test_a_missing_flashinfer_switches_vllm_to_its_other_sampler(monkeypatch, caplog):
+    import importlib.util
+
+    from rlpipe.engines import vllm_engine
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
+    monkeypatch.setattr(vllm_engine, "_said", set())
+    environ: dict[str, str] = {}
+    with caplog.at_level("WARNING", logger="rlpipe.engines.vllm_engine"):
+        assert vllm_engine.use_sampler_without_flashinfer(environ)
+        assert vllm_engine.use_sampler_without_flashinfer({})  # set again, said once
+    assert environ == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    said = [r.getMessage() for r in caplog.records if "FlashInfer is not installed" in r.getMessage()]
+    assert len(said) == 1 and "VLLM_USE_FLASHINFER_SAMPLER=0" in said[0]
+    user = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}  # the user's own choice is kept
+    assert not vllm_engine.use_sampler_without_flashinfer(user) and user["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_an_installed_flashinfer_leaves_vllm_its_default(monkeypatch):
+    import importlib.machinery
+    import importlib.util
+
+    from rlpipe.engines import vllm_engine
+
+    real_find_spec = importlib.util.find_spec
+    spec = importlib.machinery.ModuleSpec("flashinfer", None)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: spec if name == "flashinfer" else real_find_spec(name, *a))
+    environ: dict[str, str] = {}
+    assert not vllm_engine.use_sampler_without_flashinfer(environ) and environ == {}
+
+
+def test_the_vllm_engine_sets_the_sampler_before_vllm_is_imported():
+    # in a fresh process without FlashInfer: building the engine (here refused: no GPU or no vLLM)
+    # has set the variable before vLLM could read it
+    code = ("import os, sys\n"
+            "sys.modules['flashinfer'] = None\n"
+            "from rlpipe.engines.vllm_engine import VllmEngine, FLASHINFER_SAMPLER\n"
+            "try:\n"
+            "    VllmEngine.__init__(object.__new__(VllmEngine), None)\n"
+            "except Exception:\n"
+            "    pass\n"
+            "print(os.environ.get(FLASHINFER_SAMPLER))\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_FLASHINFER_SAMPLER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "0"
