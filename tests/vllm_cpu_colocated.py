@@ -4,9 +4,11 @@ rlpipe's colocated VllmEngine on real vLLM. Prints one JSON line of what it meas
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
+import weakref
 
 import torch
 from rlpipe.engines.base import SamplingParams
@@ -69,9 +71,28 @@ def main() -> None:
         result["gap_after_disk_sync"] = gap(on_disk, prompts[0], after, 1.0)
         result["gap_to_trainer_after_disk_sync"] = gap(model, prompts[0], after, 1.0)
     result["policy_version"] = engine.policy_version
-    engine.close()
+    result.update(close_and_rebuild(engine, model, prompts[0], greedy))
     result.update(moe_gaps(tok, prompts[0], greedy))
     print(json.dumps(result))
+
+
+def close_and_rebuild(engine: VllmEngine, model, prompt: list[int], greedy: SamplingParams) -> dict:
+    """close() lets go of vLLM entirely (nothing keeps its LLM alive: on a GPU its memory pool
+    must be empty before another engine loads), and the process builds a new engine that samples
+    like the trainer."""
+    llm = weakref.ref(engine._llm)
+    engine.close()
+    engine.close()  # idempotent
+    result = {"closed_llm_collected": llm() is None,
+              "flashinfer_sampler": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")}
+    try:
+        engine.generate([prompt], greedy)
+    except RuntimeError as error:
+        result["generate_after_close"] = str(error)
+    rebuilt = VllmEngine(model, dtype="float32", max_model_len=256)
+    result["rebuilt_gap"] = gap(model, prompt, rebuilt.generate([prompt], greedy)[0][0], 1.0)
+    rebuilt.close()
+    return result
 
 
 def moe_gaps(tok, prompt: list[int], greedy: SamplingParams) -> dict:
