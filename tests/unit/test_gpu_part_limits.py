@@ -9,7 +9,7 @@ import sys
 import time
 
 from benchmarks.bench_gpu import PART_LIMITS_S, main, run_limited
-from benchmarks.gpu_report import PARTS, render
+from benchmarks.gpu_report import PARTS
 
 
 def test_every_part_has_a_stated_limit():
