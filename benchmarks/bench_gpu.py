@@ -26,6 +26,11 @@ Its parts, in one process on one GPU (rl_vs_trl_vllm starts one process per side
     python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl rl_vs_trl_vllm logprobs] [--out runs/bench/gpu.json]
     python -m benchmarks.bench_gpu --render docs/BENCHMARKS_GPU.json     # -> docs/BENCHMARKS_GPU.md
 
+Every part runs in a process of its own and ends within its stated limit (PART_LIMITS_S, or
+`--part-timeout-s` for all): one that runs past it is killed with its process group (a vLLM
+side included) and the JSON records `{"error": "no result within N s"}` for it, and the next
+part starts on a GPU no earlier part holds memory on.
+
 The document is generated from the JSON (which also holds the `rlpipe run configs/gpu.toml`
 figures read from its tables); `make bench` on a machine without CUDA leaves both as they are.
 """
@@ -36,7 +41,11 @@ import argparse
 import copy
 import gc
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -243,6 +252,36 @@ def bench_rl_vs_trl(args) -> dict:
     return result
 
 
+# seconds each part may run, measured H100 times with room to spare (a first compile included)
+PART_LIMITS_S = {"train": 900, "engine": 600, "rl_vs_trl": 1200, "rl_vs_trl_vllm": 1500, "logprobs": 600}
+
+
+def run_limited(command: list[str], limit_s: float, out: Path) -> dict:
+    """Run `command` (which writes its result as JSON to `out`) for at most `limit_s` seconds in a
+    new process group, killed whole past the limit; its result, or {"error": why there is none}."""
+    process = subprocess.Popen(command, stdout=None, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return {"error": f"no result within {limit_s:g} s (the part's limit; --part-timeout-s changes it)"}
+    if process.returncode != 0 or not out.is_file():
+        return {"error": f"exit status {process.returncode}: {(stderr or '')[-3000:]}"}
+    return json.loads(out.read_text())
+
+
+def run_part_in_process(name: str, args: argparse.Namespace) -> dict:
+    """One part in a child process of this module (`--one-part`), within its limit."""
+    limit = args.part_timeout_s or PART_LIMITS_S[name]
+    with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{name}-") as folder:
+        out = Path(folder) / "part.json"
+        options = {k: v for k, v in vars(args).items() if k not in ("parts", "out", "render", "profile", "one_part")}
+        command = [sys.executable, "-m", "benchmarks.bench_gpu", "--one-part", name, "--out", str(out),
+                   "--options-json", json.dumps(options)]
+        return run_limited(command, limit, out)
+
+
 def measured_on() -> str:
     """The hardware and software a report was measured on: GPU, torch, transformers, TRL and vLLM
     (those installed)."""
@@ -271,8 +310,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/bench/gpu.json")
     parser.add_argument("--profile", action="store_true", help="also write the train step's top kernels")
     parser.add_argument("--render", metavar="JSON", help="only write the Markdown next to this JSON")
+    parser.add_argument("--part-timeout-s", type=float, default=None,
+                        help="seconds every part may run (default: each part's own, PART_LIMITS_S)")
+    parser.add_argument("--one-part", help=argparse.SUPPRESS)  # the child process of one part
+    parser.add_argument("--options-json", help=argparse.SUPPRESS)
     add_vllm_arguments(parser)
     args = parser.parse_args(argv)
+    if args.options_json:
+        vars(args).update(json.loads(args.options_json))
     if args.render:
         report = json.loads(Path(args.render).read_text())
         write_atomic(Path(args.render).with_suffix(".md"), render(report))
@@ -289,8 +334,12 @@ def main(argv: list[str] | None = None) -> dict:
              "rl_vs_trl": lambda: bench_rl_vs_trl(args),
              "rl_vs_trl_vllm": lambda: bench_rl_vs_trl_vllm(args),
              "logprobs": lambda: bench_logprobs_gpu(args.tokens_per_step, args.repeats)}
+    if args.one_part:
+        write_results(args.out, parts[args.one_part]())
+        return report
     for name in args.parts:
-        report[name] = parts[name]()
+        report[name] = run_part_in_process(name, args)
+        print(json.dumps({name: "error" if "error" in report[name] else "done"}), flush=True)
         write_results(args.out, report)  # each part kept as it ends: a later one may fail or hang
     if args.profile:  # eager, then compiled: what the fused layers leave
         profile_train_step(args.tokens_per_step, args.token_budget, Path(args.out).with_suffix(".profile.txt"))

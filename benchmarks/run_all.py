@@ -100,6 +100,26 @@ def flatten(data, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix.rstrip("."), data)]
 
 
+# how to measure the GPU figures (docs/BENCHMARKS_GPU.md): kept in the generated document
+ON_A_GPU = [
+    '## On a CUDA machine',
+    '',
+    'The GPU figures (an H100: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in [BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py`; `make bench` on a machine without CUDA leaves them as they are. To measure them, from the repository root of a checkout on a machine with one NVIDIA GPU:',
+    '',
+    '    python -m pip install --no-deps --no-build-isolation -e .      # beside torch, transformers, vLLM, TRL',
+    '    python -m pytest -m gpu                                           # tests/gpu: the CUDA paths, ~1 min',
+    '    python -m benchmarks.bench_gpu --out runs/bench/gpu.json          # parts train engine rl_vs_trl logprobs',
+    '    python -m benchmarks.bench_gpu --parts rl_vs_trl_vllm             # both sides on vLLM, colocated',
+    '    cp runs/bench/gpu.json docs/BENCHMARKS_GPU.json && python -m benchmarks.bench_gpu --render docs/BENCHMARKS_GPU.json',
+    '',
+    'Both need only torch, transformers, vLLM and TRL in the GPU machine\'s Python (plus what a CUDA image carries: numpy, safetensors, tokenizers, pyarrow, peft, pytest); Prefect, MLflow, DuckDB, Polars and pydantic are never imported on that path (tests/unit/test_gpu_checks_path.py checks it with them blocked). Add `liger-kernel` for `train.fused = "liger"` (its test in tests/gpu skips, saying so, without it). Where FlashInfer is not installed the vLLM engine sets `VLLM_USE_FLASHINFER_SAMPLER=0` itself.',
+    '',
+    'Each part runs in a process of its own and ends within its limit: train 900 s, engine 600 s, rl_vs_trl 1,200 s, rl_vs_trl_vllm 1,500 s (each vLLM side also within `--side-timeout-s`, 600 s), logprobs 600 s (`PART_LIMITS_S` in benchmarks/bench_gpu.py; `--part-timeout-s S` sets one limit for all). A part past its limit is killed with its process group and recorded as `{"error": "no result within N s"}`; the JSON is rewritten as each part ends, so a hung part costs its limit and nothing measured before it. `--profile` adds the train step\'s top kernels (eager and compiled).',
+    '',
+    'Where layouts match, `--parts rl_vs_trl_vllm --sides trl rlpipe rlpipe_zero_copy` adds rlpipe with `engine.zero_copy` (pure bf16 weights, vLLM eager): its weight load then copies only the tensors vLLM cannot share, and the JSON counts those it shares (`shared_tensors`).',
+]
+
+
 def render(report: dict) -> str:
     ceiling = report["ceiling_gflops"]
     heads = {name: headline(name, entry, ceiling) for name, entry in report["benchmarks"].items()}
@@ -112,13 +132,15 @@ def render(report: dict) -> str:
              f"{fmt_load(report.get('loadavg_end'))} (the last `run_all`). The benchmarks took "
              f"{sum(e.get('seconds', 0) for e in report['benchmarks'].values()) / 60:.1f} min in all.", "",
              "GPU figures (an H100: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in "
-             "[BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py` where a GPU is present.", "",
+             "[BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py` where a GPU is present "
+             "(how to run it: [On a CUDA machine](#on-a-cuda-machine), below the summary).", "",
              "Timings come from a CPU that other processes shared (the load averages above), so read "
              "them as ranges, not digits." + (" This was a `--quick` run (fewer repeats and steps)." if report.get("quick")
                                       else ""), "",
              "## Summary", ""]
     lines += table(["benchmark", "headline"],
                    [[f"[{name}](#{anchor_of(BENCHMARKS[name])})", heads[name][0]] for name in report["benchmarks"]])
+    lines += ["", *ON_A_GPU]
     lines += ["", "## The ceiling: matrix-multiply rate", "",
               "| dtype | GFLOP/s |", "|---|---|"]
     lines += [f"| {dtype} | {rate:,.0f} |" for dtype, rate in ceiling.items()]

@@ -59,6 +59,12 @@ class EngineConfig(Section):
     max_model_len: int = Field(0, ge=0)
     """vLLM engine: longest prompt + completion it plans its KV cache for; 0 = the model's
     max_position_embeddings (40,960 for Qwen3: lower it to leave memory to a smaller GPU)."""
+    zero_copy: bool = False
+    """vLLM engine on CUDA, colocated and synchronous: vLLM's parameters whose layout is the
+    trainer's become the trainer's tensors (no copy at a sync; the rest are still pushed). Layouts
+    match with model.weights_dtype = "bfloat16" (a float32 trainer under a bf16 engine matches
+    none). Ignored with LoRA, with rl.max_off_policy_steps > 0, with engine.cuda_graphs (vLLM's
+    graphs hold its own parameters' addresses) and on vLLM's CPU build (engines/vllm_engine.py). Off by default until a GPU run measures it."""
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

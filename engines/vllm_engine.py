@@ -18,6 +18,16 @@ How it shares the GPU with training (colocated):
   and KV cache are released so the optimizer step has the memory. The next `generate` wakes the
   weights, loads the trainer's *current* weights into them, then wakes the KV cache
   (`wake_up(tags=...)`), so a sync after an optimizer step is free.
+- Zero-copy (`zero_copy=True`, `engine.zero_copy`): at the first push, each vLLM parameter whose
+  layout is the trainer's (same name, shape, strides, dtype, device) is pointed at the trainer's
+  tensor (`param.data = tensor`), its own memory freed; later pushes copy only the rest (vLLM's
+  fused qkv/gate-up and stacked expert tensors, a padded vocabulary, and everything when a
+  float32 trainer feeds a bf16 engine: weights_dtype = "bfloat16" is what makes layouts match).
+  The optimizer updates those tensors in place, so vLLM reads the current weights with no copy.
+  Only colocated and synchronous (sleep_between_calls, no LoRA: merged adapters are new tensors
+  at each push), eager (enforce_eager: CUDA graphs captured at build read vLLM's own addresses),
+  on CUDA (the CPU build repacks its linear weights); a checkpoint sync first gives
+  the rebound parameters their own copy back. Off by default until a GPU run measures it.
 - Async RL (a producer thread generating while the trainer trains): `generate` and `sync` hold
   one lock, so a push never lands inside a generate, and the run builds the engine with
   `sleep_between_calls=False`: a push deferred to the next wake-up would read the trainer's
@@ -42,6 +52,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import importlib.util
 import json
 import logging
 import os
@@ -59,7 +71,9 @@ from rlpipe.engines.vllm_weights import (
     load_weights_on_worker,
     moe_backend_kwargs,
     moe_backends_on_worker,
+    rebind_weights_on_worker,
     trainer_weights,
+    unbind_weights_on_worker,
     vllm_on_cpu,
 )
 from torch import nn
@@ -85,6 +99,28 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
+
+
+FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
+_said: set[str] = set()  # one-time log lines already given in this process
+
+
+def use_sampler_without_flashinfer(environ: dict | None = None) -> bool:
+    """Where FlashInfer is not installed and the user set nothing, set VLLM_USE_FLASHINFER_SAMPLER=0
+    (in `environ`, default os.environ) so that vLLM's GPU sampler takes its PyTorch top-k/top-p
+    path instead of importing FlashInfer, which stops the engine from starting (vLLM 0.26). Call
+    before vLLM is imported or reads its settings; returns whether it set the variable. A value the
+    user set is kept (1 without FlashInfer then fails in vLLM, as asked)."""
+    environ = os.environ if environ is None else environ
+    if FLASHINFER_SAMPLER in environ or importlib.util.find_spec("flashinfer") is not None:
+        return False
+    environ[FLASHINFER_SAMPLER] = "0"
+    if FLASHINFER_SAMPLER not in _said:
+        _said.add(FLASHINFER_SAMPLER)
+        logging.getLogger(__name__).warning(
+            "FlashInfer is not installed: vLLM samples with its PyTorch top-k/top-p sampler "
+            "(%s=0; install flashinfer-python for its kernels)", FLASHINFER_SAMPLER)
+    return True
 
 
 @contextlib.contextmanager
@@ -164,6 +200,37 @@ def _keep_vllm_record(record: logging.LogRecord) -> bool:
 
 
 
+def zero_copy_applies(asked: bool, *, on_cpu: bool, sleep_between_calls: bool, enforce_eager: bool,
+                      model: nn.Module) -> bool:
+    """Whether a VllmEngine asked for zero_copy shares tensors (see the module docstring): on CUDA,
+    colocated and synchronous (sleep_between_calls), eager (CUDA graphs captured at build hold
+    the addresses of vLLM's own parameters), without LoRA adapters."""
+    from rlpipe.training.lora import has_lora
+
+    return asked and not on_cpu and sleep_between_calls and enforce_eager and not has_lora(model)
+
+
+def shutdown_llm(llm: Any, asleep: bool) -> None:
+    """Stop a `vllm.LLM`'s engine core (the in-process executor, its model and KV cache). A
+    sleeping engine is woken first: its memory is unmapped, and freeing unmapped CuMem
+    allocations is not something vLLM's CUDA allocator does."""
+    if asleep:
+        llm.wake_up()
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def cumem_pool_bytes() -> int:
+    """Bytes vLLM's sleep-mode (CuMem) allocator still has allocated in this process; 0 where
+    it was never used."""
+    import sys
+
+    module = sys.modules.get("vllm.device_allocator.cumem")
+    instance = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
+    return int(instance.get_current_usage()) if instance is not None else 0
+
+
 class VllmEngine:
     """In-process vLLM on one GPU, sampling from `model`'s current weights (see module doc).
 
@@ -187,7 +254,9 @@ class VllmEngine:
         sleep_between_calls: bool = True,
         policy_version: int = 0,
         seed: int = 0,
+        zero_copy: bool = False,
     ) -> None:
+        use_sampler_without_flashinfer()  # before vLLM is imported
         reason = vllm_unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason + "; use engine.type = 'torch' or 'http' instead")
@@ -202,6 +271,9 @@ class VllmEngine:
         self.model = model
         # vLLM's sleep mode lives in its CUDA allocator; on its CPU build nothing is released
         self.sleep_between_calls = sleep_between_calls and not on_cpu
+        self.zero_copy = zero_copy_applies(zero_copy, on_cpu=on_cpu, sleep_between_calls=sleep_between_calls,
+                                           enforce_eager=enforce_eager, model=model)
+        self._rebound: list[str] = []  # vLLM parameters that are the trainer's tensors (zero_copy)
         self._policy_version = policy_version
         self._asleep = False
         self._closed = False
@@ -278,6 +350,7 @@ class VllmEngine:
                 # read here and pushed like the trainer's tensors: vLLM's own reload from disk
                 # needs a load-format switch and a model_config update that breaks in vLLM 0.32
                 self.wake_up(push=False)
+                self._unbind()  # the checkpoint must not be written into the trainer's tensors
                 self._push(checkpoint_weights(Path(checkpoint_path)))
             self._policy_version = policy_version
 
@@ -301,16 +374,44 @@ class VllmEngine:
             self._asleep = False
 
     def close(self) -> None:
+        """Shut vLLM down and free everything it holds, so that this process can build another
+        VllmEngine (one sleep-mode engine at a time: vLLM's CuMem pool serves one engine per
+        process and must be empty when the next one loads its weights). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            del self._llm
+            llm = self.__dict__.pop("_llm", None)
+            if llm is not None:
+                shutdown_llm(llm, asleep=self._asleep)
+                del llm
+            self._asleep = False
+            gc.collect()  # vLLM's model, KV cache and runner sit in reference cycles
             self._config_dir.cleanup()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                left = cumem_pool_bytes()
+                if left:
+                    logging.getLogger(__name__).warning(
+                        "vLLM's memory pool still holds %d bytes after close: another VllmEngine in "
+                        "this process will fail to load its weights", left)
 
     def _push_weights(self) -> None:
-        self._push(trainer_weights(self.model))
+        weights = trainer_weights(self.model)
+        if self.zero_copy:
+            if not self._rebound:
+                self._rebound = [name for names in self._llm.collective_rpc(rebind_weights_on_worker, args=(weights,))
+                                 for name in names]
+                logging.getLogger(__name__).info("vLLM shares %d of %d weight tensors with the trainer; "
+                                                 "the rest are copied at each push", len(self._rebound), len(weights))
+            shared = set(self._rebound)
+            weights = [(name, tensor) for name, tensor in weights if name not in shared]
+        self._push(weights)
+
+    def _unbind(self) -> None:
+        if self._rebound:
+            self._llm.collective_rpc(unbind_weights_on_worker, args=(self._rebound,))
+            self._rebound = []
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._llm.collective_rpc(load_weights_on_worker, args=(weights,))

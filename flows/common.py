@@ -189,6 +189,9 @@ def resolve_config(config_path: str | None, overrides: list[str] | None, config:
     else:
         raise ValueError("a flow needs config_path or config")
     preflight(resolved)
+    from rlpipe.tasks.setup import with_resolved_compile
+
+    resolved = with_resolved_compile(resolved)  # train.compile unset = auto: logged as what ran
     if resolved.threads and apply_threads:
         import torch
 

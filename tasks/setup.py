@@ -59,13 +59,18 @@ def make_model_and_tokenizer(preset: str, path: str, overrides: dict[str, Any], 
 
 
 def place_model(model, device: str, weights_dtype: str = "float32",
-                activation_checkpointing: bool = False, compile: bool = False):
-    """The model on the configured device and dtype (in place), with activation checkpointing
-    and regional compilation (`train.compile`, models/compile.py) switched on if asked. Call
-    before building the optimizer: its state follows the parameters."""
+                activation_checkpointing: bool = False, compile: bool = False, fused: str = "none"):
+    """The model on the configured device and dtype (in place), with activation checkpointing,
+    fused kernels (`train.fused`, training/fused.py) and regional compilation (`train.compile`,
+    models/compile.py) switched on if asked. Call before building the optimizer: its state
+    follows the parameters."""
     import torch
 
     model.to(device=resolve_device(device), dtype=getattr(torch, weights_dtype))
+    if fused != "none":
+        from rlpipe.training.fused import apply_fused_kernels
+
+        apply_fused_kernels(model, fused)
     if activation_checkpointing:
         # non-reentrant: works with the packed-attention keyword arguments and no-grad inputs;
         # transformers >= 5.2x renamed the switch (the old name still works but warns)
@@ -84,25 +89,45 @@ def place_model(model, device: str, weights_dtype: str = "float32",
 @dataclass(frozen=True)
 class Placement:
     """Where and how a trained model sits: device, weights dtype, activation checkpointing,
-    regional compilation and LoRA adapters (the same on every data-parallel rank)."""
+    regional compilation, fused kernels and LoRA adapters (the same on every data-parallel rank)."""
 
     device: str = "cpu"
     weights_dtype: str = "float32"
     activation_checkpointing: bool = False
     compile: bool = False
     lora: LoraOptions | None = None
+    fused: str = "none"
+
+
+def train_compile(config) -> bool:
+    """`train.compile` resolved for the run's device (unset = auto: on CUDA, models/compile.py)."""
+    from rlpipe.models.compile import compile_enabled
+
+    return compile_enabled(config.train.compile, resolve_device(config.device).type,
+                           config.train.activation_checkpointing)
+
+
+def with_resolved_compile(config):
+    """The run config with `train.compile` set to what this run does (true or false), so that
+    config.json and the MLflow params say what was used."""
+    value = train_compile(config)
+    if config.train.compile is value:
+        return config
+    return config.model_copy(update={"train": config.train.model_copy(update={"compile": value})})
 
 
 def placement(config) -> Placement:
     """The run config's placement of its trained model."""
     return Placement(device=config.device, weights_dtype=config.model.weights_dtype,
                      activation_checkpointing=config.train.activation_checkpointing,
-                     compile=config.train.compile, lora=config.model.lora.options())
+                     compile=train_compile(config), lora=config.model.lora.options(),
+                     fused=config.train.fused)
 
 
 def prepare_model(model, where: Placement):
     """`place_model`, then LoRA adapters (only they train, training/lora.py); returns the model."""
-    place_model(model, where.device, where.weights_dtype, where.activation_checkpointing, where.compile)
+    place_model(model, where.device, where.weights_dtype, where.activation_checkpointing, where.compile,
+                where.fused)
     return with_lora(model, where.lora)
 
 

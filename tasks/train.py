@@ -9,6 +9,7 @@ the micro-batches it trained on, with the trainer's log-probs, as `train_tokens`
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def train_on_batches(trainer: Trainer, batches: list[PackedBatch], loss_fn, *, s
         # every weight (advantage) is 0, e.g. all groups zero-variance and kept: no signal, no update
         return {"loss": 0.0, "skipped": 1.0, "tokens": 0, "seconds": time.perf_counter() - start,
                 "tokens_per_second": 0.0}
+    compiled_before = compile_seconds_so_far()
     inputs = trainer.reference_inputs(batches)
     trainer.model.train()
     epochs = trainer.options.epochs
@@ -51,7 +53,33 @@ def train_on_batches(trainer: Trainer, batches: list[PackedBatch], loss_fn, *, s
     metrics["tokens"] = tokens * epochs
     metrics["seconds"] = time.perf_counter() - start
     metrics["tokens_per_second"] = metrics["tokens"] / max(metrics["seconds"], 1e-9)
+    compiled = compile_seconds_so_far() - compiled_before
+    if compiled > 0:
+        metrics["compile_seconds"] = compiled
+        _log_first_compile(step, compiled, metrics["seconds"])
     return metrics
+
+
+def compile_seconds_so_far() -> float:
+    """Seconds torch.compile has spent in this process (0 until anything compiled: dynamo is
+    imported only by a compile, so a run without train.compile never loads it here)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0
+    from rlpipe.models.compile import compile_seconds
+
+    return compile_seconds()
+
+
+_logged_compile: list[bool] = []
+
+
+def _log_first_compile(step: int, compiled: float, seconds: float) -> None:
+    """One log line for the first step of this process that compiled (recompiles for a new
+    length or mode stay in the `perf/compile_seconds` metric alone)."""
+    if not _logged_compile:
+        _logged_compile.append(True)
+        sys.stderr.write(f"rlpipe: train.compile: step {step} spent {compiled:.1f} s of its {seconds:.1f} s "
+                         "compiling (later steps reuse the graphs)\n")
 
 
 @stage("train", tables=(TRAIN_TOKENS,))

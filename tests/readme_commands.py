@@ -111,6 +111,7 @@ COMMANDS: dict[str, str] = {
         "downloads Qwen/Qwen3-0.6B and GSM8K from the hub and wants a GPU; "
         "tests/integration/test_gsm8k_run.py runs this config with --set overrides from a hub-layout cache",
     "pip install -e '.[vllm]'": INSTALL,
+    "pip install -e '.[liger]'": "installs liger-kernel, whose Triton kernels need CUDA: " + GPU,
     "rlpipe rescore RUN --reward mypkg.rewards:strict_math": PLACEHOLDER,
     "rlpipe replay": PLACEHOLDER,
     "rlpipe rescore": PLACEHOLDER,

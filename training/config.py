@@ -78,13 +78,23 @@ class TrainConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them:
     much less memory for long packs, about a third more compute."""
-    compile: bool = False
+    compile: bool | None = None
     """torch.compile each decoder layer of the trained model (one shared graph, dynamic lengths;
     on CUDA the varlen attention inside it, on the CPU left eager) and, on CUDA, the chunked
     log-softmax kernels: fuses the norms, rotary, SwiGLU, autocast casts and vocabulary passes that
-    dominate an eager GPU train step. Costs a compile at the first step (tens of seconds on a CPU)
-    for ~1.2x faster steps there; off by default until a GPU run measures it (models/compile.py).
-    Not with activation_checkpointing."""
+    dominate an eager GPU train step (2.4x faster steps on an H100, docs/BENCHMARKS_GPU.md).
+    Unset (null, the default) = auto: on where the model trains on CUDA, off on the CPU (where
+    the compile costs tens of seconds for ~1.2x) and off with activation_checkpointing. The run
+    resolves it before it starts: config.json and the MLflow params hold true or false, and the
+    first compiled step logs its compile seconds once (`perf/compile_seconds`; models/compile.py).
+    true with activation_checkpointing is an error."""
+    fused: Literal["auto", "liger", "none"] = "auto"
+    """Fused kernels of the trained model (training/fused.py): "liger" patches Qwen3's RMSNorm,
+    rotary and SwiGLU with Liger Kernel's Triton kernels (needs CUDA and the `liger` extra:
+    pip install 'rlpipe[liger]'; an error where either is missing); "auto" does so where both are
+    present and the model is a Qwen3, else runs the model as is; "none" never patches. The
+    log-probs over the vocabulary always run rlpipe's chunked linear + log-softmax
+    (training/logprobs.py), which never holds the [tokens, vocab] logits."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient

@@ -13,8 +13,8 @@ accumulates in float32. The elementwise work per chunk lives in training/logprob
 or compiled. `token_logprobs(kernels="auto")` compiles them where the model's decoder layers are
 compiled (`train.compile`, models/compile.py) and the tokens are on CUDA: there the passes over
 [chunk, V] are memory-bound and were 25% of an H100 train step (docs/BENCHMARKS_GPU.md). Like
-the layers, they stay opt-in until a GPU run measures them (benchmarks/bench_gpu.py, part
-`logprobs`). On the CPU the GEMMs dominate, the fused kernels gain little over the eager
+the layers (train.compile unset = on for CUDA), they run compiled there by default
+(benchmarks/bench_gpu.py, part `logprobs`, measures them). On the CPU the GEMMs dominate, the fused kernels gain little over the eager
 in-place passes (benchmarks/bench_logprobs.py), and the compile would cost every short run and
 test tens of seconds. The compiled functions take only the matmul output and [C] vectors (never
 the weights), so LoRA, DDP/FSDP2 and the compiled layers do not reach them.

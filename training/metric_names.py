@@ -28,6 +28,7 @@ EVAL_REWARD = "eval/reward_mean"
 # perf/*
 TOKENS_PER_SECOND = "perf/tokens_per_second"
 SECONDS_TOTAL = "perf/seconds_total"
+COMPILE_SECONDS = "perf/compile_seconds"  # torch.compile time spent inside a train step (train.compile)
 
 
 def fate(status: str) -> str:

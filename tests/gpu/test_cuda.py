@@ -244,3 +244,31 @@ def test_compiled_logprob_kernels_match_float64_on_cuda():
         assert (a - b).abs().max() / b.abs().max() < 5e-3
     with torch._dynamo.config.patch(error_on_recompile=True):
         run("compiled", n=T - 517)
+
+
+# train.fused = "liger" (training/fused.py): Liger Kernel's RMSNorm, rotary and SwiGLU in a Qwen3
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_liger_kernels_give_the_unpatched_log_probs_and_gradients(preset):
+    """Needs liger-kernel (pip install 'rlpipe[liger]'); skipped, saying so, without it. Liger's
+    rotary patch is process-wide, so the unpatched figures are taken first."""
+    pytest.importorskip("liger_kernel", reason="train.fused = 'liger' needs liger-kernel (pip install 'rlpipe[liger]')")
+    from rlpipe.training.fused import apply_fused_kernels
+
+    (batch,) = pack(_sequences(6, seed=3, high=120), token_budget=4096)
+
+    def logprobs_and_grads(model):
+        logprobs, aux = token_logprobs(model, batch, temperature=0.8)
+        loss = -(batch.token_weights.cuda() * logprobs).sum() + (aux if aux is not None else 0.0)
+        loss.backward()
+        return logprobs.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    plain = _model(preset)
+    expected, expected_grads = logprobs_and_grads(plain)
+    patched = _model(preset)
+    assert apply_fused_kernels(patched, "liger") == "liger"
+    got, grads = logprobs_and_grads(patched)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=2e-4, rtol=2e-3, msg=name)

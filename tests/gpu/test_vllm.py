@@ -54,3 +54,8 @@ def test_logprobs_match_trainer_and_follow_the_optimizer(preset):
         assert engine.policy_version == 1
     finally:
         engine.close()
+    # closed, vLLM's sleep-mode pool is empty: the next preset's engine can load its weights
+    # (vLLM asserts it; "CuMem allocator can only be used for one instance per process")
+    from rlpipe.engines.vllm_engine import cumem_pool_bytes
+
+    assert cumem_pool_bytes() == 0

@@ -43,6 +43,16 @@ def test_a_tiny_run_with_compile_finishes_with_loadable_checkpoints(tmp_path):
         run = runs / "tiny" / phase
         assert json.loads((run / "run.json").read_text())["status"] == "finished", phase
     assert any(p.is_file() for p in inductor.rglob("*")), "train.compile=true compiled nothing"
+    # the first compiled step says what its compile cost, once, and MLflow has it as perf/compile_seconds
+    assert done.stderr.count("rlpipe: train.compile: step 1 spent") == 1, done.stderr[-3000:]
+    sft = runs / "tiny" / "sft"
+    assert json.loads((sft / "config.json").read_text())["train"]["compile"] is True
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads((sft / "run.json").read_text())["mlflow_run_id"]
+    compiled = client.get_metric_history(run_id, "perf/compile_seconds")
+    assert compiled and compiled[0].step == 1 and compiled[0].value > 0
     last = sorted((runs / "tiny" / "rl" / "checkpoints").glob("step_*"))[-1]
     saved = load_file(last / "model.safetensors")
     assert not [k for k in saved if "_orig_mod" in k]

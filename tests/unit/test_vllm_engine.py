@@ -46,17 +46,18 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
     model = build_model("tiny-dense", vocab_size=len(build_tokenizer()))
     config = RunConfig.model_validate(
         {"device": "cpu", "engine": {"type": "vllm", "gpu_memory_utilization": 0.55, "max_model_len": 2048,
-                                     "cuda_graphs": True}})
+                                     "cuda_graphs": True, "zero_copy": True}})
     make_engines(config, model)
     make_engines(RunConfig.model_validate({"device": "cpu", "engine": {"type": "vllm"}}), model)
     # async RL: vLLM stays awake (a wake-up would push the trainer's tensors mid-step)
     make_engines(RunConfig.model_validate(
         {"device": "cpu", "engine": {"type": "vllm"}, "rl": {"max_off_policy_steps": 1}}), model)
     # a CPU model samples in its own float32; on CUDA with bf16 autocast it is "bfloat16"
-    common = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "enforce_eager": True}
+    common = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "enforce_eager": True,
+              "zero_copy": False}
     assert built == [
         {**common, "gpu_memory_utilization": 0.55, "max_model_len": 2048, "enforce_eager": False,
-         "sleep_between_calls": True},
+         "sleep_between_calls": True, "zero_copy": True},
         {**common, "sleep_between_calls": True},
         {**common, "sleep_between_calls": False},
     ]
@@ -187,3 +188,149 @@ def test_a_moe_model_whose_kernels_vllm_does_not_name_is_warned_about(caplog):
     assert not caplog.records
     check_pushable_moe_backends([], moe=True)
     assert "cannot tell which kernel" in caplog.text
+
+
+def test_a_missing_flashinfer_switches_vllm_to_its_other_sampler(monkeypatch, caplog):
+    import importlib.util
+
+    from rlpipe.engines import vllm_engine
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
+    monkeypatch.setattr(vllm_engine, "_said", set())
+    environ: dict[str, str] = {}
+    with caplog.at_level("WARNING", logger="rlpipe.engines.vllm_engine"):
+        assert vllm_engine.use_sampler_without_flashinfer(environ)
+        assert vllm_engine.use_sampler_without_flashinfer({})  # set again, said once
+    assert environ == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    said = [r.getMessage() for r in caplog.records if "FlashInfer is not installed" in r.getMessage()]
+    assert len(said) == 1 and "VLLM_USE_FLASHINFER_SAMPLER=0" in said[0]
+    user = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}  # the user's own choice is kept
+    assert not vllm_engine.use_sampler_without_flashinfer(user) and user["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_an_installed_flashinfer_leaves_vllm_its_default(monkeypatch):
+    import importlib.machinery
+    import importlib.util
+
+    from rlpipe.engines import vllm_engine
+
+    real_find_spec = importlib.util.find_spec
+    spec = importlib.machinery.ModuleSpec("flashinfer", None)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: spec if name == "flashinfer" else real_find_spec(name, *a))
+    environ: dict[str, str] = {}
+    assert not vllm_engine.use_sampler_without_flashinfer(environ) and environ == {}
+
+
+def test_the_vllm_engine_sets_the_sampler_before_vllm_is_imported():
+    # in a fresh process without FlashInfer: building the engine (here refused: no GPU or no vLLM)
+    # has set the variable before vLLM could read it
+    code = ("import os, sys\n"
+            "sys.modules['flashinfer'] = None\n"
+            "from rlpipe.engines.vllm_engine import VllmEngine, FLASHINFER_SAMPLER\n"
+            "try:\n"
+            "    VllmEngine.__init__(object.__new__(VllmEngine), None)\n"
+            "except Exception:\n"
+            "    pass\n"
+            "print(os.environ.get(FLASHINFER_SAMPLER))\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_FLASHINFER_SAMPLER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "0"
+
+
+# zero-copy weight sharing (engines/vllm_weights.py rebind_parameters, VllmEngine(zero_copy=True)),
+# with a stand-in for vLLM's worker: its model is a copy of the trainer's in which one projection
+# has another shape (as vLLM's fused qkv_proj) and the lm_head another dtype (a bf16 engine)
+
+
+def _vllm_side(model):
+    import copy
+    from types import SimpleNamespace
+
+    vllm_model = copy.deepcopy(model)
+    attn = vllm_model.model.layers[0].self_attn
+    attn.q_proj.weight = torch.nn.Parameter(torch.zeros(attn.q_proj.weight.shape[0] * 2, attn.q_proj.weight.shape[1]))
+    vllm_model.lm_head.weight = torch.nn.Parameter(vllm_model.lm_head.weight.detach().to(torch.bfloat16))
+    loaded: list[str] = []
+
+    def load_weights(weights):  # what vLLM's load_weights does: copy into its own parameters
+        params = dict(vllm_model.named_parameters())
+        for name, tensor in weights:
+            if name in params and params[name].shape == tensor.shape:
+                params[name].data.copy_(tensor)
+            loaded.append(name)
+
+    vllm_model.load_weights = load_weights
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: vllm_model))
+    return vllm_model, worker, loaded
+
+
+def test_parameters_of_the_trainers_layout_become_its_tensors():
+    from rlpipe.engines.vllm_weights import rebind_parameters, trainer_weights
+
+    model = build_model("tiny-dense", vocab_size=40, seed=0, tie_word_embeddings=False)
+    vllm_model, _, _ = _vllm_side(model)
+    weights = trainer_weights(model)
+    rebound = rebind_parameters(vllm_model, weights)
+    differing = {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight"}
+    assert set(rebound) == {name for name, _ in weights} - differing
+    ours, theirs = dict(model.named_parameters()), dict(vllm_model.named_parameters())
+    for name in rebound:
+        assert theirs[name].data_ptr() == ours[name].data_ptr() and isinstance(theirs[name], torch.nn.Parameter)
+    for name in differing:
+        assert theirs[name].data_ptr() != ours[name].data_ptr()
+    with torch.no_grad():  # an optimizer step writes the trainer's tensors in place: vLLM reads it
+        ours["model.norm.weight"].add_(1.0)
+    assert torch.equal(theirs["model.norm.weight"], ours["model.norm.weight"])
+
+
+def test_zero_copy_applies_only_to_a_synchronous_eager_cuda_engine_without_lora():
+    from rlpipe.engines.vllm_engine import zero_copy_applies
+    from rlpipe.training.lora import LoraOptions, add_lora
+
+    model = build_model("tiny-dense", vocab_size=40, seed=0)
+    ok = {"on_cpu": False, "sleep_between_calls": True, "enforce_eager": True, "model": model}
+    assert zero_copy_applies(True, **ok)
+    assert not zero_copy_applies(False, **ok)
+    for key, value in (("on_cpu", True), ("sleep_between_calls", False), ("enforce_eager", False)):
+        assert not zero_copy_applies(True, **{**ok, key: value}), key
+    adapted = add_lora(build_model("tiny-dense", vocab_size=40, seed=0), LoraOptions(rank=2, alpha=4.0))
+    assert not zero_copy_applies(True, **{**ok, "model": adapted})
+
+
+def test_a_zero_copy_engine_pushes_the_rest_and_a_checkpoint_never_lands_in_the_trainer(monkeypatch, tmp_path):
+    import threading
+    import types
+
+    from rlpipe.engines import vllm_engine
+    from rlpipe.engines.vllm_engine import VllmEngine
+
+    model = build_model("tiny-dense", vocab_size=40, seed=0, tie_word_embeddings=False)
+    vllm_model, worker, loaded = _vllm_side(model)
+    monkeypatch.setattr(vllm_engine, "load_weights_on_worker",
+                        lambda w, weights: w.model_runner.get_model().load_weights(iter(weights)))
+    engine = object.__new__(VllmEngine)  # its state without starting vLLM
+    engine.model, engine.zero_copy, engine._rebound, engine._asleep, engine._closed = model, True, [], False, False
+    engine._lock, engine._policy_version = threading.Lock(), 0
+    engine._llm = types.SimpleNamespace(collective_rpc=lambda fn, args=(): [fn(worker, *args)],
+                                        reset_prefix_cache=lambda: None)
+    engine._push_weights()
+    assert loaded == ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]  # the rest is shared
+    loaded.clear()
+    engine._push_weights()
+    assert loaded == ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+
+    model.save_pretrained(tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    checkpoint = {n: p + 1.0 for n, p in before.items()}
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in checkpoint.items()}, tmp_path / "model.safetensors")
+    engine.sync(str(tmp_path), 1)
+    for name, value in before.items():  # the trainer keeps its weights...
+        assert torch.equal(dict(model.named_parameters())[name], value), name
+    theirs = dict(vllm_model.named_parameters())
+    assert torch.equal(theirs["model.norm.weight"], checkpoint["model.norm.weight"])  # ...vLLM serves the file's
+    assert engine._rebound == [] and theirs["model.norm.weight"].data_ptr() != model.model.norm.weight.data_ptr()

@@ -1,0 +1,78 @@
+"""Fused kernels of the trained model: `train.fused` = "auto" | "liger" | "none".
+
+    used = apply_fused_kernels(model, "auto")    # "liger" or "none": what the model now runs
+
+"liger" patches a Qwen3 (dense or MoE) in place with Liger Kernel's Triton kernels for RMSNorm,
+rotary embeddings and SwiGLU (`apply_liger_kernel_to_qwen3[_moe](model=...)`): the elementwise
+work that held an eager H100 train step at 13% MFU (docs/BENCHMARKS_GPU.md). Triton kernels need
+CUDA, and Liger is an optional extra (`pip install 'rlpipe[liger]'`), so "auto" patches only where
+both are present and the model is one Liger knows; "liger" asks for it and is an error of one line
+where it cannot be had; "none" leaves the model as built.
+
+The vocabulary projection is never Liger's: Liger's fused linear + cross-entropy computes its
+gradient inside the forward for a loss reduced to one number, while every rlpipe loss weights
+per-token log-probs (advantages, ratios, KL) after the projection. rlpipe's own chunked
+linear + log-softmax (training/logprobs.py) gives those log-probs without ever holding the
+[tokens, vocab] logits, with an exact backward for any upstream gradient, and runs compiled on
+CUDA with `train.compile` (training/logprob_kernels.py).
+
+Liger's rotary patch replaces transformers' Qwen3 `apply_rotary_pos_emb` for the whole process
+(the KL reference and an in-process engine built from the same model class use it too); its
+RMSNorm and SwiGLU patches swap the modules of `model` alone. Patch before `train.compile`
+compiles the layers (tasks/setup.py `place_model` does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from torch import nn
+
+FUSED = ("auto", "liger", "none")
+# model_type -> Liger's patch function (liger_kernel.transformers)
+LIGER_PATCHES = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
+
+
+def liger_unavailable_reason(device_type: str, model_type: str | None = None) -> str | None:
+    """None if Liger's kernels can patch a `model_type` model (None: any it knows) on
+    `device_type`; else why not."""
+    if device_type != "cuda":
+        return f"Liger Kernel's Triton kernels need CUDA; the model trains on {device_type}"
+    if model_type is not None and model_type not in LIGER_PATCHES:
+        return f"rlpipe patches only {', '.join(sorted(LIGER_PATCHES))} models with Liger; this one is {model_type!r}"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install 'rlpipe[liger]')"
+    return None
+
+
+def resolve_fused(setting: str, device_type: str, model_type: str) -> str:
+    """What `train.fused` = setting comes to here: "liger" or "none". "liger" where Liger cannot
+    run is a ValueError naming why."""
+    if setting not in FUSED:
+        raise ValueError(f"train.fused must be one of {FUSED}; got {setting!r}")
+    if setting == "none":
+        return "none"
+    reason = liger_unavailable_reason(device_type, model_type)
+    if reason is None:
+        return "liger"
+    if setting == "liger":
+        raise ValueError(f"train.fused = 'liger': {reason}; use 'auto' or 'none'")
+    return "none"
+
+
+def apply_fused_kernels(model: nn.Module, setting: str) -> str:
+    """Patch `model` in place as `train.fused` = setting asks (see the module docstring); returns
+    what it now runs: "liger" or "none"."""
+    device_type = next(model.parameters()).device.type
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    used = resolve_fused(setting, device_type, model_type)
+    if used == "liger":
+        import liger_kernel.transformers as liger
+
+        patch = getattr(liger, LIGER_PATCHES[model_type])
+        patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+              fused_linear_cross_entropy=False, model=model)
+        logging.getLogger(__name__).info("train.fused: Liger Kernel's RMSNorm, rotary and SwiGLU in %s",
+                                         type(model).__name__)
+    return used
