@@ -228,16 +228,21 @@ def _run(source: str, python: str, bwrap: str | None, *, timeout_s: float, memor
         if bwrap is None:
             cwd = home / "scratch"
             cwd.mkdir()
-            argv = [python, "-I", "-S", "-B", "-c", _LAUNCHER, *launch, str(main)]
+            argv = [python, "-I", "-B", "-c", _LAUNCHER, *launch, str(main)]
         else:
             cwd = Path("/")
             argv = [*_bwrap_args(bwrap, python, main, drop is not None, limits.scratch_mb),
-                    python, "-I", "-S", "-B", "-c", _LAUNCHER, *launch, SANDBOX_MAIN]
+                    python, "-I", "-B", "-c", _LAUNCHER, *launch, SANDBOX_MAIN]
         with given.open("rb") as stdin_file:
             proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     cwd=cwd, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                                     start_new_session=True)
-        return _collect(proc, timeout_s, limits.output_bytes, isolated=bwrap is not None)
+        try:
+            return _collect(proc, timeout_s, limits.output_bytes, isolated=bwrap is not None)
+        except BaseException:  # interrupted while reading: the sandbox goes with it
+            _kill(proc)
+            proc.wait()
+            raise
 
 
 def _kill(proc: subprocess.Popen) -> None:
