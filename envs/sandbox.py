@@ -48,6 +48,7 @@ from pathlib import Path
 SANDBOX_MAIN = "/sandbox/main.py"
 SCRATCH = "/scratch"
 NOBODY = "nobody"
+_UNISOLATED = '(allow_unisolated=True; the code environment: sandbox = "auto")'
 
 # Runs first inside the sandbox: sets the limits on itself (and drops root), then runs the program
 # as __main__ in the same interpreter. Limits are
@@ -177,18 +178,17 @@ def isolation_problem(python: str | None = None) -> str | None:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return ("the code sandbox needs bubblewrap (`bwrap`), which is not installed: install it "
-                "(`make setup`, or apt-get/dnf install bubblewrap) or allow unisolated runs "
-                "(sandbox = \"none\")")
+                f"(`make setup`, or apt-get/dnf install bubblewrap) or allow unisolated runs {_UNISOLATED}")
     try:
         result = _run("import sys; sys.stdout.write('ok')", python or interpreter(), bwrap,
                       timeout_s=30, memory_mb=512, limits=SandboxLimits(), stdin="")
     except OSError as error:
-        return f"bubblewrap cannot start ({error}): fix it or allow unisolated runs (sandbox = \"none\")"
+        return f"bubblewrap cannot start ({error}): fix it or allow unisolated runs {_UNISOLATED}"
     if result.stdout != "ok":
         detail = (result.stderr.strip().splitlines() or [f"exit code {result.exit_code}"])[-1]
         return (f"bubblewrap cannot create the sandbox here ({detail}): run it where namespaces are "
                 "allowed (unprivileged user namespaces, or root with CAP_SYS_ADMIN) or allow "
-                "unisolated runs (sandbox = \"none\")")
+                f"unisolated runs {_UNISOLATED}")
     return None
 
 

@@ -101,6 +101,7 @@ def test_without_isolation_the_env_refuses_unless_sandbox_is_auto(monkeypatch, t
         with pytest.raises(ValueError, match="sandbox") as refused:
             build_env("code", eval_size=4)
         assert "\n" not in str(refused.value) and "bubblewrap" in str(refused.value)
+        assert 'sandbox = "auto"' in str(refused.value)
         env = build_env("code", eval_size=4, sandbox="auto")
         example = env.examples("eval")[0]
         assert env.reward(example, example.meta["solution"]).reward == 1.0
