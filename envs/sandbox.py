@@ -6,7 +6,7 @@
 What the code sees (bubblewrap, `bwrap`, the OS package; `make setup` installs it where missing):
 
 - a fresh, empty, writable scratch folder (`/scratch`, a size-capped tmpfs, its working folder and
-  HOME) and a private `/tmp`; the program itself read-only at `/sandbox/main.py`;
+  HOME) and a private `/tmp` of the same size; the program itself read-only at `/sandbox/main.py`;
 - read-only `/usr` (and `/bin`, `/lib*` as the host has them) and the interpreter's own prefix,
   nothing else of the host: no home, no run folders, no `/etc`, no `/work`;
 - no network (a network namespace of its own with nothing in it, so not even the host's
@@ -91,7 +91,7 @@ class SandboxLimits:
     file_mb: int = 16
     """Largest file the program may write (RLIMIT_FSIZE)."""
     scratch_mb: int = 64
-    """Size of the scratch tmpfs (isolated runs)."""
+    """Size of the scratch tmpfs, and of the private /tmp (isolated runs)."""
     output_bytes: int = 1 << 20
     """stdout and stderr read together; more ends the run (output_truncated)."""
 
@@ -165,8 +165,9 @@ def _bwrap_args(bwrap: str, python: str, main: Path, as_root: bool, scratch_mb: 
         for parent in reversed(Path(prefix).parents[:-1]):
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", prefix, prefix]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-             "--perms", "0777", "--size", str(scratch_mb << 20), "--tmpfs", SCRATCH,
+    size = str(scratch_mb << 20)
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
+             "--perms", "0777", "--size", size, "--tmpfs", SCRATCH,
              "--perms", "0755", "--dir", str(Path(SANDBOX_MAIN).parent),
              "--ro-bind", str(main), SANDBOX_MAIN, "--chdir", SCRATCH]
     return args

@@ -63,7 +63,7 @@ def test_writes_outside_the_scratch_folder_fail_and_the_host_files_stay(tmp_path
     victim = tmp_path / "victim.txt"
     victim.write_text("original")
     before = sorted(p.name for p in tmp_path.iterdir())
-    targets = [str(victim), str(tmp_path / "new.txt"), "/usr/rlpipe-evil", "/sandbox/main.py",
+    targets = [str(victim), str(tmp_path / "new.txt"), "/usr/rlpipe-evil", "/sandbox/main.py", "/rlpipe-evil",
                str(Path(sandbox.interpreter()).parent / "evil")]
     program = f"""
 import os
@@ -74,6 +74,8 @@ for target in {targets!r}:
         print("WROTE", target)
     except OSError as error:
         print("refused", target, type(error).__name__)
+with open("/tmp/private.txt", "w") as f:
+    f.write("private tmp")
 with open("/scratch/mine.txt", "w") as f:
     f.write("scratch is writable")
 print("scratch", open("mine.txt").read())
@@ -198,10 +200,11 @@ def test_an_output_flood_is_cut_at_the_cap():
 
 
 @needs_bwrap
-def test_large_files_and_a_full_scratch_are_refused():
+def test_large_files_and_a_full_scratch_or_tmp_are_refused():
     program = """
 import os
-for name, size in (("big", 8 << 20), ("a", 3 << 20), ("b", 3 << 20), ("c", 3 << 20)):
+for name, size in (("big", 8 << 20), ("a", 3 << 20), ("b", 3 << 20), ("c", 3 << 20),
+                   ("/tmp/a", 3 << 20), ("/tmp/b", 3 << 20), ("/tmp/c", 3 << 20)):
     try:
         with open(name, "wb") as f:
             f.write(b"x" * size)
@@ -214,7 +217,8 @@ for name, size in (("big", 8 << 20), ("a", 3 << 20), ("b", 3 << 20), ("c", 3 << 
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "refused big 27"  # EFBIG: over the file-size limit
-    assert lines[1:3] == ["wrote a", "wrote b"] and lines[3] == "refused c 28"  # ENOSPC: scratch full
+    assert lines[1:4] == ["wrote a", "wrote b", "refused c 28"]  # ENOSPC: scratch full
+    assert lines[4:] == ["wrote /tmp/a", "wrote /tmp/b", "refused /tmp/c 28"]  # /tmp is capped alike
 
 
 @needs_bwrap
