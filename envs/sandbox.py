@@ -284,11 +284,13 @@ def _collect(proc: subprocess.Popen, timeout_s: float, cap: int, *, isolated: bo
                         truncated = True
                         _kill(proc)
                         grace = time.monotonic() + 5.0
-    if timed_out or truncated:
-        _kill(proc)
-    try:
-        code = proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL always lands
+    code = None
+    if not (timed_out or truncated):  # the pipes closed: the program may still run without them
+        try:
+            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    if code is None:
         _kill(proc)
         code = proc.wait()
     proc.stdout.close()

@@ -192,6 +192,15 @@ def test_an_infinite_loop_ends_at_the_timeout_or_the_cpu_limit():
 
 
 @needs_bwrap
+def test_a_program_that_closes_its_output_still_ends_at_the_timeout():
+    tag = _tag()
+    result = run_python(tagged(tag, "import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass"), timeout_s=1,
+                        memory_mb=256)
+    assert result.timed_out and result.exit_code == 137
+    assert_none_left(tag)
+
+
+@needs_bwrap
 def test_an_output_flood_is_cut_at_the_cap():
     result = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 4096)\n    sys.stderr.write('y' * 10)",
                         timeout_s=30, memory_mb=256, limits=SandboxLimits(output_bytes=50_000))
