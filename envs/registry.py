@@ -1,7 +1,7 @@
 """Environments by name: the one module that knows every environment.
 
 `build_env(name, **options)` builds a registered environment: `arithmetic`, `calculator`
-(multi-turn tool use), `countdown`, `dataset`, `verifiers` (a verifiers taskset;
+(multi-turn tool use), `code` (functions judged by hidden tests in the sandbox), `countdown`, `dataset`, `verifiers` (a verifiers taskset;
 envs/verifiers_env.py, the optional `verifiers` extra, imported only when named). Unknown
 names and unknown options raise `ValueError` naming them.
 
@@ -16,6 +16,7 @@ from typing import Any
 from rlpipe.envs.arithmetic import ArithmeticEnv
 from rlpipe.envs.base import Environment
 from rlpipe.envs.calculator import CalculatorEnv
+from rlpipe.envs.code import CodeEnv
 from rlpipe.envs.countdown import CountdownEnv
 from rlpipe.envs.dataset import DatasetEnv
 
@@ -29,6 +30,7 @@ def _verifiers_env(**options: Any) -> Environment:
 _FACTORIES: dict[str, Callable[..., Environment]] = {
     "arithmetic": ArithmeticEnv.from_options,
     "calculator": CalculatorEnv.from_options,
+    "code": CodeEnv.from_options,
     "countdown": CountdownEnv.from_options,
     "dataset": DatasetEnv.from_options,
     "verifiers": _verifiers_env,
