@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlpipe.rollouts.curriculum import CurriculumOptions
 from rlpipe.rollouts.fates import DropOptions
 from rlpipe.training.advantages import AdvantageOptions
 from rlpipe.training.config import RLConfig
@@ -45,3 +46,9 @@ def rollout_options(rl: RLConfig) -> RolloutOptions:
         advantages=AdvantageOptions(estimator=rl.estimator, normalize_std=rl.normalize_std,
                                     positive_only=rl.positive_only),
     )
+
+
+def curriculum_options(rl: RLConfig, seed: int) -> CurriculumOptions:
+    """The prompt curriculum's options (rl.curriculum, rl.curriculum_*) with the run's seed."""
+    return CurriculumOptions(kind=rl.curriculum, window=rl.curriculum_window, retest=rl.curriculum_retest,
+                             pass_reward=rl.curriculum_pass_reward, seed=seed)
