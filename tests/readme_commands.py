@@ -86,6 +86,7 @@ COMMANDS: dict[str, str] = {
     "rlpipe rescore --reward mypkg.mod:fn": PLACEHOLDER,
     "pip install -e '.[verifiers]'": INSTALL,
     "python -m benchmarks.bench_losses": SLOW,
+    "rlpipe sql runs/demo/rl --query pass_rate_by_prompt": RUN,
     # "Runs, crashes and trust", "Serving"
     "rlpipe run --overwrite": PLACEHOLDER,
     "rlpipe resume": PLACEHOLDER,
