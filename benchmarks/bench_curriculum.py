@@ -26,10 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ("none", "pass_rate")
 
 
-def demo_config(root: Path, name: str, sft_steps: int, rl_steps: int, rl: dict) -> dict:
-    """configs/demo.toml with its own run folder, tracking off, `rl` fields over the demo's."""
+def demo_config(root: Path, name: str, sft_steps: int, rl_steps: int, rl: dict, train_size: int = 0) -> dict:
+    """configs/demo.toml with its own run folder, tracking off, `rl` fields over the demo's
+    (and `train_size` train prompts, when given)."""
     config = tomllib.loads((ROOT / "configs" / "demo.toml").read_text())
     config.update(runs_root=str(root), run_name=name)
+    if train_size:
+        config["task"]["options"] = {**config["task"]["options"], "train_size": train_size}
     config["tracking"] = {"enabled": False, "report": False, "prefect_task_runs": False}
     config["sft"] = {**config["sft"], "steps": sft_steps, "eval_every": 0, "checkpoint_every": 0}
     config["rl"] = {**config["rl"], "steps": rl_steps, "eval_every": 0, "checkpoint_every": 0, **rl}
@@ -69,12 +72,13 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-curriculum-"))
     start, sft_accuracy = args.start, None
     if not start:
-        sft = run_supervised(validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {})), "sft")
+        sft = run_supervised(validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {},
+                                                         args.train_size)), "sft")
         start, sft_accuracy = sft["checkpoint"], sft["eval"].get("eval/accuracy")
     results = []
     for setting in args.settings:
         config = validate_config(demo_config(root, f"rl-{setting}", args.sft_steps, args.rl_steps,
-                                             {"curriculum": setting}))
+                                             {"curriculum": setting}, args.train_size))
         began = time.perf_counter()
         out = run_rl(config, start_checkpoint=str(start))
         seconds = time.perf_counter() - began
@@ -82,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
                         **figures(config.run_dir / "rl")})
         print(json.dumps(results[-1]), flush=True)
     return {"settings": {"rl_steps": args.rl_steps, "sft_steps": args.sft_steps, "sft_accuracy": sft_accuracy,
+                         "train_size": args.train_size,
                          "target_zero_variance_share": 0.4, "target_accuracy": 0.99}, "runs": results}
 
 
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--rl-steps", type=int, default=120)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    parser.add_argument("--train-size", type=int, default=0, help="train prompts (default: the demo's)")
     parser.add_argument("--start", default="", help="an SFT checkpoint to start from (skips the SFT)")
     parser.add_argument("--root", default="", help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/curriculum.json"))
