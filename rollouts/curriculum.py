@@ -7,7 +7,8 @@ raised are not counted). A prompt whose window is full and all passed is *solved
 *hopeless*: it rests. When the prompt stream reaches a resting prompt it is sampled anyway with
 probability `retest` (a re-test, whose scores refresh its window and may wake it) and skipped
 otherwise; the chance comes from a hash of (seed, step, attempt, env, example_id), so a replayed
-step draws the same prompts. Every skip and re-test is a row of the `curriculum` table with its
+step draws the same prompts. A round reads the stream at most once round (never the same prompt
+twice in a round, which would merge into one group). Every skip and re-test is a row of the `curriculum` table with its
 reason (`decision_row`).
 
     curriculum = Curriculum(options, PassHistory.from_rows(history_rows(run_dir, through_step=s), w))
@@ -52,9 +53,6 @@ class CurriculumOptions:
     """A completion passes when its reward is at least this."""
     seed: int = 0
     """The run's seed: the re-test draws derive from it."""
-    max_skips: int = 100_000
-    """Skips in one sampling round after which resting prompts are sampled regardless (a stream
-    whose every prompt rests cannot stall a round)."""
 
     @property
     def enabled(self) -> bool:
@@ -110,7 +108,7 @@ def decision_row(key: Key, status: str, state: str, passed: int, counted: int, o
     assert status in STATUSES, status
     how = (f"{passed} of its last {counted} completions passed (reward >= {options.pass_reward:g})")
     if forced:
-        action = f"sampled anyway: {options.max_skips} prompts were skipped in this round"
+        action = "sampled anyway: every prompt of the stream rests, and a round samples at least one"
     elif status == "skipped":
         action = f"skipped (re-tested with probability rl.curriculum_retest={options.retest:g})"
     else:
@@ -128,29 +126,41 @@ class Curriculum:
 
     def choose(self, draw: Callable[[int], list[Example]], n: int, *, step: int,
                attempt: int) -> tuple[list[Example], list[dict]]:
-        """`n` prompts taken from `draw(k)` (the next k of the stream), resting ones skipped or
-        re-tested; returns them and the `curriculum` rows of the resting prompts met."""
+        """Up to `n` prompts read one by one from `draw(1)` (the stream), resting ones skipped or
+        re-tested; returns them and the `curriculum` rows of the resting prompts met. A round
+        reads the stream at most once round: it stops at the first prompt it already met, so no
+        prompt is sampled twice in a round; if it then has none, the first resting prompt it met
+        is re-tested."""
         if not self.options.enabled:
             return draw(n), []
         chosen: list[Example] = []
         rows: list[dict] = []
-        skips = 0
+        met: set[Key] = set()
+        first_resting: tuple[Example, int] | None = None  # (prompt, index of its row)
         while len(chosen) < n:
-            for example in draw(n - len(chosen)):
-                key = (example.env, example.example_id)
-                passed, counted = self.history.counts(key)
-                state = resting(passed, counted, self.options.window)
-                if state is None:
-                    chosen.append(example)
-                    continue
-                forced = skips >= self.options.max_skips
-                if forced or retest_draw(self.options.seed, step, attempt, key) < self.options.retest:
-                    chosen.append(example)
-                    rows.append(decision_row(key, "retested", state, passed, counted, self.options,
-                                             attempt=attempt, forced=forced))
-                else:
-                    skips += 1
-                    rows.append(decision_row(key, "skipped", state, passed, counted, self.options, attempt=attempt))
+            example = draw(1)[0]
+            key = (example.env, example.example_id)
+            if key in met:  # the stream came round
+                break
+            met.add(key)
+            passed, counted = self.history.counts(key)
+            state = resting(passed, counted, self.options.window)
+            if state is None:
+                chosen.append(example)
+                continue
+            retest = retest_draw(self.options.seed, step, attempt, key) < self.options.retest
+            if retest:
+                chosen.append(example)
+            elif first_resting is None:
+                first_resting = (example, len(rows))
+            rows.append(decision_row(key, "retested" if retest else "skipped", state, passed, counted,
+                                     self.options, attempt=attempt))
+        if not chosen and first_resting is not None:
+            example, index = first_resting
+            chosen.append(example)
+            row = rows[index]
+            rows[index] = decision_row((row["env"], row["example_id"]), "retested", row["state"], row["passed"],
+                                       row["counted"], self.options, attempt=attempt, forced=True)
         return chosen, rows
 
     def observe(self, rollouts: list[Rollout], scores: list[Score]) -> None:

@@ -103,7 +103,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) ->
                                        config.task.env_reward_weight, chat_kwargs), config.task.reward_timeout_s)
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
-    prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
+    train = env.examples("train", seed=config.seed)
+    prompts = PromptSource(train[: rl.prompt_pool] if rl.prompt_pool else train, seed=config.seed)
     options = rollout_options(rl)
     buffer = GroupBuffer(options.buffer)
     if start.resume is not None:

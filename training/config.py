@@ -290,6 +290,9 @@ class RLConfig(Section):
     """Checkpoint every N steps (and the last; 0 = only the last)."""
     max_reward_error_fraction: float = Field(0.5, ge=0, le=1)
     """Fail the step once this share of reward calls raised."""
+    prompt_pool: int = Field(0, ge=0)
+    """RL samples its prompts from the first N examples of the train split only (0 = all of
+    them): a pool small enough that prompts come back, which the curriculum needs."""
     curriculum: Literal["none", "pass_rate"] = "none"
     """Prompt selection (rollouts/curriculum.py): "pass_rate" rests prompts whose last
     curriculum_window completions all passed (solved) or all failed (hopeless), skipping them

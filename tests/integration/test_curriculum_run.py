@@ -1,5 +1,5 @@
-"""The pass-rate curriculum in a real RL flow, the tiny config on a pool of 6 prompts so that
-they repeat: solved prompts are skipped with a recorded reason, the canned query answers, and a
+"""The pass-rate curriculum in a real RL flow, the tiny config on a pool of 6 prompts
+(rl.prompt_pool) so that they repeat: solved prompts are skipped with a recorded reason, the canned query answers, and a
 run resumed from a checkpoint skips and samples exactly what the uninterrupted run did (its pass
 history rebuilt from the tables). It needs the flow: the rows come from the filter/advantages
 stage and the history from the stored `rollouts` and `scores` of a resumed run."""
@@ -16,13 +16,11 @@ from tests.integration.test_rl_loop_regression import config_dict, sft_checkpoin
 pytestmark = pytest.mark.slow
 
 RL = {"steps": 4, "checkpoint_every": 2, "eval_every": 0, "curriculum": "pass_rate", "curriculum_retest": 0.2,
-      "partial_batches": True, "max_attempts": 3}
+      "partial_batches": True, "max_attempts": 3, "prompt_pool": 6}
 
 
 def curriculum_config(root, name):
-    config = config_dict(root, name, RL)
-    config["task"]["options"] = {**config["task"]["options"], "train_size": 6}
-    return config
+    return config_dict(root, name, RL)
 
 
 def test_skips_are_recorded_answered_and_replayed_exactly_on_resume(sft_checkpoint, tmp_path):  # noqa: F811
@@ -45,7 +43,10 @@ def test_skips_are_recorded_answered_and_replayed_exactly_on_resume(sft_checkpoi
     sampled = {(r["step"], r["attempt"], r["example_id"]) for r in run_sql(
         [rl_dir], "select distinct step, attempt, example_id from rollouts").to_pylist()}
     assert all((r["step"], r["attempt"], r["example_id"]) not in sampled for r in skipped)
+    pool = {f"train/0/{i}" for i in range(6)}  # the first 6 train examples (seed 0)
+    assert {r["example_id"] for r in rows} <= pool
     answer = run_canned([rl_dir], "pass_rate_by_prompt").to_pylist()
+    assert {r["example_id"] for r in answer} <= pool
     assert {r["example_id"] for r in answer} == {r["example_id"] for r in run_sql(
         [rl_dir], "select distinct example_id from rollouts").to_pylist()}
     assert sum(r["n_samples"] for r in answer) == run_sql([rl_dir], "select count(*) n from scores").to_pylist()[0]["n"]
