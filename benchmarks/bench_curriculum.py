@@ -2,13 +2,14 @@
 "none" and "pass_rate", side by side from the same SFT checkpoint, same seeds.
 
 One SFT (the demo's, or fewer steps) gives the start checkpoint; each RL run then trains the
-demo's RL phase from it (tracking off, stages as plain calls), its only difference the
-curriculum. Reported per run, read back from the run's tables: the share of sampled completions
+demo's RL phase from it (tracking off, stages as plain calls): the demo as it is (its prompts
+never come back, so a pass history has nothing to act on), then on a pool of `--pool` train
+prompts (rl.prompt_pool) without and with the curriculum. Reported per run, read back from the run's tables: the share of sampled completions
 whose group had zero reward variance (they train nothing), completions sampled per trained
 completion, prompts the curriculum skipped, the held-out greedy accuracy on the demo's 1,000
 eval problems, and the RL phase's wall clock.
 
-    python -m benchmarks.bench_curriculum [--sft-steps 700] [--rl-steps 120] [--out runs/bench/curriculum.json]
+    python -m benchmarks.bench_curriculum [--sft-steps 700] [--rl-steps 120] [--pool 500] [--retest 0.02]
 """
 
 from __future__ import annotations
@@ -23,16 +24,12 @@ from pathlib import Path
 from benchmarks.results import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = ("none", "pass_rate")
 
 
-def demo_config(root: Path, name: str, sft_steps: int, rl_steps: int, rl: dict, train_size: int = 0) -> dict:
-    """configs/demo.toml with its own run folder, tracking off, `rl` fields over the demo's
-    (and `train_size` train prompts, when given)."""
+def demo_config(root: Path, name: str, sft_steps: int, rl_steps: int, rl: dict) -> dict:
+    """configs/demo.toml with its own run folder, tracking off, `rl` fields over the demo's."""
     config = tomllib.loads((ROOT / "configs" / "demo.toml").read_text())
     config.update(runs_root=str(root), run_name=name)
-    if train_size:
-        config["task"]["options"] = {**config["task"]["options"], "train_size": train_size}
     config["tracking"] = {"enabled": False, "report": False, "prefect_task_runs": False}
     config["sft"] = {**config["sft"], "steps": sft_steps, "eval_every": 0, "checkpoint_every": 0}
     config["rl"] = {**config["rl"], "steps": rl_steps, "eval_every": 0, "checkpoint_every": 0, **rl}
@@ -72,30 +69,37 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-curriculum-"))
     start, sft_accuracy = args.start, None
     if not start:
-        sft = run_supervised(validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {},
-                                                         args.train_size)), "sft")
+        sft = run_supervised(validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {})), "sft")
         start, sft_accuracy = sft["checkpoint"], sft["eval"].get("eval/accuracy")
     results = []
-    for setting in args.settings:
-        config = validate_config(demo_config(root, f"rl-{setting}", args.sft_steps, args.rl_steps,
-                                             {"curriculum": setting}, args.train_size))
+    for rl in run_settings(args.pool, args.retest):
+        label = f"{rl['curriculum']}, pool {rl.get('prompt_pool') or 'all'}"
+        config = validate_config(demo_config(root, f"rl-{len(results)}", args.sft_steps, args.rl_steps, rl))
         began = time.perf_counter()
         out = run_rl(config, start_checkpoint=str(start))
         seconds = time.perf_counter() - began
-        results.append({"curriculum": setting, "seconds": seconds, "accuracy": out["eval"].get("eval/accuracy"),
+        results.append({"run": label, "curriculum": rl["curriculum"], "prompt_pool": rl.get("prompt_pool", 0),
+                        "seconds": seconds, "accuracy": out["eval"].get("eval/accuracy"),
                         **figures(config.run_dir / "rl")})
         print(json.dumps(results[-1]), flush=True)
     return {"settings": {"rl_steps": args.rl_steps, "sft_steps": args.sft_steps, "sft_accuracy": sft_accuracy,
-                         "train_size": args.train_size,
+                         "retest": args.retest,
                          "target_zero_variance_share": 0.4, "target_accuracy": 0.99}, "runs": results}
+
+
+def run_settings(pool: int, retest: float) -> list[dict]:
+    """The `[rl]` fields of each run: the demo as it is, then the same on a pool of `pool` train
+    prompts without and with the curriculum (what the pool does alone, and what the curriculum adds)."""
+    return [{"curriculum": "none"}, {"curriculum": "none", "prompt_pool": pool},
+            {"curriculum": "pass_rate", "prompt_pool": pool, "curriculum_retest": retest}]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--rl-steps", type=int, default=120)
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    parser.add_argument("--train-size", type=int, default=0, help="train prompts (default: the demo's)")
+    parser.add_argument("--pool", type=int, default=500, help="rl.prompt_pool of the second and third runs")
+    parser.add_argument("--retest", type=float, default=0.02, help="rl.curriculum_retest of the curriculum run")
     parser.add_argument("--start", default="", help="an SFT checkpoint to start from (skips the SFT)")
     parser.add_argument("--root", default="", help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/curriculum.json"))
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     write_results(args.out, report)
     for r in report["runs"]:
-        print(f"{r['curriculum']:>9}  zero-variance {r['zero_variance_share']:6.1%}  sampled/trained "
+        print(f"{r['run']:>20}  zero-variance {r['zero_variance_share']:6.1%}  sampled/trained "
               f"{r['sampled_per_trained']:5.2f}  acc {r['accuracy']}  {r['seconds']:6.1f} s")
     return 0
 

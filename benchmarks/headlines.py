@@ -350,21 +350,19 @@ def headline_compile(results: dict, ceiling: dict) -> tuple[str, list[str]]:
 
 
 def headline_curriculum(results: dict, ceiling: dict) -> tuple[str, list[str]]:
-    runs = {r["curriculum"]: r for r in results["runs"]}
-    rows = [[r["curriculum"], f"{r['zero_variance_share']:.1%}", f"{r['sampled_per_trained']:.2f}",
-             f"{r['sampled']:,}", f"{r['skipped_prompts']:,}", r["accuracy"], f"{r['seconds']:.0f}"]
-            for r in results["runs"]]
-    settings = results["settings"]
+    runs = results["runs"]
+    rows = [[r["run"], f"{r['zero_variance_share']:.1%}", f"{r['sampled_per_trained']:.2f}", f"{r['sampled']:,}",
+             f"{r['trained']:,}", f"{r['skipped_prompts']:,}", r["accuracy"], f"{r['seconds']:.0f}"] for r in runs]
     summary = "zero-variance share of sampled completions " + ", ".join(
-        f"{r['zero_variance_share']:.0%} ({name})" for name, r in runs.items())
-    if "none" in runs and "pass_rate" in runs:
-        summary += f"; RL seconds ×{runs['pass_rate']['seconds'] / runs['none']['seconds']:.2f} with the curriculum"
-    note = (f"{settings['rl_steps']} RL steps from one SFT checkpoint ({settings['sft_steps']} SFT steps), "
-            f"train set of {settings.get('train_size') or 'the demo'} prompts; targets with the curriculum: at most "
-            f"{settings['target_zero_variance_share']:.0%} zero-variance, accuracy at least "
-            f"{settings['target_accuracy']:.0%}, RL seconds not above the run without it.")
-    return summary, table(["rl.curriculum", "zero-variance share", "sampled per trained", "sampled completions",
-                           "prompts skipped", "held-out accuracy", "RL seconds"], rows) + ["", note]
+        f"{r['zero_variance_share']:.0%} ({r['run']})" for r in runs)
+    settings = results["settings"]
+    note = (f"{settings['rl_steps']} RL steps from one SFT checkpoint ({settings['sft_steps']} SFT steps); "
+            f"the curriculum run re-tests resting prompts with probability {settings['retest']:g}. Targets with "
+            f"the curriculum: at most {settings['target_zero_variance_share']:.0%} zero-variance, held-out accuracy "
+            f"at least {settings['target_accuracy']:.0%}, RL seconds not above the run without it.")
+    return summary, table(["run (rl.curriculum, rl.prompt_pool)", "zero-variance share", "sampled per trained",
+                           "sampled completions", "trained completions", "prompts skipped", "held-out accuracy",
+                           "RL seconds"], rows) + ["", note]
 
 
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
