@@ -197,7 +197,7 @@ def test_the_rollout_source_skips_solved_prompts_and_hands_the_rows_to_the_filte
     retested = sorted(r["example_id"] for r in rested if r["status"] == "retested")
     assert sorted(e for e in stages.sampled[10:] if int(e) < 5) == retested  # solved ones: re-tests only
     assert len(rested) > 5 * len(retested) and len(stages.sampled[10:]) >= 10
-    for step, fill in stages.fills:  # no prompt twice in a round: every group has its 2 completions
+    for _, fill in stages.fills:  # no prompt twice in a round: every group has its 2 completions
         assert all(len(g.sample_ids) == 2 for g in fill.batch)
     step3 = dict(stages.fills)[3]
     assert {r["example_id"] for r in step3.rested if r["status"] == "skipped"} == {str(i) for i in range(5)}
