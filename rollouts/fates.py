@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rlpipe.core.user_code import import_user_object
@@ -145,6 +145,8 @@ class Fill:
     """The buffer's decisions of the step's fill (valid, zero_variance, stale, over_cap)."""
     drops: list[tuple[Rollout, str, str]]
     """Completions left out before grouping: (rollout, status, reason)."""
+    rested: list[dict] = field(default_factory=list)
+    """Resting prompts the curriculum skipped or re-tested (rollouts/curriculum.py rows)."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlpipe.rollouts.curriculum import CurriculumOptions
 from rlpipe.rollouts.fates import DropOptions
 from rlpipe.training.advantages import AdvantageOptions
 from rlpipe.training.batch_makers import BatchMakerOptions
@@ -51,3 +52,9 @@ def rollout_options(rl: RLConfig, *, seed: int = 0) -> RolloutOptions:
         advantages=AdvantageOptions(estimator=rl.estimator, normalize_std=rl.normalize_std,
                                     positive_only=rl.positive_only),
     )
+
+
+def curriculum_options(rl: RLConfig, seed: int) -> CurriculumOptions:
+    """The prompt curriculum's options (rl.curriculum, rl.curriculum_*) with the run's seed."""
+    return CurriculumOptions(kind=rl.curriculum, window=rl.curriculum_window, retest=rl.curriculum_retest,
+                             pass_reward=rl.curriculum_pass_reward, seed=seed)

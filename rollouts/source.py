@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlpipe.rollouts.curriculum import Curriculum, CurriculumOptions, curriculum_metrics
 from rlpipe.rollouts.fates import (
     DropOptions,
     Fill,
@@ -91,8 +92,11 @@ class RolloutSource:
     """Fills each step's batch (see the module docstring); `with` starts and stops the producer."""
 
     def __init__(self, options: RolloutOptions, prompts: PromptSource, buffer: GroupBuffer,
-                 stages: RolloutStages, *, start_step: int, published_version: int) -> None:
+                 stages: RolloutStages, *, start_step: int, published_version: int,
+                 curriculum: Curriculum | None = None) -> None:
         self.options, self.prompts, self.buffer, self.stages = options, prompts, buffer, stages
+        # which prompts a round samples (rollouts/curriculum.py); off: the stream as it comes
+        self.curriculum = curriculum if curriculum is not None else Curriculum(CurriculumOptions())
         if options.drops.sample_filter:
             user_filter(options.drops.sample_filter)  # a bad spec fails here, before any sampling
         self.ahead = options.max_off_policy_steps
@@ -177,9 +181,11 @@ class RolloutSource:
         sampled: list[Rollout] = []
         scored: list[Score] = []
         drops: list[tuple[Rollout, str, str]] = []  # left out before grouping: (rollout, status, reason)
+        rested: list[dict] = []  # the curriculum's rows: resting prompts skipped or re-tested
 
         def sample_round(attempt: int, n_prompts: int) -> list[Group]:
-            examples = self.prompts.next_batch(n_prompts)
+            examples, rows = self.curriculum.choose(self.prompts.next_batch, n_prompts, step=step, attempt=attempt)
+            rested.extend(rows)
             self._examples.update({e.example_id: e for e in examples})
             with self._round, watch("generate"):
                 new = self.stages.generate(examples, step=step, attempt=attempt,
@@ -188,6 +194,7 @@ class RolloutSource:
                 new_scores = self.stages.score(self._examples, new, step=step, previous=scored)
             sampled.extend(new)
             scored.extend(new_scores)
+            self.curriculum.observe(new, new_scores)
             self._rows.update({r.sample_id: r for r in new})
             return _groups(new, new_scores, self.options.drops, attempt, drops)
 
@@ -199,7 +206,7 @@ class RolloutSource:
             failed = over_cap(getattr(error, "decisions", []),
                               f"step {step} used rl.max_attempts={buffer.max_attempts} sampling rounds without "
                               f"filling its batch of {buffer.prompts_per_step} groups; the run stopped")
-            selection = self.stages.select(Fill([], failed, drops), self._rows, self.options.advantages,
+            selection = self.stages.select(Fill([], failed, drops, rested), self._rows, self.options.advantages,
                                            step=step, empty=not sampled)
             error.metrics = fate_metrics(selection.decisions, self.buffer.pending)
             cut = all_cut_message(sampled, self.options.drops.max_new_tokens)
@@ -210,12 +217,14 @@ class RolloutSource:
             raise plain from None
         with watch("filter"):
             batch, metrics = self.buffer.take()
-            selection = self.stages.select(Fill(batch, decisions, drops), self._rows, self.options.advantages,
+            selection = self.stages.select(Fill(batch, decisions, drops, rested), self._rows, self.options.advantages,
                                            step=step, empty=not sampled)
             metrics |= fate_metrics(selection.decisions, self.buffer.pending)
         keep = {sid for group in self.buffer.pending for sid in group.sample_ids}
         self._rows = {sid: row for sid, row in self._rows.items() if sid in keep}
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)
+        if self.curriculum.options.enabled:
+            metrics |= curriculum_metrics(rested)
         return StepBatch(step=step, samples=selection.samples, metrics=metrics, seconds=watch.seconds,
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
 

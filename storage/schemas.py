@@ -174,6 +174,19 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _f("status", pa.string()),
         _f("reason", pa.string()),
     ],
+    # one row per resting prompt the pass-rate curriculum met at a sampling round
+    # (rollouts/curriculum.py): skipped, or sampled anyway as a re-test, and why
+    "curriculum": _KEY
+    + [
+        _f("attempt", pa.int32()),
+        _f("env", pa.string()),
+        _f("example_id", pa.string()),
+        _f("status", pa.string()),  # skipped | retested
+        _f("state", pa.string()),  # solved | hopeless
+        _f("passed", pa.int32()),  # completions of its window that passed
+        _f("counted", pa.int32()),  # completions in its window (rl.curriculum_window)
+        _f("reason", pa.string()),
+    ],
     # one row per packed micro-batch an RL step trained on, exactly (tasks/tokens.py): the
     # PackedBatch tensors (token lists, int64 ones stored as int32), the trainer's per-token
     # log-probs of the step's last epoch, and per token the trained completion token it predicts

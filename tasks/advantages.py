@@ -61,6 +61,7 @@ FILTER_TABLES = (
     StageTable("groups", rows=lambda sel, a: group_rows(sel.fates, run_id=a["run_id"], step=a["step"])),
     StageTable("decisions", rows=lambda sel, a: sel.decisions),
     StageTable("advantages", rows=lambda sel, a: advantage_rows(sel, run_id=a["run_id"], step=a["step"])),
+    StageTable("curriculum", rows=lambda sel, a: a["fill"].rested or None),
 )
 """What the stage writes. It always runs: its decision is a pure function of the buffer's fill,
 which a resumed step repeats from the checkpoint's data_state."""

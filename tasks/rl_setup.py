@@ -15,7 +15,8 @@ from typing import Any
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
 from rlpipe.envs.timeout import with_reward_timeout
-from rlpipe.rollouts.options import rollout_options
+from rlpipe.rollouts.curriculum import Curriculum, PassHistory, history_rows
+from rlpipe.rollouts.options import curriculum_options, rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.evaluate import eval_step
@@ -86,6 +87,15 @@ def overlong_penalty_fn(rl):
                              buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
 
 
+def open_curriculum(options, run_dir: Path, start_step: int) -> Curriculum:
+    """The prompt curriculum of a run starting after `start_step`: a resumed run's pass history is
+    rebuilt from its own tables through that step (what the stopped run had there)."""
+    if not options.enabled or start_step == 0:
+        return Curriculum(options)
+    rows = history_rows(run_dir, through_step=start_step)
+    return Curriculum(options, PassHistory.from_rows(rows, options.window, options.pass_reward))
+
+
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop
     needs. The environment's MCP servers (task.mcp_servers) start first; `RLRun.close` stops them."""
@@ -125,7 +135,8 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
     chat_kwargs = config.model.chat_template_kwargs
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
-    prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
+    train = env.examples("train", seed=config.seed)
+    prompts = PromptSource(train[: rl.prompt_pool] if rl.prompt_pool else train, seed=config.seed)
     options = rollout_options(rl, seed=config.seed)
     buffer = GroupBuffer(options.buffer)
     if start.resume is not None:
@@ -148,7 +159,8 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
                                                   template_kwargs=chat_kwargs),
                        scoring=ScoreOptions(rl.max_reward_error_fraction, overlong_penalty_fn(rl)),
                        run_dir=run_dir, run_id=run_id)
-    source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version)
+    source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version,
+                           curriculum=open_curriculum(curriculum_options(rl, config.seed), run_dir, built.start_step))
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,
                  engines=built.engines, eval_engine=built.eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],

@@ -88,6 +88,7 @@ COMMANDS: dict[str, str] = {
     # "Tools from MCP servers"
     "pip install -e '.[mcp]'": INSTALL,
     "python -m benchmarks.bench_losses": SLOW,
+    "rlpipe sql runs/demo/rl --query pass_rate_by_prompt": RUN,
     # "Runs, crashes and trust", "Serving"
     "rlpipe run --overwrite": PLACEHOLDER,
     "rlpipe resume": PLACEHOLDER,

@@ -328,6 +328,21 @@ class RLConfig(Section):
     """Checkpoint every N steps (and the last; 0 = only the last)."""
     max_reward_error_fraction: float = Field(0.5, ge=0, le=1)
     """Fail the step once this share of reward calls raised."""
+    prompt_pool: int = Field(0, ge=0)
+    """RL samples its prompts from the first N examples of the train split only (0 = all of
+    them): a pool small enough that prompts come back, which the curriculum needs."""
+    curriculum: Literal["none", "pass_rate"] = "none"
+    """Prompt selection (rollouts/curriculum.py): "pass_rate" rests prompts whose last
+    curriculum_window completions all passed (solved) or all failed (hopeless), skipping them
+    except for re-tests; every skip and re-test is a row of the `curriculum` table."""
+    curriculum_window: int = Field(8, ge=1)
+    """pass_rate: a prompt's newest scored completions its pass rate is taken over; it rests only
+    once this many are counted."""
+    curriculum_retest: float = Field(0.1, gt=0, le=1)
+    """pass_rate: the chance that a resting prompt is sampled (re-tested) when the prompt stream
+    reaches it; it is skipped otherwise (so it rests about 1/curriculum_retest of its turns)."""
+    curriculum_pass_reward: float = 1.0
+    """pass_rate: a completion passes when its reward is at least this."""
 
     def loss_options(self) -> RLLossOptions:
         """The policy loss's options (training/rl_loss.py; building them validates them). Async RL

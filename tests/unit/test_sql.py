@@ -29,6 +29,7 @@ REQUIRED = {
     "eval_by_step",
     "loss_by_step",
     "samples_by_step",
+    "pass_rate_by_prompt",
 }
 
 
@@ -199,6 +200,30 @@ def test_hardest_prompts(runs):
         assert [row["reward_mean"] for row in mine] == pytest.approx(
             [mean for mean, _, _, _ in expected]
         )
+
+
+def test_pass_rate_by_prompt_follows_each_prompt_step_by_step(runs):
+    run_dirs, tables = runs
+    got = run_canned(run_dirs, "pass_rate_by_prompt").to_pylist()
+    scores = {(row["run_id"], row["sample_id"]): row for row in tables["scores"]}
+    expected = []
+    for (run_id, env, example_id), rows in sorted(_by(tables["rollouts"], "run_id", "env", "example_id").items()):
+        total = passed_total = 0
+        for (step,), at_step in sorted(_by(rows, "step").items()):
+            rewards = [scores[(run_id, r["sample_id"])]["reward"] for r in at_step
+                       if scores[(run_id, r["sample_id"])]["error"] is None]
+            if not rewards:
+                continue
+            passed = sum(reward >= 1 for reward in rewards)
+            total, passed_total = total + len(rewards), passed_total + passed
+            expected.append((run_id, env, example_id, step, len(rewards), passed, passed / len(rewards), total,
+                             passed_total / total))
+    assert any(0 < row[6] < 1 for row in expected) and any(row[6] in (0, 1) for row in expected)
+    keys = ("run_id", "env", "example_id", "step", "n_samples", "n_passed", "pass_rate", "cumulative_samples",
+            "cumulative_pass_rate")
+    assert [tuple(row[k] for k in keys[:6] + keys[7:8]) for row in got] == [e[:6] + e[7:8] for e in expected]
+    assert [x for row in got for x in (row["pass_rate"], row["cumulative_pass_rate"])] == pytest.approx(
+        [x for e in expected for x in (e[6], e[8])])
 
 
 def test_samples_by_step_gives_best_and_worst(runs):

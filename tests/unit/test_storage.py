@@ -116,6 +116,8 @@ EXAMPLE_ROWS: dict[str, dict] = {
         error=None,
     ),
     "decisions": dict(sample_id="g1-0", group_id="g1", status="trained", reason="trained at step 1"),
+    "curriculum": dict(attempt=1, env="arithmetic", example_id="0", status="skipped", state="solved", passed=8,
+                       counted=8, reason="solved: 8 of its last 8 completions passed (reward >= 1); skipped"),
     "train_tokens": dict(
         batch_id=0,
         sample_ids=["", "g1-0"],

@@ -1,0 +1,119 @@
+"""The pass-rate curriculum on the demo: the RL phase of configs/demo.toml with rl.curriculum
+"none" and "pass_rate", side by side from the same SFT checkpoint, same seeds.
+
+One SFT (the demo's, or fewer steps) gives the start checkpoint; each RL run then trains the
+demo's RL phase from it (tracking off, stages as plain calls): the demo as it is (its prompts
+never come back, so a pass history has nothing to act on), then on a pool of `--pool` train
+prompts (rl.prompt_pool) without and with the curriculum. Reported per run, read back from the run's tables: the share of sampled completions
+whose group had zero reward variance (they train nothing), completions sampled per trained
+completion, prompts the curriculum skipped, the held-out greedy accuracy on the demo's 1,000
+eval problems, and the RL phase's wall clock.
+
+    python -m benchmarks.bench_curriculum [--sft-steps 700] [--rl-steps 120] [--pool 500] [--retest 0.02]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+from benchmarks.results import write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def demo_config(root: Path, name: str, sft_steps: int, rl_steps: int, rl: dict) -> dict:
+    """configs/demo.toml with its own run folder, tracking off, `rl` fields over the demo's."""
+    config = tomllib.loads((ROOT / "configs" / "demo.toml").read_text())
+    config.update(runs_root=str(root), run_name=name)
+    config["tracking"] = {"enabled": False, "report": False, "prefect_task_runs": False}
+    config["sft"] = {**config["sft"], "steps": sft_steps, "eval_every": 0, "checkpoint_every": 0}
+    config["rl"] = {**config["rl"], "steps": rl_steps, "eval_every": 0, "checkpoint_every": 0, **rl}
+    return config
+
+
+FIGURES_SQL = """
+SELECT count(*) AS sampled,
+       count(*) FILTER (WHERE status = 'zero_variance') AS zero_variance,
+       count(*) FILTER (WHERE status = 'trained') AS trained
+FROM fates
+"""
+
+
+def figures(run_dir: Path) -> dict:
+    """Sampled, zero-variance and trained completions of an RL run, and the prompts it skipped."""
+    from rlpipe.storage.catalog import has_data
+    from rlpipe.storage.queries import run_sql
+
+    row = run_sql([run_dir], FIGURES_SQL).to_pylist()[0]
+    skipped = 0
+    if has_data([run_dir], "curriculum"):
+        skipped = run_sql([run_dir], "select count(*) filter (where status = 'skipped') as n from curriculum"
+                          ).to_pylist()[0]["n"]
+    return {**row, "skipped_prompts": int(skipped),
+            "zero_variance_share": row["zero_variance"] / max(row["sampled"], 1),
+            "sampled_per_trained": row["sampled"] / max(row["trained"], 1)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.flows.supervised import run_supervised
+    from rlpipe.tasks.config import validate_config
+
+    torch.set_num_threads(1)
+    root = Path(args.root or tempfile.mkdtemp(prefix="bench-curriculum-"))
+    start, sft_accuracy = args.start, None
+    if not start:
+        sft = run_supervised(validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {})), "sft")
+        start, sft_accuracy = sft["checkpoint"], sft["eval"].get("eval/accuracy")
+    results = []
+    for rl in run_settings(args.pool, args.retest):
+        label = f"{rl['curriculum']}, pool {rl.get('prompt_pool') or 'all'}"
+        config = validate_config(demo_config(root, f"rl-{len(results)}", args.sft_steps, args.rl_steps, rl))
+        began = time.perf_counter()
+        out = run_rl(config, start_checkpoint=str(start))
+        seconds = time.perf_counter() - began
+        results.append({"run": label, "curriculum": rl["curriculum"], "prompt_pool": rl.get("prompt_pool", 0),
+                        "seconds": seconds, "accuracy": out["eval"].get("eval/accuracy"),
+                        **figures(config.run_dir / "rl")})
+        print(json.dumps(results[-1]), flush=True)
+    return {"settings": {"rl_steps": args.rl_steps, "sft_steps": args.sft_steps, "sft_accuracy": sft_accuracy,
+                         "retest": args.retest,
+                         "target_zero_variance_share": 0.4, "target_accuracy": 0.99}, "runs": results}
+
+
+def run_settings(pool: int, retest: float) -> list[dict]:
+    """The `[rl]` fields of each run: the demo as it is, then the same on a pool of `pool` train
+    prompts without and with the curriculum (what the pool does alone, and what the curriculum adds)."""
+    return [{"curriculum": "none"}, {"curriculum": "none", "prompt_pool": pool},
+            {"curriculum": "pass_rate", "prompt_pool": pool, "curriculum_retest": retest}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sft-steps", type=int, default=700)
+    parser.add_argument("--rl-steps", type=int, default=120)
+    parser.add_argument("--pool", type=int, default=500, help="rl.prompt_pool of the second and third runs")
+    parser.add_argument("--retest", type=float, default=0.02, help="rl.curriculum_retest of the curriculum run")
+    parser.add_argument("--start", default="", help="an SFT checkpoint to start from (skips the SFT)")
+    parser.add_argument("--root", default="", help="where the runs go (default: a new temporary folder)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/curriculum.json"))
+    args = parser.parse_args(argv)
+    from rlpipe.core.environment import quiet_defaults
+
+    quiet_defaults()
+    report = run(args)
+    write_results(args.out, report)
+    for r in report["runs"]:
+        print(f"{r['run']:>20}  zero-variance {r['zero_variance_share']:6.1%}  sampled/trained "
+              f"{r['sampled_per_trained']:5.2f}  acc {r['accuracy']}  {r['seconds']:6.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
