@@ -191,7 +191,10 @@ def test_the_rollout_source_skips_solved_prompts_and_hands_the_rows_to_the_filte
                            stages, start_step=0, published_version=0,
                            curriculum=Curriculum(curriculum_options(rl, seed=0)))
     with source:
-        batches = [source.batch(step) for step in (1, 2, 3)]
+        batches = []
+        for step in (1, 2, 3):  # each step trains, then the engines take its weights (as a run does)
+            batches.append(source.batch(step))
+            source.publish(step)
     assert stages.sampled[:10] == [str(i) for i in range(10)]  # step 1 meets every prompt once
     rested = [r for _, fill in stages.fills for r in fill.rested]
     retested = sorted(r["example_id"] for r in rested if r["status"] == "retested")
