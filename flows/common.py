@@ -240,8 +240,8 @@ def code_named_by(config: RunConfig) -> list[str]:
     """The Python code a run's config names (imported by whatever builds its environment or
     filters: resume, rescore): the dataset environment's `reward_module`, the verifiers
     environment's `taskset`, `rl.sample_filter`."""
-    options = config.task.options
-    named = [str(options[key]) for key in ("reward_module", "taskset") if options.get(key)]
+    named = [str(entry.options[key]) for entry in config.task.entries()
+             for key in ("reward_module", "taskset") if entry.options.get(key)]
     return named + ([config.rl.sample_filter] if config.rl.sample_filter else [])
 
 

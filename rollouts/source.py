@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlpipe.rollouts.env_metrics import env_metrics
 from rlpipe.rollouts.fates import (
     DropOptions,
     Fill,
@@ -216,6 +217,8 @@ class RolloutSource:
         keep = {sid for group in self.buffer.pending for sid in group.sample_ids}
         self._rows = {sid: row for sid, row in self._rows.items() if sid in keep}
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)
+        if len(getattr(self.prompts, "names", ())) > 1:  # a mixture: rollout/<env>/* (rollouts/env_metrics.py)
+            metrics |= env_metrics(sampled, scored)
         return StepBatch(step=step, samples=selection.samples, metrics=metrics, seconds=watch.seconds,
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
-from rlpipe.envs.timeout import with_reward_timeout
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.build import build, rl_plan, start_point
@@ -22,7 +21,7 @@ from rlpipe.tasks.evaluate import eval_step
 from rlpipe.tasks.generate import GenerateOptions, thinking_budget
 from rlpipe.tasks.rollout_stages import RunStages
 from rlpipe.tasks.score import ScoreOptions
-from rlpipe.tasks.setup import make_env, max_context, stop_token_ids
+from rlpipe.tasks.setup import max_context, stop_token_ids, task_env
 from rlpipe.tasks.sync import sync_task
 from rlpipe.training.advantages import overlong_penalty
 from rlpipe.training.oversampling import GroupBuffer
@@ -85,15 +84,14 @@ def overlong_penalty_fn(rl):
 
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop needs."""
-    from rlpipe.envs.prompts import PromptSource
+    from rlpipe.envs.mixture import prompt_source
 
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
-    env = with_reward_timeout(make_env(config.task.env, config.task.options, config.task.reward_models,
-                                       config.task.env_reward_weight, chat_kwargs), config.task.reward_timeout_s)
+    env = task_env(config.task, chat_kwargs)
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
-    prompts = PromptSource(env.examples("train", seed=config.seed), seed=config.seed)
+    prompts = prompt_source(env, config.seed)
     options = rollout_options(rl)
     buffer = GroupBuffer(options.buffer)
     if start.resume is not None:

@@ -43,3 +43,12 @@ def seconds(phase: str) -> str:
 def train(name: str) -> str:
     """train/<name>: a metric of the optimizer step (loss, grad_norm, lr, ratio_mean, ...)."""
     return f"train/{name}"
+
+
+ENV_METRICS = ("reward_mean", "accuracy", "zero_var_fraction", "samples")
+"""What `rollout/<env>/<name>` holds for each environment of a mixture (rollouts/env_metrics.py)."""
+
+
+def env(env_name: str, name: str) -> str:
+    """rollout/<env>/<name>: a metric of one environment of a mixture (ENV_METRICS)."""
+    return f"rollout/{env_name}/{name}"
