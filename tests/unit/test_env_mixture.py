@@ -1,0 +1,131 @@
+"""Environment mixtures (`[[task.envs]]`): the weighted, seeded, resumable draw of prompts, the
+mixture environment that routes each example to its entry, the config's checks and the
+per-environment metrics."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+from rlpipe.core.config import ConfigError
+from rlpipe.envs.arithmetic import ArithmeticEnv
+from rlpipe.envs.countdown import CountdownEnv
+from rlpipe.envs.mixture import MixtureEnv, mixture_of, prompt_source
+from rlpipe.envs.prompts import DRAW_BLOCK, MixturePromptSource, PromptSource, mixture_draws
+from rlpipe.rollouts.env_metrics import env_metrics
+from rlpipe.rollouts.records import Score
+from rlpipe.tasks.config import validate_config
+from rlpipe.tasks.setup import task_env
+
+from tests.rollout_rows import rollout
+
+
+def _mixture() -> MixtureEnv:
+    return MixtureEnv({"add": ArithmeticEnv.from_options(max_digits=2, eval_size=30),
+                       "cd": CountdownEnv.from_options(eval_size=10)}, {"add": 3.0, "cd": 1.0})
+
+
+def test_draws_follow_the_weights_and_depend_only_on_seed_and_position():
+    draws = mixture_draws(7, [3.0, 1.0], 0, 8000)
+    share = Counter(draws)[0] / len(draws)
+    assert 0.73 < share < 0.77  # 3:1
+    assert draws == mixture_draws(7, [3.0, 1.0], 0, 8000)
+    assert draws != mixture_draws(8, [3.0, 1.0], 0, 8000)
+    # any window, across block boundaries, is the same slice of the one sequence
+    start = DRAW_BLOCK - 5
+    assert mixture_draws(7, [3.0, 1.0], start, 20) == draws[start : start + 20]
+    with pytest.raises(ValueError, match="weights must be positive"):
+        mixture_draws(0, [1.0, 0.0], 0, 1)
+
+
+def _source(seed: int = 5) -> MixturePromptSource:
+    return prompt_source(_mixture(), seed)  # type: ignore[return-value]
+
+
+def test_mixture_prompts_resume_exactly_from_their_state():
+    straight = _source()
+    expected = [ex.example_id for k in (6, 7, 9, 5) for ex in straight.next_batch(k)]
+    first = _source()
+    before = [ex.example_id for k in (6, 7) for ex in first.next_batch(k)]
+    state = json.loads(json.dumps(first.state_dict()))  # as data_state.json holds it
+    resumed = _source()
+    resumed.load_state_dict(state)
+    after = [ex.example_id for k in (9, 5) for ex in resumed.next_batch(k)]
+    assert before + after == expected
+    assert {ex.split("/")[0] for ex in expected} == {"add", "cd"}
+    assert _source(6).next_batch(27) != _source(5).next_batch(27)
+
+
+def test_mixture_state_refuses_other_weights_and_a_single_source_state():
+    state = _source().state_dict()
+    other = MixturePromptSource(_source().sources, {"add": 1.0, "cd": 1.0}, seed=5)
+    with pytest.raises(ValueError, match="task.envs changed since the checkpoint"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="single environment"):
+        _source().load_state_dict(PromptSource(["x"], seed=0).state_dict())  # type: ignore[list-item]
+
+
+def test_mixture_examples_are_labelled_by_entry_and_scored_by_their_own_env():
+    env = _mixture()
+    draws = _source().next_batch(40)
+    add = next(ex for ex in draws if ex.env == "add")
+    countdown = next(ex for ex in draws if ex.env == "cd")
+    assert add.example_id.startswith("add/train/") and countdown.example_id.startswith("cd/train/")
+    inner, own = env.entry(add)
+    assert isinstance(inner, ArithmeticEnv) and own.env == "arithmetic" and not own.example_id.startswith("add/")
+    right = str(add.meta["target_text"])
+    assert env.reward(add, right).reward == ArithmeticEnv.from_options(max_digits=2).reward(own, right).reward > 0
+    assert env.reset(countdown) == [{"role": "user", "content": countdown.prompt}]
+    assert env.demonstration(add, random.Random(0)) == right
+    with pytest.raises(ValueError, match="not from this mixture"):
+        env.reward(own, right)
+
+
+def test_eval_split_mixes_entries_by_weight_in_every_prefix():
+    evals = list(_mixture().examples("eval", seed=0))
+    assert len(evals) == 40 and len({(e.env, e.example_id) for e in evals}) == 40
+    head = Counter(e.env for e in evals[:16])
+    assert head["add"] > head["cd"] > 0
+
+
+def _config(**task):
+    return {"flow": "rl", "task": task}
+
+
+def test_config_builds_a_mixture_and_the_single_form_stays_one_env():
+    entries = [{"name": "add", "weight": 3, "env": "arithmetic", "options": {"max_digits": 2}},
+               {"name": "cd", "env": "countdown"}]
+    config = validate_config(_config(envs=entries))
+    env = task_env(config.task)
+    assert isinstance(mixture_of(env), MixtureEnv) and mixture_of(env).weights == {"add": 3.0, "cd": 1.0}
+    assert validate_config(json.loads(config.model_dump_json())).task.envs == config.task.envs  # config.json
+    single = validate_config(_config(env="countdown"))
+    assert [e.name for e in single.task.entries()] == ["countdown"]
+    assert isinstance(task_env(single.task), CountdownEnv)
+    assert isinstance(prompt_source(task_env(single.task), 0), PromptSource)
+
+
+@pytest.mark.parametrize(("task", "message"), [
+    ({"envs": [{"name": "a"}, {"name": "a"}]}, "names must be unique, a given more than once"),
+    ({"envs": [{"name": "a/b"}]}, r"task\.envs\.0\.name"),
+    ({"envs": [{"name": "a", "weight": 0}]}, r"task\.envs\.0\.weight"),
+    ({"env": "countdown", "envs": [{"name": "a"}]}, "leave task.env unset"),
+])
+def test_bad_mixtures_are_one_line_naming_the_field(task, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        validate_config(_config(**task))
+    assert "\n" not in str(error.value)
+
+
+def test_env_metrics_per_environment():
+    rows = [rollout(sample_id=f"s{i}", group_id=f"g{i // 2}", env=env)
+            for i, env in enumerate(["a", "a", "a", "a", "b", "b"])]
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    scores = [Score(run_id="r", step=1, sample_id=r.sample_id, group_id=r.group_id, reward=w,
+                    components={"correct": w}, error=None) for r, w in zip(rows, rewards, strict=True)]
+    out = env_metrics(rows, scores)
+    assert out["rollout/a/reward_mean"] == 0.75 and out["rollout/a/accuracy"] == 0.75
+    assert out["rollout/a/zero_var_fraction"] == 0.5  # g1 flat, g0 not
+    assert out["rollout/b/zero_var_fraction"] == 1.0 and out["rollout/b/samples"] == 2.0
