@@ -16,6 +16,7 @@ from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
+from rlpipe.storage.layout import mark_env_partitioned
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.evaluate import eval_step
 from rlpipe.tasks.generate import GenerateOptions, thinking_budget
@@ -92,6 +93,8 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) ->
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
     prompts = prompt_source(env, config.seed)
+    if len(config.task.envs) > 1:  # a mixture's rollouts: step=<k>/env=<name>/ (storage/layout.py)
+        mark_env_partitioned(run_dir)
     options = rollout_options(rl)
     buffer = GroupBuffer(options.buffer)
     if start.resume is not None:
