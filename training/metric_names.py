@@ -52,3 +52,8 @@ ENV_METRICS = ("reward_mean", "accuracy", "zero_var_fraction", "samples")
 def env(env_name: str, name: str) -> str:
     """rollout/<env>/<name>: a metric of one environment of a mixture (ENV_METRICS)."""
     return f"rollout/{env_name}/{name}"
+
+
+def eval_env(env_name: str, name: str) -> str:
+    """eval/<env>/<name>: held-out accuracy or reward_mean of one environment of a mixture."""
+    return f"eval/{env_name}/{name}"
