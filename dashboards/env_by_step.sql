@@ -1,5 +1,5 @@
 -- Per environment (a mixture's [[task.envs]] entries) per run and step: completions, reward, accuracy, zero-variance groups, trained.
--- source: rollouts, scores, decisions (the fates view), groups. One row per (run_id, env, step), ordered by run_id, env, step.
+-- source: rollouts, scores, advantages, groups. One row per (run_id, env, step), ordered by run_id, env, step.
 -- A run of one environment has one env. `reward_mean`, `accuracy` and `zero_variance_fraction` are
 -- what MLflow logs for a mixture as rollout/<env>/reward_mean, /accuracy and /zero_var_fraction.
 -- columns:
@@ -11,20 +11,22 @@
 --   accuracy                DOUBLE   share whose `correct` reward component is 1 (else: reward > 0)
 --   n_groups                BIGINT   groups decided at the step (groups table)
 --   zero_variance_fraction  DOUBLE   share of those groups whose rewards were all equal
---   n_trained               BIGINT   completions sampled at the step and trained (then or later)
+--   n_trained               BIGINT   completions sampled at the step and trained (then or later: advantages)
 WITH sampled AS (
     SELECT
-        f.run_id,
-        f.env,
-        f.step,
+        r.run_id,
+        r.env,
+        r.step,
         count(*) AS n_samples,
         avg(CAST(s.reward AS DOUBLE)) AS reward_mean,
         avg(CASE WHEN s.components['correct'] IS NOT NULL THEN CAST(s.components['correct'] = 1 AS DOUBLE)
                  ELSE CAST(s.reward > 0 AS DOUBLE) END) AS accuracy,
-        count(*) FILTER (WHERE f.status = 'trained') AS n_trained
-    FROM fates f
-    LEFT JOIN scores s ON s.run_id = f.run_id AND s.sample_id = f.sample_id
-    GROUP BY f.run_id, f.env, f.step
+        count(a.sample_id) AS n_trained
+    FROM rollouts r
+    LEFT JOIN scores s ON s.run_id = r.run_id AND s.sample_id = r.sample_id
+    LEFT JOIN (SELECT DISTINCT run_id, sample_id FROM advantages) a
+           ON a.run_id = r.run_id AND a.sample_id = r.sample_id
+    GROUP BY r.run_id, r.env, r.step
 ),
 grouped AS (
     SELECT
