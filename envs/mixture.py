@@ -9,9 +9,10 @@ stay unique across entries (two environments may both number theirs `train/0/17`
 row, group and query keyed by `(env, example_id)` or by `example_id` alone keeps entries apart.
 `reset`, `step`, `reward` and `demonstration` hand the entry its own example back.
 
-The eval split interleaves the entries by weight (`mixture_draws` over the seed), so the first
-`task.eval_examples` of it are a weighted mix. Training prompts are drawn by
-`envs/prompts.py` `MixturePromptSource` (`prompt_source` builds the right source for any env).
+`examples(split)` interleaves the entries by weight (`mixture_draws` over the seed), so the first
+`task.eval_examples` held-out examples, or an SFT phase's first conversations, are a weighted mix.
+RL's prompts are drawn by envs/prompts.py `MixturePromptSource` (`prompt_source` builds the right
+source for any env).
 Multi-turn environments cannot be mixed (one sampling path per batch).
 """
 
@@ -30,7 +31,7 @@ from rlpipe.envs.base import (
     Split,
     StepResult,
 )
-from rlpipe.envs.prompts import MixturePromptSource, PromptSource, mixture_draws
+from rlpipe.envs.prompts import DRAW_BLOCK, MixturePromptSource, PromptSource, mixture_draws
 
 
 def mixed_example(name: str, example: Example) -> Example:
@@ -67,11 +68,10 @@ class MixtureEnv:
         return {name: _Relabelled(name, env.examples(split, seed=seed)) for name, env in self.envs.items()}
 
     def examples(self, split: Split, seed: int = 0) -> Sequence[Example]:
-        """Train: every entry's examples, entry after entry; eval: interleaved by weight."""
+        """Every entry's examples of `split` once, interleaved by weight (what SFT of a mixture
+        and the held-out set read; RL's prompts come from `prompt_source`)."""
         parts = self.entry_examples(split, seed)
-        if split == "eval":
-            return _interleaved(parts, [self.weights[name] for name in parts], seed)
-        return _Chained(list(parts.values()))
+        return _interleaved(parts, [self.weights[name] for name in parts], seed)
 
     def reset(self, example: Example) -> Messages:
         env, own = self.entry(example)
@@ -107,25 +107,6 @@ class _Relabelled(Sequence[Example]):
         return mixed_example(self._name, self._examples[i])
 
 
-class _Chained(Sequence[Example]):
-    def __init__(self, parts: list[Sequence[Example]]) -> None:
-        self._parts = parts
-
-    def __len__(self) -> int:
-        return sum(len(part) for part in self._parts)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        for part in self._parts:
-            if 0 <= i < len(part):
-                return part[i]
-            i -= len(part)
-        raise IndexError("mixture example index out of range")
-
-
 def _interleaved(parts: dict[str, Sequence[Example]], weights: list[float], seed: int) -> Sequence[Example]:
     """Every example of `parts` once, in an order whose every prefix mixes the entries by weight
     (an entry that runs out is skipped)."""
@@ -134,13 +115,13 @@ def _interleaved(parts: dict[str, Sequence[Example]], weights: list[float], seed
     order: list[tuple[str, int]] = []
     total, position = sum(len(part) for part in parts.values()), 0
     while len(order) < total:
-        for pick in mixture_draws(seed, weights, position, 256):
+        for pick in mixture_draws(seed, weights, position, DRAW_BLOCK):
             name = names[pick]
             if taken[name] < len(parts[name]):
                 order.append((name, taken[name]))
                 taken[name] += 1
-        position += 256
-        if position > 256 * (total + 64):  # a tiny weight with many examples left: append the rest in order
+        position += DRAW_BLOCK
+        if position > 8 * total + DRAW_BLOCK:  # the heavy entries ran out: the rest in entry order
             order += [(name, i) for name in names for i in range(taken[name], len(parts[name]))]
             break
     return LazyExamples(len(order), lambda i: parts[order[i][0]][order[i][1]])

@@ -16,6 +16,7 @@ not wait for its tables (see its docstring for the crash and error contract).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -115,6 +116,9 @@ def _write_parts(run_dir: str | os.PathLike, table: str, step: int, arrow: pa.Ta
     for stale in set(step_files(run_dir, table, step)) | {flat} | set(flat.parent.glob(f"env=*/{flat.name}")):
         if stale not in written:
             stale.unlink(missing_ok=True)
+            if stale.parent.name.startswith("env="):
+                with contextlib.suppress(OSError):  # a temporary file of a live writer keeps it
+                    stale.parent.rmdir()
     return written
 
 

@@ -129,3 +129,56 @@ def test_env_metrics_per_environment():
     assert out["rollout/a/reward_mean"] == 0.75 and out["rollout/a/accuracy"] == 0.75
     assert out["rollout/a/zero_var_fraction"] == 0.5  # g1 flat, g0 not
     assert out["rollout/b/zero_var_fraction"] == 1.0 and out["rollout/b/samples"] == 2.0
+
+
+def _round_rows(attempt: int, envs: list[str]) -> list[dict]:
+    """Rollout rows of one sampling round, in the order generate writes them (group, completion)."""
+    return [rollout(run_id="r", step=3, env=env, example_id=f"{env}/train/0/{g}", attempt=attempt,
+                    group_id=f"r:s000003:a{attempt}:g{g:04d}", sample_id=f"r:s000003:a{attempt}:g{g:04d}:{j:03d}").row()
+            for g, env in enumerate(envs) for j in range(2)]
+
+
+def test_a_mixture_writes_one_file_per_env_inside_the_step_and_reads_them_back_in_write_order(tmp_path):
+    from rlpipe.storage.catalog import connect
+    from rlpipe.storage.layout import mark_env_partitioned, partition_files, step_files
+    from rlpipe.storage.writer import is_complete, read_table, write_table
+    from rlpipe.tasks.record import load_rows_beyond
+
+    mark_env_partitioned(tmp_path)
+    first = _round_rows(1, ["b", "a", "b"])
+    write_table(tmp_path, "rollouts", 3, first)
+    rows = first + _round_rows(2, ["a", "c", "b"])  # the step's partition holds every round so far
+    write_table(tmp_path, "rollouts", 3, rows)
+    step = tmp_path / "tables" / "rollouts" / "step=3"
+    assert sorted(p.relative_to(step).as_posix() for p in step.rglob("*.parquet")) == [
+        "env=a/part-0.parquet", "env=b/part-0.parquet", "env=c/part-0.parquet"]
+    assert step_files(tmp_path, "rollouts", 3) == sorted(step.glob("env=*/part-0.parquet"))
+    assert is_complete(tmp_path, "rollouts", 3) and [s for s, _ in partition_files(tmp_path, "rollouts")] == [3] * 3
+    assert read_table(tmp_path, "rollouts", 3).column("sample_id").to_pylist() == [r["sample_id"] for r in rows]
+    assert read_table(tmp_path, "rollouts").num_rows == len(rows)
+    assert load_rows_beyond(tmp_path, "rollouts", 3, known=len(first)) is not None
+    assert load_rows_beyond(tmp_path, "rollouts", 3, known=len(rows)) is None
+    con = connect([tmp_path])
+    assert dict(con.sql("select env, count(*) from rollouts group by env").fetchall()) == {"a": 4, "b": 6, "c": 2}
+    # a rewrite with fewer environments, and an empty one, leave no file of the old write behind
+    write_table(tmp_path, "rollouts", 3, _round_rows(1, ["a"]))
+    assert [p.parent.name for p in step_files(tmp_path, "rollouts", 3)] == ["env=a"]
+    assert not (step / "env=b").exists()
+    write_table(tmp_path, "rollouts", 3, [])
+    assert step_files(tmp_path, "rollouts", 3) == [step / "part-0.parquet"]
+    assert not list(step.glob("env=*/*.parquet"))
+    # the other tables, and runs that are no mixture, keep one file per step
+    write_table(tmp_path, "groups", 3, [])
+    assert step_files(tmp_path, "groups", 3) == [tmp_path / "tables" / "groups" / "step=3" / "part-0.parquet"]
+
+
+def test_a_stored_round_missing_some_prompts_is_sampled_again():
+    from rlpipe.envs.base import Example
+    from rlpipe.tasks.generate import _stored_round
+
+    rows = _round_rows(1, ["a", "b"])
+    examples = [Example(row["env"], row["example_id"], "p", 0) for row in rows[::2]]
+    assert [r.sample_id for r in _stored_round(rows, {"attempt": 1, "examples": examples})] == \
+        [row["sample_id"] for row in rows]
+    assert _stored_round(rows[:2], {"attempt": 1, "examples": examples}) is None  # env b's file lost in a kill
+    assert _stored_round(rows, {"attempt": 2, "examples": examples}) is None
