@@ -74,6 +74,9 @@ class PromptSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`; ValueError if it was saved for a different example set."""
+        if "mixture" in state:
+            raise ValueError("prompt state is of a mixture of environments, this run has one (task.envs changed "
+                             "since the checkpoint)")
         if int(state["n_examples"]) != len(self.examples):
             raise ValueError(
                 f"PromptSource state is for {state['n_examples']} examples, this source has "

@@ -91,7 +91,7 @@ def _check_env(config) -> None:
     if len(task.envs) > 1:
         from rlpipe.tasks.setup import task_env
 
-        _check("task.envs", "single-turn environments in a mixture", lambda: task_env(task, reward_models=False))
+        _check("task.envs", "", lambda: task_env(task, reward_models=False))
     for index, reward_model in enumerate(task.reward_models):
         from rlpipe.models.loading import check_model, resolve_model_path
 

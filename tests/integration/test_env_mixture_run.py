@@ -26,17 +26,19 @@ def mixture_config(runs_root: Path) -> dict:
          "options": {"min_numbers": 3, "max_numbers": 3, "max_number": 9, "max_target": 20, "eval_size": 20}}]}
     config["tracking"] = {"enabled": False, "report": False, "prefect_task_runs": False}
     config["rl"] = {**config["rl"], "steps": 2, "prompts_per_step": 8, "group_size": 4, "oversample_factor": 1.0,
-                    "max_attempts": 1, "eval_every": 2, "checkpoint_every": 2}
+                    "max_attempts": 1, "eval_every": 2, "checkpoint_every": 1}
     return config
 
 
 def test_a_mixture_run_partitions_its_rollouts_by_env_and_reports_each_env(tmp_path, monkeypatch):
     import rlpipe.flows.rl
     from rlpipe.dashboards.report import report_data
+    from rlpipe.envs.mixture import prompt_source
     from rlpipe.storage.catalog import connect
     from rlpipe.storage.queries import run_canned
     from rlpipe.storage.tracking import NullTracker
     from rlpipe.tasks.config import validate_config
+    from rlpipe.tasks.setup import task_env
 
     tracker = NullTracker()
     monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
@@ -75,8 +77,13 @@ def test_a_mixture_run_partitions_its_rollouts_by_env_and_reports_each_env(tmp_p
     assert {"eval/add/accuracy", "eval/cd/accuracy"} <= set(result["eval"])
     assert run_canned([run_dir], "zero_variance_by_step").num_rows == 2
 
-    # the checkpoint's data_state holds the draw's position, the report a row per environment
-    state = json.loads(next((run_dir / "checkpoints").glob("step_*/data_state.json")).read_text())
-    assert state["prompts"]["mixture"]["names"] == ["add", "cd"]
-    assert state["prompts"]["mixture"]["drawn"] == sum(r["n_samples"] for r in rows.values()) // 4
+    # step 1's checkpoint holds the draw's position: a source resumed from it deals step 2's prompts
+    state = json.loads((run_dir / "checkpoints" / "step_000001" / "data_state.json").read_text())
+    assert state["prompts"]["mixture"]["names"] == ["add", "cd"] and state["prompts"]["mixture"]["drawn"] == 8
+    resumed = prompt_source(task_env(config.task), config.seed)
+    resumed.load_state_dict(state["prompts"])
+    sampled = con.sql("select any_value(env), any_value(example_id) from rollouts where step = 2 "
+                      "group by group_id order by group_id").fetchall()
+    assert [(e.env, e.example_id) for e in resumed.next_batch(len(sampled))] == sampled
+    # the report has a row per environment
     assert [(r["env"], r["steps"]) for r in report_data([run_dir])["environments"]["rows"]] == [("add", 2), ("cd", 2)]

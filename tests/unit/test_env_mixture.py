@@ -65,6 +65,8 @@ def test_mixture_state_refuses_other_weights_and_a_single_source_state():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="single environment"):
         _source().load_state_dict(PromptSource(["x"], seed=0).state_dict())  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="state is of a mixture"):
+        PromptSource(["x"], seed=0).load_state_dict(state)  # type: ignore[list-item]
 
 
 def test_mixture_examples_are_labelled_by_entry_and_scored_by_their_own_env():
@@ -182,3 +184,20 @@ def test_a_stored_round_missing_some_prompts_is_sampled_again():
         [row["sample_id"] for row in rows]
     assert _stored_round(rows[:2], {"attempt": 1, "examples": examples}) is None  # env b's file lost in a kill
     assert _stored_round(rows, {"attempt": 2, "examples": examples}) is None
+
+
+@pytest.mark.parametrize(("first", "says"), [
+    ('env = "arithmetic"\noptions = { max_digits = 0 }', "task.envs[0].options: "),
+    ('env = "calculator"', "task.envs: entry 'add' is multi-turn (calculator)"),
+])
+def test_preflight_refuses_a_bad_entry_in_one_line_naming_it(first, says, tmp_path, monkeypatch, capsys):
+    from rlpipe.flows.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'tracking.db'}")
+    (tmp_path / "mix.toml").write_text(f'flow = "rl"\nruns_root = "runs"\n[task]\n[[task.envs]]\nname = "add"\n{first}\n'
+                                       '[[task.envs]]\nname = "cd"\nenv = "countdown"\n')
+    code = main(["run", "mix.toml"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and says in lines[0], lines
+    assert not (tmp_path / "runs").exists()
