@@ -87,7 +87,7 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         f"  rlpipe sql {table_dir} --query reward_by_step",
         f"  rlpipe sql {table_dir} --query zero_variance_by_step",
         *([f"  rlpipe sql {table_dir} --query env_by_step   (per environment of the mixture)"]
-          if len(config.task.envs) > 1 else []),
+          if config.task.envs else []),
         f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\"",
         f"  rlpipe report {table_dir}" + (f" {run_dir / 'sft'}" if config.flow == "pipeline" else "")
         + f"   (writes {table_dir / 'report.html'})",

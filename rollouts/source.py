@@ -217,7 +217,7 @@ class RolloutSource:
         keep = {sid for group in self.buffer.pending for sid in group.sample_ids}
         self._rows = {sid: row for sid, row in self._rows.items() if sid in keep}
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)
-        if len(getattr(self.prompts, "names", ())) > 1:  # a mixture: rollout/<env>/* (rollouts/env_metrics.py)
+        if getattr(self.prompts, "names", None):  # a mixture: rollout/<env>/* (rollouts/env_metrics.py)
             metrics |= env_metrics(sampled, scored)
         return StepBatch(step=step, samples=selection.samples, metrics=metrics, seconds=watch.seconds,
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})

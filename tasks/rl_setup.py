@@ -93,7 +93,7 @@ def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) ->
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
     prompts = prompt_source(env, config.seed)
-    if len(config.task.envs) > 1:  # a mixture's rollouts: step=<k>/env=<name>/ (storage/layout.py)
+    if config.task.envs:  # a mixture's rollouts: step=<k>/env=<name>/ (storage/layout.py)
         mark_env_partitioned(run_dir)
     options = rollout_options(rl)
     buffer = GroupBuffer(options.buffer)
