@@ -201,3 +201,38 @@ def test_preflight_refuses_a_bad_entry_in_one_line_naming_it(first, says, tmp_pa
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and says in lines[0], lines
     assert not (tmp_path / "runs").exists()
+
+
+def test_env_by_step_equals_the_numbers_computed_from_the_rows(tmp_path):
+    from rlpipe.storage.queries import run_canned
+    from rlpipe.storage.synthetic import synthetic_step
+    from rlpipe.storage.writer import write_table
+
+    expected: dict[tuple, dict] = {}
+    run_dirs = []
+    for run_id in ("run-a", "run-b"):
+        run_dir = tmp_path / run_id
+        run_dirs.append(run_dir)
+        for step in (1, 2):
+            tables = synthetic_step(step, run_id=run_id, n_groups=9, group_size=4, n_token_rows=0,
+                                    seed=len(run_dirs), zero_variance_share=0.4)
+            rollouts, scores, groups = (tables[t].to_pylist() for t in ("rollouts", "scores", "groups"))
+            trained = [r for r in rollouts if r["sample_id"].endswith("-0")]  # one per group
+            for name, rows in (("rollouts", rollouts), ("scores", scores), ("groups", groups)):
+                write_table(run_dir, name, step, rows)
+            write_table(run_dir, "advantages", step, [{"run_id": run_id, "step": step, "sample_id": r["sample_id"],
+                                                       "group_id": r["group_id"], "advantage": 1.0} for r in trained])
+            score = {s["sample_id"]: s for s in scores}
+            for env in {r["env"] for r in rollouts}:
+                mine = [score[r["sample_id"]] for r in rollouts if r["env"] == env]
+                flat = [g["zero_variance"] for g in groups if g["env"] == env]
+                expected[(run_id, env, step)] = {
+                    "n_samples": len(mine), "reward_mean": sum(s["reward"] for s in mine) / len(mine),
+                    "accuracy": sum(dict(s["components"])["correct"] == 1 for s in mine) / len(mine),
+                    "n_groups": len(flat), "zero_variance_fraction": sum(flat) / len(flat),
+                    "n_trained": sum(r["env"] == env for r in trained)}
+    got = {(r["run_id"], r["env"], r["step"]): r for r in run_canned(run_dirs, "env_by_step").to_pylist()}
+    assert set(got) == set(expected) and len({key[1] for key in got}) == 2
+    for key, want in expected.items():
+        for column, value in want.items():
+            assert got[key][column] == pytest.approx(value), (key, column)
