@@ -236,3 +236,17 @@ def test_env_by_step_equals_the_numbers_computed_from_the_rows(tmp_path):
     for key, want in expected.items():
         for column, value in want.items():
             assert got[key][column] == pytest.approx(value), (key, column)
+
+
+def test_the_run_summary_lists_each_environments_accuracy_and_the_env_query():
+    from rlpipe.flows.runner import summary_lines
+
+    config = validate_config(_config(envs=[{"name": "add", "env": "arithmetic", "options": {"max_digits": 2}},
+                                           {"name": "cd", "env": "countdown"}]))
+    lines = summary_lines(config, {"eval": {"eval/accuracy": 0.5, "eval/add/accuracy": 0.625,
+                                            "eval/cd/accuracy": 0.25}}, 1.0)
+    assert [line.split() for line in lines if line.strip().startswith(("add", "cd"))] == [["add", "62.5%"],
+                                                                                        ["cd", "25.0%"]]
+    assert any("--query env_by_step" in line for line in lines)
+    single = summary_lines(validate_config(_config()), {"eval": {"eval/accuracy": 0.5}}, 1.0)
+    assert not any("env_by_step" in line for line in single)
