@@ -12,6 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.leftovers import strays
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -56,6 +58,7 @@ def test_a_mixture_run_partitions_its_rollouts_by_env_and_reports_each_env(tmp_p
         on_disk = {p.parent.name: p for p in folder.glob("env=*/part-0.parquet")}
         assert set(on_disk) == {"env=add", "env=cd"}
         assert set(pq.read_table(on_disk["env=cd"], columns=["env"]).column(0).to_pylist()) == {"cd"}
+    assert strays(run_dir / "tables") == []  # nothing but partitions, schema files and the mark
     # groups keyed by environment, ids unique across entries; every sample has one fate
     def one(sql: str):
         return con.sql(sql).fetchall()[0][0]
