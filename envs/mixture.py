@@ -74,14 +74,17 @@ class MixtureEnv:
         return _interleaved(parts, [self.weights[name] for name in parts], seed)
 
     def reset(self, example: Example) -> Messages:
+        """The entry's initial messages for its own example."""
         env, own = self.entry(example)
         return env.reset(own)
 
     def step(self, example: Example, messages: Messages, completion_text: str) -> StepResult:
+        """The entry's answer to an assistant turn (single-turn entries: done)."""
         env, own = self.entry(example)
         return env.step(own, messages, completion_text)
 
     def reward(self, example: Example, transcript: str | Messages) -> RewardResult:
+        """The entry's own reward of the completion."""
         env, own = self.entry(example)
         return env.reward(own, transcript)
 
@@ -95,6 +98,8 @@ class MixtureEnv:
 
 
 class _Relabelled(Sequence[Example]):
+    """An entry's examples as the mixture gives them out (`mixed_example`), generated on access."""
+
     def __init__(self, name: str, examples: Sequence[Example]) -> None:
         self._name, self._examples = name, examples
 
