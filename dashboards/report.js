@@ -227,6 +227,20 @@
     return node;
   }
 
+  function environmentsSection(section) {
+    const node = h("section", { id: section.id }, [h("h2", { text: section.title })].concat(notes(section.notes)));
+    const arrow = (a, b, percent) => td(a === null ? "–" : fmt(a, percent) + " → " + fmt(b, percent), "num");
+    const columns = [["run", runCell], ["env", (r) => td(r.env)], ["steps", (r) => num(r.steps)],
+      ["completions", (r) => num(r.n_samples)], ["trained", (r) => num(r.n_trained)],
+      ["reward first → last step", (r) => arrow(r.first_reward, r.last_reward)],
+      ["accuracy first → last step", (r) => arrow(r.first_accuracy, r.last_accuracy, true)],
+      ["zero-variance groups", (r) => num(r.zero_variance_fraction, true)]];
+    node.append(h("div", { class: "controls" }, [document.createTextNode(
+      "Each environment of a mixture ([[task.envs]]), per run (env_by_step.sql; MLflow: rollout/<env>/*).")]),
+      table(columns, section.rows));
+    return node;
+  }
+
   function plotSection(section) {
     const node = h("section", { id: section.id }, [h("h2", { text: section.title })].concat(notes(section.notes)));
     const big = section.plots.filter((p) => !p.small), small = section.plots.filter((p) => p.small);
@@ -238,7 +252,8 @@
   function render() {
     // fate chart and rollout browser: report_rollouts.js, inlined before this script
     const rollouts = window.rlpipeRollouts(data, { h, s, fmt, ticks, notes, tip, showTip });
-    const sections = [{ id: "overview", title: "Overview" }].concat(data.sections,
+    const mixed = data.environments && data.environments.rows.length ? [data.environments] : [];
+    const sections = [{ id: "overview", title: "Overview" }].concat(mixed, data.sections,
       [data.fates, data.rollouts, data.samples, data.hardest]);
     document.getElementById("top").append(
       h("h1", { text: data.title }),
@@ -247,7 +262,7 @@
       legend([...new Set(data.runs.map((run) => run.run_id))]),
       h("nav", {}, sections.map((sec) => h("a", { href: "#" + sec.id, text: sec.title }))));
     const main = document.getElementById("report");
-    main.replaceChildren(overview(), ...data.sections.map(plotSection), rollouts.fates, rollouts.rollouts,
+    main.replaceChildren(overview(), ...mixed.map(environmentsSection), ...data.sections.map(plotSection), rollouts.fates, rollouts.rollouts,
       samplesSection(data.samples), hardestSection(data.hardest));
     document.documentElement.setAttribute("data-rlpipe-report", `ok:${count.plots}:${count.points}`);
   }

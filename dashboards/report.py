@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 QUERIES = (
     "reward_by_step", "zero_variance_by_step", "completion_length_by_step", "length_vs_reward",
     "loss_by_step", "throughput_by_step", "eval_by_step", "samples_by_step", "hardest_prompts",
-    "fates_by_step", "rollout_browser", "thinking_by_step",
+    "fates_by_step", "rollout_browser", "thinking_by_step", "env_by_step",
 )
 # queries of columns runs of older rlpipe versions lack: no rows there instead of an error
 NEWER_COLUMNS = ("thinking_by_step",)
@@ -182,6 +182,8 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
     samples["rows"] = _sample_rows(r["samples_by_step"], order)
     hardest = _section("hardest", "Hardest prompts", ("rollouts", "scores"), runs, lambda: [])
     hardest["rows"] = [_trim(row) for row in r["hardest_prompts"] if row["rank"] <= HARDEST_PER_RUN]
+    environments = {"id": "environments", "title": "Environments", "notes": [],
+                    "rows": environment_rows(r["env_by_step"], order)}
     fate_notes = _section("fates", "", ("rollouts",), runs, lambda: [])["notes"]
     fate_notes += [rollouts.STAND_IN_NOTE] if r["fates_stand_in"][0]["stand_in"] else []
     return {
@@ -193,6 +195,7 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
         "sections": sections,
         "samples": samples,
         "hardest": hardest,
+        "environments": environments,
         "fates": rollouts.fates_section(r["fates_by_step"], order, fate_notes),
         "rollouts": rollouts.browser_section(r["rollout_browser"], fate_notes),
     }
@@ -214,6 +217,28 @@ def _section(key: str, title: str, needs: tuple[str, ...], runs: list[RunInfo],
         if absent and note not in notes:
             notes.append(note)
     return {"id": key, "title": title, "notes": notes, "plots": build()}
+
+
+def environment_rows(rows: Rows, order: list[str]) -> Rows:
+    """One row per (run, environment) of the runs that mixed several (env_by_step rows): steps,
+    completions sampled and trained, reward and accuracy at the first and last step, and the
+    share of zero-variance groups over the run. Empty when no run is a mixture."""
+    out = []
+    for run_id, run_rows in by_run(rows, order):
+        envs = list(dict.fromkeys(row["env"] for row in run_rows))
+        if len(envs) < 2:
+            continue
+        for env in envs:
+            mine = sorted((row for row in run_rows if row["env"] == env), key=lambda row: row["step"])
+            groups = sum(row["n_groups"] for row in mine)
+            flat = sum(row["n_groups"] * (row["zero_variance_fraction"] or 0) for row in mine)
+            out.append({"run_id": run_id, "env": env, "steps": len(mine),
+                        "n_samples": sum(row["n_samples"] for row in mine),
+                        "n_trained": sum(row["n_trained"] for row in mine),
+                        "first_reward": mine[0]["reward_mean"], "last_reward": mine[-1]["reward_mean"],
+                        "first_accuracy": mine[0]["accuracy"], "last_accuracy": mine[-1]["accuracy"],
+                        "zero_variance_fraction": _clean(flat / groups) if groups else None})
+    return out
 
 
 def _sample_rows(rows: Rows, order: list[str]) -> Rows:

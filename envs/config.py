@@ -7,11 +7,15 @@ Typed, documented, strict (core/config.py `Section`); tasks/config.py composes i
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from rlpipe.core.config import Section
 from rlpipe.models.tool_calls import PARSERS
+
+ENV_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""A mixture entry's name: a hive partition value (`env=NAME`) and a metric path part."""
 
 
 class RewardModelConfig(Section):
@@ -84,15 +88,37 @@ class McpServerConfig(Section):
         if self.url and (self.args or self.env or self.pass_env or self.cwd):
             raise ValueError(f"MCP server {self.name!r}: args, env, pass_env and cwd apply to command servers only")
         return self
+class EnvEntryConfig(Section):
+    """One `[[task.envs]]` entry: an environment of a mixture, its share of the prompts and its options."""
+
+    name: str
+    """The entry's name: the `env` column of its rows, its `env=NAME` partitions, its
+    `rollout/NAME/*` metrics. Letters, digits, '_', '.', '-'; unique within the mixture."""
+    weight: float = Field(1.0, gt=0)
+    """Its share of the prompts: each prompt comes from this entry with probability weight / sum."""
+    env: str = "arithmetic"
+    """Environment name, as `task.env`."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Environment options, as `task.options`."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not ENV_NAME_PATTERN.fullmatch(name):
+            raise ValueError(f"name must be letters, digits, '_', '.' or '-' (a partition folder name), got {name!r}")
+        return name
 
 
 class TaskConfig(Section):
-    """`[task]`: the environment and its rewards."""
+    """`[task]`: the environment (or a mixture of several, `[[task.envs]]`) and its rewards."""
 
     env: str = "arithmetic"
     """Environment name: arithmetic | calculator | code | countdown | dataset | verifiers."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Environment options (e.g. digits, operators, path, prompt_column); checked by the env."""
+    envs: list[EnvEntryConfig] = Field(default_factory=list)
+    """A mixture: `[[task.envs]]` entries, prompts drawn from them by weight (envs/mixture.py);
+    then `env` and `options` stay unset. Empty: the one environment `env` with `options`."""
     eval_examples: int = Field(200, ge=1)
     """Held-out prompts used for greedy evaluation."""
     reward_models: list[RewardModelConfig] = Field(default_factory=list)
@@ -122,3 +148,24 @@ class TaskConfig(Section):
             raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r}; "
                              f"known: {', '.join(sorted(PARSERS))}")
         return self
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TaskConfig:
+        if self.envs:
+            defaults = {"env": type(self).model_fields["env"].default, "options": {}}
+            both = [key for key, default in defaults.items() if getattr(self, key) != default]
+            if both:
+                raise ValueError(f"task.envs is a mixture: leave task.{' and task.'.join(both)} unset "
+                                 "(give each [[task.envs]] entry its env and options)")
+            names = [entry.name for entry in self.envs]
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:
+                raise ValueError(f"task.envs: names must be unique, {', '.join(twice)} given more than once")
+        return self
+
+    def entries(self) -> list[EnvEntryConfig]:
+        """The environments of the run: the `[[task.envs]]` entries, or the one `[task]` env (a
+        mixture of one, named after its environment)."""
+        if self.envs:
+            return list(self.envs)
+        return [EnvEntryConfig(name=self.env, weight=1.0, env=self.env, options=self.options)]

@@ -74,6 +74,9 @@ class PromptSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`; ValueError if it was saved for a different example set."""
+        if "mixture" in state:
+            raise ValueError("prompt state is of a mixture of environments, this run has one (task.envs changed "
+                             "since the checkpoint)")
         if int(state["n_examples"]) != len(self.examples):
             raise ValueError(
                 f"PromptSource state is for {state['n_examples']} examples, this source has "
@@ -87,3 +90,75 @@ class PromptSource:
         self.offset = offset
         self.shuffle = bool(state.get("shuffle", True))
         self._order = None
+
+
+DRAW_BLOCK = 1024
+"""Prompts whose environments one generator call draws (`mixture_draws`)."""
+
+
+def mixture_draws(seed: int, weights: Sequence[float], start: int, k: int) -> list[int]:
+    """The entries (indices into `weights`) of the prompts `start .. start+k-1` of a mixture:
+    each drawn independently with probability weight / sum, by a generator seeded with the run
+    seed and the block of `DRAW_BLOCK` prompts the position falls in. A pure function of its
+    arguments, so a resumed run needs only the position to draw what it would have drawn."""
+    if start < 0 or k < 0:
+        raise ValueError(f"mixture_draws: start and k must be >= 0, got {start}, {k}")
+    p = np.asarray(weights, dtype=float)
+    if p.ndim != 1 or len(p) == 0 or not np.all(np.isfinite(p)) or np.any(p <= 0):
+        raise ValueError(f"mixture_draws: weights must be positive and finite, got {list(weights)}")
+    p = p / p.sum()
+    out: list[int] = []
+    position = start
+    while len(out) < k:
+        block, offset = divmod(position, DRAW_BLOCK)
+        drawn = np.random.default_rng([seed, 0x6D6978, block]).choice(len(p), size=DRAW_BLOCK, p=p)
+        take = min(k - len(out), DRAW_BLOCK - offset)
+        out.extend(int(i) for i in drawn[offset : offset + take])
+        position += take
+    return out
+
+
+class MixturePromptSource:
+    """Prompts of several environments: each prompt's environment is drawn by weight
+    (`mixture_draws`), then its example comes from that environment's own `PromptSource`
+    (shuffled per epoch, seeded by the run seed and the entry's index). `state_dict()` holds the
+    draw position and every entry's position: a resumed run draws exactly the same prompts."""
+
+    def __init__(self, sources: dict[str, PromptSource], weights: dict[str, float], seed: int = 0) -> None:
+        if not sources or set(sources) != set(weights):
+            raise ValueError("MixturePromptSource: give one weight per source (and at least one source)")
+        self.names = list(sources)
+        self.sources = sources
+        self.weights = [float(weights[name]) for name in self.names]
+        mixture_draws(seed, self.weights, 0, 0)  # checks the weights
+        self.seed = seed
+        self.drawn = 0
+
+    def next_batch(self, k: int) -> list[Example]:
+        """The next `k` prompts, in draw order."""
+        if k < 1:
+            raise ValueError(f"next_batch: need k >= 1, got {k}")
+        picks = mixture_draws(self.seed, self.weights, self.drawn, k)
+        self.drawn += k
+        taken = {i: iter(self.sources[self.names[i]].next_batch(picks.count(i)))
+                 for i in sorted(set(picks))}
+        return [next(taken[i]) for i in picks]
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position: {"mixture": {seed, drawn, names, weights}, "sources": {name: state}}."""
+        return {"mixture": {"seed": self.seed, "drawn": self.drawn, "names": self.names, "weights": self.weights},
+                "sources": {name: source.state_dict() for name, source in self.sources.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`; ValueError if it was saved for other entries or weights."""
+        mixture = state.get("mixture")
+        if mixture is None:
+            raise ValueError("prompt state is of a single environment, this run is a mixture (task.envs changed "
+                             "since the checkpoint)")
+        if list(mixture["names"]) != self.names or [float(w) for w in mixture["weights"]] != self.weights:
+            raise ValueError(f"prompt state is for the mixture {dict(zip(mixture['names'], mixture['weights'], strict=True))}, "
+                             f"this run's is {dict(zip(self.names, self.weights, strict=True))}: task.envs changed since the "
+                             "checkpoint")
+        for name, source in self.sources.items():
+            source.load_state_dict(state["sources"][name])
+        self.seed, self.drawn = int(mixture["seed"]), int(mixture["drawn"])

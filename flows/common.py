@@ -242,9 +242,9 @@ def _mlflow_run_dir(tracker, run_id: str) -> str | None:
 def code_named_by(config: RunConfig) -> list[str]:
     """The Python code a run's config names (imported by whatever builds its environment or
     filters: resume, rescore): the dataset environment's `reward_module`, the verifiers
-    environment's `taskset`, `rl.sample_filter`, `rl.batch_maker`."""
-    options = config.task.options
-    named = [str(options[key]) for key in ("reward_module", "taskset") if options.get(key)]
+    environment's `taskset` (of every `[[task.envs]]` entry), `rl.sample_filter`, `rl.batch_maker`."""
+    named = [str(entry.options[key]) for entry in config.task.entries()
+             for key in ("reward_module", "taskset") if entry.options.get(key)]
     return named + [spec for spec in (config.rl.sample_filter, config.rl.batch_maker) if spec]
 
 

@@ -73,7 +73,6 @@ def summary(rows: list[dict]) -> str:
 
 def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tuple[Path, dict[str, int]]:
     """Load the run's config and the reward, re-score into the rescore folder; (folder, counts)."""
-    from rlpipe.envs.registry import build_env
     from rlpipe.flows.common import say_code_trusted
     from rlpipe.flows.progress import progress
     from rlpipe.rollouts.options import rollout_options
@@ -81,6 +80,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     from rlpipe.tasks.config import validate_config
     from rlpipe.tasks.rescore import load_reward, rescore_run, scoring_env
     from rlpipe.tasks.rl_setup import overlong_penalty_fn
+    from rlpipe.tasks.setup import task_env
 
     config_path = run_dir / "config.json"
     if not config_path.is_file():
@@ -90,7 +90,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     fn = load_reward(reward)
     name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", reward.rpartition(":")[2]) or "rescore"
     out_dir = Path(out) if out else run_dir / "rescore" / name
-    env = build_env(config.task.env, **config.task.options)
+    env = task_env(config.task, reward_models=False)
     total = sum(pq.read_metadata(path).num_rows for _, path in partition_files(run_dir, "rollouts"))
     bar = progress(total=total, desc="rescore", unit="rollout")
     try:

@@ -72,6 +72,9 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
             accuracy = phase["eval"].get(m.EVAL_ACCURACY)
             if accuracy is not None:
                 lines.append(f"  held-out greedy accuracy after {name.upper():<8} {accuracy:6.1%}")
+            lines += [f"    {env:<36} {phase['eval'][m.eval_env(env, 'accuracy')]:6.1%}"
+                      for env in (entry.name for entry in config.task.envs)
+                      if m.eval_env(env, "accuracy") in phase["eval"]]
     teacher_error = config.task.options.get("teacher_carry_error", 0)
     if teacher_error and config.flow == "pipeline":
         lines.append(f"  (SFT imitated a teacher that forgets every carry in {teacher_error:.0%} of its "
@@ -83,6 +86,8 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         "Where to look:",
         f"  rlpipe sql {table_dir} --query reward_by_step",
         f"  rlpipe sql {table_dir} --query zero_variance_by_step",
+        *([f"  rlpipe sql {table_dir} --query env_by_step   (per environment of the mixture)"]
+          if config.task.envs else []),
         f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\"",
         f"  rlpipe report {table_dir}" + (f" {run_dir / 'sft'}" if config.flow == "pipeline" else "")
         + f"   (writes {table_dir / 'report.html'})",

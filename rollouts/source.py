@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlpipe.rollouts.curriculum import Curriculum, CurriculumOptions, curriculum_metrics
+from rlpipe.rollouts.env_metrics import env_metrics
 from rlpipe.rollouts.fates import (
     DropOptions,
     Fill,
@@ -225,6 +226,8 @@ class RolloutSource:
         metrics |= _sampling_metrics(sampled, scored, batch, train_version)
         if self.curriculum.options.enabled:
             metrics |= curriculum_metrics(rested)
+        if getattr(self.prompts, "names", None):  # a mixture: rollout/<env>/* (rollouts/env_metrics.py)
+            metrics |= env_metrics(sampled, scored)
         return StepBatch(step=step, samples=selection.samples, metrics=metrics, seconds=watch.seconds,
                          state={"prompts": self.prompts.state_dict(), "buffer": self.buffer.state_dict()})
 

@@ -141,7 +141,7 @@ def _run_pattern(run_dir: Path, table: str) -> str | None:
     if schema_file(run_dir, table).is_file():
         return str(tables_root(run_dir) / table / "**" / "*.parquet")
     if partition_files(run_dir, table):
-        return str(tables_root(run_dir) / table / "step=*" / "part-*.parquet")
+        return str(tables_root(run_dir) / table / "step=*" / "**" / "part-*.parquet")
     return None
 
 

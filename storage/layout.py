@@ -4,6 +4,15 @@
     <run_dir>/tables/<table>/_schema.parquet           zero rows: the table's current schema
     <run_dir>/catalog.duckdb                           DuckDB views over the above
 
+A mixture of environments (`[[task.envs]]`) partitions its `rollouts` by environment inside the
+step: `tables/rollouts/step=<k>/env=<name>/part-0.parquet`, one file per environment of the step
+(`partition_file(..., env=name)`); the table folder then holds the `_by_env` mark, set when the
+run starts. Step first, env second: the step stays the one unit that stages write and replace,
+that resume, replay, rescore, fates and lineage read, and that a run closes; the env folders
+split a step's file by the `env` column the rows already carry (views read files, not folder
+names, so every query is unchanged). `step_files` lists a step's files either way; rows of
+several files read back in their write order (`ENV_PARTITIONED` names the ordering columns).
+
 A partition is a single file replaced atomically (core/files.py), so a reader — or a writer
 killed with SIGKILL — only ever sees the old file or the new one; temporary files are hidden and
 do not end in `.parquet`, so no reader glob matches them.
@@ -36,9 +45,48 @@ def table_dir(run_dir: str | os.PathLike, table: str) -> Path:
     return tables_root(run_dir) / table
 
 
-def partition_file(run_dir: str | os.PathLike, table: str, step: int) -> Path:
-    """Path of the single Parquet file of one (table, step) partition."""
-    return table_dir(run_dir, table) / f"step={check_step(step)}" / PART_NAME
+ENV_PARTITIONED: dict[str, tuple[str, ...]] = {"rollouts": ("attempt", "sample_id")}
+"""Tables a mixture partitions by environment, and the columns that put a step's rows back in
+their write order (a round's rows, in sampling order, after the earlier rounds')."""
+BY_ENV_MARK = "_by_env"
+
+
+def partition_file(run_dir: str | os.PathLike, table: str, step: int, env: str | None = None) -> Path:
+    """Path of the single Parquet file of one (table, step) partition, or of one environment's
+    part of it (`env`, an env-partitioned table of a mixture run)."""
+    folder = table_dir(run_dir, table) / f"step={check_step(step)}"
+    return folder / PART_NAME if env is None else folder / f"env={check_env_name(env)}" / PART_NAME
+
+
+def check_env_name(env: str) -> str:
+    """`env` if it can name an `env=` folder; ValueError otherwise."""
+    if not isinstance(env, str) or not env or env in (".", "..") or any(c in env for c in "/\=") \
+            or any(ord(c) < 32 for c in env):
+        raise ValueError(f"environment name {env!r} cannot name a partition folder")
+    return env
+
+
+def env_partitioned(run_dir: str | os.PathLike, table: str) -> bool:
+    """Whether `table` of this run is partitioned by environment (its `_by_env` mark)."""
+    return table in ENV_PARTITIONED and (table_dir(run_dir, table) / BY_ENV_MARK).is_file()
+
+
+def mark_env_partitioned(run_dir: str | os.PathLike) -> None:
+    """Partition this run's `ENV_PARTITIONED` tables by environment from their next write on
+    (a mixture run, before its first step)."""
+    for table in ENV_PARTITIONED:
+        mark = table_dir(run_dir, table) / BY_ENV_MARK
+        if not mark.is_file():
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(mark, lambda tmp: Path(tmp).write_bytes(b""))
+
+
+def step_files(run_dir: str | os.PathLike, table: str, step: int) -> list[Path]:
+    """The files of one (table, step) partition: its one file, else its environments' parts."""
+    flat = partition_file(run_dir, table, step)
+    if flat.is_file():
+        return [flat]
+    return sorted(path for path in flat.parent.glob(f"env=*/{PART_NAME}") if path.is_file())
 
 
 def schema_file(run_dir: str | os.PathLike, table: str) -> Path:
@@ -46,17 +94,20 @@ def schema_file(run_dir: str | os.PathLike, table: str) -> Path:
 
 
 def partition_files(run_dir: str | os.PathLike, table: str) -> list[tuple[int, Path]]:
-    """(step, file) of every complete partition of `table`, ordered by step."""
+    """(step, file) of every complete partition of `table`, ordered by step (a step split by
+    environment gives one pair per environment's file)."""
     root = table_dir(run_dir, table)
     found = []
     for folder in root.glob("step=*"):
-        file = folder / PART_NAME
         try:
             step = int(folder.name.removeprefix("step="))
         except ValueError:
             continue
+        file = folder / PART_NAME
         if file.is_file():
             found.append((step, file))
+        elif table in ENV_PARTITIONED:
+            found += [(step, part) for part in folder.glob(f"env=*/{PART_NAME}") if part.is_file()]
     return sorted(found)
 
 

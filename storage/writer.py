@@ -16,6 +16,7 @@ not wait for its tables (see its docstring for the crash and error contract).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -26,16 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from rlpipe.core.files import clean_leftovers, fsync_written
 from rlpipe.storage import catalog
 from rlpipe.storage.conform import TableData, conform
 from rlpipe.storage.layout import (
     CATALOG_NAME,
+    ENV_PARTITIONED,
     atomic_write_parquet,
     check_step,
+    env_partitioned,
     partition_file,
     partition_files,
+    step_files,
     table_dir,
 )
 from rlpipe.storage.schemas import schema_for
@@ -60,35 +65,61 @@ def write_table(
     run_id: defaults to the run_id column of `data`, else the run folder's name.
     durable: fsync the file before the rename and the folders up to run_dir after it, so the
     partition survives a power cut (see core/files.py).
-    Returns the partition's file. An empty `data` writes an empty, complete partition.
+    Returns the partition's file (an env-partitioned table: its first environment's file). An
+    empty `data` writes an empty, complete partition.
     """
-    return _write(run_dir, table, step, data, run_id=run_id, durable=durable, prepared=None)
+    return _write(run_dir, table, step, data, run_id=run_id, durable=durable, prepared=None)[0]
 
 
 def _write(run_dir: str | os.PathLike, table: str, step: int, data: TableData, *, run_id: str | None,
-           durable: bool, prepared: set[tuple[str, str]] | None) -> Path:
+           durable: bool, prepared: set[tuple[str, str]] | None) -> list[Path]:
     """write_table; `prepared` remembers the (run_dir, table) pairs whose table folder, schema
     file and catalog this writer already set up, so that a long run does those once per table."""
     check_step(step)
     if run_id is None:
         run_id = _run_id_of(data) or default_run_id(run_dir)
     arrow = conform(table, data, run_id=run_id, step=step)
-    dest = partition_file(run_dir, table, step)
-    clean_leftovers(dest.parent)
     key = (str(run_dir), table)
     first_write = prepared is None or key not in prepared
     if first_write:
         clean_leftovers(table_dir(run_dir, table))
         catalog.ensure_schema_file(run_dir, table)  # before the data: views read columns from it
-    atomic_write_parquet(arrow, dest, durable=durable)
+    written = _write_parts(run_dir, table, step, arrow, durable)
     if durable:
-        fsync_written([dest], Path(run_dir))
+        fsync_written(written, Path(run_dir))
     if first_write:
         if not (Path(run_dir) / CATALOG_NAME).exists():
             catalog.ensure_catalog(run_dir, quiet_if_busy=True)
         if prepared is not None and (Path(run_dir) / CATALOG_NAME).exists():
             prepared.add(key)  # a busy catalog is tried again at the next write
-    return dest
+    return written
+
+
+def _write_parts(run_dir: str | os.PathLike, table: str, step: int, arrow: pa.Table, durable: bool) -> list[Path]:
+    """Write a conformed partition: one file, or (an env-partitioned table of a mixture,
+    storage/layout.py) one file per environment of its rows, then remove the step's files that
+    this write does not name. Returns the files written."""
+    flat = partition_file(run_dir, table, step)
+    by_env = arrow.num_rows > 0 and env_partitioned(run_dir, table) and arrow.column("env").null_count == 0
+    if not by_env:
+        clean_leftovers(flat.parent)
+        atomic_write_parquet(arrow, flat, durable=durable)
+        written = [flat]
+    else:
+        envs = arrow.column("env")
+        written = []
+        for env in sorted(set(envs.to_pylist()), key=str):
+            dest = partition_file(run_dir, table, step, env=env)
+            clean_leftovers(dest.parent)
+            atomic_write_parquet(arrow.filter(pc.equal(envs, env)), dest, durable=durable)
+            written.append(dest)
+    for stale in set(step_files(run_dir, table, step)) | {flat} | set(flat.parent.glob(f"env=*/{flat.name}")):
+        if stale not in written:
+            stale.unlink(missing_ok=True)
+            if stale.parent.name.startswith("env="):
+                with contextlib.suppress(OSError):  # a temporary file of a live writer keeps it
+                    stale.parent.rmdir()
+    return written
 
 
 def _run_id_of(data: TableData) -> str | None:
@@ -104,7 +135,7 @@ def _run_id_of(data: TableData) -> str | None:
 
 def is_complete(run_dir: str | os.PathLike, table: str, step: int) -> bool:
     """Whether the (table, step) partition has been written (partitions appear whole or not at all)."""
-    return partition_file(run_dir, table, step).is_file()
+    return bool(step_files(run_dir, table, step))
 
 
 def read_table(run_dir: str | os.PathLike, table: str, step: int | None = None) -> pa.Table:
@@ -114,12 +145,24 @@ def read_table(run_dir: str | os.PathLike, table: str, step: int | None = None) 
     """
     schema = schema_for(table)
     if step is not None:
-        path = partition_file(run_dir, table, step)
-        if not path.is_file():
-            raise FileNotFoundError(f"table {table!r} has no partition for step {step}: {path}")
-        return align(read_partition(path, table), schema)
-    parts = [align(read_partition(path, table), schema) for _, path in partition_files(run_dir, table)]
+        files = step_files(run_dir, table, step)
+        if not files:
+            raise FileNotFoundError(f"table {table!r} has no partition for step {step}: "
+                                    f"{partition_file(run_dir, table, step)}")
+        return _in_write_order(table, [align(read_partition(path, table), schema) for path in files])
+    by_step: dict[int, list[pa.Table]] = {}
+    for found, path in partition_files(run_dir, table):
+        by_step.setdefault(found, []).append(align(read_partition(path, table), schema))
+    parts = [_in_write_order(table, tables) for _, tables in sorted(by_step.items())]
     return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def _in_write_order(table: str, parts: list[pa.Table]) -> pa.Table:
+    """One step's files as one table; several (a step split by environment) sorted back into
+    the order its rows were written in (storage/layout.py `ENV_PARTITIONED`)."""
+    if len(parts) == 1:
+        return parts[0]
+    return pa.concat_tables(parts).sort_by([(column, "ascending") for column in ENV_PARTITIONED[table]])
 
 
 def read_partition(path: Path, table: str, metadata_only: bool = False) -> Any:
@@ -268,11 +311,11 @@ class BackgroundWriter:
             skipped = 0
             if not failed:
                 try:
-                    dest = _write(job.run_dir, job.table, job.step, job.data, run_id=job.run_id,
-                                  durable=job.durable, prepared=self._prepared)
+                    written = _write(job.run_dir, job.table, job.step, job.data, run_id=job.run_id,
+                                     durable=job.durable, prepared=self._prepared)
                     if not job.durable:
                         with self._done:
-                            self._unsynced.setdefault(str(job.run_dir), []).append(dest)
+                            self._unsynced.setdefault(str(job.run_dir), []).extend(written)
                 except BaseException as error:  # noqa: BLE001 - surfaced at the next submit/drain
                     failed = True
                     skipped = self._jobs.qsize()

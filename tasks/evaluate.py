@@ -96,10 +96,18 @@ def eval_task(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, s
 
 
 def eval_metrics(rows: list[dict]) -> dict[str, float]:
-    """eval/accuracy and eval/reward of a step's `evals` rows."""
+    """eval/accuracy and eval/reward of a step's `evals` rows; rows of several environments (a
+    mixture) add eval/<env>/accuracy and eval/<env>/reward_mean per environment."""
     n = max(len(rows), 1)
-    return {m.EVAL_ACCURACY: sum(bool(r["correct"]) for r in rows) / n,
-            m.EVAL_REWARD: sum(r["reward"] for r in rows) / n}
+    out = {m.EVAL_ACCURACY: sum(bool(r["correct"]) for r in rows) / n,
+           m.EVAL_REWARD: sum(r["reward"] for r in rows) / n}
+    envs = sorted({str(r["env"]) for r in rows})
+    if len(envs) > 1:
+        for env in envs:
+            mine = [r for r in rows if str(r["env"]) == env]
+            out[m.eval_env(env, "accuracy")] = sum(bool(r["correct"]) for r in mine) / len(mine)
+            out[m.eval_env(env, "reward_mean")] = sum(r["reward"] for r in mine) / len(mine)
+    return out
 
 
 def eval_step(engine, tokenizer, env, examples, *, run_dir: Path, run_id: str, step: int,

@@ -211,9 +211,13 @@ def generate_spread(engines: list[Engine], prompts: list[list[int]], params: Sam
 
 
 def _stored_round(rows: list[dict], arguments: dict) -> list[Rollout] | None:
-    """The round's rollouts when a resumed step's partition already holds them."""
+    """The round's rollouts when a resumed step's partition already holds them, for every
+    prompt of the round (a step split by environment is written one file per environment: a
+    kill between them leaves a round some environments lack, which is sampled again)."""
     done = [Rollout.from_row(row) for row in rows if row["attempt"] == arguments["attempt"]]
-    return done or None
+    if {(r.env, r.example_id) for r in done} != {(e.env, e.example_id) for e in arguments["examples"]}:
+        return None
+    return done
 
 
 ROLLOUTS = StageTable(

@@ -88,10 +88,16 @@ def _check_env(config) -> None:
     from rlpipe.envs.registry import ENV_NAMES, build_env
 
     task = config.task
-    if task.env not in ENV_NAMES:
-        raise ConfigError(f"task.env: unknown environment {task.env!r} (set one of {', '.join(ENV_NAMES)})")
-    _check("task.options", f"give task.options that environment {task.env!r} accepts",
-           lambda: build_env(task.env, **task.options))
+    for index, entry in enumerate(task.entries()):
+        where = f"task.envs[{index}]." if task.envs else "task."
+        if entry.env not in ENV_NAMES:
+            raise ConfigError(f"{where}env: unknown environment {entry.env!r} (set one of {', '.join(ENV_NAMES)})")
+        _check(f"{where}options", f"give {where}options that environment {entry.env!r} accepts",
+               lambda entry=entry: build_env(entry.env, **entry.options))
+    if len(task.envs) > 1:
+        from rlpipe.tasks.setup import task_env
+
+        _check("task.envs", "", lambda: task_env(task, reward_models=False))
     _check_mcp_servers(task)
     for index, reward_model in enumerate(task.reward_models):
         from rlpipe.models.loading import check_model, resolve_model_path

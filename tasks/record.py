@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.core.phases import PHASES
-from rlpipe.storage.layout import partition_file
+from rlpipe.storage.layout import step_files
 from rlpipe.storage.writer import (
     BackgroundWriter,
     is_complete,
@@ -110,8 +110,8 @@ def load_rows_beyond(run_dir: Path, table: str, step: int, known: int) -> list[d
     """The rows of a (table, step) partition when it holds more than the `known` rows this
     process wrote itself (a resumed step); None otherwise, without reading past the footer."""
     _settle(run_dir, table, step)
-    path = partition_file(run_dir, table, step)
-    if not path.is_file() or read_partition(path, table, metadata_only=True).num_rows <= known:
+    files = step_files(run_dir, table, step)
+    if not files or sum(read_partition(path, table, metadata_only=True).num_rows for path in files) <= known:
         return None
     return read_table(run_dir, table, step).to_pylist()
 

@@ -202,7 +202,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     `env` gives the examples, `options` are the run's (rollouts/options.py, from its `[rl]` section),
     `tick(n)` reports n rollouts done. Returns rollout and error counts."""
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
-    steps = [step for step, _ in partition_files(run_dir, "rollouts")]
+    steps = sorted({step for step, _ in partition_files(run_dir, "rollouts")})
     if not steps:
         raise ValueError(f"{run_dir} has no rollouts table to re-score (an RL run folder, e.g. runs/demo/rl)")
     prepare_out(run_dir, out_dir, reward)

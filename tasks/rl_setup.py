@@ -14,16 +14,16 @@ from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
-from rlpipe.envs.timeout import with_reward_timeout
 from rlpipe.rollouts.curriculum import Curriculum, PassHistory, history_rows
 from rlpipe.rollouts.options import curriculum_options, rollout_options
 from rlpipe.rollouts.source import RolloutSource
+from rlpipe.storage.layout import mark_env_partitioned
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.evaluate import eval_step
 from rlpipe.tasks.generate import GenerateOptions, thinking_budget
 from rlpipe.tasks.rollout_stages import RunStages
 from rlpipe.tasks.score import ScoreOptions
-from rlpipe.tasks.setup import make_env, max_context, stop_token_ids
+from rlpipe.tasks.setup import max_context, stop_token_ids, task_env
 from rlpipe.tasks.sync import sync_task
 from rlpipe.training.advantages import overlong_penalty
 from rlpipe.training.oversampling import GroupBuffer
@@ -99,25 +99,12 @@ def open_curriculum(options, run_dir: Path, start_step: int) -> Curriculum:
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop
     needs. The environment's MCP servers (task.mcp_servers) start first; `RLRun.close` stops them."""
-    task = config.task
-    env = with_reward_timeout(make_env(task.env, task.options, task.reward_models, task.env_reward_weight,
-                                       config.model.chat_template_kwargs, task.mcp_servers, tool_use_options(task)),
-                              task.reward_timeout_s)
+    env = task_env(config.task, config.model.chat_template_kwargs, tools=True)
     try:
         return _open_rl(config, env, run_dir, run_id, start_checkpoint)
     except BaseException:
         close_env(env)
         raise
-
-
-def tool_use_options(task):
-    """The options of episodes with MCP tools (`task.tool_max_turns`, `task.tool_call_parser`),
-    None without `task.mcp_servers`."""
-    if not task.mcp_servers:
-        return None
-    from rlpipe.envs.mcp_tools import ToolUseOptions
-
-    return ToolUseOptions(max_turns=task.tool_max_turns, parser=task.tool_call_parser)
 
 
 def close_env(env) -> None:
@@ -129,14 +116,15 @@ def close_env(env) -> None:
 
 
 def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
-    from rlpipe.envs.prompts import PromptSource
+    from rlpipe.envs.mixture import prompt_source
 
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
-    train = env.examples("train", seed=config.seed)
-    prompts = PromptSource(train[: rl.prompt_pool] if rl.prompt_pool else train, seed=config.seed)
+    prompts = prompt_source(env, config.seed, pool=rl.prompt_pool)
+    if config.task.envs:  # a mixture's rollouts: step=<k>/env=<name>/ (storage/layout.py)
+        mark_env_partitioned(run_dir)
     options = rollout_options(rl, seed=config.seed)
     buffer = GroupBuffer(options.buffer)
     if start.resume is not None:

@@ -44,6 +44,44 @@ def make_env(env_name: str, options: dict[str, Any], reward_models: list[Any] | 
     return WithModelRewards(env, scorers, env_weight=env_reward_weight)
 
 
+def task_env(task, template_kwargs: dict[str, Any] | None = None, reward_models: bool = True,
+             tools: bool = False) -> Environment:
+    """The environment of a `[task]` section: its one env, or a `MixtureEnv` of its
+    `[[task.envs]]` entries; with `tools`, the tools of `task.mcp_servers` (envs/mcp_tools.py: the
+    servers start here and the environment's `close()` stops them; RL only); composed with its
+    reward models (unless `reward_models` is False) and its reward deadline (envs/timeout.py)."""
+    from rlpipe.envs.timeout import with_reward_timeout
+
+    entries = task.entries()
+    if task.envs:
+        from rlpipe.envs.mixture import MixtureEnv
+
+        env: Environment = MixtureEnv({e.name: build_env(e.env, **e.options) for e in entries},
+                                      {e.name: e.weight for e in entries})
+    else:
+        env = build_env(task.env, **task.options)
+    if tools and task.mcp_servers:
+        from rlpipe.envs.mcp_tools import with_mcp_tools
+
+        env = with_mcp_tools(env, task.mcp_servers, tool_use_options(task))
+    if reward_models and task.reward_models:
+        from rlpipe.envs.reward_models import WithModelRewards, build_scorer
+
+        scorers = {rm.name: (build_scorer(rm, template_kwargs), rm.weight) for rm in task.reward_models}
+        env = WithModelRewards(env, scorers, env_weight=task.env_reward_weight)
+    return with_reward_timeout(env, task.reward_timeout_s)
+
+
+def tool_use_options(task):
+    """The options of episodes with MCP tools (`task.tool_max_turns`, `task.tool_call_parser`),
+    None without `task.mcp_servers`."""
+    if not task.mcp_servers:
+        return None
+    from rlpipe.envs.mcp_tools import ToolUseOptions
+
+    return ToolUseOptions(max_turns=task.tool_max_turns, parser=task.tool_call_parser)
+
+
 def make_model_and_tokenizer(preset: str, path: str, overrides: dict[str, Any], seed: int):
     """A user's checkpoint (its own tokenizer) or a fresh preset with rlpipe's tokenizer."""
     if path:

@@ -13,10 +13,9 @@ from typing import Any
 
 from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
-from rlpipe.envs.timeout import with_reward_timeout
 from rlpipe.tasks.build import build, start_point, supervised_plan
 from rlpipe.tasks.evaluate import StepEvals, eval_step
-from rlpipe.tasks.setup import make_env, max_context, pretrain_data, sft_data, stop_token_ids
+from rlpipe.tasks.setup import max_context, pretrain_data, sft_data, stop_token_ids, task_env
 from rlpipe.training.batch import Sequence
 from rlpipe.training.trainer import Trainer
 
@@ -57,7 +56,7 @@ def open_supervised(config, phase: str, run_dir: Path, start_checkpoint: str | N
     """Build (or restore, from the run's newest checkpoint) everything `phase` (pretrain | sft) needs."""
     section = getattr(config, phase)
     chat_kwargs = config.model.chat_template_kwargs
-    env = with_reward_timeout(make_env(config.task.env, config.task.options), config.task.reward_timeout_s)
+    env = task_env(config.task, reward_models=False)
     built = build(config, supervised_plan(config, phase), start_point(config, run_dir, start_checkpoint))
     if phase == "pretrain":
         sequences = pretrain_data(env, built.tokenizer, section, config.seed)

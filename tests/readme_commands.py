@@ -50,6 +50,8 @@ COMMANDS: dict[str, str] = {
     "mlflow ui --backend-store-uri sqlite:///$PWD/runs/mlflow.db":
         "needs the `ui` extra (the full mlflow, ~850 MB) that `make test` does not install; "
         "tests/unit/test_readme.py checks the extra exists",
+    # "Several environments at once"
+    "rlpipe sql runs/demo/rl --query env_by_step": RUN,
     # "Afterwards"
     "rlpipe rescore runs/demo/rl --reward mypkg.rewards:strict": RUN,
     "rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare": RUN,

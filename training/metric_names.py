@@ -51,3 +51,17 @@ def train(name: str) -> str:
 def batch(name: str) -> str:
     """rollout/batch_<name>: what the batch maker reports of the step's batch (training/batch_makers.py)."""
     return f"rollout/batch_{name}"
+
+
+ENV_METRICS = ("reward_mean", "accuracy", "zero_var_fraction", "samples")
+"""What `rollout/<env>/<name>` holds for each environment of a mixture (rollouts/env_metrics.py)."""
+
+
+def env(env_name: str, name: str) -> str:
+    """rollout/<env>/<name>: a metric of one environment of a mixture (ENV_METRICS)."""
+    return f"rollout/{env_name}/{name}"
+
+
+def eval_env(env_name: str, name: str) -> str:
+    """eval/<env>/<name>: held-out accuracy or reward_mean of one environment of a mixture."""
+    return f"eval/{env_name}/{name}"
