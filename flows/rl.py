@@ -96,7 +96,7 @@ def _step_batch(source, step: int, tracker):
 
 def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
-    saving = register_options(config.engine, model_name)
+    saving = register_options(config.engine, model_name, config.checkpoint.keep_last)
     saved = TrainingState(run.model, run.tokenizer, run.trainer.optimizer, run.trainer.scheduler)
     # a kill between a checkpoint's rename and its registration: completed before going on
     complete_registrations(tracker=tracker, options=saving, **io)

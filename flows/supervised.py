@@ -63,7 +63,7 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
     of `NAME-<phase>` moves to a checkpoint whose eval beats every earlier checkpointed eval."""
     section, run_dir, run_id = getattr(config, phase), state.run_dir, state.run_id
     trainer, model_name = run.trainer, f"{registered_model_name(config)}-{phase}"
-    saving = register_options(config.engine, model_name)
+    saving = register_options(config.engine, model_name, config.checkpoint.keep_last)
     saved = TrainingState(trainer.model, run.tokenizer, trainer.optimizer, trainer.scheduler)
     # a kill between a checkpoint's rename and its registration: completed before going on
     complete_registrations(run_dir=run_dir, run_id=run_id, tracker=tracker, options=saving)
