@@ -185,3 +185,11 @@ def retain_checkpoints(*, run_dir: Path, tracker, options: RegisterOptions) -> R
 
     pinned = {step for step in checkpoint_steps(run_dir) if pinned_versions and version_of(step) in pinned_versions}
     return retain(run_dir, options.keep_last, pinned, retire)
+
+
+def promote_best(tracker, model_name: str, row: dict | None, accuracy: float | None, best: float) -> float:
+    """Move the registry's `best` alias to this checkpoint when its eval beats `best`; the new best."""
+    if row is None or accuracy is None or accuracy <= best or not row["mlflow_model_version"]:
+        return best
+    tracker.set_alias(model_name, "best", row["mlflow_model_version"])
+    return accuracy
