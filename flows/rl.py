@@ -36,6 +36,7 @@ from rlpipe.tasks.checkpoint import (
     complete_registrations,
     promote_best,
     register_options,
+    retain_checkpoints,
 )
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before, step_accuracy
@@ -130,6 +131,8 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
                                   record=CheckpointRecord(batch.state, train, policy_version=version),
                                   tracker=tracker, options=saving, step=step, **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
+        if row:  # checkpoint.keep_last, once `best` points where it will
+            retain_checkpoints(tracker=tracker, options=saving, run_dir=io["run_dir"])
         last = row["path"] if row else last
         if sync:  # between two sampling rounds of an async producer; later rounds record `version`
             with ExitStack() as round_done:

@@ -151,9 +151,7 @@ def checkpoint_task(*, train_row: dict, checkpoint: bool, run_dir: Path, run_id:
     if not checkpoint:
         return None
     drain_writes()
-    row = save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
-    retain_checkpoints(run_dir=run_dir, tracker=kwargs.get("tracker"), options=kwargs["options"])
-    return row
+    return save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
 
 
 def retain_checkpoints(*, run_dir: Path, tracker, options: RegisterOptions) -> Retained:
