@@ -32,11 +32,11 @@ from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import due
 from rlpipe.tasks.checkpoint import (
     TrainingState,
+    after_checkpoint,
     checkpoint_task,
     complete_registrations,
     promote_best,
     register_options,
-    retain_checkpoints,
 )
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before, step_accuracy
@@ -131,8 +131,8 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
                                   record=CheckpointRecord(batch.state, train, policy_version=version),
                                   tracker=tracker, options=saving, step=step, **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
-        if row:  # checkpoint.keep_last, once `best` points where it will
-            retain_checkpoints(tracker=tracker, options=saving, run_dir=io["run_dir"])
+        if row:  # checkpoint.keep_last once `best` points where it will; the closed steps' tables compacted
+            after_checkpoint(tracker=tracker, options=saving, run_dir=io["run_dir"], step=step)
         last = row["path"] if row else last
         if sync:  # between two sampling rounds of an async producer; later rounds record `version`
             with ExitStack() as round_done:

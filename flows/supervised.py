@@ -17,11 +17,11 @@ from rlpipe.flows.common import (
 from rlpipe.flows.progress import progress
 from rlpipe.tasks.checkpoint import (
     TrainingState,
+    after_checkpoint,
     checkpoint_task,
     complete_registrations,
     promote_best,
     register_options,
-    retain_checkpoints,
 )
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before
@@ -93,8 +93,8 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
                 record=CheckpointRecord({"cursor": cursor}, metrics, policy_version=step), tracker=tracker,
                 options=saving)
         best = promote_best(tracker, model_name, row, accuracy, best)
-        if row:  # checkpoint.keep_last, once `best` points where it will
-            retain_checkpoints(run_dir=run_dir, tracker=tracker, options=saving)
+        if row:  # checkpoint.keep_last once `best` points where it will; the closed steps' tables compacted
+            after_checkpoint(run_dir=run_dir, step=step, tracker=tracker, options=saving)
         last_path = row["path"] if row else last_path
         tracker.log_metrics(step_metrics(metrics, {}, watch.seconds) | eval_metrics, step=step)
         bar.update(1)

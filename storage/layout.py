@@ -92,3 +92,32 @@ def atomic_write_parquet(table: pa.Table, dest: Path, *, durable: bool = True) -
     """Write `table` to `dest` (zstd) atomically: `rlpipe.core.files.atomic_write`, whose
     `durable` this passes on."""
     atomic_write(dest, lambda tmp: pq.write_table(table, tmp, compression="zstd"), durable=durable)
+
+
+def run_folder_bytes(run_dir: str | os.PathLike) -> dict[str, int]:
+    """Bytes on disk under a run folder (a pipeline's phases included): `tables` (every tables/
+    folder), `checkpoints` (every checkpoints/ folder), `other` (MLflow artifacts kept in the
+    folder, reports, run.json, ...) and `total`."""
+    sizes = {"tables": 0, "checkpoints": 0, "other": 0}
+    root = Path(run_dir)
+    for folder, _, files in os.walk(root):
+        parts = Path(folder).relative_to(root).parts
+        kind = "tables" if "tables" in parts else "checkpoints" if "checkpoints" in parts else "other"
+        for name in files:
+            try:
+                sizes[kind] += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass  # removed while walking (a compaction or retention pass)
+    return {**sizes, "total": sum(sizes.values())}
+
+
+def human_bytes(count: int) -> str:
+    """`count` bytes as B, KiB, MiB, GiB or TiB with three significant figures."""
+    size, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    if unit == "B":
+        return f"{int(size)} B"
+    return f"{size:.3g} {unit}" if size < 1000 else f"{size:.0f} {unit}"

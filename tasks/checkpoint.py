@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import StageTable, drain_writes, load_rows, persist_now, stored_row
+from rlpipe.tasks.record import (
+    StageTable,
+    compact_closed_steps,
+    drain_writes,
+    load_rows,
+    persist_now,
+    stored_row,
+)
 from rlpipe.training.checkpoint import CheckpointOptions, CheckpointRecord, save_checkpoint
 from rlpipe.training.checkpoint_files import checkpoint_dir, checkpoint_steps, verify_checkpoint
 from rlpipe.training.checkpoint_retention import Retained, pending_removals, retain
@@ -152,6 +159,14 @@ def checkpoint_task(*, train_row: dict, checkpoint: bool, run_dir: Path, run_id:
         return None
     drain_writes()
     return save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
+
+
+def after_checkpoint(*, run_dir: Path, step: int, tracker, options: RegisterOptions) -> Retained:
+    """What follows a step's checkpoint once `best` has moved: the retention pass
+    (`retain_checkpoints`), and a compaction pass over the steps it closed, queued on the
+    background table writer (storage/compaction.py)."""
+    compact_closed_steps(run_dir, step)
+    return retain_checkpoints(run_dir=run_dir, tracker=tracker, options=options)
 
 
 def retain_checkpoints(*, run_dir: Path, tracker, options: RegisterOptions) -> Retained:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from rlpipe.storage.compaction import table_files
 from rlpipe.storage.layout import relocated, tables_root
 from rlpipe.storage.writer import read_table
 from rlpipe.tasks.build import StartPoint, build, rl_plan
@@ -111,7 +112,7 @@ def start_weights(run_dir: Path, config, start: str | None) -> str:
     if start:
         return start
     # read by path: the origins table may be newer than this module's schemas
-    for origin in sorted((tables_root(run_dir) / "origins").glob("step=*/part-*.parquet")):
+    for origin in table_files(run_dir, "origins") if (tables_root(run_dir) / "origins").is_dir() else []:
         rows = pq.read_table(origin, columns=["parent_checkpoint"]).column(0).to_pylist()
         if rows and rows[0]:  # the copy's own SFT checkpoint when the run folder was copied or moved
             return relocated(str(rows[0]), run_dir)
