@@ -165,6 +165,20 @@ def headline_storage(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     return summary, table(["measure", "value", "target"], rows)
 
 
+def headline_bytes(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    per, s = results["bytes_per_generated_token"], results["settings"]
+    rows = [[f"`{name}`", f"{results['bytes'][name] / 2**20:.1f} MB", f"{value:.2f}"] for name, value in per.items()]
+    rows.append(["`train_tokens` per trained token (prompt + completion)", "", f"{results['bytes_per_trained_token']['train_tokens']:.2f}"])
+    rows.append([f"Qwen3-0.6B checkpoint every {s['checkpoint_every']} steps, per trained token",
+                 f"{results['checkpoint_qwen3_0_6b']['total'] / 2**30:.2f} GiB",
+                 f"{results['checkpoint_bytes_per_trained_token']:,} ({results['checkpoint_weights_only_bytes_per_trained_token']:,} "
+                 "without optimizer state)"])
+    summary = (f"rollouts {per['rollouts']:.1f} B / generated token vs JSONL {per['jsonl']:.1f} "
+               f"(gzip {per['jsonl_gzip']:.1f}); a kept Qwen3-0.6B checkpoint {results['checkpoint_bytes_per_trained_token']:,.0f} "
+               "B / trained token")
+    return summary, table(["data", "size", "bytes per generated token"], rows)
+
+
 def rl_step_mode(report: dict, label: str) -> list[str]:
     """One configuration's stage table and its outside-share breakdown."""
     out, step = report["outside"], report["step"]
@@ -362,7 +376,7 @@ def headline_compile(results: dict, ceiling: dict) -> tuple[str, list[str]]:
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
              "trl": headline_trl, "losses": headline_losses, "async": headline_async,
-             "distributed": headline_distributed, "compile": headline_compile}
+             "distributed": headline_distributed, "compile": headline_compile, "bytes": headline_bytes}
 
 
 def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:

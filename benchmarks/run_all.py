@@ -42,6 +42,7 @@ BENCHMARKS = {
     "async": "Async RL: demo task with rl.max_off_policy_steps = 0, 1, 2, in-process and `rlpipe serve` engines",
     "distributed": "Data parallelism on the CPU: real tokens/s of 1 process vs 2 gloo ranks (DDP, FSDP2)",
     "compile": "train.compile on the CPU: eager vs compiled decoder layers, train-step tokens/s and compile time",
+    "bytes": "Bytes per token: rollouts, train_tokens and checkpoints per generated and trained token, vs JSONL",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -56,6 +57,7 @@ QUICK_ARGS = {
     "async": ["--rl-steps", "10", "--sft-steps", "100"],
     "distributed": ["--repeats", "1", "--steps", "2"],
     "compile": ["--repeats", "2"],
+    "bytes": ["--steps", "1"],
 }
 
 
