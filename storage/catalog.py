@@ -131,12 +131,12 @@ def _quote(text: str) -> str:
 
 
 def _source(patterns: list[str], union_by_name: bool) -> str:
-    """The rows of the files `patterns` match, each step's from its fresh partition where one
-    exists, else from its compacted file (storage/compaction.py `fresh_wins_sql`), as a subquery."""
-    listing = ", ".join(_quote(pattern) for pattern in patterns)
-    files = (f"read_parquet([{listing}], union_by_name={str(union_by_name).lower()}, hive_partitioning=false, "
-             "filename=true)")
-    return f"({fresh_wins_sql(files)})"
+    """The rows of the tables whose folders `patterns` name (`<folder>/**/*.parquet`, one per run),
+    each run's step from its fresh partition where one exists, else from its compacted file
+    (storage/compaction.py `fresh_wins_sql`), as a subquery."""
+    options = f"union_by_name={str(union_by_name).lower()}, hive_partitioning=false"
+    selects = [fresh_wins_sql(pattern.removesuffix("/**/*.parquet"), options, _quote) for pattern in patterns]
+    return "(" + " UNION ALL BY NAME ".join(selects) + ")"
 
 
 def _run_pattern(run_dir: Path, table: str) -> str | None:

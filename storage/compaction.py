@@ -2,7 +2,7 @@
 stays fast to query (DuckDB's time follows the number of files, not rows).
 
     <table>/.../step=<k>/part-0.parquet            fresh: one file per (table, step), storage/layout.py
-    <table>/.../steps=<a>-<b>/part-0.parquet       compacted: the rows of steps a..b, sorted by step;
+    <table>/.../steps=<a>-<b>/merged.parquet       compacted: the rows of steps a..b, sorted by step;
                                                    its footer lists the steps it holds (`rlpipe.steps`)
 
 Ranges are aligned (`a` a multiple of `width`, b = a + width - 1) and merged once all of them is
@@ -35,6 +35,7 @@ COMPACT_STEPS = 100
 """Steps per compacted file: a 10,000-step run keeps ~100 files per table plus the fresh ones."""
 STEPS_KEY = b"rlpipe.steps"
 RANGE_PREFIX = "steps="
+MERGED_NAME = "merged.parquet"  # not part-0.parquet: the views tell the two apart by name
 
 
 def range_folder(first: int, last: int) -> str:
@@ -54,7 +55,7 @@ def fresh_files(run_dir: str | os.PathLike, table: str) -> list[tuple[int, Path]
 
 def compacted_files(run_dir: str | os.PathLike, table: str) -> list[Path]:
     """Every compacted file of `table`, by path."""
-    return sorted(table_dir(run_dir, table).glob(f"**/{RANGE_PREFIX}*/{PART_NAME}"))
+    return sorted(table_dir(run_dir, table).glob(f"**/{RANGE_PREFIX}*/{MERGED_NAME}"))
 
 
 def compacted_steps(file: Path) -> list[int]:
@@ -98,11 +99,14 @@ def read_compacted(file: Path, steps: set[int] | None = None, exclude: set[int] 
     return data if keep is None else data.filter(keep)
 
 
-def fresh_wins_sql(source: str) -> str:
-    """A SELECT over `source` (a read_parquet(..., filename=true) of a table's files, fresh and
-    compacted) that takes each step's rows from its fresh file where one exists, else from its
-    compacted file: no row twice while a pass deletes the fresh files it merged."""
-    return (f"WITH parts AS (SELECT * FROM {source}) "
-            "SELECT * EXCLUDE (filename) FROM parts "
-            f"WHERE NOT contains(filename, '/{RANGE_PREFIX}') "
-            f"OR step NOT IN (SELECT step FROM parts WHERE NOT contains(filename, '/{RANGE_PREFIX}'))")
+def fresh_wins_sql(folder: str, options: str, quote) -> str:
+    """A SELECT over one table folder's files (`options`: read_parquet's) that takes each step's
+    rows from its fresh file where one exists, else from its compacted file: no row twice while a
+    pass deletes the fresh files it merged. Two scans of disjoint files, each matching the zero-row
+    `_schema.parquet` so neither glob is ever empty: fresh (`part-0.parquet`) unfiltered, compacted
+    (`merged.parquet`) less the steps a fresh file holds (a listing, no file opened)."""
+    fresh, merged = quote(f"{folder}/**/[p_]*.parquet"), quote(f"{folder}/**/[m_]*.parquet")
+    fresh_steps = (f"SELECT CAST(regexp_extract(file, '/step=([0-9]+)/[^/]*$', 1) AS BIGINT) "
+                   f"FROM glob({quote(f'{folder}/**/step=*/{PART_NAME}')})")
+    return (f"SELECT * FROM read_parquet([{fresh}], {options}) UNION ALL BY NAME "
+            f"SELECT * FROM read_parquet([{merged}], {options}) WHERE step NOT IN ({fresh_steps})")

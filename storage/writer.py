@@ -34,6 +34,7 @@ from rlpipe.core.files import clean_leftovers, fsync_path, fsync_written
 from rlpipe.storage import catalog
 from rlpipe.storage.compaction import (
     COMPACT_STEPS,
+    MERGED_NAME,
     STEPS_KEY,
     compacted_files,
     compacted_step,
@@ -45,7 +46,6 @@ from rlpipe.storage.compaction import (
 from rlpipe.storage.conform import TableData, conform
 from rlpipe.storage.layout import (
     CATALOG_NAME,
-    PART_NAME,
     atomic_write_parquet,
     check_step,
     partition_file,
@@ -370,7 +370,7 @@ def compact_table(run_dir: str | os.PathLike, table: str, closed: int, width: in
     merged = 0
     for (parent, index), files in sorted(groups.items()):
         first, last = index * width, index * width + width - 1
-        dest = parent / range_folder(first, last) / PART_NAME
+        dest = parent / range_folder(first, last) / MERGED_NAME
         if last > closed and not dest.is_file():
             continue  # still open: a resume may rewrite its steps
         files = [(step, file) for step, file in files if step <= closed]

@@ -96,8 +96,8 @@ compact_run(sys.argv[1], closed=21, width=10)
 
 
 @pytest.mark.parametrize("point", [
-    "after:*/scores/steps=10-19/part-0.parquet",  # merged file in place, no fresh file deleted yet
-    "before:*/groups/steps=0-9/part-0.parquet",   # rollouts and scores done, groups not begun
+    "after:*/scores/steps=10-19/merged.parquet",  # merged file in place, no fresh file deleted yet
+    "before:*/groups/steps=0-9/merged.parquet",   # rollouts and scores done, groups not begun
 ])
 def test_a_kill_during_a_pass_loses_nothing_and_doubles_nothing(tmp_path, point):
     make_run(tmp_path)
