@@ -7,11 +7,13 @@
     lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
 
 `<run_dir>/catalog.duckdb` holds the same views for a single run, so
-`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Its views read
-`read_parquet('<abs run_dir>/tables/<t>/**/*.parquet', union_by_name=false, hive_partitioning=false)`:
-the glob picks up new partitions by itself, and the zero-row `_schema.parquet` of each table keeps
-the view valid before any data exists. `step` is read from the files (hive partitioning off: the
-schema file sits outside the `step=` folders).
+`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Its views read a table's fresh
+partitions, `read_parquet('<abs run_dir>/tables/<t>/**/[p_]*.parquet', union_by_name=false,
+hive_partitioning=false)`, and, by name, its compacted files (`**/[m_]*.parquet`, merged.parquet)
+less the steps a fresh partition holds (storage/compaction.py `fresh_wins_sql`): the globs pick up
+new partitions and compactions by themselves, and the zero-row `_schema.parquet` of each table,
+which both match, keeps them valid before any data exists. `step` is read from the files (hive
+partitioning off: the schema file sits outside the `step=` folders).
 
 union_by_name is off by default: it makes DuckDB read every file's footer when binding a view,
 ~0.2 s per 500 partitions and per table, and the writer gives all files of a table one schema.

@@ -1,6 +1,7 @@
 """Where a run's tables live on disk, and how a partition is written atomically.
 
     <run_dir>/tables/<table>/step=<k>/part-0.parquet   one file per (table, step) partition
+    <run_dir>/tables/<table>/steps=<a>-<b>/merged.parquet   closed steps a..b compacted (storage/compaction.py)
     <run_dir>/tables/<table>/_schema.parquet           zero rows: the table's current schema
     <run_dir>/catalog.duckdb                           DuckDB views over the above
 
