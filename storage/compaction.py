@@ -89,10 +89,8 @@ def compacted_step(run_dir: str | os.PathLike, table: str, step: int) -> Path | 
 
 def read_compacted(file: Path, steps: set[int] | None = None, exclude: set[int] = frozenset()) -> pa.Table:
     """A compacted file's rows: of `steps` only (None: all), less those of `exclude`."""
-    data = pq.read_table(file)
+    data = pq.read_table(file, filters=[("step", "in", sorted(steps))] if steps is not None else None)
     keep = None
-    if steps is not None:
-        keep = pc.is_in(data.column("step"), pa.array(sorted(steps), data.schema.field("step").type))
     if exclude:
         drop = pc.invert(pc.is_in(data.column("step"), pa.array(sorted(exclude), data.schema.field("step").type)))
         keep = drop if keep is None else pc.and_(keep, drop)

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from rlpipe.core.files import clean_leftovers, fsync_path, fsync_written
+from rlpipe.core.files import atomic_write, clean_leftovers, fsync_path, fsync_written
 from rlpipe.storage import catalog
 from rlpipe.storage.compaction import (
     COMPACT_STEPS,
@@ -363,7 +363,7 @@ def compact_table(run_dir: str | os.PathLike, table: str, closed: int, width: in
     number of fresh files merged."""
     if width < 1:
         raise ValueError(f"compaction width must be >= 1; got {width}")
-    schema = schema_for(table)
+    schema_for(table)  # an unknown table fails here
     groups: dict[tuple[Path, int], list[tuple[int, Path]]] = defaultdict(list)
     for step, file in fresh_files(run_dir, table):
         groups[(file.parent.parent, step // width)].append((step, file))
@@ -376,17 +376,7 @@ def compact_table(run_dir: str | os.PathLike, table: str, closed: int, width: in
         files = [(step, file) for step, file in files if step <= closed]
         if not files:
             continue
-        fresh = {step for step, _ in files}
-        parts = [align(read_partition(file, table), schema) for _, file in files]
-        held: list[int] = []
-        if dest.is_file():
-            held = [step for step in compacted_steps(dest) if step not in fresh]
-            parts.insert(0, align(read_compacted(dest, exclude=fresh), schema))
-        data = pa.concat_tables(parts)
-        data = data.take(pc.sort_indices(data, [("step", "ascending")]))
-        steps = sorted(fresh | set(held))
-        data = data.replace_schema_metadata({**(schema.metadata or {}), STEPS_KEY: json.dumps(steps).encode()})
-        atomic_write_parquet(data, dest, durable=True)
+        _merge(dest, table, dict(files))
         for _, file in files:  # the merged file is durable: only now do the fresh ones go
             file.unlink()
             try:
@@ -396,6 +386,24 @@ def compact_table(run_dir: str | os.PathLike, table: str, closed: int, width: in
         fsync_path(parent)
         merged += len(files)
     return merged
+
+
+def _merge(dest: Path, table: str, fresh: dict[int, Path]) -> None:
+    """Write `dest` atomically (fsynced): the steps it already holds less those of `fresh`, and
+    the `fresh` files, one step at a time in step order, each step its own row groups (a reader of
+    one step skips the others by their statistics); memory holds one step, not the range."""
+    schema = schema_for(table)
+    held = [step for step in compacted_steps(dest) if step not in fresh] if dest.is_file() else []
+    steps = sorted(set(fresh) | set(held))
+    schema = schema.with_metadata({**(schema.metadata or {}), STEPS_KEY: json.dumps(steps).encode()})
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
+            for step in steps:
+                data = read_partition(fresh[step], table) if step in fresh else read_compacted(dest, steps={step})
+                out.write_table(align(data, schema).replace_schema_metadata(schema.metadata))
+
+    atomic_write(dest, write, durable=True)
 
 
 def compact_run(run_dir: str | os.PathLike, closed: int, width: int = COMPACT_STEPS) -> dict[str, int]:
