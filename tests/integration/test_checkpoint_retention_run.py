@@ -30,6 +30,7 @@ def run(sft_checkpoint, tmp_path_factory):  # noqa: F811
     which fails right after step 3's checkpoint (its alias update raises, before that step's
     retention pass); the second resumes from it."""
     import rlpipe.flows.rl as rl_flow
+    from rlpipe.storage.writer import compact_run
     from rlpipe.tasks.config import validate_config
 
     torch.set_num_threads(1)
@@ -54,9 +55,23 @@ def run(sft_checkpoint, tmp_path_factory):  # noqa: F811
             rl_flow.run_rl(config, start_checkpoint=sft_checkpoint)
         rl_dir = config.run_dir / "rl"
         after_failure = sorted(p.name for p in (rl_dir / "checkpoints").iterdir())
+        # the closed steps' tables compacted (ranges of 2 steps here, 100 in a run): the resume, replay,
+        # lineage and report below read merged and fresh partitions alike
+        counts = _counts(rl_dir)
+        assert compact_run(rl_dir, closed=3, width=2)
+        assert _counts(rl_dir) == counts
         patch.setattr(rl_flow, "promote_best", promote)
         result = rl_flow.run_rl(config, start_checkpoint=sft_checkpoint)
     return runs, rl_dir, after_failure, result
+
+
+def _counts(run_dir) -> dict:
+    from rlpipe.storage.catalog import connect
+
+    con = connect([run_dir])
+    return {table: con.sql(f"select step, count(*) from {table} group by 1 order by 1").fetchall()
+            for table in ("rollouts", "scores", "groups", "train_steps", "train_tokens", "checkpoints", "evals",
+                          "fates")}
 
 
 def _client(runs):
@@ -90,6 +105,14 @@ def test_keeps_the_newest_and_the_best_and_retires_the_rest(run):
 
     steps = connect([rl_dir]).sql("select step, count(*) from train_steps group by 1 order by 1").fetchall()
     assert steps == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    assert (rl_dir / "tables" / "rollouts" / "steps=2-3" / "merged.parquet").is_file()
+    assert (rl_dir / "tables" / "rollouts" / "step=4" / "part-0.parquet").is_file()
+    # every sampled completion once, with its fate, merged steps and fresh alike; the report reads them
+    fates = connect([rl_dir]).sql("select count(*), count(distinct sample_id) from fates").fetchall()[0]
+    assert fates[0] == fates[1] == connect([rl_dir]).sql("select count(*) from rollouts").fetchall()[0][0]
+    from rlpipe.dashboards.report import write_report
+
+    assert write_report([rl_dir]).is_file()
     assert (rl_dir / "checkpoints" / "step_000004" / "optimizer.pt").is_file()
 
 
