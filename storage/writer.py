@@ -388,10 +388,15 @@ def compact_table(run_dir: str | os.PathLike, table: str, closed: int, width: in
     return merged
 
 
+_GROUP_ROWS = 65_536  # a compacted file's row groups: this many rows or _GROUP_BYTES, whichever first
+_GROUP_BYTES = 64 << 20
+
+
 def _merge(dest: Path, table: str, fresh: dict[int, Path]) -> None:
     """Write `dest` atomically (fsynced): the steps it already holds less those of `fresh`, and
-    the `fresh` files, one step at a time in step order, each step its own row groups (a reader of
-    one step skips the others by their statistics); memory holds one step, not the range."""
+    the `fresh` files, in step order, whole steps per row group of up to ~_GROUP_ROWS rows or
+    _GROUP_BYTES (a reader of one step skips the others by their statistics; memory holds one
+    row group, not the range)."""
     schema = schema_for(table)
     held = [step for step in compacted_steps(dest) if step not in fresh] if dest.is_file() else []
     steps = sorted(set(fresh) | set(held))
@@ -399,9 +404,15 @@ def _merge(dest: Path, table: str, fresh: dict[int, Path]) -> None:
 
     def write(tmp: Path) -> None:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
+            batch: list[pa.Table] = []
             for step in steps:
                 data = read_partition(fresh[step], table) if step in fresh else read_compacted(dest, steps={step})
-                out.write_table(align(data, schema).replace_schema_metadata(schema.metadata))
+                batch.append(align(data, schema).replace_schema_metadata(schema.metadata))
+                if sum(t.num_rows for t in batch) >= _GROUP_ROWS or sum(t.nbytes for t in batch) >= _GROUP_BYTES:
+                    out.write_table(pa.concat_tables(batch), row_group_size=_GROUP_ROWS * 4)
+                    batch = []
+            if batch:
+                out.write_table(pa.concat_tables(batch), row_group_size=_GROUP_ROWS * 4)
 
     atomic_write(dest, write, durable=True)
 
