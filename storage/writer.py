@@ -11,7 +11,9 @@ touches the disk; a mismatch is a ValueError naming the table and the column. `r
 `step` are filled in when missing.
 
 `BackgroundWriter` runs the same writes on one thread, in submission order, so that a step does
-not wait for its tables (see its docstring for the crash and error contract).
+not wait for its tables (see its docstring for the crash and error contract); `compact` queues a
+compaction pass (`compact_run`: closed step ranges merged into one file each, storage/compaction.py)
+behind them. Readers here read fresh and compacted partitions alike.
 """
 
 from __future__ import annotations
