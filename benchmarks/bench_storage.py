@@ -1,6 +1,13 @@
 """Storage benchmark: write 1,000,000 rollout rows over 500 steps, then time the canned queries.
 
     python -m benchmarks.bench_storage [--rows 1000000] [--steps 500] [--out runs/bench/storage.json]
+        [--compact-every 10] [--long-rows 200000 --long-steps 10000]
+
+Compaction (storage/compaction.py) runs as in a run that checkpoints every `--compact-every`
+steps: a pass over the closed steps after each checkpoint (0 = off, today's one file per
+partition); its time is reported apart. A second, long run (`--long-steps`, 10,000 by default,
+without fsync; 0 = skip) shows query time at the step counts of real runs: its target is each
+canned query under 0.5 s.
 
 Rollouts carry token ids and log-probs on 10% of rows (100,000 of 1M); scores (one per rollout)
 and groups (group size 8) are written too, since reward_by_step and zero_variance_by_step read
@@ -21,7 +28,7 @@ import duckdb
 from rlpipe.storage.catalog import ensure_catalog
 from rlpipe.storage.queries import canned_sql, run_canned
 from rlpipe.storage.synthetic import synthetic_step
-from rlpipe.storage.writer import write_table
+from rlpipe.storage.writer import compact_run, write_table
 
 from benchmarks.results import write_results
 
@@ -34,7 +41,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def bench(
-    rows: int, steps: int, token_share: float, run_dir: Path, durable: bool = True, repeats: int = 3
+    rows: int, steps: int, token_share: float, run_dir: Path, durable: bool = True, repeats: int = 3,
+    compact_every: int = 10,
 ) -> dict:
     """Write the synthetic run, time queries; returns the figures as a dict."""
     if run_dir.exists():
@@ -46,6 +54,7 @@ def bench(
     write_seconds = {"rollouts": 0.0, "scores": 0.0, "groups": 0.0}
     write_cpu_seconds = 0.0
     generate_seconds = 0.0
+    compact_seconds = 0.0
     for step in range(1, steps + 1):
         start = time.perf_counter()
         tables = synthetic_step(
@@ -61,6 +70,10 @@ def bench(
             write_table(run_dir, name, step, table, durable=durable)
             write_seconds[name] += time.perf_counter() - start
             write_cpu_seconds += time.process_time() - cpu_start
+        if compact_every and step % compact_every == 0:  # the pass a run's writer queues after a checkpoint
+            start = time.perf_counter()
+            compact_run(run_dir, closed=step)
+            compact_seconds += time.perf_counter() - start
 
     results = {
         "rows": rows_per_step * steps,
@@ -72,6 +85,9 @@ def bench(
         "write_seconds_total": round(sum(write_seconds.values()), 3),
         "write_cpu_seconds_total": round(write_cpu_seconds, 3),
         "durable": durable,
+        "compact_every": compact_every,
+        "compact_seconds": round(compact_seconds, 3),
+        "files": {name: sum(1 for _ in (run_dir / "tables" / name).rglob("*.parquet")) for name in write_seconds},
         "disk_bytes": {name: folder_bytes(run_dir / "tables" / name) for name in write_seconds},
         "queries": {},
     }
@@ -112,6 +128,8 @@ def print_table(results: dict) -> None:
         f"  write total      {results['write_seconds_total']:8.2f} s   {results['disk_mb_total']:8.1f} MB"
         f"   (cpu {results['write_cpu_seconds_total']:.2f} s, fsync {'on' if results['durable'] else 'off'})"
     )
+    print(f"  files            {sum(results['files'].values()):8,}      compaction every "
+          f"{results['compact_every'] or '-'} steps: {results['compact_seconds']:.2f} s")
     for name, timing in results["queries"].items():
         print(
             f"  {name:<24} first {timing['seconds_first']:.3f} s  best {timing['seconds_best']:.3f} s"
@@ -132,13 +150,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fsync", action="store_true", help="write with durable=False")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic run afterwards")
     parser.add_argument("--out", default="runs/bench/storage.json")
+    parser.add_argument("--compact-every", type=int, default=10,
+                        help="a compaction pass every N steps, as after each checkpoint (0 = off)")
+    parser.add_argument("--long-rows", type=int, default=200_000, help="rollout rows of the long run")
+    parser.add_argument("--long-steps", type=int, default=10_000, help="steps of the long run (0 = skip it)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    results = bench(args.rows, args.steps, args.token_share, run_dir, durable=not args.no_fsync)
+    results = bench(args.rows, args.steps, args.token_share, run_dir, durable=not args.no_fsync,
+                    compact_every=args.compact_every)
     if not args.keep:
         shutil.rmtree(run_dir)
+    if args.long_steps:
+        long_dir = run_dir.with_name(run_dir.name + "_long")
+        results["long_run"] = bench(args.long_rows, args.long_steps, args.token_share, long_dir, durable=False,
+                                    compact_every=args.compact_every)
+        if not args.keep:
+            shutil.rmtree(long_dir)
     write_results(args.out, results)
     print_table(results)
+    if "long_run" in results:
+        print_table(results["long_run"])
     print(f"results: {args.out}")
     return 0
 

@@ -35,7 +35,7 @@ BENCHMARKS = {
     "logprobs": "Log-probs: chunked selective log-softmax, memory vs full log_softmax, time vs the previous version (V=151,936)",
     "engine": "Engine: TorchEngine generated tokens/s vs transformers generate",
     "serve": "HTTP engines: rollout tokens/s with 1 and 2 `rlpipe serve` servers vs in-process; sync latency",
-    "storage": "Storage: 1M rollout rows over 500 steps; write time, size, canned query time",
+    "storage": "Storage: 1M rollout rows over 500 steps and 200,000 over 10,000 (compacted); write time, size, canned query time",
     "rl_step": "RL step by stage: the share outside the stage functions (Prefect, Parquet, MLflow)",
     "trl": "rlpipe vs TRL GRPOTrainer: seconds per optimizer step and reward, same model and task",
     "losses": "RL losses: does each `rl.loss` learn? Reward gain per loss on one task",
@@ -43,6 +43,7 @@ BENCHMARKS = {
     "distributed": "Data parallelism on the CPU: real tokens/s of 1 process vs 2 gloo ranks (DDP, FSDP2)",
     "compile": "train.compile on the CPU: eager vs compiled decoder layers, train-step tokens/s and compile time",
     "curriculum": "Curriculum: the demo's RL phase with rl.curriculum = none and pass_rate, same SFT start and seeds",
+    "bytes": "Bytes per token: rollouts, train_tokens and checkpoints per generated and trained token, vs JSONL",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -50,7 +51,7 @@ QUICK_ARGS = {
     "logprobs": ["--repeats", "1"],
     "engine": ["--repeats", "1"],
     "serve": ["--repeats", "1"],
-    "storage": ["--rows", "100000"],
+    "storage": ["--rows", "100000", "--long-steps", "2000", "--long-rows", "40000"],
     "rl_step": ["--steps", "10"],
     "trl": ["--steps", "10", "--seeds", "3", "--eval-samples", "2"],
     "losses": ["--steps", "30", "--seeds", "1"],
@@ -58,6 +59,7 @@ QUICK_ARGS = {
     "distributed": ["--repeats", "1", "--steps", "2"],
     "compile": ["--repeats", "2"],
     "curriculum": ["--sft-steps", "300", "--rl-steps", "30"],
+    "bytes": ["--steps", "1"],
 }
 
 

@@ -36,7 +36,7 @@ from rlpipe.dashboards.report_plots import by_run, pooled
 from rlpipe.dashboards.report_plots import clean as _clean
 from rlpipe.storage.catalog import connect, run_dirs_list
 from rlpipe.storage.cliargs import fail, parse_args
-from rlpipe.storage.layout import partition_files
+from rlpipe.storage.compaction import table_files
 from rlpipe.storage.queries import canned_sql
 from rlpipe.storage.schemas import TABLES
 from rlpipe.storage.writer import default_run_id
@@ -114,7 +114,7 @@ def run_infos(run_dirs: list[Path]) -> list[RunInfo]:
     """Per run folder: its run_id (from its data, else the folder's name), colour and tables with data."""
     found = []
     for run_dir in run_dirs:
-        tables = tuple(table for table in TABLES if partition_files(run_dir, table))
+        tables = tuple(table for table in TABLES if table_files(run_dir, table))
         found.append((_run_id_of(run_dir, tables), str(run_dir), tables))
     colors: dict[str, str] = {}
     for run_id, _, _ in found:
@@ -124,7 +124,7 @@ def run_infos(run_dirs: list[Path]) -> list[RunInfo]:
 
 def _run_id_of(run_dir: Path, tables: tuple[str, ...]) -> str:
     for table in tables:
-        for _, path in partition_files(run_dir, table):
+        for path in table_files(run_dir, table):
             column = pq.read_table(path, columns=["run_id"]).column("run_id")
             if len(column):
                 return str(column[0].as_py())

@@ -76,7 +76,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     from rlpipe.flows.common import say_code_trusted
     from rlpipe.flows.progress import progress
     from rlpipe.rollouts.options import rollout_options
-    from rlpipe.storage.layout import partition_files
+    from rlpipe.storage.compaction import table_files
     from rlpipe.tasks.config import validate_config
     from rlpipe.tasks.rescore import load_reward, rescore_run, scoring_env
     from rlpipe.tasks.rl_setup import overlong_penalty_fn
@@ -91,7 +91,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", reward.rpartition(":")[2]) or "rescore"
     out_dir = Path(out) if out else run_dir / "rescore" / name
     env = task_env(config.task, reward_models=False)
-    total = sum(pq.read_metadata(path).num_rows for _, path in partition_files(run_dir, "rollouts"))
+    total = sum(pq.read_metadata(path).num_rows for path in table_files(run_dir, "rollouts"))
     bar = progress(total=total, desc="rescore", unit="rollout")
     try:
         counts = rescore_run(run_dir, out_dir, reward=reward, env=env,

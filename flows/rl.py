@@ -32,6 +32,7 @@ from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import due
 from rlpipe.tasks.checkpoint import (
     TrainingState,
+    after_checkpoint,
     checkpoint_task,
     complete_registrations,
     promote_best,
@@ -96,7 +97,7 @@ def _step_batch(source, step: int, tracker):
 
 def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
-    saving = register_options(config.engine, model_name)
+    saving = register_options(config.engine, model_name, config.checkpoint.keep_last)
     saved = TrainingState(run.model, run.tokenizer, run.trainer.optimizer, run.trainer.scheduler)
     # a kill between a checkpoint's rename and its registration: completed before going on
     complete_registrations(tracker=tracker, options=saving, **io)
@@ -130,6 +131,8 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
                                   record=CheckpointRecord(batch.state, train, policy_version=version),
                                   tracker=tracker, options=saving, step=step, **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
+        if row:  # checkpoint.keep_last once `best` points where it will; the closed steps' tables compacted
+            after_checkpoint(tracker=tracker, options=saving, run_dir=io["run_dir"], step=step)
         last = row["path"] if row else last
         if sync:  # between two sampling rounds of an async producer; later rounds record `version`
             with ExitStack() as round_done:

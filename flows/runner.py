@@ -35,6 +35,7 @@ from rlpipe.flows.launch import (
     strip_launch_flags,
 )
 from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite
+from rlpipe.storage.layout import human_bytes, run_folder_bytes
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, validate_config
 from rlpipe.tasks.preflight import preflight
@@ -79,6 +80,10 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
     if teacher_error and config.flow == "pipeline":
         lines.append(f"  (SFT imitated a teacher that forgets every carry in {teacher_error:.0%} of its "
                      "demonstrations; RL learned from the exact verifier)")
+    if run_dir.is_dir():
+        size = run_folder_bytes(run_dir)
+        lines.append(f"  run folder {human_bytes(size['total'])}: tables {human_bytes(size['tables'])}, checkpoints "
+                     f"{human_bytes(size['checkpoints'])}, other {human_bytes(size['other'])}")
     table_dir = run_dir / "rl" if config.flow == "pipeline" else run_dir
     tracking = Path(config.runs_root).resolve() / "mlflow.db"
     lines += [

@@ -17,6 +17,7 @@ from rlpipe.flows.common import (
 from rlpipe.flows.progress import progress
 from rlpipe.tasks.checkpoint import (
     TrainingState,
+    after_checkpoint,
     checkpoint_task,
     complete_registrations,
     promote_best,
@@ -63,7 +64,7 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
     of `NAME-<phase>` moves to a checkpoint whose eval beats every earlier checkpointed eval."""
     section, run_dir, run_id = getattr(config, phase), state.run_dir, state.run_id
     trainer, model_name = run.trainer, f"{registered_model_name(config)}-{phase}"
-    saving = register_options(config.engine, model_name)
+    saving = register_options(config.engine, model_name, config.checkpoint.keep_last)
     saved = TrainingState(trainer.model, run.tokenizer, trainer.optimizer, trainer.scheduler)
     # a kill between a checkpoint's rename and its registration: completed before going on
     complete_registrations(run_dir=run_dir, run_id=run_id, tracker=tracker, options=saving)
@@ -92,6 +93,8 @@ def _train(config: RunConfig, phase: str, run: SupervisedRun, state: RunState, t
                 record=CheckpointRecord({"cursor": cursor}, metrics, policy_version=step), tracker=tracker,
                 options=saving)
         best = promote_best(tracker, model_name, row, accuracy, best)
+        if row:  # checkpoint.keep_last once `best` points where it will; the closed steps' tables compacted
+            after_checkpoint(run_dir=run_dir, step=step, tracker=tracker, options=saving)
         last_path = row["path"] if row else last_path
         tracker.log_metrics(step_metrics(metrics, {}, watch.seconds) | eval_metrics, step=step)
         bar.update(1)

@@ -7,11 +7,13 @@
     lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
 
 `<run_dir>/catalog.duckdb` holds the same views for a single run, so
-`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Its views read
-`read_parquet('<abs run_dir>/tables/<t>/**/*.parquet', union_by_name=false, hive_partitioning=false)`:
-the glob picks up new partitions by itself, and the zero-row `_schema.parquet` of each table keeps
-the view valid before any data exists. `step` is read from the files (hive partitioning off: the
-schema file sits outside the `step=` folders).
+`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Its views read a table's fresh
+partitions, `read_parquet('<abs run_dir>/tables/<t>/**/[p_]*.parquet', union_by_name=false,
+hive_partitioning=false)`, and, by name, its compacted files (`**/[m_]*.parquet`, merged.parquet)
+less the steps a fresh partition holds (storage/compaction.py `fresh_wins_sql`): the globs pick up
+new partitions and compactions by themselves, and the zero-row `_schema.parquet` of each table,
+which both match, keeps them valid before any data exists. `step` is read from the files (hive
+partitioning off: the schema file sits outside the `step=` folders).
 
 union_by_name is off by default: it makes DuckDB read every file's footer when binding a view,
 ~0.2 s per 500 partitions and per table, and the writer gives all files of a table one schema.
@@ -41,10 +43,10 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow.parquet as pq
+from rlpipe.storage.compaction import compacted_files, fresh_files, fresh_wins_sql, stored_steps
 from rlpipe.storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,
-    partition_files,
     schema_file,
     tables_root,
 )
@@ -131,8 +133,12 @@ def _quote(text: str) -> str:
 
 
 def _source(patterns: list[str], union_by_name: bool) -> str:
-    listing = ", ".join(_quote(pattern) for pattern in patterns)
-    return f"read_parquet([{listing}], union_by_name={str(union_by_name).lower()}, hive_partitioning=false)"
+    """The rows of the tables whose folders `patterns` name (`<folder>/**/*.parquet`, one per run),
+    each run's step from its fresh partition where one exists, else from its compacted file
+    (storage/compaction.py `fresh_wins_sql`), as a subquery."""
+    options = f"union_by_name={str(union_by_name).lower()}, hive_partitioning=false"
+    selects = [fresh_wins_sql(pattern.removesuffix("/**/*.parquet"), options, _quote) for pattern in patterns]
+    return "(" + " UNION ALL BY NAME ".join(selects) + ")"
 
 
 def _run_pattern(run_dir: Path, table: str) -> str | None:
@@ -140,8 +146,8 @@ def _run_pattern(run_dir: Path, table: str) -> str | None:
     run_dir = _table_home(run_dir, table)
     if schema_file(run_dir, table).is_file():
         return str(tables_root(run_dir) / table / "**" / "*.parquet")
-    if partition_files(run_dir, table):
-        return str(tables_root(run_dir) / table / "step=*" / "**" / "part-*.parquet")
+    if stored_steps(run_dir, table):
+        return str(tables_root(run_dir) / table / "**" / "*.parquet")
     return None
 
 
@@ -223,7 +229,7 @@ def _views(run_dir: Path) -> list[tuple[str, Path, str]]:
 
 def has_data(run_dirs: RunDirs, table: str) -> bool:
     """Whether any of the runs has at least one partition of `table`."""
-    return any(partition_files(run_dir, table) for run_dir in run_dirs_list(run_dirs))
+    return any(stored_steps(run_dir, table) for run_dir in run_dirs_list(run_dirs))
 
 
 def connect(
@@ -293,15 +299,16 @@ def lazy_frame(run_dirs: RunDirs, table: str) -> pl.LazyFrame:
     import polars as pl  # only here: the rest of storage needs no polars
 
     schema = pl.from_arrow(schema_for(table).empty_table()).schema
-    files = [
-        str(path) for run in run_dirs_list(run_dirs) for _, path in partition_files(run, table)
-    ]
-    if not files:
-        return pl.LazyFrame(schema=schema)
-    return pl.scan_parquet(
-        files,
-        schema=schema,
-        hive_partitioning=False,
-        missing_columns="insert",
-        extra_columns="ignore",
-    )
+
+    def scan(files: list[Path]) -> pl.LazyFrame:
+        return pl.scan_parquet([str(f) for f in files], schema=schema, hive_partitioning=False,
+                               missing_columns="insert", extra_columns="ignore")
+
+    frames = []
+    for run in run_dirs_list(run_dirs):  # each step from its fresh file where one exists (compaction.py)
+        fresh = fresh_files(run, table)
+        if fresh:
+            frames.append(scan([path for _, path in fresh]))
+        if compacted := compacted_files(run, table):
+            frames.append(scan(compacted).filter(~pl.col("step").is_in([step for step, _ in fresh])))
+    return pl.concat(frames) if frames else pl.LazyFrame(schema=schema)

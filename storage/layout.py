@@ -1,6 +1,7 @@
 """Where a run's tables live on disk, and how a partition is written atomically.
 
     <run_dir>/tables/<table>/step=<k>/part-0.parquet   one file per (table, step) partition
+    <run_dir>/tables/<table>/steps=<a>-<b>/merged.parquet   closed steps a..b compacted (storage/compaction.py)
     <run_dir>/tables/<table>/_schema.parquet           zero rows: the table's current schema
     <run_dir>/catalog.duckdb                           DuckDB views over the above
 
@@ -143,3 +144,32 @@ def atomic_write_parquet(table: pa.Table, dest: Path, *, durable: bool = True) -
     """Write `table` to `dest` (zstd) atomically: `rlpipe.core.files.atomic_write`, whose
     `durable` this passes on."""
     atomic_write(dest, lambda tmp: pq.write_table(table, tmp, compression="zstd"), durable=durable)
+
+
+def run_folder_bytes(run_dir: str | os.PathLike) -> dict[str, int]:
+    """Bytes on disk under a run folder (a pipeline's phases included): `tables` (every tables/
+    folder), `checkpoints` (every checkpoints/ folder), `other` (MLflow artifacts kept in the
+    folder, reports, run.json, ...) and `total`."""
+    sizes = {"tables": 0, "checkpoints": 0, "other": 0}
+    root = Path(run_dir)
+    for folder, _, files in os.walk(root):
+        parts = Path(folder).relative_to(root).parts
+        kind = "tables" if "tables" in parts else "checkpoints" if "checkpoints" in parts else "other"
+        for name in files:
+            try:
+                sizes[kind] += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass  # removed while walking (a compaction or retention pass)
+    return {**sizes, "total": sum(sizes.values())}
+
+
+def human_bytes(count: int) -> str:
+    """`count` bytes as B, KiB, MiB, GiB or TiB with three significant figures."""
+    size, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    if unit == "B":
+        return f"{int(size)} B"
+    return f"{size:.3g} {unit}" if size < 1000 else f"{size:.0f} {unit}"

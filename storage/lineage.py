@@ -109,7 +109,7 @@ def _rows(result: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 def version_lineage(client: Any, model_uri: str, samples: int = 5) -> list[dict[str, Any]]:
     """The chain from `model_uri` up through the versions it started from, one dict per version:
     model, MLflow run, run dir and step, steps and samples trained, and the parent."""
-    from rlpipe.storage.tracking import resolve_model_version
+    from rlpipe.storage.tracking import WEIGHTS_REMOVED_TAG, resolve_model_version
 
     chain: list[dict[str, Any]] = []
     while model_uri and len(chain) < _MAX_DEPTH:
@@ -127,6 +127,8 @@ def version_lineage(client: Any, model_uri: str, samples: int = 5) -> list[dict[
             "run_dir": str(run_dir), "run_id": tags.get("run_id"), "step": step,
             "parent_checkpoint": tags.get("parent_checkpoint"), "parent_model": None,
         }
+        if (removed := tags.get(WEIGHTS_REMOVED_TAG)) is not None:  # the data below still holds
+            entry["weights_removed"] = removed
         if not run_dir.is_dir():
             entry["missing"] = f"run folder {run_dir} is gone: its tables cannot be read"
         else:
@@ -186,6 +188,8 @@ def render(chain: list[dict[str, Any]]) -> list[str]:
         head = entry["model"] if depth == 0 else f"started from {entry['model']}"
         lines += [head, f"  mlflow run   {entry['mlflow_run_name']} ({entry['mlflow_run_id']})",
                   f"  run          {entry['run_dir']} (run_id {entry['run_id']}), checkpoint of step {entry['step']}"]
+        if "weights_removed" in entry:
+            lines.append(f"  weights      removed: {entry['weights_removed']}")
         if "missing" in entry:
             lines.append(f"  {entry['missing']}")
         else:

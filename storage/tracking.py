@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 RESERVED_ALIASES = frozenset({"latest"})
+WEIGHTS_REMOVED_TAG = "rlpipe.weights_removed"  # a version whose checkpoint retention removed
 _MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 _BATCH = 100  # MLflow's limit on params per log_batch call
 
@@ -94,6 +95,10 @@ class Tracker(Protocol):
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None: ...
 
+    def pinned_versions(self, model_name: str) -> set[str]: ...
+
+    def retire_version(self, model_name: str, version: str, reason: str) -> None: ...
+
     def set_lineage_tags(self, tags: Mapping[str, str]) -> None: ...
 
     def end(self, status: str = "FINISHED") -> None: ...
@@ -145,6 +150,12 @@ class NullTracker(_EndOnExit):
 
     def set_alias(self, model_name, alias, version) -> None:
         _check_alias(alias)
+
+    def pinned_versions(self, model_name) -> set[str]:
+        return set()  # no registry: no alias pins a checkpoint
+
+    def retire_version(self, model_name, version, reason) -> None:
+        pass
 
     def set_lineage_tags(self, tags) -> None:
         pass
@@ -274,6 +285,32 @@ class MlflowTracker(_EndOnExit):
         _check_alias(alias)
         self.client.set_registered_model_alias(model_name, alias, str(version))
 
+    def pinned_versions(self, model_name) -> set[str]:
+        """The versions of `model_name` an alias points to, and its newest (`@latest`); none for a
+        model not registered."""
+        quote = str(model_name).replace("'", "\\'")
+        if not self.client.search_registered_models(filter_string=f"name = '{quote}'"):
+            return set()
+        pinned = {str(v) for v in self.client.get_registered_model(model_name).aliases.values()}
+        versions = self.client.search_model_versions(f"name = '{quote}'")
+        if versions:
+            pinned.add(str(max(int(v.version) for v in versions)))
+        return pinned
+
+    def retire_version(self, model_name, version, reason) -> None:
+        """A version whose checkpoint was removed: its artifact copy deleted (where the artifact
+        store can delete), the version kept with the tag `rlpipe.weights_removed` = `reason`, so its
+        number, run, step and lineage tags stay what tables and lineage name. Idempotent."""
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        found = self.client.get_model_version(model_name, str(version))
+        if found.tags.get(WEIGHTS_REMOVED_TAG) is None:
+            self.client.set_model_version_tag(model_name, str(version), WEIGHTS_REMOVED_TAG, reason)
+        try:
+            get_artifact_repository(found.source).delete_artifacts()
+        except (NotImplementedError, FileNotFoundError):
+            pass  # a store that cannot delete keeps the copy: the tag still says the run's folder is gone
+
     def end(self, status="FINISHED") -> None:
         """Wait for queued metrics, then close the run with `status` (FINISHED | FAILED | KILLED).
         A queued write that failed closes it FAILED and is raised, as OSError naming the tracking
@@ -321,6 +358,8 @@ def download_model(
 
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     version = resolve_model_version(client, model_uri)
+    if (removed := version.tags.get(WEIGHTS_REMOVED_TAG)) is not None:
+        raise ValueError(f"{model_uri} (version {version.version}) has no weights: {removed}")
     path = mlflow.artifacts.download_artifacts(
         artifact_uri=version.source,
         dst_path=None if dst_path is None else str(dst_path),

@@ -11,16 +11,20 @@ touches the disk; a mismatch is a ValueError naming the table and the column. `r
 `step` are filled in when missing.
 
 `BackgroundWriter` runs the same writes on one thread, in submission order, so that a step does
-not wait for its tables (see its docstring for the crash and error contract).
+not wait for its tables (see its docstring for the crash and error contract); `compact` queues a
+compaction pass (`compact_run`: closed step ranges merged into one file each, storage/compaction.py)
+behind them. Readers here read fresh and compacted partitions alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +33,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from rlpipe.core.files import clean_leftovers, fsync_written
+from rlpipe.core.files import atomic_write, clean_leftovers, fsync_path, fsync_written
 from rlpipe.storage import catalog
+from rlpipe.storage.compaction import (
+    COMPACT_STEPS,
+    MERGED_NAME,
+    STEPS_KEY,
+    compacted_files,
+    compacted_step,
+    compacted_steps,
+    fresh_files,
+    range_folder,
+    read_compacted,
+)
 from rlpipe.storage.conform import TableData, conform
 from rlpipe.storage.layout import (
     CATALOG_NAME,
@@ -39,11 +54,10 @@ from rlpipe.storage.layout import (
     check_step,
     env_partitioned,
     partition_file,
-    partition_files,
     step_files,
     table_dir,
 )
-from rlpipe.storage.schemas import schema_for
+from rlpipe.storage.schemas import TABLES, schema_for
 
 
 def default_run_id(run_dir: str | os.PathLike) -> str:
@@ -134,27 +148,36 @@ def _run_id_of(data: TableData) -> str | None:
 
 
 def is_complete(run_dir: str | os.PathLike, table: str, step: int) -> bool:
-    """Whether the (table, step) partition has been written (partitions appear whole or not at all)."""
-    return bool(step_files(run_dir, table, step))
+    """Whether the (table, step) partition has been written (partitions appear whole or not at all),
+    fresh (one file, or its environments' parts) or merged into a compacted file."""
+    return bool(step_files(run_dir, table, step)) or compacted_step(run_dir, table, step) is not None
 
 
 def read_table(run_dir: str | os.PathLike, table: str, step: int | None = None) -> pa.Table:
-    """One partition (FileNotFoundError if absent) or, with step=None, every partition in step order.
+    """One partition (FileNotFoundError if absent) or, with step=None, every partition in step order,
+    fresh or compacted (a step's fresh file wins over its compacted copy: storage/compaction.py).
 
     Files written under an older schema are aligned to the current one (new columns null).
     """
     schema = schema_for(table)
     if step is not None:
         files = step_files(run_dir, table, step)
-        if not files:
-            raise FileNotFoundError(f"table {table!r} has no partition for step {step}: "
-                                    f"{partition_file(run_dir, table, step)}")
-        return _in_write_order(table, [align(read_partition(path, table), schema) for path in files])
+        if files:
+            return _in_write_order(table, [align(read_partition(path, table), schema) for path in files])
+        if (merged := compacted_step(run_dir, table, step)) is not None:
+            return align(read_compacted(merged, steps={step}), schema)
+        raise FileNotFoundError(f"table {table!r} has no partition for step {step}: "
+                                f"{partition_file(run_dir, table, step)}")
     by_step: dict[int, list[pa.Table]] = {}
-    for found, path in partition_files(run_dir, table):
+    for found, path in fresh_files(run_dir, table):
         by_step.setdefault(found, []).append(align(read_partition(path, table), schema))
     parts = [_in_write_order(table, tables) for _, tables in sorted(by_step.items())]
-    return pa.concat_tables(parts) if parts else schema.empty_table()
+    fresh_count = len(parts)
+    parts += [align(read_compacted(path, exclude=set(by_step)), schema) for path in compacted_files(run_dir, table)]
+    if not parts:
+        return schema.empty_table()
+    data = pa.concat_tables(parts)  # a stable sort: each step's rows keep their order
+    return data.take(pc.sort_indices(data, [("step", "ascending")])) if len(parts) > fresh_count else data
 
 
 def _in_write_order(table: str, parts: list[pa.Table]) -> pa.Table:
@@ -207,6 +230,11 @@ class _Job:
     data: TableData
     run_id: str | None
     durable: bool
+    compact_width: int = 0
+    """> 0: not a write but a compaction pass over the run's steps <= `step` (`compact_run`)."""
+
+
+_COMPACTION = "*compaction*"  # the table name of a compaction job's key
 
 
 class BackgroundWriter:
@@ -238,6 +266,7 @@ class BackgroundWriter:
         self._keys: dict[tuple[str, str, int], int] = {}  # (run_dir, table, step) -> queued writes
         self._unsynced: dict[str, list[Path]] = {}  # run_dir -> files written without fsync
         self.busy_seconds = 0.0  # time spent writing, for benchmarks
+        self.compacted = 0  # fresh partition files merged by compaction passes
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -261,10 +290,25 @@ class BackgroundWriter:
         with self._done:
             return self._submitted - self._finished
 
-    def has_pending(self, run_dir: str | os.PathLike, table: str, step: int) -> bool:
-        """Whether a write of this (table, step) is queued or running."""
+    def compact(self, run_dir: str | os.PathLike, closed: int, width: int = COMPACT_STEPS) -> None:
+        """Queue a compaction pass (`compact_run`) over the run's steps <= `closed`, which nothing
+        rewrites any more (a checkpoint marks them done); it runs after the writes queued before it."""
+        if self._closed:
+            raise RuntimeError(f"BackgroundWriter is closed: cannot compact {run_dir}")
+        self._raise_error()
+        key = _key(run_dir, _COMPACTION, check_step(closed))
         with self._done:
-            return self._keys.get(_key(run_dir, table, step), 0) > 0
+            self._submitted += 1
+            self._keys[key] = self._keys.get(key, 0) + 1
+        self._jobs.put(_Job(run_dir, _COMPACTION, closed, None, None, True, width))
+
+    def has_pending(self, run_dir: str | os.PathLike, table: str, step: int) -> bool:
+        """Whether a write of this (table, step) is queued or running, or a compaction of the run
+        (which moves partitions between files)."""
+        folder = os.path.abspath(run_dir)
+        with self._done:
+            return self._keys.get(_key(run_dir, table, step), 0) > 0 or any(
+                key[0] == folder and key[1] == _COMPACTION and step <= key[2] for key in self._keys)
 
     def drain(self, durable: bool = False) -> None:
         """Wait until every submitted write is on disk; raise TableWriteError if one failed.
@@ -311,8 +355,15 @@ class BackgroundWriter:
             skipped = 0
             if not failed:
                 try:
-                    written = _write(job.run_dir, job.table, job.step, job.data, run_id=job.run_id,
-                                     durable=job.durable, prepared=self._prepared)
+                    if job.compact_width:
+                        self.compacted += sum(compact_run(job.run_dir, job.step, job.compact_width).values())
+                        written = []
+                        with self._done:  # merged files are fsynced; the fresh ones they replace are gone
+                            run = str(job.run_dir)
+                            self._unsynced[run] = [f for f in self._unsynced.get(run, []) if f.exists()]
+                    else:
+                        written = _write(job.run_dir, job.table, job.step, job.data, run_id=job.run_id,
+                                         durable=job.durable, prepared=self._prepared)
                     if not job.durable:
                         with self._done:
                             self._unsynced.setdefault(str(job.run_dir), []).extend(written)
@@ -347,3 +398,74 @@ def _snapshot(data: TableData) -> TableData:
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return [dict(row) if isinstance(row, Mapping) else row for row in data]
     return data
+
+
+def compact_table(run_dir: str | os.PathLike, table: str, closed: int, width: int = COMPACT_STEPS) -> int:
+    """Merge `table`'s fresh partitions of every closed range (last step <= `closed`), and of every
+    range already compacted, into its range's file; delete the merged fresh files. Returns the
+    number of fresh files merged."""
+    if width < 1:
+        raise ValueError(f"compaction width must be >= 1; got {width}")
+    schema_for(table)  # an unknown table fails here
+    groups: dict[tuple[Path, int], list[tuple[int, Path]]] = defaultdict(list)
+    for step, file in fresh_files(run_dir, table):
+        if file.parent.name.startswith("env="):
+            continue  # a step split by environment stays fresh (storage/compaction.py)
+        groups[(file.parent.parent, step // width)].append((step, file))
+    merged = 0
+    for (parent, index), files in sorted(groups.items()):
+        first, last = index * width, index * width + width - 1
+        dest = parent / range_folder(first, last) / MERGED_NAME
+        if last > closed and not dest.is_file():
+            continue  # still open: a resume may rewrite its steps
+        files = [(step, file) for step, file in files if step <= closed]
+        if not files:
+            continue
+        _merge(dest, table, dict(files))
+        for _, file in files:  # the merged file is durable: only now do the fresh ones go
+            file.unlink()
+            try:
+                file.parent.rmdir()
+            except OSError:
+                pass  # a leftover temporary file of a killed writer: clean_leftovers removes it
+        fsync_path(parent)
+        merged += len(files)
+    return merged
+
+
+_GROUP_ROWS = 65_536  # a compacted file's row groups: this many rows or _GROUP_BYTES, whichever first
+_GROUP_BYTES = 64 << 20
+
+
+def _merge(dest: Path, table: str, fresh: dict[int, Path]) -> None:
+    """Write `dest` atomically (fsynced): the steps it already holds less those of `fresh`, and
+    the `fresh` files, in step order, whole steps per row group of up to ~_GROUP_ROWS rows or
+    _GROUP_BYTES (a reader of one step skips the others by their statistics; memory holds one
+    row group, not the range)."""
+    schema = schema_for(table)
+    held = [step for step in compacted_steps(dest) if step not in fresh] if dest.is_file() else []
+    steps = sorted(set(fresh) | set(held))
+    schema = schema.with_metadata({**(schema.metadata or {}), STEPS_KEY: json.dumps(steps).encode()})
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
+            batch: list[pa.Table] = []
+            for step in steps:
+                data = read_partition(fresh[step], table) if step in fresh else read_compacted(dest, steps={step})
+                batch.append(align(data, schema).replace_schema_metadata(schema.metadata))
+                if sum(t.num_rows for t in batch) >= _GROUP_ROWS or sum(t.nbytes for t in batch) >= _GROUP_BYTES:
+                    out.write_table(pa.concat_tables(batch), row_group_size=_GROUP_ROWS * 4)
+                    batch = []
+            if batch:
+                out.write_table(pa.concat_tables(batch), row_group_size=_GROUP_ROWS * 4)
+
+    atomic_write(dest, write, durable=True)
+
+
+def compact_run(run_dir: str | os.PathLike, closed: int, width: int = COMPACT_STEPS) -> dict[str, int]:
+    """`compact_table` for every table of the run; {table: fresh files merged} (tables with none left out)."""
+    done = {}
+    for table in TABLES:
+        if table_dir(run_dir, table).is_dir() and (count := compact_table(run_dir, table, closed, width)):
+            done[table] = count
+    return done

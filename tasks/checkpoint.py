@@ -16,9 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import StageTable, drain_writes, load_rows, persist_now
+from rlpipe.tasks.record import (
+    StageTable,
+    compact_closed_steps,
+    drain_writes,
+    load_rows,
+    persist_now,
+    stored_row,
+)
 from rlpipe.training.checkpoint import CheckpointOptions, CheckpointRecord, save_checkpoint
 from rlpipe.training.checkpoint_files import checkpoint_dir, checkpoint_steps, verify_checkpoint
+from rlpipe.training.checkpoint_retention import Retained, pending_removals, retain
 
 
 def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, model_name: str | None,
@@ -52,11 +60,15 @@ class RegisterOptions:
     """The MLflow registered model each checkpoint becomes a version of; None: not registered."""
     save: CheckpointOptions = field(default_factory=CheckpointOptions)
     """How each checkpoint is written (training/checkpoint.py)."""
+    keep_last: int = 0
+    """`checkpoint.keep_last`: the newest checkpoints kept beside the pinned ones (0 = every one)."""
 
 
-def register_options(engine_config, model_name: str | None) -> RegisterOptions:
-    """The checkpoint options of a run whose engines are `engine_config`, registered as `model_name`."""
-    return RegisterOptions(model_name, CheckpointOptions(explicit_lm_head=reloaded_by_vllm_servers(engine_config)))
+def register_options(engine_config, model_name: str | None, keep_last: int = 0) -> RegisterOptions:
+    """The checkpoint options of a run whose engines are `engine_config`, registered as `model_name`,
+    keeping the newest `keep_last` checkpoints (0: all)."""
+    return RegisterOptions(model_name, CheckpointOptions(explicit_lm_head=reloaded_by_vllm_servers(engine_config)),
+                           keep_last)
 
 
 @dataclass(frozen=True)
@@ -104,7 +116,8 @@ def complete_registrations(*, run_dir: Path, run_id: str, tracker, options: Regi
     """Complete the commit of every checkpoint of a resumed run that a kill interrupted after
     its folder's rename: register a checkpoint that has no registered version (the one already
     registered is found, never a second) and write its `checkpoints` row. Returns the steps
-    completed. A damaged checkpoint is named (ValueError), never registered."""
+    completed. A damaged checkpoint is named (ValueError), never registered. Then a retention pass
+    (`retain_checkpoints`) finishes any removal a kill interrupted."""
     completed = []
     for step in sorted(checkpoint_steps(run_dir)):
         rows = load_rows(run_dir, "checkpoints", step)
@@ -120,6 +133,7 @@ def complete_registrations(*, run_dir: Path, run_id: str, tracker, options: Regi
         persist_now(run_dir, "checkpoints", step,
                     [checkpoint_row(run_id, step, policy_version, path, options.model_name, version)], run_id)
         completed.append(step)
+    retain_checkpoints(run_dir=run_dir, tracker=tracker, options=options)  # and finish a killed pass
     return completed
 
 
@@ -145,6 +159,45 @@ def checkpoint_task(*, train_row: dict, checkpoint: bool, run_dir: Path, run_id:
         return None
     drain_writes()
     return save_and_register(run_dir=run_dir, run_id=run_id, step=step, **kwargs)
+
+
+def after_checkpoint(*, run_dir: Path, step: int, tracker, options: RegisterOptions) -> Retained:
+    """What follows a step's checkpoint once `best` has moved: the retention pass
+    (`retain_checkpoints`), and a compaction pass over the steps it closed, queued on the
+    background table writer (storage/compaction.py)."""
+    compact_closed_steps(run_dir, step)
+    return retain_checkpoints(run_dir=run_dir, tracker=tracker, options=options)
+
+
+def retain_checkpoints(*, run_dir: Path, tracker, options: RegisterOptions) -> Retained:
+    """`checkpoint.keep_last`: a retention pass (training/checkpoint_retention.py `retain`) that
+    keeps the newest `keep_last` checkpoints, those a registry alias points to (`best`) and the
+    newest version's (`@latest`), and retires the registered version of each removed one
+    (storage/tracking.py `retire_version`: tagged, artifact copy deleted).
+
+    Per checkpoint: the folder is renamed to its hidden `.deleting-` name, its version retired, the
+    folder deleted; a kill anywhere leaves a whole checkpoint or a marked leftover that the next
+    pass (a resumed phase runs one before its first step) finishes."""
+    if not options.keep_last and not pending_removals(run_dir):
+        return Retained()
+    registry = tracker if tracker is not None and options.model_name else None
+    pinned_versions = registry.pinned_versions(options.model_name) if registry is not None else set()
+    versions: dict[int, str | None] = {}
+
+    def version_of(step: int) -> str | None:
+        if step not in versions:
+            row = stored_row(run_dir, "checkpoints", step)
+            versions[step] = None if row is None else row["mlflow_model_version"]
+        return versions[step]
+
+    reason = f"checkpoint retention (checkpoint.keep_last = {options.keep_last}) removed the checkpoint folder"
+
+    def retire(step: int) -> None:
+        if registry is not None and (version := version_of(step)) is not None:
+            registry.retire_version(options.model_name, version, f"{reason} of step {step}")
+
+    pinned = {step for step in checkpoint_steps(run_dir) if pinned_versions and version_of(step) in pinned_versions}
+    return retain(run_dir, options.keep_last, pinned, retire)
 
 
 def promote_best(tracker, model_name: str, row: dict | None, accuracy: float | None, best: float) -> float:

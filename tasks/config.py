@@ -28,7 +28,13 @@ from rlpipe.core.config import (
 from rlpipe.engines.config import EngineConfig
 from rlpipe.envs.config import TaskConfig
 from rlpipe.storage.config import TrackingConfig
-from rlpipe.training.config import ModelConfig, RLConfig, SupervisedConfig, TrainConfig
+from rlpipe.training.config import (
+    CheckpointConfig,
+    ModelConfig,
+    RLConfig,
+    SupervisedConfig,
+    TrainConfig,
+)
 
 
 class RunConfig(Section):
@@ -64,6 +70,8 @@ class RunConfig(Section):
     """Rollout engine."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow tracking and the report."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint retention."""
 
     @model_validator(mode="before")
     @classmethod

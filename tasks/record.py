@@ -63,6 +63,14 @@ def drain_writes() -> None:
         writer.drain(durable=True)
 
 
+def compact_closed_steps(run_dir: Path, closed: int) -> None:
+    """Queue a compaction pass over the run's steps <= `closed` (storage/compaction.py) on the
+    background writer, after the writes queued before it; a no-op outside `background_writes()`."""
+    writer = _WRITER.get()
+    if writer is not None:
+        writer.compact(run_dir, closed)
+
+
 def _settle(run_dir: Path, table: str, step: int) -> None:
     """Reads see this process's own writes: wait when the partition has one queued."""
     writer = _WRITER.get()

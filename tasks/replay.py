@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from rlpipe.storage.compaction import table_files
 from rlpipe.storage.layout import relocated, tables_root
 from rlpipe.storage.writer import read_table
 from rlpipe.tasks.build import StartPoint, build, rl_plan
@@ -74,6 +75,8 @@ class Replay:
     checks: list[StepCheck]
     tolerance: float = 0.0
     """0: bit for bit; else a train.parallel run's (`PARALLEL_TOLERANCE`)."""
+    notes: list[str] = field(default_factory=list)
+    """A line per later checkpoint the replay could not start from (removed by retention)."""
 
     @property
     def ok(self) -> bool:
@@ -109,7 +112,7 @@ def start_weights(run_dir: Path, config, start: str | None) -> str:
     if start:
         return start
     # read by path: the origins table may be newer than this module's schemas
-    for origin in sorted((tables_root(run_dir) / "origins").glob("step=*/part-*.parquet")):
+    for origin in table_files(run_dir, "origins") if (tables_root(run_dir) / "origins").is_dir() else []:
         rows = pq.read_table(origin, columns=["parent_checkpoint"]).column(0).to_pylist()
         if rows and rows[0]:  # the copy's own SFT checkpoint when the run folder was copied or moved
             return relocated(str(rows[0]), run_dir)
@@ -192,7 +195,7 @@ def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Rep
     refuse_unsupported(config)
     if not 1 <= step <= config.rl.steps:
         raise ReplayError(f"--step {step} is outside the run's steps 1..{config.rl.steps}")
-    from_step = max((s for s in checkpoint_steps(run_dir) if s < step), default=0)
+    from_step, notes = replay_start(run_dir, step)
     for s in range(from_step + 1, step + 1):  # fail before loading a model when a step is missing
         stored_step(run_dir, s)
     if config.threads:
@@ -205,13 +208,41 @@ def replay_step(run_dir: str | Path, step: int, start: str | None = None) -> Rep
         seen: dict[tuple[str, ...], torch.Tensor] = {}
         metrics = train_on_batches(trainer, batches, loss_fn, step=s, trainer_logprobs=seen)
         checks.append(compare(s, logged, metrics, rows, seen, tolerance_for(config)))
-    return Replay(run_dir, step, origin, checks, tolerance_for(config))
+    return Replay(run_dir, step, origin, checks, tolerance_for(config), notes)
+
+
+def replay_start(run_dir: Path, step: int) -> tuple[int, list[str]]:
+    """(the newest checkpoint before `step` holding the trainer state, 0 for none: the starting
+    weights), and a line for each checkpoint after it that the run wrote but checkpoint retention
+    (`checkpoint.keep_last`) removed, or whose optimizer state it removed."""
+    from rlpipe.training.checkpoint_retention import optimizer_dropped
+
+    usable = [s for s in checkpoint_steps(run_dir) if s < step and not optimizer_dropped(checkpoint_dir(run_dir, s))]
+    from_step = max(usable, default=0)
+    notes = []
+    for row in _checkpoint_rows(run_dir):
+        if from_step < row["step"] < step:
+            folder = checkpoint_dir(run_dir, row["step"])
+            why = "was removed" if not folder.is_dir() else "holds no optimizer state"
+            notes.append(f"the checkpoint of step {row['step']} {why} (checkpoint retention, "
+                         "checkpoint.keep_last): not a start")
+    return from_step, notes
+
+
+def _checkpoint_rows(run_dir: Path) -> list[dict]:
+    """The run's `checkpoints` rows, one per step (none without the table)."""
+    try:
+        rows = read_table(run_dir, "checkpoints").to_pylist()
+    except (FileNotFoundError, ValueError):
+        return []
+    return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])
 
 
 def format_replay(replay: Replay) -> str:
     """The replay's figures beside the logged ones, and a verdict line naming what differs."""
     first = replay.checks[0].step if replay.checks else replay.step
     lines = [f"replay of {replay.run_dir} step {replay.step}, trainer state from {replay.start}"]
+    lines += replay.notes
     if replay.tolerance:
         lines.append(f"a train.parallel run replayed in one process: the ranks summed in another order, so "
                      f"values are compared within {replay.tolerance:g} (relative; log-probs absolute), not bit for bit")

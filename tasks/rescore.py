@@ -43,7 +43,7 @@ from rlpipe.rollouts.fates import DropOptions, decide_groups, drop_rows, fate_ro
 from rlpipe.rollouts.options import RolloutOptions
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
-from rlpipe.storage.layout import partition_files
+from rlpipe.storage.compaction import stored_steps
 from rlpipe.storage.writer import read_table, write_table
 from rlpipe.tasks.score import ScoreOptions, score_rollouts
 from rlpipe.training.advantages import (
@@ -202,7 +202,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     `env` gives the examples, `options` are the run's (rollouts/options.py, from its `[rl]` section),
     `tick(n)` reports n rollouts done. Returns rollout and error counts."""
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
-    steps = sorted({step for step, _ in partition_files(run_dir, "rollouts")})
+    steps = stored_steps(run_dir, "rollouts")
     if not steps:
         raise ValueError(f"{run_dir} has no rollouts table to re-score (an RL run folder, e.g. runs/demo/rl)")
     prepare_out(run_dir, out_dir, reward)
@@ -228,7 +228,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
                       strict=True))
     tables["decisions"] += [{"run_id": run_id, "step": step, **row} for step, rows in drops.items() for row in rows]
     by_step = {table: _by_step(rows) for table, rows in tables.items()}
-    for step in sorted({step for step, _ in partition_files(run_dir, "groups")} | set(drops)):
+    for step in sorted(set(stored_steps(run_dir, "groups")) | set(drops)):
         for table, rows in by_step.items():
             write_table(out_dir, table, step, rows.get(step, []), run_id=run_id, durable=False)
     ensure_catalog(out_dir)

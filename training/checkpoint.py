@@ -54,14 +54,15 @@ from rlpipe.models.loading import load_model
 from rlpipe.models.tokenizer import load_tokenizer
 from rlpipe.training.checkpoint_files import (
     METADATA_FILE,
+    OPTIMIZER_FILE,
     checkpoint_dir,
     file_hashes,
     verify_checkpoint,
 )
+from rlpipe.training.checkpoint_retention import optimizer_dropped
 from rlpipe.training.lora import ADAPTER_DIR, has_lora, load_adapter, save_model_files
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-OPTIMIZER_FILE = "optimizer.pt"
 DATA_STATE_FILE = "data_state.json"
 RNG_FILE = "rng_state.pt"
 LM_HEAD_FILE = "lm_head.safetensors"  # explicit_lm_head (see the module doc)
@@ -328,7 +329,7 @@ def load_checkpoint(
     if optimizer is not None or scheduler is not None:
         opt_file = path / OPTIMIZER_FILE
         if not opt_file.is_file():
-            raise ValueError(f"checkpoint {str(path)!r} has no {OPTIMIZER_FILE} to restore from")
+            raise ValueError(_no_optimizer(path))
         states = _load_safely(opt_file)
         for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler")):
             if obj is not None:
@@ -348,10 +349,18 @@ def read_optimizer_state(path: str | Path) -> dict[str, Any]:
     a trainer built after the weights were loaded (data parallelism builds it after wrapping)."""
     opt_file = Path(path) / OPTIMIZER_FILE
     if not opt_file.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} has no {OPTIMIZER_FILE} to restore from")
+        raise ValueError(_no_optimizer(path))
     states = _load_safely(opt_file)
     for key in ("optimizer", "scheduler"):
         if states.get(key) is None:
             raise ValueError(f"{str(opt_file)!r} holds no {key} state")
     return states
 
+
+
+def _no_optimizer(path: str | Path) -> str:
+    """Why a checkpoint has no optimizer state to restore, in one line."""
+    if optimizer_dropped(path):
+        return (f"checkpoint {str(path)!r} has no {OPTIMIZER_FILE} to restore from: checkpoint retention "
+                "(checkpoint.keep_last) keeps the optimizer state of a run's newest checkpoint only")
+    return f"checkpoint {str(path)!r} has no {OPTIMIZER_FILE} to restore from"

@@ -26,6 +26,7 @@ from typing import Any
 
 CHECKPOINTS = "checkpoints"
 METADATA_FILE = "metadata.json"
+OPTIMIZER_FILE = "optimizer.pt"  # optimizer + scheduler state (training/checkpoint.py)
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:

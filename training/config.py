@@ -72,6 +72,18 @@ class ModelConfig(Section):
     reasoning block first."""
 
 
+class CheckpointConfig(Section):
+    """`[checkpoint]`: which of a run's checkpoints stay on disk (training/checkpoint_retention.py)."""
+
+    keep_last: int = Field(0, ge=0)
+    """Keep the newest N checkpoints of each phase and remove older ones as the run goes (0 = keep
+    every checkpoint). Never removed: a checkpoint the registry's `best` alias points to, the
+    newest (what a resume starts from; MLflow's `@latest`). Optimizer state is kept in the newest
+    checkpoint only. A removed checkpoint's registered version stays, tagged `rlpipe.weights_removed`,
+    its artifact copy deleted. The default keeps everything: removing weights cannot be undone, and
+    a run's steps and evals stay replayable from any checkpoint until the user chooses a bound."""
+
+
 class TrainConfig(Section):
     """`[train]`: how the trainer runs, shared by every phase."""
 

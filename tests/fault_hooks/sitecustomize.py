@@ -3,7 +3,9 @@ imports this module at start-up, in every process: data-parallel ranks too) and 
 
 - RLPIPE_TEST_KILL = `after:<glob>` or `before:<glob>`: the process SIGKILLs itself right after
   (or right before) an `os.replace` whose destination path matches the glob (fnmatch): a
-  checkpoint folder's rename, a table partition's rename (core/files.py);
+  checkpoint folder's rename, a table partition's rename (core/files.py); `during:<glob>`: in the
+  middle of a `shutil.rmtree` of a folder matching the glob (one file deleted, the rest left), as
+  a kill while a checkpoint is being removed (training/checkpoint_retention.py);
 - RLPIPE_TEST_ENOSPC = `<writer>:<glob>`: that writer fails as on a full disk for every file
   matching the glob: `parquet` (pyarrow.parquet.write_table) and `torch` (torch.save) really write
   into /dev/full, a device that is always full; `safetensors` (safetensors.torch.save_file) raises
@@ -20,8 +22,8 @@ import signal
 _SPEC = os.environ.get("RLPIPE_TEST_KILL", "")
 if _SPEC:
     _WHEN, _, _PATTERN = _SPEC.partition(":")
-    if _WHEN not in ("after", "before") or not _PATTERN:
-        raise SystemExit(f"RLPIPE_TEST_KILL={_SPEC!r}: expected after:<glob> or before:<glob>")
+    if _WHEN not in ("after", "before", "during") or not _PATTERN:
+        raise SystemExit(f"RLPIPE_TEST_KILL={_SPEC!r}: expected after:<glob>, before:<glob> or during:<glob>")
     _replace = os.replace
 
     def _replace_then_maybe_die(src, dst, *args, **kwargs):
@@ -33,7 +35,23 @@ if _SPEC:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    os.replace = _replace_then_maybe_die
+    if _WHEN == "during":
+        import shutil as _shutil
+        from pathlib import Path as _Path
+
+        _rmtree = _shutil.rmtree
+
+        def _rmtree_halfway(path, *args, **kwargs):
+            if fnmatch.fnmatch(os.fspath(path), _PATTERN):
+                files = sorted(p for p in _Path(path).rglob("*") if p.is_file())
+                if files:
+                    files[0].unlink()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _rmtree(path, *args, **kwargs)
+
+        _shutil.rmtree = _rmtree_halfway
+    else:
+        os.replace = _replace_then_maybe_die
 
 
 _FULL = os.environ.get("RLPIPE_TEST_ENOSPC", "")

@@ -28,6 +28,9 @@ def test_bad_value_is_named(tmp_path):
         load_config(write(tmp_path, "[rl]\ngroup_size = 0\n"))
     with pytest.raises(ConfigError, match=r"flow"):
         load_config(write(tmp_path, 'flow = "dpo"\n'))
+    with pytest.raises(ConfigError, match=r"^invalid config .*: checkpoint\.keep_last: Input should be greater"):
+        load_config(write(tmp_path, "[checkpoint]\nkeep_last = -1\n"))
+    assert load_config(write(tmp_path, "[checkpoint]\nkeep_last = 3\n")).checkpoint.keep_last == 3
 
 
 def test_missing_file_and_bad_toml(tmp_path):

@@ -117,3 +117,24 @@ def test_failed_block_marks_run_failed(runs_root, monkeypatch):
             run_id = tracker.run_id
             raise RuntimeError("stage failed")
     assert tracker.client.get_run(run_id).info.status == "FAILED"
+
+
+def test_pinned_versions_and_a_retired_version(runs_root, tmp_path, monkeypatch):
+    """Retention asks which versions an alias or `@latest` pins; a retired version keeps its number
+    and tags, loses its artifact copy, and a download names why in one line."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = MlflowTracker.for_runs_root(runs_root)
+    with tracker.start("retention", "rlpipe-test"):
+        assert tracker.pinned_versions("kept") == set()  # not registered yet
+        versions = [tracker.register_checkpoint(_checkpoint(tmp_path / f"step_00000{i}", str(i)), "kept",
+                                                tags={"step": str(i)}) for i in (1, 2, 3)]
+        tracker.set_alias("kept", "best", versions[0])
+        assert tracker.pinned_versions("kept") == {versions[0], versions[2]}  # best, and @latest
+        tracker.retire_version("kept", versions[1], "removed by retention")
+        tracker.retire_version("kept", versions[1], "a second pass")  # idempotent: the first reason stays
+    retired = tracker.client.get_model_version("kept", versions[1])
+    assert retired.tags["rlpipe.weights_removed"] == "removed by retention" and retired.tags["step"] == "2"
+    assert not Path(retired.source.removeprefix("file://")).exists()
+    with pytest.raises(ValueError, match=r"models:/kept/2 \(version 2\) has no weights: removed by retention"):
+        download_model(tracker.tracking_uri, "models:/kept/2", tmp_path / "gone")
+    assert (download_model(tracker.tracking_uri, "models:/kept@best", tmp_path / "b") / "weights.txt").read_text() == "1"

@@ -1,0 +1,127 @@
+"""Compaction: closed step ranges merged into one file per range, read alike by every reader (views,
+`read_table`, `is_complete`, polars), a step's fresh file winning over its compacted copy (a kill
+between the merged file and the deletions, a step rewritten later), and kills during a pass."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from rlpipe.storage.catalog import connect, ensure_catalog, lazy_frame
+from rlpipe.storage.compaction import compacted_files, fresh_files, stored_steps
+from rlpipe.storage.queries import run_canned
+from rlpipe.storage.synthetic import synthetic_step
+from rlpipe.storage.writer import (
+    BackgroundWriter,
+    compact_run,
+    is_complete,
+    read_table,
+    write_table,
+)
+
+HOOKS = Path(__file__).resolve().parents[1] / "fault_hooks"
+STEPS = 25
+TABLES = ("rollouts", "scores", "groups")
+
+
+def make_run(run_dir: Path, steps: int = STEPS) -> None:
+    for step in range(1, steps + 1):
+        for name, table in synthetic_step(step, run_id="r", n_groups=3, group_size=4, n_token_rows=2).items():
+            if name in TABLES:
+                write_table(run_dir, name, step, table, run_id="r", durable=False)
+    ensure_catalog(run_dir)
+
+
+def snapshot(run_dir: Path) -> dict:
+    """What every reader sees: view rows and counts, canned queries, read_table, polars."""
+    con = connect([run_dir])
+    seen = {}
+    for table in TABLES:
+        seen[table] = sorted(map(str, con.sql(f"select * from {table}").fetchall()))
+        seen[f"{table}/read_table"] = read_table(run_dir, table).num_rows
+        seen[f"{table}/polars"] = lazy_frame([run_dir], table).collect().height
+    seen["reward_by_step"] = run_canned([run_dir], "reward_by_step").to_pylist()
+    seen["zero_variance_by_step"] = run_canned([run_dir], "zero_variance_by_step").to_pylist()
+    seen["step 12"] = read_table(run_dir, "scores", 12).to_pylist()
+    return seen
+
+
+def test_closed_ranges_merge_and_every_reader_sees_the_same_rows(tmp_path):
+    make_run(tmp_path)
+    before = snapshot(tmp_path)
+    merged = compact_run(tmp_path, closed=21, width=10)
+    # steps 1-9 and 10-19 merged; 20-29 is still open (a resume may rewrite steps 22-25)
+    assert merged == {table: 19 for table in TABLES}
+    assert [p.parent.name for p in compacted_files(tmp_path, "scores")] == ["steps=0-9", "steps=10-19"]
+    assert [s for s, _ in fresh_files(tmp_path, "scores")] == list(range(20, 26))
+    assert stored_steps(tmp_path, "scores") == list(range(1, 26))
+    assert is_complete(tmp_path, "scores", 12) and not is_complete(tmp_path, "scores", 0)
+    assert snapshot(tmp_path) == before
+    with pytest.raises(FileNotFoundError):
+        read_table(tmp_path, "scores", 30)
+    # the on-disk catalog reads them alike
+    import duckdb
+
+    con = duckdb.connect(str(tmp_path / "catalog.duckdb"), read_only=True)
+    assert con.sql("select count(*), count(distinct step) from scores").fetchall() == [(len(before["scores"]), 25)]
+    con.close()
+    assert compact_run(tmp_path, closed=21, width=10) == {}  # nothing left to merge
+
+
+def test_a_fresh_file_wins_over_its_compacted_copy_and_is_merged_next(tmp_path):
+    make_run(tmp_path, steps=10)
+    compact_run(tmp_path, closed=10, width=5)
+    # a step rewritten after its range was merged (a resume rewriting `origins`, a completed row)
+    rewritten = read_table(tmp_path, "scores", 3).to_pylist()[:1]
+    write_table(tmp_path, "scores", 3, [{**rewritten[0], "reward": 42.0}], run_id="r")
+    con = connect([tmp_path])
+    assert con.sql("select count(*), max(reward) from scores where step = 3").fetchall() == [(1, 42.0)]
+    assert read_table(tmp_path, "scores", 3).column("reward").to_pylist() == [42.0]
+    assert read_table(tmp_path, "scores").filter(pa.compute.equal(pa.compute.field("step"), 3)).num_rows == 1
+    assert lazy_frame([tmp_path], "scores").collect().filter(step=3).height == 1
+    assert compact_run(tmp_path, closed=10, width=5) == {"scores": 1}
+    assert connect([tmp_path]).sql("select count(*), max(reward) from scores where step = 3").fetchall() == [(1, 42.0)]
+    assert not (tmp_path / "tables" / "scores" / "step=3").exists()
+
+
+CHILD = """
+import sys
+from rlpipe.storage.writer import compact_run
+compact_run(sys.argv[1], closed=21, width=10)
+"""
+
+
+@pytest.mark.parametrize("point", [
+    "after:*/scores/steps=10-19/merged.parquet",  # merged file in place, no fresh file deleted yet
+    "before:*/groups/steps=0-9/merged.parquet",   # rollouts and scores done, groups not begun
+])
+def test_a_kill_during_a_pass_loses_nothing_and_doubles_nothing(tmp_path, point):
+    make_run(tmp_path)
+    before = snapshot(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
+           "RLPIPE_TEST_KILL": point}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    assert snapshot(tmp_path) == before
+    compact_run(tmp_path, closed=21, width=10)  # the next pass finishes
+    assert snapshot(tmp_path) == before
+    assert all(len(fresh_files(tmp_path, table)) == 6 for table in TABLES)
+
+
+def test_the_background_writer_compacts_after_the_writes_queued_before(tmp_path):
+    steps = {step: synthetic_step(step, run_id="r", n_groups=2, group_size=2, n_token_rows=0)["scores"]
+             for step in range(1, 9)}
+    with BackgroundWriter() as writer:
+        for step, table in steps.items():
+            writer.submit(tmp_path, "scores", step, table, run_id="r")
+        writer.compact(tmp_path, 7, width=4)
+        assert writer.has_pending(tmp_path, "scores", 2) or writer.compacted  # a read of step 2 waits for it
+        writer.drain()
+        assert writer.compacted == 7 and not writer.has_pending(tmp_path, "scores", 2)
+    assert [p.parent.name for p in compacted_files(tmp_path, "scores")] == ["steps=0-3", "steps=4-7"]
+    assert [s for s, _ in fresh_files(tmp_path, "scores")] == [8]
+    assert read_table(tmp_path, "scores").num_rows == sum(t.num_rows for t in steps.values())

@@ -1,0 +1,31 @@
+"""The run folder's size in the run summary: tables, checkpoints and the rest, pipeline phases
+included."""
+
+from __future__ import annotations
+
+from rlpipe.storage.layout import human_bytes, run_folder_bytes
+
+
+def test_run_folder_bytes_by_kind(tmp_path):
+    (tmp_path / "rl" / "tables" / "scores" / "step=1").mkdir(parents=True)
+    (tmp_path / "rl" / "tables" / "scores" / "step=1" / "part-0.parquet").write_bytes(b"x" * 300)
+    (tmp_path / "sft" / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "sft" / "checkpoints" / "step_000002" / "model.safetensors").write_bytes(b"x" * 5000)
+    (tmp_path / "rl" / "run.json").write_text("{}")
+    assert run_folder_bytes(tmp_path) == {"tables": 300, "checkpoints": 5000, "other": 2, "total": 5302}
+
+
+def test_human_bytes():
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 7 * 2**30, 3 * 2**50)] == \
+        ["0 B", "1023 B", "1 KiB", "1.5 KiB", "7 GiB", "3072 TiB"]
+
+
+def test_the_summary_prints_the_run_folder_size(tmp_path):
+    from rlpipe.flows.runner import summary_lines
+    from rlpipe.tasks.config import validate_config
+
+    config = validate_config({"runs_root": str(tmp_path), "run_name": "sized", "flow": "rl"})
+    (config.run_dir / "checkpoints" / "step_000001").mkdir(parents=True)
+    (config.run_dir / "checkpoints" / "step_000001" / "model.safetensors").write_bytes(b"x" * 2048)
+    lines = summary_lines(config, {}, 1.0)
+    assert "  run folder 2 KiB: tables 0 B, checkpoints 2 KiB, other 0 B" in lines
