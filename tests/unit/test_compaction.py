@@ -125,3 +125,30 @@ def test_the_background_writer_compacts_after_the_writes_queued_before(tmp_path)
     assert [p.parent.name for p in compacted_files(tmp_path, "scores")] == ["steps=0-3", "steps=4-7"]
     assert [s for s, _ in fresh_files(tmp_path, "scores")] == [8]
     assert read_table(tmp_path, "scores").num_rows == sum(t.num_rows for t in steps.values())
+
+
+def test_a_mixtures_rollouts_split_by_environment_stay_fresh_while_its_other_tables_merge(tmp_path):
+    """A step split into its environments' parts is not merged (its files could not all go at
+    once, and fresh wins over the merged copy), yet every reader sees each row exactly once."""
+    import pyarrow.compute as pc
+    from rlpipe.storage.layout import mark_env_partitioned
+
+    mark_env_partitioned(tmp_path)
+    for step in range(1, 13):
+        for name, table in synthetic_step(step, run_id="r", n_groups=3, group_size=4, n_token_rows=2).items():
+            if name in TABLES:
+                if name == "rollouts":  # the groups alternate between two environments
+                    envs = pa.array(["add" if i // 4 % 2 else "count" for i in range(table.num_rows)])
+                    table = table.set_column(table.schema.get_field_index("env"), "env", envs)
+                write_table(tmp_path, name, step, table, run_id="r", durable=False)
+    ensure_catalog(tmp_path)
+    before = snapshot(tmp_path)
+    merged = compact_run(tmp_path, closed=12, width=5)
+    assert merged == {"scores": 9, "groups": 9}  # steps 1-4 and 5-9 of the one-file tables
+    assert compacted_files(tmp_path, "rollouts") == []
+    rollouts = [p.relative_to(tmp_path / "tables" / "rollouts").as_posix() for _, p in fresh_files(tmp_path, "rollouts")]
+    assert len(rollouts) == 24 and all("/env=" in path for path in rollouts)
+    assert snapshot(tmp_path) == before
+    rows = read_table(tmp_path, "rollouts")
+    assert rows.num_rows == 12 * 3 * 4 and set(rows.column("env").to_pylist()) == {"add", "count"}
+    assert pc.all(pc.equal(read_table(tmp_path, "rollouts", 7).column("step"), 7)).as_py()
