@@ -34,6 +34,7 @@ HOLD = """
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
 fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)  # as storage/runlock.py does: a longer pid written before leaves no tail
 os.pwrite(fd, f"{os.getpid()}\\n".encode(), 0)
 print("held", flush=True)
 time.sleep(120)
