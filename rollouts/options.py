@@ -30,6 +30,8 @@ class RolloutOptions:
     buffer: BufferOptions
     drops: DropOptions
     advantages: AdvantageOptions
+    partial_rollouts: bool = False
+    """A sync does not wait for the sampling round in flight (the engine interrupts it)."""
 
 
 def rollout_options(rl: RLConfig) -> RolloutOptions:
@@ -44,4 +46,5 @@ def rollout_options(rl: RLConfig) -> RolloutOptions:
                           sample_filter=rl.sample_filter),
         advantages=AdvantageOptions(estimator=rl.estimator, normalize_std=rl.normalize_std,
                                     positive_only=rl.positive_only),
+        partial_rollouts=rl.partial_rollouts,
     )

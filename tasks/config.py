@@ -85,6 +85,9 @@ class RunConfig(Section):
         if self.engine.sync_every > k + 1:
             raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "
                              f"= {k + 1}: engines would sample from weights older than the staleness bound")
+        if self.rl.partial_rollouts and self.engine.type in ("http", "vllm"):
+            raise ValueError(f"rl.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), "
+                             f"got engine.type = {self.engine.type!r}")
         if self.pretrain.data:
             raise ValueError("pretrain.data: a mixture of sources is for SFT ([[sft.data]]); pretraining reads "
                              "pretrain.data_path")

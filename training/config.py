@@ -232,6 +232,11 @@ class RLConfig(Section):
     """Async RL: rollouts of the next k steps are generated while the current step trains
     (0 = synchronous, on-policy). A trained sample lags the updated weights by at most
     max(k, max_staleness) policy versions; older ones are dropped as stale."""
+    partial_rollouts: bool = False
+    """Async RL with the in-process engine: a weight update does not wait for the generation in
+    flight; it lands between two decode steps and unfinished completions go on with the new
+    weights, each token recording the version that sampled it (docs/ASYNC.md). Needs
+    max_off_policy_steps >= 1."""
     off_policy_tis_cap: float = Field(2.0, ge=0)
     """Off-policy correction when max_off_policy_steps >= 1 and tis_cap is 0: truncated
     importance weights capped at this value (0 = no correction)."""
@@ -317,4 +322,7 @@ class RLConfig(Section):
         if self.max_off_policy_steps > 0 and self.ppo_epochs > 1:
             raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
                              "count steps, which the staleness bound is stated in)")
+        if self.partial_rollouts and self.max_off_policy_steps == 0:
+            raise ValueError("rl.partial_rollouts needs rl.max_off_policy_steps >= 1 (synchronous RL samples "
+                             "nothing while the weights change)")
         return self
