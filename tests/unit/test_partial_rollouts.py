@@ -4,6 +4,7 @@ by) the version that sampled it."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -12,6 +13,7 @@ import torch
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.snapshot import SnapshotEngine
 from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout
 from rlpipe.tasks.generate import version_span
 
@@ -151,3 +153,18 @@ def test_version_span_and_rollout_defaults():
     assert (row["first_policy_version"], row["last_policy_version"]) == (5, 5)
     old = {k: v for k, v in row.items() if not k.endswith("_policy_version") or k == "policy_version"}
     assert Rollout.from_row(old).last_policy_version == 5
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"rl": {"partial_rollouts": True}}, "rl.partial_rollouts needs rl.max_off_policy_steps >= 1"),
+    ({"rl": {"partial_rollouts": True, "max_off_policy_steps": 1}, "engine": {"type": "vllm"}},
+     "rl.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), got engine.type = 'vllm'"),
+])
+def test_a_config_partial_rollouts_cannot_serve_is_refused_naming_the_field(config, message):
+    from rlpipe.core.config import ConfigError
+    from rlpipe.tasks.config import validate_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(config)
+    ok = validate_config({"rl": {"partial_rollouts": True, "max_off_policy_steps": 1}})
+    assert rollout_options(ok.rl).partial_rollouts and not rollout_options(validate_config({}).rl).partial_rollouts
