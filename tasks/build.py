@@ -145,6 +145,10 @@ def make_engines(config, model) -> list[Engine]:
                            max_model_len=config.engine.max_model_len or None,
                            enforce_eager=not config.engine.cuda_graphs,
                            sleep_between_calls=config.rl.max_off_policy_steps == 0)]
+    if config.rl.max_off_policy_steps > 0 and config.engine.producer == "process":
+        from rlpipe.engines.process_engine import ProcessEngine
+
+        return [ProcessEngine(model, dtype=dtype, threads=config.threads)]
     if config.rl.max_off_policy_steps > 0:
         from rlpipe.engines.snapshot import SnapshotEngine
 

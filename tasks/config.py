@@ -88,6 +88,15 @@ class RunConfig(Section):
         if self.rl.partial_rollouts and self.engine.type in ("http", "vllm"):
             raise ValueError(f"rl.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), "
                              f"got engine.type = {self.engine.type!r}")
+        if self.engine.producer == "process":
+            if self.engine.type not in ("torch", "auto") or k == 0:
+                raise ValueError("engine.producer = 'process' is the sampler of the in-process torch engine for "
+                                 f"async RL: it needs engine.type = 'torch' and rl.max_off_policy_steps >= 1 (got "
+                                 f"engine.type = {self.engine.type!r}, rl.max_off_policy_steps = {k})")
+            if self.rl.partial_rollouts:
+                raise ValueError("engine.producer = 'process' with rl.partial_rollouts is not supported: a sync "
+                                 "interrupts the generation in flight only in the trainer's process "
+                                 "(engine.producer = 'thread')")
         if self.pretrain.data:
             raise ValueError("pretrain.data: a mixture of sources is for SFT ([[sft.data]]); pretraining reads "
                              "pretrain.data_path")
