@@ -3,6 +3,9 @@ sampled in a child process from shared-memory weights that each sync refreshes."
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.engines.process_engine import ProcessEngine
@@ -44,3 +47,21 @@ def test_the_child_samples_what_the_torch_engine_samples_and_takes_each_sync():
     finally:
         engine.close()
     assert not engine._process.is_alive()
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"engine": {"producer": "process"}},
+     "engine.producer = 'process' is the sampler of the in-process torch engine for async RL: it needs "
+     "engine.type = 'torch' and rl.max_off_policy_steps >= 1 (got engine.type = 'torch', rl.max_off_policy_steps = 0)"),
+    ({"engine": {"producer": "process"}, "rl": {"max_off_policy_steps": 1, "partial_rollouts": True}},
+     "engine.producer = 'process' with rl.partial_rollouts is not supported"),
+    ({"engine": {"producer": "fork"}}, "engine.producer"),
+])
+def test_a_producer_the_run_cannot_use_is_refused_naming_the_field(config, message):
+    from rlpipe.core.config import ConfigError
+    from rlpipe.tasks.config import validate_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(config)
+    assert validate_config({"engine": {"producer": "process"}, "rl": {"max_off_policy_steps": 2}}).engine.producer \
+        == "process"
