@@ -73,6 +73,31 @@ def test_weights_swapped_mid_generation_continue_from_the_new_version(kind):
     assert_scored_by_their_versions(out, prompts, {0: v0, 1: v1}, model, params.temperature)
 
 
+def test_a_swap_after_some_sequences_stopped_continues_the_others_exactly():
+    """Stop tokens end some sequences before the swap (the batch is compacted around them): the
+    others go on from the new weights, every token scored by the version that sampled it."""
+    model = dense_model(scale=2.0)
+    v0 = {name: p.detach().clone() for name, p in model.named_parameters()}
+    v1 = perturbed(model, seed=4)
+    engine = TorchEngine(model)
+    calls = []
+
+    def pause():
+        calls.append(1)
+        if len(calls) == 4:
+            load(model, v1)
+            engine.sync(None, 1)
+
+    prompts = prompts_of([6, 4, 8, 5], seed=2)
+    params = SamplingParams(n=4, max_new_tokens=10, seed=11, stop_token_ids=tuple(range(0, 64, 3)))
+    out = engine.generate(prompts, params, pause=pause)
+    completions = [c for g in out for c in g]
+    assert any(c.finish_reason == "stop" and len(c.tokens) <= 4 for c in completions)  # ended before it
+    assert any(c.versions[0] == 0 and c.versions[-1] == 1 for c in completions)  # spans the swap
+    assert all(c.versions == ([0] * 4 + [1] * 6)[:len(c.tokens)] for c in completions)
+    assert_scored_by_their_versions(out, prompts, {0: v0, 1: v1}, model, params.temperature)
+
+
 def test_without_a_swap_the_completions_are_unchanged():
     """A pause that changes nothing leaves sampling exactly as without the hook, every token at
     the engine's version."""
