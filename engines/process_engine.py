@@ -8,6 +8,8 @@ child samples from live in shared memory (a copy of the trainer's model whose te
 copies the trainer's weights into them in place, between two `generate` calls (never during
 one), and tells the child the new policy version. Sampling is the torch engine's
 (engines/torch_engine.py): same seed, prompts and weights give the same completions as in process.
+The child is started by spawn (the parent runs threads), which imports the main module again: a
+script that starts a run keeps its top-level code under `if __name__ == "__main__":`.
 
     engine = ProcessEngine(model, threads=1)       # model: the nn.Module the optimizer updates
     engine.generate(prompts, params)               # sampled in the child (any thread here)
@@ -48,11 +50,18 @@ class ProcessEngine:
                                         name="rlpipe-sampler", daemon=True)
         self._process.start()
         child.close()
-        if not self._conn.poll(start_timeout_s):
-            self.close()
-            raise RuntimeError(f"the sampler process did not start within {start_timeout_s:.0f} s")
-        self._answer()  # its ready message (or why it could not start)
+        self._start_timeout_s, self._started = start_timeout_s, False  # it starts while the run sets up
         self.name = "process"
+
+    def _ready(self) -> None:
+        """Wait for the child's ready message (or why it could not start), once."""
+        if self._started:
+            return
+        if not self._conn.poll(self._start_timeout_s):
+            self.close()
+            raise RuntimeError(f"the sampler process did not start within {self._start_timeout_s:.0f} s")
+        self._answer()
+        self._started = True
 
     @property
     def policy_version(self) -> int:
@@ -61,6 +70,7 @@ class ProcessEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """For each prompt (in order), `params.n` completions (in order), sampled in the child."""
         with self._lock:
+            self._ready()
             self._conn.send(("generate", (prompts, params)))
             return self._answer()
 
@@ -68,6 +78,7 @@ class ProcessEngine:
         """Copy the trainer's current weights (or a checkpoint's, given a path) into the shared
         ones; the child samples from them from its next `generate` on."""
         with self._lock:
+            self._ready()
             if checkpoint_path is not None:
                 from rlpipe.engines.torch_engine import load_weights_into
 
@@ -97,7 +108,10 @@ class ProcessEngine:
         try:
             kind, payload = self._conn.recv()
         except EOFError:
-            raise RuntimeError(f"the sampler process exited (exit code {self._process.exitcode})") from None
+            self._process.join(timeout=5)
+            raise RuntimeError(f"the sampler process exited (exit code {self._process.exitcode}); a script that "
+                               "starts a run must keep its top-level code under `if __name__ == '__main__':` "
+                               "(the child, started by spawn, imports the main module again)") from None
         if kind == "error":
             raise RuntimeError(f"the sampler process failed: {payload}")
         return payload
