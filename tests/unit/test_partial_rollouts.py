@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -193,3 +194,30 @@ def test_a_config_partial_rollouts_cannot_serve_is_refused_naming_the_field(conf
         validate_config(config)
     ok = validate_config({"rl": {"partial_rollouts": True, "max_off_policy_steps": 1}})
     assert rollout_options(ok.rl).partial_rollouts and not rollout_options(validate_config({}).rl).partial_rollouts
+
+
+def test_an_episode_spans_the_versions_of_its_model_turns():
+    """Multi-turn: an episode whose turns were sampled by versions 0 then 1 (a sync between or
+    inside them) records first 0 and last 1; the round's version stays its policy_version."""
+    from rlpipe.envs.base import Example
+    from rlpipe.envs.calculator import CalculatorConfig, CalculatorEnv
+    from rlpipe.models.tokenizer import build_tokenizer
+    from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
+
+    from tests.scripted_engine import ScriptedEngine
+    from tests.unit.test_multiturn import _calc_script
+
+    class Versioned(ScriptedEngine):
+        def generate(self, prompts, params):
+            version = len(self.calls)  # each turn one version newer
+            return [[replace(c, versions=[version] * len(c.tokens)) for c in g] for g in super().generate(prompts, params)]
+
+    tok = build_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    engine = Versioned(_calc_script(tok, ["calc 12*34", "ans 408"]), end)
+    rows = generate_rollouts(engine, tok, CalculatorEnv(CalculatorConfig(eval_size=10)),
+                             [Example("calculator", "0", "12*34", 408)],
+                             GenerateOptions(SamplingParams(n=2), max_context=512),
+                             SampleRound(run_id="r", step=1, attempt=1, policy_version=0))
+    assert [(r.n_turns, r.policy_version, r.first_policy_version, r.last_policy_version) for r in rows] == \
+        [(2, 0, 0, 1)] * 2
