@@ -1,14 +1,17 @@
-"""Async RL: the demo task with rl.max_off_policy_steps = 0, 1, 2, with the in-process engine and
-with one `rlpipe serve` engine in a separate process, side by side in one run.
+"""Async RL: the demo task with rl.max_off_policy_steps = 0, 1, 2, with the in-process engine (its
+sampler in a thread of the trainer's process, `torch`, or in a child process, `process`:
+engine.producer) and with one `rlpipe serve` engine in a separate process, side by side in one run.
 
 One short SFT (demo shapes, fewer steps) gives the start checkpoint; each RL run then trains the
 same number of steps from it (tracking off, stages as plain calls). Reported per run: RL wall
 clock, completion tokens sampled per second of RL wall clock, end-to-end speedup over k = 0 of
-the same engine, and the final held-out greedy accuracy. On a CPU with few cores, generation and
+the same engine (`process` is compared with the in-process k = 0, which has no producer), and the
+final held-out greedy accuracy. On a CPU with few cores, generation and
 training compete for the same cores, so the overlap can gain little; with a server on its own
 cores (or a GPU) it is where async pays.
 
-    python -m benchmarks.bench_async [--rl-steps 30] [--sft-steps 300] [--out runs/bench/async.json]
+    python -m benchmarks.bench_async [--rl-steps 30] [--sft-steps 300] [--engines torch process serve]
+                                     [--out runs/bench/async.json]
 """
 
 from __future__ import annotations
@@ -61,8 +64,12 @@ def run(args: argparse.Namespace) -> dict:
         if engine_name == "serve":
             procs.append(start_serve(sft["checkpoint"], "--allow-root", str(root)))
             engine = {"type": "http", "urls": [serve_url(procs[0])]}
+        elif engine_name == "process":
+            engine = {"producer": "process"}
         try:
             for k in args.ks:
+                if engine_name == "process" and k == 0:
+                    continue  # no producer to place: the same run as the in-process k = 0
                 config = validate_config(demo_config(root, f"{engine_name}-k{k}", args.sft_steps, args.rl_steps,
                                                      {"max_off_policy_steps": k}, engine))
                 start = time.perf_counter()
@@ -76,7 +83,8 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             stop_processes(procs)
     for r in results:
-        base = next((b for b in results if b["engine"] == r["engine"] and b["k"] == 0), r)
+        same = "torch" if r["engine"] == "process" else r["engine"]
+        base = next((b for b in results if b["engine"] == same and b["k"] == 0), r)
         r["speedup"] = base["seconds"] / r["seconds"]
     return {"settings": {"rl_steps": args.rl_steps, "sft_steps": args.sft_steps, "ks": args.ks,
                          "sft_accuracy": sft["eval"].get("eval/accuracy")}, "runs": results}
@@ -87,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--engines", nargs="+", default=["torch", "serve"], choices=["torch", "serve"])
+    parser.add_argument("--engines", nargs="+", default=["torch", "process", "serve"],
+                        choices=["torch", "process", "serve"])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/async.json"))
     args = parser.parse_args(argv)
     from rlpipe.core.environment import quiet_defaults

@@ -100,12 +100,17 @@ class Completion:
     """logprobs[i]: log-prob of tokens[i] under softmax(logits / temperature), untruncated."""
     finish_reason: FinishReason = "length"
     """'stop' (a stop token was sampled) or 'length' (max_new_tokens reached)."""
+    versions: list[int] | None = None
+    """versions[i]: the policy version whose weights sampled tokens[i], where the engine tells
+    (an in-process engine with partial rollouts, engines/snapshot.py); None otherwise."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.logprobs):
             raise ValueError(
                 f"logprobs has {len(self.logprobs)} entries for {len(self.tokens)} tokens"
             )
+        if self.versions is not None and len(self.versions) != len(self.tokens):
+            raise ValueError(f"versions has {len(self.versions)} entries for {len(self.tokens)} tokens")
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(
                 f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}"

@@ -53,6 +53,11 @@ class EngineConfig(Section):
     on CPU and for models without the fast Qwen3 path; not used by the snapshot engine of
     rl.max_off_policy_steps > 0. vLLM engine: let vLLM compile and capture its CUDA graphs
     (its own default, as TRL runs it; false = enforce_eager, which starts faster)."""
+    producer: Literal["thread", "process"] = "thread"
+    """Torch engine with rl.max_off_policy_steps >= 1: where the sampler of the rollouts generated
+    ahead runs. thread: a weights snapshot sampled in a thread of the trainer's process (shares
+    its interpreter lock); process: a child process sampling from shared-memory weights that each
+    sync refreshes (engines/process_engine.py; not with rl.partial_rollouts)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM engine: share of GPU memory vLLM may hold while generating (weights + KV cache); it
     sleeps, releasing it, while the trainer trains. Ignored by vLLM's CPU build."""

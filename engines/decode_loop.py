@@ -12,6 +12,12 @@ batch. Sampling draws one uniform per sequence and step from `generator`.
 A thinking budget (`params.max_thinking_tokens`) is kept in the loop: a sequence that has spent
 the budget inside its `<think>` block (opened by its prompt or by itself) gets `</think>` as its
 next token and goes on sampling its answer.
+
+Partial rollouts: `swap()` is called between two decode steps and answers (version, backend):
+a backend over new weights when they changed since the last call (None otherwise). The unfinished
+sequences then go on with the new weights: their KV cache is recomputed by one prefill of prompt
+plus the tokens sampled so far, so every later token (and its log-prob) is exactly the new
+policy's; each token records the version that sampled it (`Completion.versions`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ class Backend(Protocol):
         ...
 
 
+Swap = Callable[[], tuple[int, Backend | None]]
+"""Between two decode steps: (policy version now, a backend over new weights or None)."""
+
+
 def compact_by_fraction(rows: int, live: int) -> bool:
     """The eager rule: once `_COMPACT_FRACTION` of the rows are done."""
     return rows - live >= _COMPACT_FRACTION * rows
@@ -64,6 +74,7 @@ class _Batch:
     logprobs: torch.Tensor  # float32 [B, max_new]
     lengths: list[int]
     reasons: list[str]
+    versions: torch.Tensor | None = None  # int64 [B, max_new], with a swap
 
 
 def generate_batch(
@@ -73,9 +84,13 @@ def generate_batch(
     generator: torch.Generator,
     device: torch.device,
     emit: Callable[[int, int, float], None] | None = None,
+    swap: Swap | None = None,
+    version: int = 0,
 ) -> list[Completion]:
     """Sample one completion per entry of `prompts` (equal prompts share one prefill).
-    emit(row, token, logprob): called with each row's token as it is sampled (streaming)."""
+    emit(row, token, logprob): called with each row's token as it is sampled (streaming).
+    swap: the partial-rollout hook (module docstring); `version` is the policy version of the
+    weights `backend` holds. With a swap, each completion carries its tokens' versions."""
     unique: dict[tuple[int, ...], int] = {}
     source = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     tokens, pad = left_pad(list(unique), device)
@@ -95,6 +110,7 @@ def generate_batch(
         logprobs=torch.zeros(n_rows, max_new, dtype=torch.float32, device=device),
         lengths=[max_new] * n_rows,
         reasons=["length"] * n_rows,
+        versions=None if swap is None else torch.zeros(n_rows, max_new, dtype=torch.long),
     )
     rows = torch.arange(n_rows, device=device)  # batch position -> sequence index
     live = torch.ones(n_rows, dtype=torch.bool, device=device)
@@ -108,6 +124,8 @@ def generate_batch(
             token, logprob = budget.apply(rows, token, logprob, logits, params)
         out.tokens[rows, t] = token
         out.logprobs[rows, t] = logprob
+        if out.versions is not None:
+            out.versions[rows.cpu(), t] = version
         if emit is not None:
             for b, tok, lp, alive in zip(rows.tolist(), token.tolist(), logprob.tolist(), live.tolist(),
                                          strict=True):
@@ -127,7 +145,16 @@ def generate_batch(
             keep = live.nonzero().squeeze(1)
             backend.select(keep)
             rows, positions, token, live = rows[keep], positions[keep], token[keep], live[keep]
-        logits = backend.step(token, positions)
+        new = None
+        if swap is not None:
+            version, new = swap()
+        if new is None:
+            logits = backend.step(token, positions)
+        else:  # new weights: recompute the cache of every unfinished sequence with them
+            backend = new
+            keep = live.nonzero().squeeze(1)
+            rows, positions, live = rows[keep], positions[keep], live[keep]
+            logits = _prefill_so_far(backend, prompts, out.tokens, rows, t + 1, max_new, device)
         positions = positions + 1
     tokens_cpu, logprobs_cpu = out.tokens.cpu(), out.logprobs.cpu()
     return [
@@ -135,9 +162,20 @@ def generate_batch(
             tokens=tokens_cpu[b, :n].tolist(),
             logprobs=logprobs_cpu[b, :n].tolist(),
             finish_reason=out.reasons[b],  # type: ignore[arg-type]
+            versions=None if out.versions is None else out.versions[b, :n].tolist(),
         )
         for b, n in enumerate(out.lengths)
     ]
+
+
+def _prefill_so_far(backend: Backend, prompts: list[list[int]], sampled: torch.Tensor, rows: torch.Tensor,
+                    done: int, max_new: int, device: torch.device) -> torch.Tensor:
+    """Start `backend` on each row's prompt plus its first `done` sampled tokens (room left for
+    the rest of max_new); the logits of each row's next token."""
+    so_far = sampled[rows, :done].tolist()
+    seqs = [tuple(prompts[b]) + tuple(tokens) for b, tokens in zip(rows.tolist(), so_far, strict=True)]
+    tokens, pad = left_pad(seqs, device)
+    return backend.start(tokens, pad, tokens.shape[1] + max_new - done)
 
 
 @dataclass

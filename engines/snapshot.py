@@ -9,6 +9,11 @@ policy version those weights are.
     engine = SnapshotEngine(model, policy_version=0)   # model: the nn.Module the optimizer updates
     engine.generate(prompts, params)                   # from the snapshot (any thread)
     engine.sync(None, version)                         # after an optimizer step, in the trainer
+
+With `partial=True` (rl.partial_rollouts) a sync does not wait for the `generate` in flight: it
+lands between two of its decode steps (the sampling thread pauses there while a sync is waiting),
+and the unfinished sequences go on from the new weights, each token recording the version that
+sampled it (`Completion.versions`; engines/decode_loop.py recomputes their KV cache).
 """
 
 from __future__ import annotations
@@ -28,12 +33,17 @@ class SnapshotEngine:
     shares_weights = False
     syncs_from_checkpoint = False
 
-    def __init__(self, model: nn.Module, policy_version: int = 0, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: nn.Module, policy_version: int = 0, dtype: torch.dtype | None = None,
+                 partial: bool = False) -> None:
         self._trainer = model
         snapshot = copy.deepcopy(model)
         snapshot.requires_grad_(False)
         self._engine = TorchEngine(snapshot, dtype=dtype, policy_version=policy_version)
-        self._lock = threading.Lock()  # a sync waits for the generate in flight, and back
+        # a sync waits for the generate in flight (partial: for its current decode step), and back
+        self._lock = threading.Condition(threading.Lock())
+        self._syncs_waiting = 0
+        self._count = threading.Lock()
+        self.partial = partial
         self.name = "snapshot"
 
     @property
@@ -42,11 +52,21 @@ class SnapshotEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         with self._lock:
-            return self._engine.generate(prompts, params)
+            return self._engine.generate(prompts, params, pause=self._pause if self.partial else None)
+
+    def _pause(self) -> None:
+        """Between two decode steps (the lock held): let a waiting sync in."""
+        if self._syncs_waiting:
+            self._lock.wait_for(lambda: self._syncs_waiting == 0)
 
     def sync(self, checkpoint_path: str | None, policy_version: int) -> None:
         """Copy the trainer's current weights (or a checkpoint's, given a path) into the snapshot."""
+        with self._count:
+            self._syncs_waiting += 1  # a partial generate pauses at its next decode step
         with self._lock:
+            with self._count:
+                self._syncs_waiting -= 1
+            self._lock.notify_all()  # the paused generate goes on once this sync releases the lock
             if checkpoint_path is None:
                 with torch.no_grad():
                     for mine, theirs in zip(self._engine.model.parameters(), self._trainer.parameters(),

@@ -104,11 +104,15 @@ class TorchEngine:
             self._graphs.release()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_token: TokenCallback | None = None) -> list[list[Completion]]:
+                 on_token: TokenCallback | None = None,
+                 pause: Callable[[], None] | None = None) -> list[list[Completion]]:
         """For each prompt (in order), `params.n` completions (in order).
 
         on_token(i, j, token, logprob): called (in this thread) with each token of completion j
-        of prompt i as it is sampled, for streaming; the returned completions are the same."""
+        of prompt i as it is sampled, for streaming; the returned completions are the same.
+        pause(): partial rollouts (engines/snapshot.py): called between two decode steps, it may
+        change the weights and `sync` a new version meanwhile; sampling then goes on from the new
+        weights (engines/decode_loop.py) and each completion carries its tokens' versions."""
         self._check_open()
         vocab = self.model.config.vocab_size
         for i, prompt in enumerate(prompts):
@@ -130,18 +134,29 @@ class TorchEngine:
             self.model.eval()  # the HF forward applies dropout in train mode
         try:
             with torch.inference_mode():
-                backend = self._backend()
+                backend, built = self._backend(), self._policy_version
                 for start in range(0, len(rows), self.max_batch_size):
                     chunk = rows[start : start + self.max_batch_size]
+                    if built != self._policy_version:  # weights changed during the last chunk
+                        backend, built = self._backend(), self._policy_version
                     emit = None if on_token is None else functools.partial(_emit_row, on_token, chunk)
+                    swap = None if pause is None else functools.partial(self._swap, pause)
                     done = generate_batch(
-                        backend, [prompts[i] for i, _ in chunk], params, generator, self.device, emit
+                        backend, [prompts[i] for i, _ in chunk], params, generator, self.device, emit,
+                        swap=swap, version=self._policy_version,
                     )
                     for (i, j), completion in zip(chunk, done, strict=True):
                         results[i][j] = completion
         finally:
             self.model.train(was_training)
         return results  # type: ignore[return-value]
+
+    def _swap(self, pause: Callable[[], None]) -> tuple[int, Backend | None]:
+        """decode_loop's swap hook: let `pause` change the weights, then a backend over them if
+        the version moved."""
+        before = self._policy_version
+        pause()
+        return self._policy_version, (None if self._policy_version == before else self._backend())
 
     def _backend(self) -> Backend:
         if self.fast_path_reason is None:

@@ -72,6 +72,8 @@ class Episode:
     turns: list[TurnSpan] = field(default_factory=list)
     finish_reason: str = "stop"
     done: bool = False
+    versions: list[int] = field(default_factory=list)
+    """Policy versions of the sampled tokens, where the engine tells (partial rollouts)."""
 
     @property
     def n_turns(self) -> int:
@@ -148,6 +150,7 @@ def _advance(episode: Episode, completion, tokenizer, env: Environment, max_turn
              max_tokens: int, context: str = "tokens", template_kwargs: Mapping[str, Any] | None = None) -> None:
     """Append a sampled turn, let the environment answer, decide whether the episode goes on."""
     episode.add("model", list(completion.tokens), [float(x) for x in completion.logprobs])
+    episode.versions.extend(getattr(completion, "versions", None) or [])
     text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
     episode.messages.append({"role": "assistant", "content": text})
     if completion.finish_reason == "length":

@@ -33,6 +33,8 @@ class RolloutOptions:
     buffer: BufferOptions
     drops: DropOptions
     advantages: AdvantageOptions
+    partial_rollouts: bool = False
+    """A sync does not wait for the sampling round in flight (the engine interrupts it)."""
 
 
 def rollout_options(rl: RLConfig, *, seed: int = 0) -> RolloutOptions:
@@ -51,6 +53,7 @@ def rollout_options(rl: RLConfig, *, seed: int = 0) -> RolloutOptions:
                           sample_filter=rl.sample_filter),
         advantages=AdvantageOptions(estimator=rl.estimator, normalize_std=rl.normalize_std,
                                     positive_only=rl.positive_only),
+        partial_rollouts=rl.partial_rollouts,
     )
 
 

@@ -23,7 +23,7 @@ class _Row:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]):
-        return cls(**{name: row[name] for name in cls.columns()})
+        return cls(**{name: row[name] for name in cls.columns() if name in row})  # absent: the default
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,17 @@ class Rollout(_Row):
     """Completion tokens outside the reasoning block."""
     answer_text: str | None = None
     """What the reward sees: the text after `</think>` ('' when cut inside the reasoning)."""
+    # partial rollouts (rl.partial_rollouts): the versions of the weights that sampled its first
+    # and its last token; both default to policy_version (one version sampled it all)
+    first_policy_version: int | None = None
+    """Version of its oldest token (>= policy_version, the version its round started from)."""
+    last_policy_version: int | None = None
+    """Version of its newest token."""
+
+    def __post_init__(self) -> None:
+        for name in ("first_policy_version", "last_policy_version"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.policy_version)
 
 
 @dataclass(frozen=True)

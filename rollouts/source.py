@@ -22,6 +22,10 @@ and records them. `options` are the `[rl]` fields it reads (rollouts/options.py)
   (training.oversampling.staleness_limit). The producer writes its tables (rollouts, scores,
   groups, advantages) for steps ahead of the trainer; after a kill, resume replays those steps
   from the checkpoint's data_state and reads the sampled rounds back from the tables.
+- `partial_rollouts` (k >= 1): `syncing` does not wait for the round in flight; the engine
+  (engines/snapshot.py) continues it with the new weights. A round's rows keep the version it
+  started from as `policy_version` (<= the version of every token, so the bound holds for the
+  oldest token) and record `first_policy_version` / `last_policy_version`.
 
 Nothing here imports Prefect: the stages come in as plain callables.
 """
@@ -149,8 +153,10 @@ class RolloutSource:
     @contextlib.contextmanager
     def syncing(self, version: int):
         """Change the engines' weights inside: it waits for a sampling round in flight, none
-        starts meanwhile, and `version` is published before the next one does."""
-        with self._round:
+        starts meanwhile, and `version` is published before the next one does. With partial
+        rollouts it does not wait: the engine takes the weights between two decode steps of the
+        round in flight, whose completions record each token's version."""
+        with contextlib.nullcontext() if self.options.partial_rollouts else self._round:
             yield
             self.publish(version)
 

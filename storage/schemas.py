@@ -74,6 +74,10 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("thinking_tokens", pa.int32()),  # inside <think> ... </think>, tags included
         _opt("answer_tokens", pa.int32()),
         _opt("answer_text", pa.string()),  # the text the reward saw
+        # versions of the weights that sampled the first and the last token (they differ only
+        # with rl.partial_rollouts); policy_version <= first_policy_version <= last_policy_version
+        _opt("first_policy_version", pa.int32()),
+        _opt("last_policy_version", pa.int32()),
     ],
     # one row per completion (score)
     "scores": _KEY

@@ -73,6 +73,9 @@ def synthetic_step(
             "thinking_tokens": [0] * n,
             "answer_tokens": n_completion,
             "answer_text": [f"answer {k}" for k in n_completion],
+            # one policy version sampled each completion
+            "first_policy_version": policy_version,
+            "last_policy_version": policy_version,
         },
         schema=schema_for("rollouts"),
     )

@@ -131,6 +131,9 @@ def make_engines(config, model) -> list[Engine]:
         # a tied model's checkpoints name their lm_head for vLLM servers (tasks/checkpoint.py)
         return engines_from_config(config.engine)
     dtype = engine_dtype(model, config.model.bf16_autocast)
+    if config.rl.partial_rollouts and kind != "torch":
+        raise ValueError(f"rl.partial_rollouts needs the in-process torch engine; engine.type = 'auto' chose "
+                         f"{kind!r} here: set engine.type = 'torch'")
     if kind == "vllm":
         from rlpipe.engines.vllm_engine import VllmEngine  # optional extra
 
@@ -143,10 +146,14 @@ def make_engines(config, model) -> list[Engine]:
                            enforce_eager=not config.engine.cuda_graphs,
                            sleep_between_calls=config.rl.max_off_policy_steps == 0,
                            zero_copy=config.engine.zero_copy)]
+    if config.rl.max_off_policy_steps > 0 and config.engine.producer == "process":
+        from rlpipe.engines.process_engine import ProcessEngine
+
+        return [ProcessEngine(model, dtype=dtype, threads=config.threads)]
     if config.rl.max_off_policy_steps > 0:
         from rlpipe.engines.snapshot import SnapshotEngine
 
-        return [SnapshotEngine(model, dtype=dtype)]
+        return [SnapshotEngine(model, dtype=dtype, partial=config.rl.partial_rollouts)]
     from rlpipe.engines.torch_engine import TorchEngine
 
     return [TorchEngine(model, dtype=dtype, cuda_graphs=config.engine.cuda_graphs)]

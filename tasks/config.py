@@ -93,6 +93,18 @@ class RunConfig(Section):
         if self.engine.sync_every > k + 1:
             raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "
                              f"= {k + 1}: engines would sample from weights older than the staleness bound")
+        if self.rl.partial_rollouts and self.engine.type in ("http", "vllm"):
+            raise ValueError(f"rl.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), "
+                             f"got engine.type = {self.engine.type!r}")
+        if self.engine.producer == "process":
+            if self.engine.type not in ("torch", "auto") or k == 0:
+                raise ValueError("engine.producer = 'process' is the sampler of the in-process torch engine for "
+                                 f"async RL: it needs engine.type = 'torch' and rl.max_off_policy_steps >= 1 (got "
+                                 f"engine.type = {self.engine.type!r}, rl.max_off_policy_steps = {k})")
+            if self.rl.partial_rollouts:
+                raise ValueError("engine.producer = 'process' with rl.partial_rollouts is not supported: a sync "
+                                 "interrupts the generation in flight only in the trainer's process "
+                                 "(engine.producer = 'thread')")
         if self.pretrain.data:
             raise ValueError("pretrain.data: a mixture of sources is for SFT ([[sft.data]]); pretraining reads "
                              "pretrain.data_path")

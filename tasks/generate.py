@@ -140,9 +140,19 @@ def generate_rollouts(
                     completion_text=tokenizer.decode(completion.tokens, skip_special_tokens=True),
                     n_prompt_tokens=len(prompt), n_completion_tokens=len(completion.tokens),
                     **thinking_fields(tokenizer, prompt, list(completion.tokens), tags),
+                    **version_span(completion.versions, ids.policy_version),
                 )
             )
     return rows
+
+
+def version_span(versions: list[int] | None, policy_version: int) -> dict[str, int]:
+    """`first_policy_version` and `last_policy_version` of a completion whose tokens were sampled
+    by `versions` (partial rollouts); the round's `policy_version` for both when the engine does
+    not tell (one version sampled it all) or it has no token."""
+    if not versions:
+        return {"first_policy_version": policy_version, "last_policy_version": policy_version}
+    return {"first_policy_version": min(versions), "last_policy_version": max(versions)}
 
 
 def thinking_budget(tokenizer: Any, max_thinking_tokens: int) -> dict[str, Any]:
@@ -189,7 +199,8 @@ def _episode_rows(engine, tokenizer, env, examples, options: GenerateOptions, id
             rows.append(Rollout(run_id=ids.run_id, step=ids.step, policy_version=ids.policy_version, env=example.env,
                                 example_id=example.example_id, group_id=group_id,
                                 sample_id=sample_id_for(group_id, j), attempt=ids.attempt,
-                                **episode_fields(episode, tokenizer)))
+                                **episode_fields(episode, tokenizer),
+                                **version_span(episode.versions, ids.policy_version)))
     return rows
 
 

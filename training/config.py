@@ -282,6 +282,11 @@ class RLConfig(Section):
     """Async RL: rollouts of the next k steps are generated while the current step trains
     (0 = synchronous, on-policy). A trained sample lags the updated weights by at most
     max(k, max_staleness) policy versions; older ones are dropped as stale."""
+    partial_rollouts: bool = False
+    """Async RL with the in-process engine: a weight update does not wait for the generation in
+    flight; it lands between two decode steps and unfinished completions go on with the new
+    weights, each token recording the version that sampled it (docs/ASYNC.md). Needs
+    max_off_policy_steps >= 1."""
     off_policy_tis_cap: float = Field(2.0, ge=0)
     """Off-policy correction when max_off_policy_steps >= 1 and tis_cap is 0: truncated
     importance weights capped at this value (0 = no correction)."""
@@ -391,4 +396,7 @@ class RLConfig(Section):
         module, _, cls = self.batch_maker.partition(":")
         if self.batch_maker and not (module and cls):
             raise ValueError(f"rl.batch_maker must be 'module:Class', got {self.batch_maker!r}")
+        if self.partial_rollouts and self.max_off_policy_steps == 0:
+            raise ValueError("rl.partial_rollouts needs rl.max_off_policy_steps >= 1 (synchronous RL samples "
+                             "nothing while the weights change)")
         return self

@@ -89,3 +89,21 @@ def test_carried_groups_stay_within_max_staleness_and_weights_go_out_every_sync_
     assert untracked_groups(run_dir) == 0
     synced = sorted(step for step, metrics in tracker.metrics if "perf/seconds_sync" in metrics)
     assert synced == [2, 4, 6, 8], synced
+
+
+def test_the_sampler_process_keeps_the_bound_and_every_fate(sft_checkpoint, tmp_path):  # noqa: F811
+    """engine.producer = "process" (engines/process_engine.py): the rollouts of k = 1 are sampled
+    in a child process from shared-memory weights; the flow is needed because the child only
+    takes weights at the trainer's syncs, between the producer's rounds."""
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.tasks.config import validate_config
+
+    config = config_dict(tmp_path, "process", {"max_off_policy_steps": 1, "max_staleness": 0, "steps": 4})
+    config["engine"] = {**config.get("engine", {}), "producer": "process"}
+    config = validate_config(config)
+    run_rl(config, start_checkpoint=sft_checkpoint)
+    run_dir = config.run_dir / "rl"
+    low, high, trained, distinct = staleness_report(run_dir)
+    assert 0 <= low and high <= 1 and trained == distinct > 0, (low, high, trained, distinct)
+    assert untracked_groups(run_dir) == 0
+    assert query(run_dir, "select count(distinct step) from train_steps")[0][0] == 4

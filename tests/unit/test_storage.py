@@ -47,6 +47,8 @@ EXAMPLE_ROWS: dict[str, dict] = {
         thinking_tokens=0,
         answer_tokens=2,
         answer_text="3",
+        first_policy_version=2,
+        last_policy_version=3,
     ),
     "scores": dict(
         sample_id="g1-0",
