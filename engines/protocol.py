@@ -183,6 +183,18 @@ class ReloadRequest(BaseModel):
 
     model_path: str
     weight_version: str | None = None
+    """The policy version the loaded weights answer as (an integer, as text, SGLang's field): the
+    trainer's count, which a checkpoint of another phase (SFT's step 100 synced as RL's version 0)
+    does not hold. Unset: the checkpoint's own `policy_version`."""
+
+
+def weight_version(text: str | None) -> int | None:
+    """`weight_version` as a policy version; RequestError for text that is not a whole number >= 0."""
+    if text is None:
+        return None
+    if not text.strip().isdigit():
+        raise RequestError(f"weight_version must be a whole number >= 0, got {text!r}")
+    return int(text)
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:

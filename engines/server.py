@@ -25,8 +25,10 @@ option; no malformed input gives a 500.
     GET  /health                  {"status": "ok", "policy_version": k, "checkpoint": path}
     GET  /v1/models               the served names (--served-model-name; default: the checkpoint
                                   path as given); a request's `model` must be one of them (404)
-    POST /update_weights_from_disk {"model_path": DIR} (SGLang's shape): load a checkpoint and
-                                  answer {"success": true, "message": ..., "policy_version": k}
+    POST /update_weights_from_disk {"model_path": DIR, "weight_version": "k"} (SGLang's shape):
+                                  load a checkpoint, served as policy version k (the trainer's
+                                  count; unset: the checkpoint's own) and answer
+                                  {"success": true, "message": ..., "policy_version": k}
 
 As vLLM and OpenAI do, generation stops at the model's end-of-turn / EOS tokens (`<|im_end|>`,
 eos) unless `ignore_eos: true` (the HTTP engine sends it: rollouts stop on their own
@@ -85,6 +87,7 @@ from rlpipe.engines.protocol import (
     resolve_model_path,
     sample,
     top_of,
+    weight_version,
 )
 from rlpipe.engines.request_pipeline import (
     LOOPBACK_HOSTS,
@@ -312,12 +315,16 @@ def build_app(
         path = resolve_model_path(body.model_path, state.allow_root)
         async with state.reload_lock:  # one reload at a time; generation goes on meanwhile
             start = time.perf_counter()
+            version = weight_version(body.weight_version)
             try:
                 new = await asyncio.to_thread(state.load, path, state.device)
             except ValueError as err:
                 raise RequestError(
                     f"model_path {body.model_path!r} is not a valid checkpoint: {err}"
                 ) from err
+            if version is not None:  # the trainer's count for these weights wins over the folder's
+                new.engine.sync(None, version)
+                new.policy_version = version
             await asyncio.to_thread(state.slot.swap, new)
         return {
             "success": True,

@@ -142,6 +142,18 @@ def test_malformed_requests_get_4xx_with_a_message(client, body, status, words):
     assert client.get("/health").status_code == 200  # still serving
 
 
+def test_a_weight_version_names_the_loaded_weights_policy_version(client, run_dir):
+    """The trainer's count wins over the checkpoint's own: RL's first sync loads the SFT phase's
+    step-3 checkpoint as its version 0 (HttpEngine.sync checks the answer)."""
+    answer = client.post("/update_weights_from_disk", json={"model_path": str(ckpt(run_dir, 3)), "weight_version": "0"})
+    assert answer.status_code == 200 and answer.json()["policy_version"] == 0, answer.text
+    assert client.get("/health").json()["policy_version"] == 0
+    assert complete(client, prompt=PROMPTS[0], max_tokens=2)["policy_version"] == 0
+    bad = client.post("/update_weights_from_disk", json={"model_path": str(ckpt(run_dir, 3)), "weight_version": "v2"})
+    assert bad.status_code == 400 and "weight_version" in bad.json()["error"]["message"]
+    assert client.get("/health").json()["policy_version"] == 0  # the refused reload changed nothing
+
+
 def test_update_weights_changes_outputs_and_version(client, run_dir):
     body = dict(prompt=PROMPTS[0], max_tokens=6, seed=5, logprobs=0)
     before = complete(client, **body)["choices"][0]
