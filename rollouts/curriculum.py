@@ -65,6 +65,9 @@ class CurriculumOptions:
     """"example": a history per prompt; "class": per the environment's Example.curriculum_key."""
     solved_rate: float = 1.0
     """A full window rests as solved when at least this share passed (hopeless: at most 1 - it)."""
+    reads: float = 0.0
+    """A round reads at most this many times the prompts it asks for (0 = until it has them): with
+    most prompts resting, a round then samples fewer instead of searching the stream for more."""
 
     def key_of(self, example: Example) -> Key:
         """The history key of a prompt: its example_id, or its class with key = "class" (the
@@ -163,6 +166,8 @@ class Curriculum:
         met: set[Key] = set()
         first_resting: tuple[Example, int] | None = None  # (prompt, index of its row)
         while len(chosen) < n:
+            if self.options.reads and len(met) >= self.options.reads * n:
+                break  # read its share of the stream
             example = draw(1)[0]
             key = (example.env, example.example_id)
             if key in met:  # the stream came round

@@ -98,3 +98,20 @@ def test_class_config_fields_reach_the_options_and_bad_values_name_the_field():
     for bad in ({"curriculum_key": "prompt"}, {"curriculum_solved_rate": 0.5}, {"curriculum_solved_rate": 1.1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RLConfig(**bad)
+
+
+def test_a_round_reads_at_most_its_share_of_the_stream_and_samples_fewer_when_most_prompts_rest():
+    history = PassHistory(4)
+    for _ in range(4):
+        history.add(("e", "easy"), True)  # the easy class rests, the hard one has no history
+
+    def choose(reads: float, n: int) -> list[str]:
+        options = CurriculumOptions(kind="pass_rate", window=4, retest=1e-9, key="class", reads=reads)
+        chosen, _ = Curriculum(options, history).choose(
+            PromptSource(fresh(40, start=100), seed=0, shuffle=False).next_batch, n, step=2, attempt=1)
+        return [e.example_id for e in chosen]
+
+    assert choose(0, 4) == ["101", "103", "105", "107"]  # reads on until it has 4 (8 read)
+    assert choose(2, 4) == ["101", "103", "105", "107"]  # 8 read: 4 asked for, x2, exactly enough
+    assert choose(1, 4) == ["101", "103"]  # 4 read, half of them rest: the round samples fewer
+    assert choose(1.5, 4) == ["101", "103", "105"]
