@@ -11,8 +11,8 @@ whose group had zero reward variance (they train nothing), completions sampled p
 completion, prompts the curriculum skipped, the held-out greedy accuracy on the demo's 1,000
 eval problems, and the RL phase's wall clock.
 
-    python -m benchmarks.bench_curriculum [--sft-steps 700] [--rl-steps 120] [--window 64] [--solved-rate 0.95]
-                                          [--retest 0.05] [--pool 0]
+    python -m benchmarks.bench_curriculum [--sft-steps 700] [--rl-steps 120] [--window 32] [--solved-rate 0.85]
+                                          [--retest 0.02] [--reads 1] [--pool 0]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
         sft = run_supervised(validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {})), "sft")
         start, sft_accuracy = sft["checkpoint"], sft["eval"].get("eval/accuracy")
     results = []
-    for rl in run_settings(args.pool, args.retest, args.window, args.solved_rate):
+    for rl in run_settings(args.pool, args.retest, args.window, args.solved_rate, args.reads):
         label = (f"{rl['curriculum']}{', by ' + rl.get('curriculum_key', 'example') if rl['curriculum'] != 'none' else ''}"
                  f", pool {rl.get('prompt_pool') or 'all'}")
         config = validate_config(demo_config(root, f"rl-{len(results)}", args.sft_steps, args.rl_steps, rl))
@@ -88,16 +88,17 @@ def run(args: argparse.Namespace) -> dict:
         print(json.dumps(results[-1]), flush=True)
     return {"settings": {"rl_steps": args.rl_steps, "sft_steps": args.sft_steps, "sft_accuracy": sft_accuracy,
                          "retest": args.retest, "window": args.window, "solved_rate": args.solved_rate,
+                         "reads": args.reads,
                          "target_zero_variance_share": 0.4, "target_accuracy": 0.99}, "runs": results}
 
 
-def run_settings(pool: int, retest: float, window: int, solved_rate: float) -> list[dict]:
+def run_settings(pool: int, retest: float, window: int, solved_rate: float, reads: float) -> list[dict]:
     """The `[rl]` fields of each run: the demo as it is and with the curriculum keyed by class;
     with `pool`, the same on a pool of `pool` train prompts without and with the curriculum keyed
     by example (what the pool does alone, and what the per-prompt history adds)."""
     runs = [{"curriculum": "none"},
             {"curriculum": "pass_rate", "curriculum_key": "class", "curriculum_window": window,
-             "curriculum_solved_rate": solved_rate, "curriculum_retest": retest}]
+             "curriculum_solved_rate": solved_rate, "curriculum_retest": retest, "curriculum_reads": reads}]
     if pool:
         runs += [{"curriculum": "none", "prompt_pool": pool},
                  {"curriculum": "pass_rate", "prompt_pool": pool, "curriculum_retest": retest}]
@@ -109,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--rl-steps", type=int, default=120)
     parser.add_argument("--pool", type=int, default=0, help="also runs on rl.prompt_pool = N, keyed by example")
-    parser.add_argument("--retest", type=float, default=0.05, help="rl.curriculum_retest of the curriculum runs")
-    parser.add_argument("--window", type=int, default=64, help="rl.curriculum_window of the run keyed by class")
-    parser.add_argument("--solved-rate", type=float, default=0.95,
+    parser.add_argument("--retest", type=float, default=0.02, help="rl.curriculum_retest of the curriculum runs")
+    parser.add_argument("--window", type=int, default=32, help="rl.curriculum_window of the run keyed by class")
+    parser.add_argument("--solved-rate", type=float, default=0.85,
                         help="rl.curriculum_solved_rate of the run keyed by class")
+    parser.add_argument("--reads", type=float, default=1.0, help="rl.curriculum_reads of the run keyed by class")
     parser.add_argument("--start", default="", help="an SFT checkpoint to start from (skips the SFT)")
     parser.add_argument("--root", default="", help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/curriculum.json"))
