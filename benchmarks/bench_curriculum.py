@@ -2,14 +2,17 @@
 "none" and "pass_rate", side by side from the same SFT checkpoint, same seeds.
 
 One SFT (the demo's, or fewer steps) gives the start checkpoint; each RL run then trains the
-demo's RL phase from it (tracking off, stages as plain calls): the demo as it is (its prompts
-never come back, so a pass history has nothing to act on), then on a pool of `--pool` train
-prompts (rl.prompt_pool) without and with the curriculum. Reported per run, read back from the run's tables: the share of sampled completions
+demo's RL phase from it (tracking off, stages as plain calls): the demo as it is, then with the
+curriculum keyed by prompt class (rl.curriculum_key = "class": the demo's prompts never come back,
+so a per-prompt history has nothing to act on, but their classes of digits and carries do), and
+with `--pool N` also on a pool of N train prompts (rl.prompt_pool) without and with the curriculum
+keyed by example. Reported per run, read back from the run's tables: the share of sampled completions
 whose group had zero reward variance (they train nothing), completions sampled per trained
 completion, prompts the curriculum skipped, the held-out greedy accuracy on the demo's 1,000
 eval problems, and the RL phase's wall clock.
 
-    python -m benchmarks.bench_curriculum [--sft-steps 700] [--rl-steps 120] [--pool 500] [--retest 0.02]
+    python -m benchmarks.bench_curriculum [--sft-steps 700] [--rl-steps 120] [--window 32] [--solved-rate 0.85]
+                                          [--retest 0.02] [--reads 1] [--pool 0]
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ def run(args: argparse.Namespace) -> dict:
         sft = run_supervised(validate_config(demo_config(root, "sft", args.sft_steps, args.rl_steps, {})), "sft")
         start, sft_accuracy = sft["checkpoint"], sft["eval"].get("eval/accuracy")
     results = []
-    for rl in run_settings(args.pool, args.retest):
-        label = f"{rl['curriculum']}, pool {rl.get('prompt_pool') or 'all'}"
+    for rl in run_settings(args.pool, args.retest, args.window, args.solved_rate, args.reads):
+        label = (f"{rl['curriculum']}{', by ' + rl.get('curriculum_key', 'example') if rl['curriculum'] != 'none' else ''}"
+                 f", pool {rl.get('prompt_pool') or 'all'}")
         config = validate_config(demo_config(root, f"rl-{len(results)}", args.sft_steps, args.rl_steps, rl))
         began = time.perf_counter()
         out = run_rl(config, start_checkpoint=str(start))
@@ -83,23 +87,34 @@ def run(args: argparse.Namespace) -> dict:
                         **figures(config.run_dir / "rl")})
         print(json.dumps(results[-1]), flush=True)
     return {"settings": {"rl_steps": args.rl_steps, "sft_steps": args.sft_steps, "sft_accuracy": sft_accuracy,
-                         "retest": args.retest,
+                         "retest": args.retest, "window": args.window, "solved_rate": args.solved_rate,
+                         "reads": args.reads,
                          "target_zero_variance_share": 0.4, "target_accuracy": 0.99}, "runs": results}
 
 
-def run_settings(pool: int, retest: float) -> list[dict]:
-    """The `[rl]` fields of each run: the demo as it is, then the same on a pool of `pool` train
-    prompts without and with the curriculum (what the pool does alone, and what the curriculum adds)."""
-    return [{"curriculum": "none"}, {"curriculum": "none", "prompt_pool": pool},
-            {"curriculum": "pass_rate", "prompt_pool": pool, "curriculum_retest": retest}]
+def run_settings(pool: int, retest: float, window: int, solved_rate: float, reads: float) -> list[dict]:
+    """The `[rl]` fields of each run: the demo as it is and with the curriculum keyed by class;
+    with `pool`, the same on a pool of `pool` train prompts without and with the curriculum keyed
+    by example (what the pool does alone, and what the per-prompt history adds)."""
+    runs = [{"curriculum": "none"},
+            {"curriculum": "pass_rate", "curriculum_key": "class", "curriculum_window": window,
+             "curriculum_solved_rate": solved_rate, "curriculum_retest": retest, "curriculum_reads": reads}]
+    if pool:
+        runs += [{"curriculum": "none", "prompt_pool": pool},
+                 {"curriculum": "pass_rate", "prompt_pool": pool, "curriculum_retest": retest}]
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--rl-steps", type=int, default=120)
-    parser.add_argument("--pool", type=int, default=500, help="rl.prompt_pool of the second and third runs")
-    parser.add_argument("--retest", type=float, default=0.02, help="rl.curriculum_retest of the curriculum run")
+    parser.add_argument("--pool", type=int, default=0, help="also runs on rl.prompt_pool = N, keyed by example")
+    parser.add_argument("--retest", type=float, default=0.02, help="rl.curriculum_retest of the curriculum runs")
+    parser.add_argument("--window", type=int, default=32, help="rl.curriculum_window of the run keyed by class")
+    parser.add_argument("--solved-rate", type=float, default=0.85,
+                        help="rl.curriculum_solved_rate of the run keyed by class")
+    parser.add_argument("--reads", type=float, default=1.0, help="rl.curriculum_reads of the run keyed by class")
     parser.add_argument("--start", default="", help="an SFT checkpoint to start from (skips the SFT)")
     parser.add_argument("--root", default="", help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/curriculum.json"))
@@ -110,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     write_results(args.out, report)
     for r in report["runs"]:
-        print(f"{r['run']:>20}  zero-variance {r['zero_variance_share']:6.1%}  sampled/trained "
+        print(f"{r['run']:>28}  zero-variance {r['zero_variance_share']:6.1%}  sampled/trained "
               f"{r['sampled_per_trained']:5.2f}  acc {r['accuracy']}  {r['seconds']:6.1f} s")
     return 0
 

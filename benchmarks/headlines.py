@@ -381,11 +381,14 @@ def headline_curriculum(results: dict, ceiling: dict) -> tuple[str, list[str]]:
         f"{r['zero_variance_share']:.0%} ({r['run']})" for r in runs)
     settings = results["settings"]
     note = (f"{settings['rl_steps']} RL steps from one SFT checkpoint ({settings['sft_steps']} SFT steps); "
-            f"the curriculum run re-tests resting prompts with probability {settings['retest']:g}. Targets with "
+            f"the curriculum runs re-test resting prompts with probability {settings['retest']:g}"
+            + (f"; keyed by class, a window of {settings['window']}, a solved rate of {settings['solved_rate']:g}"
+               f" and reads {settings.get('reads', 0):g}"
+               if "window" in settings else "") + ". Targets with "
             f"the curriculum: at most {settings['target_zero_variance_share']:.0%} zero-variance, held-out accuracy "
             f"at least {settings['target_accuracy']:.0%}, RL seconds not above the run without it."
             + (f" {settings['note']}" if settings.get("note") else ""))
-    return summary, table(["run (rl.curriculum, rl.prompt_pool)", "zero-variance share", "sampled per trained",
+    return summary, table(["run (rl.curriculum, key, rl.prompt_pool)", "zero-variance share", "sampled per trained",
                            "sampled completions", "trained completions", "prompts skipped", "held-out accuracy",
                            "RL seconds"], rows) + ["", note]
 

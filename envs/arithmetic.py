@@ -158,6 +158,24 @@ def _draw_problem(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, int, 
     return shown, int(value.value), operands
 
 
+def carries(operands: Sequence[int]) -> int:
+    """How many columns of the schoolbook sum of `operands` (all >= 0) carry into the next one."""
+    count, carry, place = 0, 0, 1
+    while any(x // place for x in operands) or carry:
+        carry = (sum(x // place % 10 for x in operands) + carry) // 10
+        count += carry > 0
+        place *= 10
+    return count
+
+
+def problem_class(operands: Sequence[int], ops: str) -> str:
+    """The class of a problem for a curriculum (Example.curriculum_key): its operators, each
+    operand's digit count and, for a sum, how many carries it takes, e.g. "+ 3x2 digits, 1 carries"
+    (what makes a problem hard here: the demo's SFT teacher forgets every carry)."""
+    shape = f"{ops} {'x'.join(str(len(str(x))) for x in operands)} digits"
+    return f"{shape}, {carries(operands)} carries" if set(ops) == {"+"} else shape
+
+
 def carry_blind_sum(a: int, b: int) -> int:
     """a + b computed digit by digit with every carry forgotten (a classic pupil's mistake)."""
     total, place = 0, 1
@@ -212,6 +230,7 @@ class ArithmeticEnv(SingleTurnEnv):
             example_id=example_id,
             prompt=expr + "=",
             answer=value,
+            curriculum_key=problem_class(operands, "".join(c for c in expr if c in "+-*")),
             meta={
                 "split": split,
                 "digits": [len(str(x)) for x in operands],

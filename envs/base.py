@@ -50,6 +50,8 @@ class Example:
     prompt:     the user prompt text, or chat messages (list of {"role", "content"} dicts)
     answer:     what the verifier checks against (an int, a string, anything the reward understands)
     meta:       free-form details (difficulty, split, ...) kept for analysis
+    curriculum_key: the prompt's class for a curriculum keyed by class (rl.curriculum_key = "class"):
+                what makes it hard, shared by many prompts; None = the example_id (its own class)
     """
 
     env: str
@@ -57,6 +59,7 @@ class Example:
     prompt: str | list[dict[str, Any]]
     answer: Any
     meta: dict[str, Any] = field(default_factory=dict)
+    curriculum_key: str | None = None
 
 
 @dataclass(frozen=True)

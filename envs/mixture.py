@@ -19,7 +19,8 @@ Multi-turn environments cannot be mixed (one sampling path per batch).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rlpipe.envs.base import (
@@ -145,6 +146,15 @@ def prompt_source(env: Environment, seed: int, pool: int = 0) -> PromptSource | 
     sources = {name: PromptSource(examples[:pool] if pool else examples, seed=seed * 1000 + index)
                for index, (name, examples) in enumerate(parts.items())}
     return MixturePromptSource(sources, mixture.weights, seed=seed)
+
+
+def train_pool(env: Environment, seed: int, pool: int = 0) -> Iterable[Example]:
+    """Every training prompt `prompt_source` can deal (each environment's first `pool` with
+    `pool` > 0), lazily, environment after environment: where a resumed run reads its prompts'
+    curriculum classes from."""
+    mixture = mixture_of(env)
+    parts = [env.examples("train", seed=seed)] if mixture is None else list(mixture.entry_examples("train", seed).values())
+    return itertools.chain.from_iterable(part[:pool] if pool else part for part in parts)
 
 
 def mixture_of(env: Any) -> MixtureEnv | None:

@@ -11,6 +11,13 @@ step draws the same prompts. A round reads the stream at most once round (never 
 twice in a round, which would merge into one group). Every skip and re-test is a row of the `curriculum` table with its
 reason (`decision_row`).
 
+`key = "class"` (rl.curriculum_key) keys the history by the prompt's *class* instead: the
+environment's `Example.curriculum_key` (what makes it hard, e.g. arithmetic's operand digits and
+carries), or its example_id when the environment gives none. Prompts that never repeat then rest
+with their class once the class is solved; the window should span several groups of the class.
+A resting class is re-tested prompt by prompt: each of its prompts is sampled with probability
+`retest` (drawn per example). `solved_rate` < 1 lets a large window rest with a few failures in it.
+
     curriculum = Curriculum(options, PassHistory.from_rows(history_rows(run_dir, through_step=s), w))
     examples, rows = curriculum.choose(prompts.next_batch, n, step=step, attempt=attempt)
     curriculum.observe(rollouts, scores)        # after the round is scored
@@ -35,9 +42,10 @@ if TYPE_CHECKING:
     from rlpipe.rollouts.records import Rollout, Score
 
 KINDS = ("none", "pass_rate")
+KEYS = ("example", "class")
 STATUSES = ("skipped", "retested")
 Key = tuple[str, str]
-"""A prompt: (env, example_id)."""
+"""What a pass history is kept for: (env, example_id), or (env, class) with key = "class"."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,20 @@ class CurriculumOptions:
     """A completion passes when its reward is at least this."""
     seed: int = 0
     """The run's seed: the re-test draws derive from it."""
+    key: str = "example"
+    """"example": a history per prompt; "class": per the environment's Example.curriculum_key."""
+    solved_rate: float = 1.0
+    """A full window rests as solved when at least this share passed (hopeless: at most 1 - it)."""
+    reads: float = 0.0
+    """A round reads at most this many times the prompts it asks for (0 = until it has them): with
+    most prompts resting, a round then samples fewer instead of searching the stream for more."""
+
+    def key_of(self, example: Example) -> Key:
+        """The history key of a prompt: its example_id, or its class with key = "class" (the
+        example_id when the environment gives no class)."""
+        if self.key == "class" and example.curriculum_key is not None:
+            return example.env, example.curriculum_key
+        return example.env, example.example_id
 
     @property
     def enabled(self) -> bool:
@@ -77,21 +99,24 @@ class PassHistory:
         return sum(window), len(window)
 
     @classmethod
-    def from_rows(cls, rows: Iterable[tuple[str, str, float]], window: int, pass_reward: float) -> PassHistory:
-        """The history of (env, example_id, reward) rows in the order they were scored."""
+    def from_rows(cls, rows: Iterable[tuple[str, str, float]], window: int, pass_reward: float,
+                  key_of: Callable[[Key], Key] | None = None) -> PassHistory:
+        """The history of (env, example_id, reward) rows in the order they were scored; `key_of`
+        maps a prompt to its history key (its class), the prompt itself when None."""
         history = cls(window)
         for env, example_id, reward in rows:
-            history.add((env, example_id), passes(reward, pass_reward))
+            history.add(key_of((env, example_id)) if key_of else (env, example_id), passes(reward, pass_reward))
         return history
 
 
-def resting(passed: int, counted: int, window: int) -> str | None:
-    """'solved' or 'hopeless' when a full window passed entirely or not at all, else None."""
+def resting(passed: int, counted: int, window: int, solved_rate: float = 1.0) -> str | None:
+    """'solved' or 'hopeless' when a full window passed entirely or not at all (at least
+    `solved_rate` of it, or at most 1 - `solved_rate`), else None."""
     if counted < window:
         return None
-    if passed == counted:
+    if passed >= solved_rate * counted:
         return "solved"
-    if passed == 0:
+    if passed <= (1 - solved_rate) * counted:
         return "hopeless"
     return None
 
@@ -103,10 +128,12 @@ def retest_draw(seed: int, step: int, attempt: int, key: Key) -> float:
 
 
 def decision_row(key: Key, status: str, state: str, passed: int, counted: int, options: CurriculumOptions, *,
-                 attempt: int, forced: bool = False) -> dict:
-    """One `curriculum` row: a resting prompt skipped or re-tested at a sampling round, and why."""
+                 attempt: int, forced: bool = False, rests_as: str | None = None) -> dict:
+    """One `curriculum` row: a resting prompt (`key`: env, example_id) skipped or re-tested at a
+    sampling round, and why; `rests_as` names its class when the history is kept per class."""
     assert status in STATUSES, status
-    how = (f"{passed} of its last {counted} completions passed (reward >= {options.pass_reward:g})")
+    whose = f"the last {counted} completions of its class {rests_as!r}" if rests_as else f"its last {counted} completions"
+    how = f"{passed} of {whose} passed (reward >= {options.pass_reward:g})"
     if forced:
         action = "sampled anyway: every prompt of the stream rests, and a round samples at least one"
     elif status == "skipped":
@@ -123,6 +150,7 @@ class Curriculum:
     def __init__(self, options: CurriculumOptions, history: PassHistory | None = None) -> None:
         self.options = options
         self.history = history if history is not None else PassHistory(options.window)
+        self._keys: dict[Key, Key] = {}  # (env, example_id) of a chosen prompt -> its history key
 
     def choose(self, draw: Callable[[int], list[Example]], n: int, *, step: int,
                attempt: int) -> tuple[list[Example], list[dict]]:
@@ -138,13 +166,17 @@ class Curriculum:
         met: set[Key] = set()
         first_resting: tuple[Example, int] | None = None  # (prompt, index of its row)
         while len(chosen) < n:
+            if self.options.reads and len(met) >= self.options.reads * n:
+                break  # read its share of the stream
             example = draw(1)[0]
             key = (example.env, example.example_id)
             if key in met:  # the stream came round
                 break
             met.add(key)
-            passed, counted = self.history.counts(key)
-            state = resting(passed, counted, self.options.window)
+            history_key = self.options.key_of(example)
+            rests_as = history_key[1] if history_key != key else None
+            passed, counted = self.history.counts(history_key)
+            state = resting(passed, counted, self.options.window, self.options.solved_rate)
             if state is None:
                 chosen.append(example)
                 continue
@@ -154,13 +186,16 @@ class Curriculum:
             elif first_resting is None:
                 first_resting = (example, len(rows))
             rows.append(decision_row(key, "retested" if retest else "skipped", state, passed, counted,
-                                     self.options, attempt=attempt))
+                                     self.options, attempt=attempt, rests_as=rests_as))
         if not chosen and first_resting is not None:
             example, index = first_resting
             chosen.append(example)
             row = rows[index]
+            history_key = self.options.key_of(example)
             rows[index] = decision_row((row["env"], row["example_id"]), "retested", row["state"], row["passed"],
-                                       row["counted"], self.options, attempt=attempt, forced=True)
+                                       row["counted"], self.options, attempt=attempt, forced=True,
+                                       rests_as=history_key[1] if history_key[1] != example.example_id else None)
+        self._keys.update({(e.env, e.example_id): self.options.key_of(e) for e in chosen})
         return chosen, rows
 
     def observe(self, rollouts: list[Rollout], scores: list[Score]) -> None:
@@ -169,7 +204,10 @@ class Curriculum:
             return
         for rollout, score in sorted(zip(rollouts, scores, strict=True), key=lambda pair: pair[0].sample_id):
             if score.error is None:
-                self.history.add((rollout.env, rollout.example_id), passes(score.reward, self.options.pass_reward))
+                key = (rollout.env, rollout.example_id)
+                self.history.add(self._keys.get(key, key), passes(score.reward, self.options.pass_reward))
+        for rollout in rollouts:
+            self._keys.pop((rollout.env, rollout.example_id), None)
 
 
 def curriculum_metrics(rows: list[dict]) -> dict[str, float]:
@@ -204,3 +242,17 @@ def history_rows(run_dir: Path, *, through_step: int) -> list[tuple[str, str, fl
         return []
     table = run_sql([run_dir], HISTORY_SQL.format(through_step=int(through_step)))
     return list(zip(*(table.column(name).to_pylist() for name in ("env", "example_id", "reward")), strict=True))
+
+
+def class_keys(examples: Iterable[Example], wanted: set[Key], options: CurriculumOptions) -> dict[Key, Key]:
+    """The history key of each prompt in `wanted` ((env, example_id) pairs), read from `examples`
+    (the run's prompt pool, scanned until every wanted prompt is found): how a resumed run keyed
+    by class maps its tables' prompts back to their classes."""
+    found: dict[Key, Key] = {}
+    for example in examples:
+        if len(found) == len(wanted):
+            break
+        key = (example.env, example.example_id)
+        if key in wanted:
+            found[key] = options.key_of(example)
+    return found

@@ -60,4 +60,6 @@ def rollout_options(rl: RLConfig, *, seed: int = 0) -> RolloutOptions:
 def curriculum_options(rl: RLConfig, seed: int) -> CurriculumOptions:
     """The prompt curriculum's options (rl.curriculum, rl.curriculum_*) with the run's seed."""
     return CurriculumOptions(kind=rl.curriculum, window=rl.curriculum_window, retest=rl.curriculum_retest,
-                             pass_reward=rl.curriculum_pass_reward, seed=seed)
+                             pass_reward=rl.curriculum_pass_reward, seed=seed,
+                             key=rl.curriculum_key, solved_rate=rl.curriculum_solved_rate,
+                             reads=rl.curriculum_reads)

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
-from rlpipe.rollouts.curriculum import Curriculum, PassHistory, history_rows
+from rlpipe.rollouts.curriculum import Curriculum, PassHistory, class_keys, history_rows
 from rlpipe.rollouts.options import curriculum_options, rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.storage.layout import mark_env_partitioned
@@ -87,13 +87,18 @@ def overlong_penalty_fn(rl):
                              buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
 
 
-def open_curriculum(options, run_dir: Path, start_step: int) -> Curriculum:
+def open_curriculum(options, run_dir: Path, start_step: int, pool=()) -> Curriculum:
     """The prompt curriculum of a run starting after `start_step`: a resumed run's pass history is
-    rebuilt from its own tables through that step (what the stopped run had there)."""
+    rebuilt from its own tables through that step (what the stopped run had there); keyed by
+    class, each prompt's class is read from the run's prompt `pool`."""
     if not options.enabled or start_step == 0:
         return Curriculum(options)
     rows = history_rows(run_dir, through_step=start_step)
-    return Curriculum(options, PassHistory.from_rows(rows, options.window, options.pass_reward))
+    key_of = None
+    if options.key == "class":
+        classes = class_keys(pool, {(env, example_id) for env, example_id, _ in rows}, options)
+        key_of = lambda key: classes.get(key, key)  # noqa: E731
+    return Curriculum(options, PassHistory.from_rows(rows, options.window, options.pass_reward, key_of))
 
 
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
@@ -116,7 +121,7 @@ def close_env(env) -> None:
 
 
 def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
-    from rlpipe.envs.mixture import prompt_source
+    from rlpipe.envs.mixture import prompt_source, train_pool
 
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
@@ -148,7 +153,8 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
                        scoring=ScoreOptions(rl.max_reward_error_fraction, overlong_penalty_fn(rl)),
                        run_dir=run_dir, run_id=run_id)
     source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version,
-                           curriculum=open_curriculum(curriculum_options(rl, config.seed), run_dir, built.start_step))
+                           curriculum=open_curriculum(curriculum_options(rl, config.seed), run_dir, built.start_step,
+                                                      train_pool(env, config.seed, rl.prompt_pool)))
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,
                  engines=built.engines, eval_engine=built.eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],

@@ -360,6 +360,18 @@ class RLConfig(Section):
     reaches it; it is skipped otherwise (so it rests about 1/curriculum_retest of its turns)."""
     curriculum_pass_reward: float = 1.0
     """pass_rate: a completion passes when its reward is at least this."""
+    curriculum_key: Literal["example", "class"] = "example"
+    """pass_rate: keep the pass history per prompt ("example") or per the environment's prompt
+    class ("class": Example.curriculum_key, e.g. arithmetic's digits and carries; a prompt of an
+    environment without classes is its own class), so prompts that never repeat rest with their
+    solved class. With "class", make curriculum_window span several groups."""
+    curriculum_reads: float = Field(0.0, ge=0)
+    """pass_rate: a sampling round reads at most this many times the prompts it asks for from the
+    stream (0 = until it has them): when most prompts rest, a round samples fewer prompts (the
+    step fills with later rounds or trains a partial batch) instead of reading on for awake ones."""
+    curriculum_solved_rate: float = Field(1.0, gt=0.5, le=1)
+    """pass_rate: a full window rests as solved when at least this share of it passed, hopeless
+    when at most 1 - this share (1 = all passed / none passed)."""
 
     def loss_options(self) -> RLLossOptions:
         """The policy loss's options (training/rl_loss.py; building them validates them). Async RL

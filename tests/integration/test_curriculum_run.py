@@ -51,9 +51,18 @@ def test_skips_are_recorded_answered_and_replayed_exactly_on_resume(sft_checkpoi
         [rl_dir], "select distinct example_id from rollouts").to_pylist()}
     assert sum(r["n_samples"] for r in answer) == run_sql([rl_dir], "select count(*) n from scores").to_pylist()[0]["n"]
 
-    # the same run stopped after step 2's checkpoint: a resume rebuilds the history from the tables
-    copy = config.run_dir.parent / "copy"
-    shutil.copytree(config.run_dir, copy)
+    assert_resume_replays(config.run_dir, curriculum_config(tmp_path, "copy"), sft_checkpoint)
+
+
+def assert_resume_replays(run_dir, copy_config: dict, checkpoint: str) -> None:
+    """The run stopped after step 2's checkpoint: a resume rebuilds the history from the tables and
+    skips and samples exactly what the uninterrupted run did."""
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.storage.queries import run_sql
+    from rlpipe.tasks.config import validate_config
+
+    copy = run_dir.parent / copy_config["run_name"]
+    shutil.copytree(run_dir, copy)
     copy_rl = copy / "rl"
     shutil.rmtree(copy_rl / "checkpoints" / "step_000004")
     state = json.loads((copy_rl / "run.json").read_text())
@@ -62,8 +71,36 @@ def test_skips_are_recorded_answered_and_replayed_exactly_on_resume(sft_checkpoi
         for part in (copy_rl / "tables" / table).glob("step=*"):
             if int(part.name.split("=")[1]) > 2:
                 shutil.rmtree(part)
-    run_rl(validate_config(curriculum_config(tmp_path, "copy")), start_checkpoint=sft_checkpoint)
+    run_rl(validate_config(copy_config), start_checkpoint=checkpoint)
     query = "select step, attempt, example_id, status, reason from curriculum where step > 2 order by all"
-    assert run_sql([copy_rl], query).to_pylist() == run_sql([rl_dir], query).to_pylist()
+    assert run_sql([copy_rl], query).to_pylist() == run_sql([run_dir / "rl"], query).to_pylist()
     again = "select step, sample_id, example_id from rollouts where step > 2 order by all"
-    assert run_sql([copy_rl], again).to_pylist() == run_sql([rl_dir], again).to_pylist()
+    assert run_sql([copy_rl], again).to_pylist() == run_sql([run_dir / "rl"], again).to_pylist()
+
+
+CLASS_RL = {"steps": 4, "checkpoint_every": 2, "eval_every": 0, "curriculum": "pass_rate", "curriculum_key": "class",
+            "curriculum_window": 16, "curriculum_pass_reward": 0.0, "curriculum_retest": 0.2,
+            "partial_batches": True, "max_attempts": 3}
+"""Keyed by class on the whole train split (prompts that never repeat); every reward passes
+(pass_reward 0), so each class rests once 16 of its completions are scored."""
+
+
+def test_classes_rest_across_new_prompts_and_a_resume_rebuilds_the_class_history(sft_checkpoint, tmp_path):  # noqa: F811
+    """Needs the flow: the resumed run maps its stored rollouts back to their classes through the
+    prompt pool (tasks/rl_setup.py) and must skip exactly what the uninterrupted run did."""
+    from rlpipe.flows.rl import run_rl
+    from rlpipe.storage.queries import run_sql
+    from rlpipe.tasks.config import validate_config
+
+    config = validate_config(config_dict(tmp_path, "classes", CLASS_RL))
+    run_rl(config, start_checkpoint=sft_checkpoint)
+    rl_dir = config.run_dir / "rl"
+    skipped = run_sql([rl_dir], "select example_id, state, passed, counted, reason from curriculum "
+                                "where status = 'skipped'").to_pylist()
+    sampled = {r["example_id"] for r in run_sql([rl_dir], "select distinct example_id from rollouts").to_pylist()}
+    assert skipped, "every class whose 16 completions passed rests"
+    for r in skipped:
+        assert (r["state"], r["passed"], r["counted"]) == ("solved", 16, 16)
+        assert "of the last 16 completions of its class '+ " in r["reason"]
+        assert r["example_id"] not in sampled  # a new prompt, skipped for its class's history
+    assert_resume_replays(config.run_dir, config_dict(tmp_path, "classes-copy", CLASS_RL), sft_checkpoint)
