@@ -73,6 +73,20 @@ def config_differences(saved: dict, given: dict, prefix: str = "") -> list[str]:
     return found
 
 
+def compile_resolved(data: dict, config: RunConfig) -> dict:
+    """A config dict whose `train.compile` is unset (auto: a config.json written before it was
+    resolved, or a config not resolved yet) read as holding what auto resolves to for `config`'s
+    device (flows/common.py resolve_config writes the resolved value): unset is no difference
+    from what auto gives."""
+    from rlpipe.tasks.setup import train_compile
+
+    train = data.get("train")
+    if isinstance(train, dict) and train.get("compile") is None:
+        auto = config.model_copy(update={"train": config.train.model_copy(update={"compile": None})})
+        return {**data, "train": {**train, "compile": train_compile(auto)}}
+    return data
+
+
 def deployment_run_name(run_name: str, flow_run_id: str | None, resume: bool, overwrite: bool) -> str:
     """The run folder name of a flow run: a deployment's own (`<run_name>-<flow run id[:8]>`)
     unless it resumes or overwrites; `run_name` itself outside a deployment (flow_run_id None)."""
@@ -101,8 +115,8 @@ def run_folder(config: RunConfig, *, resume: bool = False, overwrite: bool = Fal
     if resume:
         if not (run_dir / "config.json").is_file():
             raise ValueError(f"nothing to resume: {run_dir} holds no run (no config.json)")
-        saved = read_json(run_dir / "config.json")
-        if differ := config_differences(saved, config.model_dump(mode="json")):
+        saved = compile_resolved(read_json(run_dir / "config.json"), config)
+        if differ := config_differences(saved, compile_resolved(config.model_dump(mode="json"), config)):
             raise ValueError(f"refusing to resume {run_dir} with another config ({', '.join(differ[:5])} "
                              "differ from its config.json); overwrite=true starts over")
     if not overwrite:

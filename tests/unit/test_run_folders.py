@@ -100,6 +100,23 @@ def test_resume_needs_the_same_config_wherever_the_folder_lies(tmp_path):
             pass
 
 
+def test_an_unset_compile_in_config_json_resumes_as_what_auto_resolves_to(tmp_path):
+    """A config.json written before `train.compile` was resolved (unset: auto) resumes under a
+    config resolved for this device; a value set otherwise is still a difference."""
+    from rlpipe.tasks.setup import with_resolved_compile
+
+    config = config_for(tmp_path)
+    assert config.train.compile is None
+    make_run(config)  # its config.json holds "compile": null
+    resolved = with_resolved_compile(config)
+    assert resolved.train.compile is False  # auto on a CPU
+    with run_folder(resolved, resume=True) as settled:
+        assert settled.run_dir == config.run_dir
+    with pytest.raises(ValueError, match=r"another config \(train.compile differ"):
+        with run_folder(config_for(tmp_path, train={"compile": True}), resume=True):
+            pass
+
+
 def test_a_deployment_run_gets_a_folder_of_its_own_unless_it_resumes_or_overwrites(tmp_path):
     config = config_for(tmp_path, "demo")
     make_run(config)
