@@ -94,24 +94,6 @@ def schema_file(run_dir: str | os.PathLike, table: str) -> Path:
     return table_dir(run_dir, table) / SCHEMA_NAME
 
 
-def partition_files(run_dir: str | os.PathLike, table: str) -> list[tuple[int, Path]]:
-    """(step, file) of every complete partition of `table`, ordered by step (a step split by
-    environment gives one pair per environment's file)."""
-    root = table_dir(run_dir, table)
-    found = []
-    for folder in root.glob("step=*"):
-        try:
-            step = int(folder.name.removeprefix("step="))
-        except ValueError:
-            continue
-        file = folder / PART_NAME
-        if file.is_file():
-            found.append((step, file))
-        elif table in ENV_PARTITIONED:
-            found += [(step, part) for part in folder.glob(f"env=*/{PART_NAME}") if part.is_file()]
-    return sorted(found)
-
-
 def relocated(path: str, run_dir: str | os.PathLike) -> str:
     """`path`, recorded by a run (its own or a sibling pipeline phase's checkpoint), where it lies
     now if the run folder was moved or copied since: run.json's `run_dir` is the folder the run was

@@ -25,17 +25,11 @@ from rlpipe.training.step import build_optimizer, build_scheduler
 
 
 def make_env(env_name: str, options: dict[str, Any], reward_models: list[Any] | tuple = (),
-             env_reward_weight: float = 1.0, template_kwargs: dict[str, Any] | None = None,
-             mcp_servers: list[Any] | tuple = (), tool_use: Any = None) -> Environment:
+             env_reward_weight: float = 1.0, template_kwargs: dict[str, Any] | None = None) -> Environment:
     """The environment, its reward composed with `task.reward_models` when any are configured
-    (a judge renders its chats with its own chat_template_kwargs, else `template_kwargs`), with
-    the tools of `task.mcp_servers` when any are configured (envs/mcp_tools.py; the servers start
-    here, and the environment's `close()` stops them)."""
+    (a judge renders its chats with its own chat_template_kwargs, else `template_kwargs`). A run's
+    whole `[task]` (mixtures, MCP tools, reward deadline) is `task_env`."""
     env = build_env(env_name, **options)
-    if mcp_servers:
-        from rlpipe.envs.mcp_tools import with_mcp_tools
-
-        env = with_mcp_tools(env, mcp_servers, tool_use)
     if not reward_models:
         return env
     from rlpipe.envs.reward_models import WithModelRewards, build_scorer

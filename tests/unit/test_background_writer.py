@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rlpipe.storage.layout import partition_files
+from rlpipe.storage.compaction import fresh_files
 from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table
 from rlpipe.tasks.record import (
     background_writes,
@@ -50,7 +50,7 @@ def test_a_failed_write_names_its_table_and_step_and_stops_later_writes(tmp_path
     assert isinstance(raised.value.__cause__, ValueError)
     assert (raised.value.table, raised.value.step) == ("train_steps", 2)
     # a prefix on disk: the write after the failed one was dropped, not written out of order
-    assert [step for step, _ in partition_files(tmp_path, "train_steps")] == [1]
+    assert [step for step, _ in fresh_files(tmp_path, "train_steps")] == [1]
     with pytest.raises(TableWriteError, match="step 2"):  # sticky: the next persist fails too
         writer.submit(tmp_path, "train_steps", 4, [step_row(4, 0.5)], run_id="r")
     writer.close(raise_errors=False)
@@ -74,14 +74,14 @@ def test_persist_queues_inside_the_block_and_reads_see_own_writes(tmp_path):
     with background_writes() as writer:
         persist(tmp_path, "train_steps", 1, [step_row(1, 0.5)], "r")
         persist(tmp_path, "train_steps", 2, [step_row(2, 0.5)], "r")
-        assert writer.pending() + len(partition_files(tmp_path, "train_steps")) >= 2
+        assert writer.pending() + len(fresh_files(tmp_path, "train_steps")) >= 2
         assert load_rows(tmp_path, "train_steps", 2)[0]["loss"] == 0.5  # waits for its own write
         persist(tmp_path, "train_steps", 3, [step_row(3, 0.5), step_row(3, 0.7)], "r")
         assert len(load_rows_beyond(tmp_path, "train_steps", 3, known=1)) == 2
         persist(tmp_path, "train_steps", 4, [step_row(4, 0.5)], "r")
         drain_writes()
         assert writer.pending() == 0
-    assert [step for step, _ in partition_files(tmp_path, "train_steps")] == [1, 2, 3, 4]
+    assert [step for step, _ in fresh_files(tmp_path, "train_steps")] == [1, 2, 3, 4]
     persist(tmp_path, "train_steps", 5, [step_row(5, 0.5)], "r")  # outside: written at once
     assert load_rows(tmp_path, "train_steps", 5) is not None
 
@@ -117,10 +117,10 @@ def test_sigkill_leaves_a_prefix_of_the_writes_and_no_partial_file(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    steps = [step for step, _ in partition_files(tmp_path, "train_steps")]
+    steps = [step for step, _ in fresh_files(tmp_path, "train_steps")]
     assert 20 <= len(steps) < total
     assert steps == list(range(1, len(steps) + 1)), f"not a prefix: {steps[:30]}"
-    for step, path in partition_files(tmp_path, "train_steps"):
+    for step, path in fresh_files(tmp_path, "train_steps"):
         assert read_table(tmp_path, "train_steps", step).num_rows == 1, path
     assert strays(tmp_path / "tables") == []  # the killed write's temporary file is its own, and cleaned
 

@@ -142,7 +142,8 @@ def _round_rows(attempt: int, envs: list[str]) -> list[dict]:
 
 def test_a_mixture_writes_one_file_per_env_inside_the_step_and_reads_them_back_in_write_order(tmp_path):
     from rlpipe.storage.catalog import connect
-    from rlpipe.storage.layout import mark_env_partitioned, partition_files, step_files
+    from rlpipe.storage.compaction import fresh_files
+    from rlpipe.storage.layout import mark_env_partitioned, step_files
     from rlpipe.storage.writer import is_complete, read_table, write_table
     from rlpipe.tasks.record import load_rows_beyond
 
@@ -155,7 +156,7 @@ def test_a_mixture_writes_one_file_per_env_inside_the_step_and_reads_them_back_i
     assert sorted(p.relative_to(step).as_posix() for p in step.rglob("*.parquet")) == [
         "env=a/part-0.parquet", "env=b/part-0.parquet", "env=c/part-0.parquet"]
     assert step_files(tmp_path, "rollouts", 3) == sorted(step.glob("env=*/part-0.parquet"))
-    assert is_complete(tmp_path, "rollouts", 3) and [s for s, _ in partition_files(tmp_path, "rollouts")] == [3] * 3
+    assert is_complete(tmp_path, "rollouts", 3) and [s for s, _ in fresh_files(tmp_path, "rollouts")] == [3] * 3
     assert read_table(tmp_path, "rollouts", 3).column("sample_id").to_pylist() == [r["sample_id"] for r in rows]
     assert read_table(tmp_path, "rollouts").num_rows == len(rows)
     assert load_rows_beyond(tmp_path, "rollouts", 3, known=len(first)) is not None

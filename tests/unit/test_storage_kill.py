@@ -18,7 +18,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from rlpipe.storage.layout import partition_files
+from rlpipe.storage.compaction import fresh_files
 from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
 
@@ -83,7 +83,7 @@ def test_sigkill_mid_write_leaves_whole_partitions(tmp_path):
         seen = _versions_seen(run)
         _check_whole(seen, version)
         assert set(range(4)) <= set(seen), "a partition written before the kill disappeared"
-        for _, path in partition_files(run, "rollouts"):
+        for _, path in fresh_files(run, "rollouts"):
             assert pq.ParquetFile(path).metadata.num_rows == ROWS
     # leftovers of the killed writers are hidden, and a later write of the partition removes them
     for step in range(STEPS):
