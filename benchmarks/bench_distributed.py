@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from rlpipe.training.ports import free_port
+from rlpipe.core.ports import free_port
 
 from benchmarks.results import write_results
 

@@ -112,7 +112,7 @@ class MemoryStages:
 
     def generate(self, examples, *, step, attempt, policy_version, previous):
         from rlpipe.engines.base import SamplingParams
-        from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
+        from rlpipe.rollouts.generation import GenerateOptions, SampleRound, generate_rollouts
 
         params = SamplingParams(**{**self.params.__dict__, "seed": self.params.seed * 10_000 + step * 10 + attempt})
         return generate_rollouts(self.engine, self.tokenizer, self.env, examples,
@@ -120,7 +120,7 @@ class MemoryStages:
                                  SampleRound(run_id="b", step=step, attempt=attempt, policy_version=policy_version))
 
     def score(self, examples, rollouts, *, step, previous):
-        from rlpipe.tasks.score import ScoreOptions, score_rollouts
+        from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 
         self.env_examples.update(examples)
         scores = score_rollouts(self.env, examples, rollouts, ScoreOptions(max_error_fraction=0.0))
@@ -137,20 +137,20 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
                  prompts: int = 8, group: int = 8) -> dict:
     """One RL run of `variant` (a VARIANTS key) on `task`: mean reward and entropy per step, the
     gain, and for arithmetic the greedy accuracy before and after. The loss comes from the run
-    config's [rl] section (`tasks.losses.loss_for`), as in the `rl` flow."""
+    config's [rl] section (`tasks.phase_loss.loss_for`), as in the `rl` flow."""
     import torch
     from rlpipe.engines.base import SamplingParams
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.envs.prompts import PromptSource
+    from rlpipe.rollouts.group_buffer import GroupBuffer
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
-    from rlpipe.tasks.losses import loss_for
     from rlpipe.tasks.pack import pack_rollouts
+    from rlpipe.tasks.phase_loss import loss_for
     from rlpipe.tasks.setup import stop_token_ids
     from rlpipe.tasks.train import train_on_batches
     from rlpipe.training.config import RLConfig
     from rlpipe.training.kl import frozen_copy
-    from rlpipe.training.oversampling import GroupBuffer
     from rlpipe.training.rl_loss import loss_normaliser
     from rlpipe.training.step import StepOptions, build_optimizer, build_scheduler
     from rlpipe.training.trainer import LocalTrainer, TrainOptions

@@ -22,7 +22,7 @@ Outside share = (wall - time inside the stage functions) / wall, summed over the
 into Parquet, MLflow, and the rest (Prefect task runs and the flow's own bookkeeping). MLflow
 metrics are queued (`synchronous=False`): their background writes compete for the CPU and show up
 as slightly slower stages, not as outside time. The same holds for the flow's background table
-writer (tasks.record.background_writes): `persist` only queues, so Parquet time is the queueing
+writer (storage.stage_tables.background_writes): `persist` only queues, so Parquet time is the queueing
 plus any wait for the queue (`drain_writes`, before checkpoints); the writer thread's own seconds
 are reported beside it. The issue's target: outside share <= 5%.
 
@@ -56,9 +56,9 @@ from benchmarks.results import write_results  # noqa: E402
 
 # (module, attribute, bucket, stage): the functions whose time counts as a stage's own work
 STAGE_FUNCTIONS = [
-    ("rlpipe.tasks.generate", "generate_rollouts", "function", "generate"),
-    ("rlpipe.tasks.score", "score_rollouts", "function", "score"),
-    ("rlpipe.tasks.advantages", "select_step", "function", "filter"),
+    ("rlpipe.rollouts.generation", "generate_rollouts", "function", "generate"),
+    ("rlpipe.rollouts.scoring", "score_rollouts", "function", "score"),
+    ("rlpipe.rollouts.selection", "select_step", "function", "filter"),
     ("rlpipe.tasks.pack", "pack_rollouts", "function", "pack"),
     ("rlpipe.tasks.pack", "batch_rows", "function", "pack"),
     ("rlpipe.tasks.train", "train_on_batches", "function", "train"),
@@ -66,9 +66,9 @@ STAGE_FUNCTIONS = [
     ("rlpipe.tasks.sync", "sync_engines", "function", "sync"),
     ("rlpipe.tasks.evaluate", "evaluate_greedy", "function", "eval"),
 ]
-# Parquet: the stages' tables are written and read back by one module (tasks/record.py)
+# Parquet: the stages' tables are written and read back by one module (storage/stage_tables.py)
 PARQUET_FUNCTIONS = [
-    ("rlpipe.tasks.record", name, "parquet", name)
+    ("rlpipe.storage.stage_tables", name, "parquet", name)
     for name in ("persist", "load_rows", "load_rows_beyond", "drain_writes")
 ]
 MLFLOW_METHODS = ("log_metrics", "register_checkpoint", "set_alias")
@@ -127,7 +127,7 @@ def instrument(events: list[Event], writer_seconds: list[float]) -> Iterator[Non
     Queued table writes count as Parquet time only where the flow waits for them (drain)."""
     from unittest import mock
 
-    import rlpipe.tasks.record as record
+    import rlpipe.storage.stage_tables as record
     from rlpipe.storage.tracking import MlflowTracker
 
     with contextlib.ExitStack() as stack:

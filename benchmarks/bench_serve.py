@@ -48,7 +48,7 @@ from rlpipe.engines.serve_process import serve_url, start_serve, stop_processes
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model, count_parameters
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 
 from benchmarks.results import write_results
 

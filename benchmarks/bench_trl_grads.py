@@ -94,12 +94,12 @@ def compare(args: argparse.Namespace) -> dict:
     from rlpipe.envs.prompts import PromptSource
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.rollouts.group_buffer import GroupBuffer
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.tasks.pack import pack_rollouts
     from rlpipe.tasks.setup import make_optimizer, stop_token_ids
     from rlpipe.training.config import OptimConfig, RLConfig
-    from rlpipe.training.oversampling import GroupBuffer
     from rlpipe.training.rl_loss import build_rl_loss
     from rlpipe.training.step import StepOptions, forward_backward, optim_step
 

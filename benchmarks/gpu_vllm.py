@@ -150,7 +150,7 @@ def bench_rl_vs_trl_vllm(args, preset: str = "qwen3-0.6b") -> dict:
     """Both sides on one saved model; step-time and sync ratios rlpipe / TRL."""
     from rlpipe.models.presets import build_model
     from rlpipe.models.tokenizer import build_tokenizer
-    from rlpipe.training.checkpoint import save_checkpoint
+    from rlpipe.training.checkpoint_io import save_checkpoint
 
     tokenizer = build_tokenizer()
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>")}

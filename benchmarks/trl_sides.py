@@ -310,7 +310,7 @@ def evaluate_checkpoint(path: str, tokenizer, env, examples: list, *, samples: i
     from rlpipe.engines.base import SamplingParams
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.models.loading import load_model
-    from rlpipe.tasks.generate import encode_prompts
+    from rlpipe.rollouts.generation import encode_prompts
     from rlpipe.tasks.setup import max_context, stop_token_ids
 
     model = load_model(path).eval()

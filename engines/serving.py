@@ -44,11 +44,11 @@ class ServedModel:
 
 
 def load_served_model(path: str | Path, device: str = "auto") -> ServedModel:
-    """Load and verify a checkpoint written by `training.checkpoint.save_checkpoint`.
+    """Load and verify a checkpoint written by `training.checkpoint_io.save_checkpoint`.
 
     Raises ValueError naming the path for a missing, incomplete or corrupt checkpoint.
     """
-    from rlpipe.training.checkpoint import load_checkpoint
+    from rlpipe.training.checkpoint_io import load_checkpoint
 
     path = Path(path)
     checkpoint = load_checkpoint(path, restore_rng=False)

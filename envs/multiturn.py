@@ -226,7 +226,7 @@ def with_env_tools(env: Environment, template_kwargs: Mapping[str, Any] | None) 
 
 def transcript_of(messages: str | None, completion_text: str, answer_text: str | None = None) -> str | list[dict]:
     """What the environment judges for a rollout: the messages (JSON) of an episode, else the
-    answer (the text after `</think>`, tasks/generate.py `thinking_fields`), else the text."""
+    answer (the text after `</think>`, rollouts/generation.py `thinking_fields`), else the text."""
     if messages:
         return json.loads(messages)
     return completion_text if answer_text is None else answer_text

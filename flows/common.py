@@ -125,8 +125,8 @@ def open_run(config: RunConfig, phase: str) -> RunState:
 def stage_io(config: RunConfig) -> Iterator[None]:
     """How a phase's stages run: tables queued on one ordered background writer (drained when the
     block ends), stages as Prefect task runs or plain calls (tracking.prefect_task_runs)."""
+    from rlpipe.storage.stage_tables import background_writes
     from rlpipe.tasks._prefect import stage_task_runs
-    from rlpipe.tasks.record import background_writes
 
     with background_writes(), stage_task_runs(config.tracking.prefect_task_runs):
         yield

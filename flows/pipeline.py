@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.runtime import flow_run
+from rlpipe.core import metric_names as m
 from rlpipe.flows.common import (
     already_finished,
     make_tracker,
@@ -23,7 +24,6 @@ from rlpipe.flows.rl import run_rl
 from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import run_supervised
 from rlpipe.tasks.config import RunConfig
-from rlpipe.training import metric_names as m
 
 
 def _phase_name() -> str:

@@ -1,5 +1,5 @@
 """`rlpipe replay RUN_DIR --step N`: recompute RL step N from the stored tables and the checkpoint
-before it (tasks/replay.py), print its loss, grad norm, lr and per-token log-probs beside the
+before it (tasks/replay_step.py), print its loss, grad norm, lr and per-token log-probs beside the
 logged values, and exit 1 on any mismatch (2 when the step cannot be replayed).
 
     rlpipe replay runs/demo/rl --step 60
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", default=None,
                         help="the run's starting weights (a checkpoint folder), when the run does not record them")
     args = parser.parse_args(argv)
-    from rlpipe.tasks.replay import ReplayError, format_replay, replay_step
+    from rlpipe.tasks.replay_step import ReplayError, format_replay, replay_step
 
     try:
         replay = replay_step(args.run_dir, args.step, args.start)

@@ -1,5 +1,5 @@
 """`rlpipe rescore RUN_DIR --reward module:function [--name NAME | --out DIR]`: re-score a run's
-stored rollouts with another reward function and recompute their advantages (tasks/rescore.py),
+stored rollouts with another reward function and recompute their advantages (tasks/rescoring.py),
 then print the per-step comparison (canned query `rescore_compare`).
 
     rlpipe rescore runs/demo/rl --reward envs.rewards:exact_match
@@ -78,7 +78,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.storage.compaction import table_files
     from rlpipe.tasks.config import validate_config
-    from rlpipe.tasks.rescore import load_reward, rescore_run, scoring_env
+    from rlpipe.tasks.rescoring import load_reward, rescore_run, scoring_env
     from rlpipe.tasks.rl_setup import overlong_penalty_fn
     from rlpipe.tasks.setup import task_env
 

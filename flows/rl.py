@@ -16,6 +16,8 @@ import math
 from contextlib import ExitStack
 
 from prefect import flow
+from rlpipe.core import metric_names as m
+from rlpipe.core.timing import Stopwatch
 from rlpipe.flows.common import (
     already_finished,
     finished_result,
@@ -30,6 +32,8 @@ from rlpipe.flows.common import (
 from rlpipe.flows.progress import progress
 from rlpipe.flows.run_folders import flow_run_folder, name_flow_run
 from rlpipe.flows.supervised import due
+from rlpipe.rollouts.group_buffer import BatchFillError
+from rlpipe.storage.stage_tables import stored_row
 from rlpipe.tasks.checkpoint import (
     TrainingState,
     after_checkpoint,
@@ -42,15 +46,12 @@ from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before, step_accuracy
 from rlpipe.tasks.origin import origin_task
 from rlpipe.tasks.pack import pack_task
-from rlpipe.tasks.record import step_metrics, stored_row, train_step_row
 from rlpipe.tasks.rl_setup import RLRun, open_rl
+from rlpipe.tasks.step_rows import step_metrics, train_step_row
 from rlpipe.tasks.sync import sync_task
 from rlpipe.tasks.train import train_task
-from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import CheckpointRecord
 from rlpipe.training.checkpoint_files import checkpoint_steps, latest_checkpoint
-from rlpipe.training.oversampling import BatchFillError
-from rlpipe.training.timing import Stopwatch
+from rlpipe.training.checkpoint_io import CheckpointRecord
 
 
 @flow(name="rl", flow_run_name=name_flow_run, log_prints=True, persist_result=False)

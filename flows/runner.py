@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlpipe.core import metric_names as m
 from rlpipe.core.config import ConfigError, describe_fields
 from rlpipe.core.environment import quiet_defaults
 from rlpipe.core.files import io_error
@@ -39,7 +40,6 @@ from rlpipe.storage.layout import human_bytes, run_folder_bytes
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, validate_config
 from rlpipe.tasks.preflight import preflight
-from rlpipe.training import metric_names as m
 
 
 def flow_function(name: str):

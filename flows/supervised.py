@@ -4,6 +4,8 @@ checkpoint → eval. `flows/pretrain.py` and `flows/sft.py` are the Prefect flow
 
 from __future__ import annotations
 
+from rlpipe.core import metric_names as m
+from rlpipe.core.timing import Stopwatch
 from rlpipe.flows.common import (
     RunState,
     finished_result,
@@ -26,13 +28,11 @@ from rlpipe.tasks.checkpoint import (
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import best_accuracy_before
 from rlpipe.tasks.origin import origin_task
-from rlpipe.tasks.record import step_metrics, train_step_row
-from rlpipe.tasks.supervised import supervised_train_task
+from rlpipe.tasks.step_rows import step_metrics, train_step_row
 from rlpipe.tasks.supervised_setup import SupervisedRun, open_supervised
-from rlpipe.training import metric_names as m
-from rlpipe.training.checkpoint import CheckpointRecord
+from rlpipe.tasks.supervised_steps import supervised_train_task
 from rlpipe.training.checkpoint_files import checkpoint_steps, latest_checkpoint
-from rlpipe.training.timing import Stopwatch
+from rlpipe.training.checkpoint_io import CheckpointRecord
 
 
 def due(step: int, every: int, last: int) -> bool:

@@ -212,7 +212,7 @@ class Curriculum:
 
 def curriculum_metrics(rows: list[dict]) -> dict[str, float]:
     """rollout/curriculum_skipped and rollout/curriculum_retested: the step's resting prompts."""
-    from rlpipe.training import metric_names as m
+    from rlpipe.core import metric_names as m
 
     return {m.CURRICULUM_SKIPPED: float(sum(r["status"] == "skipped" for r in rows)),
             m.CURRICULUM_RETESTED: float(sum(r["status"] == "retested" for r in rows))}

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
+from rlpipe.core import metric_names as m
 from rlpipe.rollouts.records import Rollout, Score
-from rlpipe.training import metric_names as m
 
 
 def _correct(score: Score) -> float:

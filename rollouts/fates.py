@@ -30,15 +30,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from rlpipe.core import metric_names as m
 from rlpipe.core.user_code import import_user_object
+from rlpipe.rollouts.advantages import AdvantageOptions, group_advantages
 from rlpipe.rollouts.records import TrainSample
-from rlpipe.training import metric_names as m
-from rlpipe.training.advantages import AdvantageOptions, group_advantages
 
 if TYPE_CHECKING:
+    from rlpipe.rollouts.advantages import Group
+    from rlpipe.rollouts.group_buffer import GroupDecision
     from rlpipe.rollouts.records import Rollout, Score
-    from rlpipe.training.advantages import Group
-    from rlpipe.training.oversampling import GroupDecision
 
 STATUSES = ("trained", "zero_variance", "stale", "carried", "over_cap", "reward_error", "truncated",
             "cut_in_thinking", "filtered")

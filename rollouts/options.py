@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlpipe.rollouts.advantages import AdvantageOptions
+from rlpipe.rollouts.batch_makers import BatchMakerOptions
 from rlpipe.rollouts.curriculum import CurriculumOptions
 from rlpipe.rollouts.fates import DropOptions
-from rlpipe.training.advantages import AdvantageOptions
-from rlpipe.training.batch_makers import BatchMakerOptions
+from rlpipe.rollouts.group_buffer import BufferOptions
 from rlpipe.training.config import RLConfig
-from rlpipe.training.oversampling import BufferOptions
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ rollouts with their advantages.
             sync(engines)                # (the producer waits; later rounds record `version`)
 
 Behind it: sampling rounds (generate and score stages, injected as `RolloutStages`), the
-over-sampling buffer (training.oversampling: zero-variance filter, carry-over, max-attempts guard,
-partial batches; its batch maker, training.batch_makers, keeps the valid groups and makes the batch) and the filter/advantages stage, which decides each group and completion once
+over-sampling buffer (rollouts.group_buffer: zero-variance filter, carry-over, max-attempts guard,
+partial batches; its batch maker, rollouts.batch_makers, keeps the valid groups and makes the batch) and the filter/advantages stage, which decides each group and completion once
 (rollouts/fates.py `select_step`: trained, carried or dropped and why), computes the advantages
 and records them. `options` are the `[rl]` fields it reads (rollouts/options.py).
 
@@ -19,7 +19,7 @@ and records them. `options` are the `[rl]` fields it reads (rollouts/options.py)
 - k >= 1: a producer thread fills the batches of the next steps while the trainer trains. It fills
   step t only once the engines sample from a policy version >= t - 1 - k (`publish`), so every
   fresh sample trained at step t lags at most k versions; carried groups are bounded by the buffer
-  (training.oversampling.staleness_limit). The producer writes its tables (rollouts, scores,
+  (rollouts.group_buffer.staleness_limit). The producer writes its tables (rollouts, scores,
   groups, advantages) for steps ahead of the trainer; after a kill, resume replays those steps
   from the checkpoint's data_state and reads the sampled rounds back from the tables.
 - `partial_rollouts` (k >= 1): `syncing` does not wait for the round in flight; the engine
@@ -38,6 +38,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlpipe.core import metric_names as m
+from rlpipe.core.timing import Stopwatch
+from rlpipe.rollouts.advantages import AdvantageOptions, Group, make_groups
 from rlpipe.rollouts.curriculum import Curriculum, CurriculumOptions, curriculum_metrics
 from rlpipe.rollouts.env_metrics import env_metrics
 from rlpipe.rollouts.fates import (
@@ -50,11 +53,8 @@ from rlpipe.rollouts.fates import (
     sample_drop,
     user_filter,
 )
+from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
 from rlpipe.rollouts.records import Rollout, Score, TrainSample
-from rlpipe.training import metric_names as m
-from rlpipe.training.advantages import AdvantageOptions, Group, make_groups
-from rlpipe.training.oversampling import BatchFillError, GroupBuffer
-from rlpipe.training.timing import Stopwatch
 
 if TYPE_CHECKING:
     from rlpipe.envs.base import Example
@@ -70,7 +70,7 @@ class StepBatch:
     samples: list[TrainSample]
     """The completions to train on (groups taken from the buffer), in order."""
     metrics: dict[str, float]
-    """rollout/* metrics of the batch (names from training.metric_names)."""
+    """rollout/* metrics of the batch (names from core.metric_names)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds of the generate, score and filter stages that filled it."""
     state: dict[str, Any] = field(default_factory=dict)

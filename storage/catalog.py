@@ -81,7 +81,7 @@ def run_dirs_list(run_dirs: RunDirs) -> list[Path]:
 
 def rescore_source(run_dir: Path) -> tuple[Path, tuple[str, ...]] | None:
     """(the run it re-scores, the tables it holds) of a rescore folder (`rescore.json`,
-    tasks/rescore.py), or None for a run folder. Its other tables are the source run's."""
+    tasks/rescoring.py), or None for a run folder. Its other tables are the source run's."""
     marker = Path(run_dir) / RESCORE_MARKER
     if not marker.is_file():
         return None

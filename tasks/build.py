@@ -5,7 +5,7 @@ from a config and a starting point.
     built = build(config, TrainerPlan(...), start_point(config, run_dir, start_checkpoint))
     built.trainer.step(...)      # training/trainer.py; built.engines sample, built.eval_engine evals
 
-Pretrain/SFT (tasks/supervised_setup.py), RL (tasks/rl_setup.py) and replay (tasks/replay.py) call
+Pretrain/SFT (tasks/supervised_setup.py), RL (tasks/rl_setup.py) and replay (tasks/replay_step.py) call
 it; every data-parallel rank builds the same model through `prepare_model` (tasks/setup.py) and
 the same optimizer in `make_trainer`. Not a stage: nothing is persisted.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.engines.base import Engine
-from rlpipe.tasks.losses import phase_loss
+from rlpipe.tasks.phase_loss import phase_loss
 from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
-from rlpipe.training.checkpoint import load_checkpoint
 from rlpipe.training.checkpoint_files import resume_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint
 from rlpipe.training.step import StepOptions
 from rlpipe.training.trainer import Trainer, TrainOptions
 
@@ -48,7 +48,7 @@ class Built:
     tokenizer: Any
     trainer: Trainer
     loss_fn: Any
-    """The phase's loss (`TrainerPlan.loss` through tasks/losses.py `phase_loss`, as every rank builds it)."""
+    """The phase's loss (`TrainerPlan.loss` through tasks/phase_loss.py `phase_loss`, as every rank builds it)."""
     start_step: int = 0
     data_state: dict = field(default_factory=dict)
     """The resumed checkpoint's data state ({} when starting)."""
@@ -63,7 +63,7 @@ class Built:
 
 def start_point(config, run_dir: Path, start_checkpoint: str | None) -> StartPoint:
     """A run phase's start: `start_checkpoint` or model.path, resumed from the run's newest whole
-    checkpoint (a damaged newer one is moved aside and said so on stderr: training/checkpoint.py)."""
+    checkpoint (a damaged newer one is moved aside and said so on stderr: training/checkpoint_io.py)."""
     resume, notes = resume_checkpoint(run_dir)
     for note in notes:  # not print: in a flow, Prefect's log_prints makes it an INFO log, not shown
         sys.stderr.write(f"rlpipe: {note}\n")

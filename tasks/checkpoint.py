@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import (
+from rlpipe.storage.stage_tables import (
     StageTable,
     compact_closed_steps,
     drain_writes,
     load_rows,
     persist_now,
+    stage,
     stored_row,
 )
-from rlpipe.training.checkpoint import CheckpointOptions, CheckpointRecord, save_checkpoint
 from rlpipe.training.checkpoint_files import checkpoint_dir, checkpoint_steps, verify_checkpoint
+from rlpipe.training.checkpoint_io import CheckpointOptions, CheckpointRecord, save_checkpoint
 from rlpipe.training.checkpoint_retention import Retained, pending_removals, retain
 
 
@@ -46,7 +46,7 @@ def checkpoint_row(run_id: str, step: int, policy_version: int, path: Path, mode
 
 def reloaded_by_vllm_servers(engine_config) -> bool:
     """Whether the run's checkpoints are reloaded by vLLM servers (`vllm+http://` engine urls):
-    then a tied model's checkpoints name their lm_head (training/checkpoint.py says why)."""
+    then a tied model's checkpoints name their lm_head (training/checkpoint_io.py says why)."""
     from rlpipe.engines.http import parse_engine_url
 
     return engine_config.type == "http" and any(parse_engine_url(u)[0] == "vllm" for u in engine_config.urls)
@@ -59,7 +59,7 @@ class RegisterOptions:
     model_name: str | None = None
     """The MLflow registered model each checkpoint becomes a version of; None: not registered."""
     save: CheckpointOptions = field(default_factory=CheckpointOptions)
-    """How each checkpoint is written (training/checkpoint.py)."""
+    """How each checkpoint is written (training/checkpoint_io.py)."""
     keep_last: int = 0
     """`checkpoint.keep_last`: the newest checkpoints kept beside the pinned ones (0 = every one)."""
 

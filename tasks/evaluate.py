@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core import metric_names as m
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
 from rlpipe.models.chat import think_tags
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.generate import encode_prompts, thinking_budget, thinking_fields
-from rlpipe.tasks.record import StageTable
-from rlpipe.tasks.score import reward_of
-from rlpipe.training import metric_names as m
+from rlpipe.rollouts.generation import encode_prompts, thinking_budget, thinking_fields
+from rlpipe.rollouts.scoring import reward_of
+from rlpipe.storage.stage_tables import StageTable, stage
 
 
 def evaluate_greedy(
@@ -133,7 +132,7 @@ def best_accuracy_before(run_dir, step: int, checkpointed: set[int]) -> float:
 
 def step_accuracy(run_dir, step: int) -> float | None:
     """The held-out accuracy of the evals stored at `step`; None when it has none."""
-    from rlpipe.tasks.record import load_rows
+    from rlpipe.storage.stage_tables import load_rows
 
     rows = load_rows(Path(run_dir), "evals", step)
     return eval_metrics(rows)[m.EVAL_ACCURACY] if rows else None

@@ -7,7 +7,7 @@ the snapshot's commit, which replay and lineage load again), and tags its MLflow
 model version it registers (`parent_*`) with the same, so `rlpipe lineage` can walk from an RL
 version to the SFT version it started from. Rewritten identically on resume.
 
-The stage declares the `origins` table: the stage wrapper writes the row (tasks/record.py),
+The stage declares the `origins` table: the stage wrapper writes the row (storage/stage_tables.py),
 synchronously and fsynced, before the run's first step.
 """
 
@@ -17,8 +17,7 @@ from pathlib import Path
 
 from rlpipe.models.loading import hub_id, model_source
 from rlpipe.storage.lineage import checkpoint_origin
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import StageTable
+from rlpipe.storage.stage_tables import StageTable, stage
 
 ORIGINS = StageTable("origins", rows=lambda row, a: None if row is None else [row], durable=True)
 """The run's one `origins` row (partition step 0); nothing for a fresh preset."""

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from rlpipe.envs.multiturn import model_token_mask, segment_bounds
 from rlpipe.rollouts.records import TrainSample
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import StageTable
+from rlpipe.storage.stage_tables import StageTable, stage
 from rlpipe.training.batch import PackedBatch, Sequence, pack, shared_prefix_units
 
 Budget = Callable[[list[int], int], int]

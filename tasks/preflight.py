@@ -146,7 +146,7 @@ def _check_user_code(config) -> None:
         _check("rl.sample_filter", "name a function 'module:function' importable from the installed "
                "packages or the current folder", lambda: user_filter(config.rl.sample_filter))
     if "rl" in _phases(config.flow) and config.rl.batch_maker:
-        from rlpipe.training.batch_makers import batch_maker_class
+        from rlpipe.rollouts.batch_makers import batch_maker_class
 
         _check("rl.batch_maker", "name a class 'module:Class' importable from the installed packages or the "
                "current folder", lambda: batch_maker_class(config.rl.batch_maker))

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from rlpipe.tasks.losses import phase_loss
+from rlpipe.tasks.phase_loss import phase_loss
 from rlpipe.tasks.setup import Placement, make_optimizer, placement, prepare_model
 from rlpipe.training.dist_state import broadcast_weights, load_full_optimizer_state
 from rlpipe.training.dist_trainer import ParallelTrainer, follow
@@ -77,7 +77,7 @@ def make_trainer(config, model, plan: TrainerPlan, resume_from: Path | None, ref
     train.parallel is set (and `plan.single_process` is not: replay).
     ref_model: the KL reference, which every rank then holds (sharded in place under FSDP2)."""
     optim, total_steps, options = plan.optim, plan.total_steps, plan.options
-    from rlpipe.training.checkpoint import read_optimizer_state
+    from rlpipe.training.checkpoint_io import read_optimizer_state
 
     state = read_optimizer_state(resume_from) if resume_from is not None else None
     if plan.single_process or config.train.parallel == "none":

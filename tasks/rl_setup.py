@@ -14,19 +14,19 @@ from typing import Any
 
 from rlpipe.engines.base import Engine, SamplingParams
 from rlpipe.envs.base import Environment, Example
+from rlpipe.rollouts.advantages import overlong_penalty
 from rlpipe.rollouts.curriculum import Curriculum, PassHistory, class_keys, history_rows
+from rlpipe.rollouts.generation import GenerateOptions, thinking_budget
+from rlpipe.rollouts.group_buffer import GroupBuffer
 from rlpipe.rollouts.options import curriculum_options, rollout_options
+from rlpipe.rollouts.scoring import ScoreOptions
 from rlpipe.rollouts.source import RolloutSource
+from rlpipe.rollouts.stages import RunStages
 from rlpipe.storage.layout import mark_env_partitioned
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.evaluate import eval_step
-from rlpipe.tasks.generate import GenerateOptions, thinking_budget
-from rlpipe.tasks.rollout_stages import RunStages
-from rlpipe.tasks.score import ScoreOptions
 from rlpipe.tasks.setup import max_context, stop_token_ids, task_env
 from rlpipe.tasks.sync import sync_task
-from rlpipe.training.advantages import overlong_penalty
-from rlpipe.training.oversampling import GroupBuffer
 from rlpipe.training.trainer import Trainer
 
 

@@ -283,7 +283,7 @@ def mix(sources: list[list], weights: list[float], total: int, seed: int) -> lis
     """`total` items drawn from `sources` in proportion to `weights`: each source's items in a
     seeded shuffle (reshuffled per pass when its share is larger than it), the draws of every
     source interleaved by one more seeded shuffle. A pure function of its arguments: the same
-    seed gives the same list, so a resumed run's steps (tasks/supervised.py, by seed and step)
+    seed gives the same list, so a resumed run's steps (tasks/supervised_steps.py, by seed and step)
     see the same items."""
     drawn = []
     for index, (items, count) in enumerate(zip(sources, mixture_counts(weights, total), strict=True)):

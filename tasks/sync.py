@@ -12,8 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlpipe.engines.base import Engine
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import StageTable
+from rlpipe.storage.stage_tables import StageTable, stage
 
 
 class SyncError(RuntimeError):

@@ -5,7 +5,7 @@ the `tokens` view (storage/views.py) unnests to one row per trained completion t
     train = train_task(trainer, batches, loss_fn, samples=samples, trainer_logprobs={}, step=..., run_dir=..., run_id=...)
 
 The stage (tasks/train.py) declares `TRAIN_TOKENS`, so the stage wrapper writes the rows after
-the step (tasks/record.py). The trainer's log-probs are taken where the loss receives them
+the step (storage/stage_tables.py). The trainer's log-probs are taken where the loss receives them
 (training/loss_inputs.py `capture_logprobs`, a pass-through wrapper, so the step is computed
 exactly as without it) into the stage's `trainer_logprobs` argument, keyed by the micro-batch's
 sample_ids (unique in a run, and they survive `batch.to(device)`); with several epochs the last
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from rlpipe.envs.multiturn import segment_bounds
 from rlpipe.rollouts.records import TrainSample
-from rlpipe.tasks.record import StageTable
+from rlpipe.storage.stage_tables import StageTable
 from rlpipe.training.batch import PackedBatch
 from rlpipe.training.losses import loss_token_mask, sequence_index
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from rlpipe.rollouts.records import TrainSample
-from rlpipe.tasks._prefect import stage
+from rlpipe.storage.stage_tables import stage
 from rlpipe.tasks.tokens import TRAIN_TOKENS
 from rlpipe.training.batch import PackedBatch
 from rlpipe.training.trainer import Logprobs, Trainer

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from rlpipe.training.ports import free_port
+from rlpipe.core.ports import free_port
 
 T = TypeVar("T")
 PORT_TRIES = 3

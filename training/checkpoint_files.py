@@ -1,5 +1,5 @@
 """A checkpoint folder's files: where checkpoints live, the sha256 of every file, whether a folder
-is whole, and which checkpoint a resuming run starts from (training/checkpoint.py writes and
+is whole, and which checkpoint a resuming run starts from (training/checkpoint_io.py writes and
 loads them).
 
     <run_dir>/checkpoints/step_<NNNNNN>/   checkpoint_dir(run_dir, step)
@@ -26,7 +26,7 @@ from typing import Any
 
 CHECKPOINTS = "checkpoints"
 METADATA_FILE = "metadata.json"
-OPTIMIZER_FILE = "optimizer.pt"  # optimizer + scheduler state (training/checkpoint.py)
+OPTIMIZER_FILE = "optimizer.pt"  # optimizer + scheduler state (training/checkpoint_io.py)
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:

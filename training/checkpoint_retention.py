@@ -1,7 +1,7 @@
 """Checkpoint retention (`checkpoint.keep_last`): which checkpoints of a run go, and removing them
 so that a kill at any moment leaves either a whole checkpoint or a marked leftover.
 
-    <run_dir>/checkpoints/step_<NNNNNN>/                   a whole checkpoint (training/checkpoint.py)
+    <run_dir>/checkpoints/step_<NNNNNN>/                   a whole checkpoint (training/checkpoint_io.py)
     <run_dir>/checkpoints/.deleting-step_<NNNNNN>-<hex>/   one being removed: hidden, so no reader
                                                            (`latest_checkpoint`, `resume_checkpoint`,
                                                            `checkpoint_steps`) ever sees it

@@ -234,7 +234,7 @@ class SamplingConfig(Section):
 
 class BufferConfig(Section):
     """`[rl.buffer]`: what the built-in batch maker keeps of the valid groups and how it takes a
-    step's batch from them (training/batch_makers.py `GrpoBatchMaker`)."""
+    step's batch from them (rollouts/batch_makers.py `GrpoBatchMaker`)."""
 
     retention: Literal["latest", "all", "max_age"] = "latest"
     """Which valid groups wait for a later step: "latest" keeps only the newest policy version of

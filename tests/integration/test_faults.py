@@ -241,7 +241,7 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
     from rlpipe.models.presets import build_model
     from rlpipe.models.tokenizer import build_tokenizer
     from rlpipe.tasks.sync import SyncError, raise_failed, sync_engines
-    from rlpipe.training.checkpoint import save_checkpoint
+    from rlpipe.training.checkpoint_io import save_checkpoint
 
     tok = build_tokenizer()
     old = save_checkpoint(tmp_path, 0, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)

@@ -17,7 +17,7 @@ from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import read_table
 from rlpipe.tasks.config import validate_config
-from rlpipe.training.checkpoint import save_checkpoint
+from rlpipe.training.checkpoint_io import save_checkpoint
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,14 +13,14 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.snapshot import SnapshotEngine
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.group_buffer import GroupBuffer
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
-from rlpipe.tasks.losses import loss_for
 from rlpipe.tasks.pack import pack_rollouts
+from rlpipe.tasks.phase_loss import loss_for
 from rlpipe.tasks.setup import make_model_and_tokenizer, stop_token_ids
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.config import RLConfig
-from rlpipe.training.oversampling import GroupBuffer
 from rlpipe.training.step import StepOptions, build_optimizer, build_scheduler
 from rlpipe.training.trainer import LocalTrainer, TrainOptions
 

@@ -21,7 +21,7 @@ import pytest
 from rlpipe.engines.serve_process import ROOT, serve_url, start_serve, stop_processes
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.training.checkpoint import save_checkpoint
+from rlpipe.training.checkpoint_io import save_checkpoint
 
 pytestmark = pytest.mark.slow
 

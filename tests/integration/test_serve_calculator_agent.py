@@ -17,7 +17,7 @@ from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.envs.calculator import TOOL, CalculatorConfig, CalculatorEnv, run_tool
 from rlpipe.envs.multiturn import run_episodes
 from rlpipe.tasks.setup import stop_token_ids
-from rlpipe.training.checkpoint import load_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

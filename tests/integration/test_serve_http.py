@@ -18,7 +18,7 @@ from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.batch import Sequence, pack_one
-from rlpipe.training.checkpoint import save_checkpoint
+from rlpipe.training.checkpoint_io import save_checkpoint
 from rlpipe.training.logprobs import token_logprobs
 
 pytestmark = pytest.mark.slow

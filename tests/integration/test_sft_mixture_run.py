@@ -26,7 +26,7 @@ def test_each_sft_step_trains_on_its_share_of_the_mixture_across_a_kill_and_resu
     from rlpipe.storage.catalog import connect
     from rlpipe.tasks.config import load_config
     from rlpipe.tasks.setup import sft_data
-    from rlpipe.tasks.supervised import step_indices
+    from rlpipe.tasks.supervised_steps import step_indices
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},

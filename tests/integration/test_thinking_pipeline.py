@@ -122,7 +122,7 @@ def test_a_budget_that_ends_every_completion_inside_the_block_says_so(prefect_ap
     """A character-tokenizer budget after SFT with thinking on: the completions are cut in (or
     right after) their reasoning block, and the run says that instead of 'make the task easier'."""
     from rlpipe.flows.pipeline import pipeline_flow
-    from rlpipe.training.oversampling import BatchFillError
+    from rlpipe.rollouts.group_buffer import BatchFillError
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     config = _config(tmp_path, model_dir, thinking=True)

@@ -26,7 +26,7 @@ from rlpipe.engines.http import HttpEngine, HttpOptions
 from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.training.checkpoint import LM_HEAD_FILE, write_explicit_lm_head
+from rlpipe.training.checkpoint_io import LM_HEAD_FILE, write_explicit_lm_head
 
 from tests.ports import start_on_free_port
 from tests.prefect_server import stop_group, wait_healthy
@@ -159,7 +159,7 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
     # reloaded into vLLM, which samples; the trainer's recomputed log-probs of the sampled tokens
     # match vLLM's at every step (a server holding other weights would show in logprob_gap)
     from rlpipe.storage.writer import read_table
-    from rlpipe.training.checkpoint import save_checkpoint
+    from rlpipe.training.checkpoint_io import save_checkpoint
 
     from tests.integration.test_resume import ONE_THREAD, cli, env_for
 

@@ -6,8 +6,7 @@ import json
 import math
 
 import pytest
-from rlpipe.rollouts.options import rollout_options
-from rlpipe.training.advantages import (
+from rlpipe.rollouts.advantages import (
     Group,
     compute_advantages,
     group_advantages,
@@ -15,8 +14,9 @@ from rlpipe.training.advantages import (
     group_stats,
     make_groups,
 )
+from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.training.config import RLConfig
-from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 
 def fill_batch(buffer, version, sample):

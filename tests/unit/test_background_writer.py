@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 from rlpipe.storage.compaction import fresh_files
-from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table
-from rlpipe.tasks.record import (
+from rlpipe.storage.stage_tables import (
     background_writes,
     drain_writes,
     load_rows,
     load_rows_beyond,
     persist,
 )
+from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table
 
 from tests.leftovers import strays
 

@@ -84,7 +84,7 @@ def test_a_hanging_reward_becomes_a_recorded_reward_error_within_the_timeout():
     from rlpipe.envs.base import Example
     from rlpipe.envs.rewards import RewardError
     from rlpipe.envs.timeout import with_reward_timeout
-    from rlpipe.tasks.score import ScoreOptions, score_rollouts
+    from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 
     inner = Hangs()
     env = with_reward_timeout(inner, 0.2)

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 from rlpipe.core.config import ConfigError
-from rlpipe.rollouts.options import rollout_options
-from rlpipe.training.advantages import Group
-from rlpipe.training.batch_makers import (
+from rlpipe.rollouts.advantages import Group
+from rlpipe.rollouts.batch_makers import (
     BatchMakerOptions,
     GroupDecision,
     GrpoBatchMaker,
     batch_maker_class,
 )
+from rlpipe.rollouts.group_buffer import GroupBuffer
+from rlpipe.rollouts.options import rollout_options
 from rlpipe.training.config import RLConfig
-from rlpipe.training.oversampling import GroupBuffer
 
 
 def group(gid: str, example: str, version: int, rewards=(0.0, 1.0)) -> Group:

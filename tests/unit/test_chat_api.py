@@ -11,7 +11,7 @@ from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.chat import template_ids
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 
 MESSAGES = [{"role": "system", "content": "You add."}, {"role": "user", "content": "12+30="}]
 

@@ -12,13 +12,13 @@ from rlpipe.models.attention import VARLEN_ATTENTION
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.batch import Sequence, pack
-from rlpipe.training.checkpoint import (
+from rlpipe.training.checkpoint_files import latest_checkpoint
+from rlpipe.training.checkpoint_io import (
     CheckpointOptions,
     CheckpointRecord,
     load_checkpoint,
     save_checkpoint,
 )
-from rlpipe.training.checkpoint_files import latest_checkpoint
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import build_optimizer, build_scheduler, forward_backward, optim_step
 from transformers import AutoModelForCausalLM
@@ -208,7 +208,7 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_not_run(tmp_path, tokenizer
 
 @pytest.mark.parametrize("shard", [None, "20KB"])
 def test_a_tied_model_can_name_its_lm_head_for_vllm_servers(tmp_path, tokenizer, shard, monkeypatch):
-    from rlpipe.training.checkpoint import LM_HEAD_FILE
+    from rlpipe.training.checkpoint_io import LM_HEAD_FILE
     from safetensors.torch import load_file
 
     model = _model(tokenizer).eval()  # tied, like Qwen3-0.6B

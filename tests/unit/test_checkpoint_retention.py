@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from rlpipe.storage.writer import write_table
 from rlpipe.tasks.checkpoint import RegisterOptions, retain_checkpoints
-from rlpipe.training.checkpoint import read_optimizer_state
 from rlpipe.training.checkpoint_files import (
     checkpoint_dir,
     checkpoint_steps,
@@ -22,6 +21,7 @@ from rlpipe.training.checkpoint_files import (
     resume_checkpoint,
     verify_checkpoint,
 )
+from rlpipe.training.checkpoint_io import read_optimizer_state
 from rlpipe.training.checkpoint_retention import (
     DELETING,
     optimizer_dropped,

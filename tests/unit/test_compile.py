@@ -18,7 +18,7 @@ from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.tasks.config import validate_config
 from rlpipe.tasks.setup import place_model
 from rlpipe.training.batch import Sequence, pack
-from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 from rlpipe.training.kl import frozen_copy, reference_logprobs
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import build_optimizer, forward_backward, optim_step

@@ -15,12 +15,12 @@ from rlpipe.rollouts.curriculum import (
     retest_draw,
 )
 from rlpipe.rollouts.fates import select_step
+from rlpipe.rollouts.group_buffer import GroupBuffer
 from rlpipe.rollouts.options import curriculum_options, rollout_options
 from rlpipe.rollouts.records import Score
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.storage.writer import write_table
 from rlpipe.training.config import RLConfig
-from rlpipe.training.oversampling import GroupBuffer
 
 from tests.rollout_rows import rollout
 

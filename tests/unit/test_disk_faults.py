@@ -9,13 +9,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import rlpipe.storage.layout as layout
-import rlpipe.training.checkpoint as checkpoint
+import rlpipe.training.checkpoint_io as checkpoint
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.storage.stage_tables import load_rows
 from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table, write_table
-from rlpipe.tasks.record import load_rows
-from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
 from rlpipe.training.checkpoint_files import checkpoint_dir, latest_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 
 
 def disk_full(*_args, **_kwargs):

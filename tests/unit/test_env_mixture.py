@@ -144,8 +144,8 @@ def test_a_mixture_writes_one_file_per_env_inside_the_step_and_reads_them_back_i
     from rlpipe.storage.catalog import connect
     from rlpipe.storage.compaction import fresh_files
     from rlpipe.storage.layout import mark_env_partitioned, step_files
+    from rlpipe.storage.stage_tables import load_rows_beyond
     from rlpipe.storage.writer import is_complete, read_table, write_table
-    from rlpipe.tasks.record import load_rows_beyond
 
     mark_env_partitioned(tmp_path)
     first = _round_rows(1, ["b", "a", "b"])
@@ -177,7 +177,7 @@ def test_a_mixture_writes_one_file_per_env_inside_the_step_and_reads_them_back_i
 
 def test_a_stored_round_missing_some_prompts_is_sampled_again():
     from rlpipe.envs.base import Example
-    from rlpipe.tasks.generate import _stored_round
+    from rlpipe.rollouts.generation import _stored_round
 
     rows = _round_rows(1, ["a", "b"])
     examples = [Example(row["env"], row["example_id"], "p", 0) for row in rows[::2]]

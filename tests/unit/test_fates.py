@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.advantages import Group
 from rlpipe.rollouts.fates import (
     STATUSES,
     decide_groups,
@@ -13,12 +14,11 @@ from rlpipe.rollouts.fates import (
     sample_drop,
     select_step,
 )
+from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
-from rlpipe.training.advantages import Group
 from rlpipe.training.config import RLConfig
-from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 
 def group(gid: str, example: str, version: int, rewards: list[float]) -> Group:
@@ -177,7 +177,7 @@ def test_the_rl_flow_logs_a_failed_steps_fate_counters_before_stopping():
 
 def test_the_groups_rows_and_the_decisions_rows_read_one_decision():
     from rlpipe.rollouts.fates import Fill
-    from rlpipe.tasks.advantages import advantage_rows, group_rows
+    from rlpipe.rollouts.selection import advantage_rows, group_rows
 
     buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, max_staleness=5)).buffer)
     buffer.start_batch(0)
@@ -197,9 +197,9 @@ def test_the_groups_rows_and_the_decisions_rows_read_one_decision():
 
 def test_the_filter_stage_writes_its_tables_and_reads_carried_rows_from_the_step_that_sampled_them(tmp_path):
     from rlpipe.rollouts.fates import Fill
+    from rlpipe.rollouts.selection import filter_stage
     from rlpipe.storage.writer import read_table, write_table
     from rlpipe.tasks._prefect import stage_task_runs
-    from rlpipe.tasks.advantages import filter_stage
 
     sampled = [Rollout(**{**rollout(f"r:s000001:a1:g0000:00{j}").row(), "group_id": "r:s000001:a1:g0000"})
                for j in range(2)]

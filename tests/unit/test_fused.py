@@ -16,8 +16,8 @@ from rlpipe.models.attention import packed_logits
 from rlpipe.models.compile import compile_enabled, compile_seconds, is_compiled
 from rlpipe.models.presets import build_model
 from rlpipe.tasks.config import load_config, validate_config
-from rlpipe.tasks.record import step_metrics
 from rlpipe.tasks.setup import place_model, placement, with_resolved_compile
+from rlpipe.tasks.step_rows import step_metrics
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.fused import apply_fused_kernels, resolve_fused
 from rlpipe.training.logprobs import token_logprobs

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.tasks.generate import encode_messages
+from rlpipe.rollouts.generation import encode_messages
 
 from benchmarks.gpu_steps import arithmetic_prompts
 from tests.conftest import selects_gpu_only

@@ -25,7 +25,7 @@ from rlpipe.engines.server import build_app
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 
 from tests.ports import closed_port
 

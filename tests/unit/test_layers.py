@@ -35,7 +35,7 @@ PREFECT_LAYERS = frozenset({"flows", "tasks"})
 class Import:
     """One import statement's target, as found in a source file."""
 
-    source: str  # the importing module, e.g. rlpipe.tasks.generate
+    source: str  # the importing module, e.g. rlpipe.rollouts.generation
     path: Path  # its file, relative to the repository root
     line: int
     target: str  # the imported module, e.g. rlpipe.envs.base (or prefect.flows)

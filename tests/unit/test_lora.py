@@ -13,7 +13,7 @@ from rlpipe.engines.torch_engine import TorchEngine  # noqa: E402
 from rlpipe.models.loading import load_model  # noqa: E402
 from rlpipe.tasks.setup import make_model_and_tokenizer  # noqa: E402
 from rlpipe.training.batch import Sequence, pack_one  # noqa: E402
-from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpipe.training.logprobs import token_logprobs  # noqa: E402
 from rlpipe.training.lora import LoraOptions, add_lora, has_lora, merged_state_dict  # noqa: E402
 from rlpipe.training.rl_loss import build_rl_loss  # noqa: E402

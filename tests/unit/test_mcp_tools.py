@@ -306,7 +306,7 @@ def _scripted(tok, turns: list[str]) -> ScriptedEngine:
 
 
 def test_an_episode_calls_the_tool_and_the_call_lands_in_the_rollout_row(toolbox):
-    from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
+    from rlpipe.rollouts.generation import GenerateOptions, SampleRound, generate_rollouts
 
     tok = build_qwen3_like_tokenizer()  # Qwen3's chat template, which renders `tools`
     env = McpToolsEnv(ArithmeticEnv(ArithmeticConfig(eval_size=5)), toolbox, ToolUseOptions(max_turns=3))

@@ -241,7 +241,7 @@ def test_template_context_equals_token_context_on_a_stable_template():
 
 
 def test_generate_stage_spreads_episodes_over_engines():
-    from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
+    from rlpipe.rollouts.generation import GenerateOptions, SampleRound, generate_rollouts
 
     tok = build_tokenizer()
     env = CalculatorEnv(CalculatorConfig(eval_size=10))

@@ -14,9 +14,9 @@ import torch
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.snapshot import SnapshotEngine
 from rlpipe.engines.torch_engine import TorchEngine
+from rlpipe.rollouts.generation import version_span
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout
-from rlpipe.tasks.generate import version_span
 
 from tests.unit.test_engine import dense_model, llama_model, prompts_of, recompute_logprobs
 
@@ -202,7 +202,7 @@ def test_an_episode_spans_the_versions_of_its_model_turns():
     from rlpipe.envs.base import Example
     from rlpipe.envs.calculator import CalculatorConfig, CalculatorEnv
     from rlpipe.models.tokenizer import build_tokenizer
-    from rlpipe.tasks.generate import GenerateOptions, SampleRound, generate_rollouts
+    from rlpipe.rollouts.generation import GenerateOptions, SampleRound, generate_rollouts
 
     from tests.scripted_engine import ScriptedEngine
     from tests.unit.test_multiturn import _calc_script

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from rlpipe.training.ports import free_port
+from rlpipe.core.ports import free_port
 
 import tests.ports as ports
 from tests.ports import PortTaken, closed_port, says_port_taken, start_on_free_port

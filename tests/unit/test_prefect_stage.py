@@ -4,7 +4,9 @@ stage's declared tables are written by the stage and read back on resume."""
 from __future__ import annotations
 
 import pytest
-from rlpipe.tasks._prefect import call_with_retries, stage, stage_task_runs
+from rlpipe.core.stage_runs import call_with_retries, current_runner, plain_runner
+from rlpipe.storage.stage_tables import stage
+from rlpipe.tasks._prefect import prefect_runner, stage_task_runs
 
 
 def _flaky(failures: int):
@@ -34,13 +36,14 @@ def test_plain_call_raises_after_the_last_retry():
     assert len(calls) == 3
 
 
-def test_task_runs_are_the_default_and_restored_after_the_block():
-    import rlpipe.tasks._prefect as module
-
-    assert module._TASK_RUNS.get() is True
-    with stage_task_runs(False):
-        assert module._TASK_RUNS.get() is False
-    assert module._TASK_RUNS.get() is True
+def test_plain_calls_outside_a_flow_task_runs_inside_the_block_and_restored_after():
+    assert current_runner() is plain_runner  # a command over finished tables (rescore) runs no task
+    with stage_task_runs(True):
+        assert current_runner() is prefect_runner
+        with stage_task_runs(False):
+            assert current_runner() is plain_runner
+        assert current_runner() is prefect_runner
+    assert current_runner() is plain_runner
 
 
 def _evals(step: int, reward: float) -> list[dict]:
@@ -49,8 +52,8 @@ def _evals(step: int, reward: float) -> list[dict]:
 
 
 def test_a_stage_writes_its_table_and_a_resumed_step_reads_it_back(tmp_path):
+    from rlpipe.storage.stage_tables import StageTable
     from rlpipe.storage.writer import read_table
-    from rlpipe.tasks.record import StageTable
 
     calls = []
 
@@ -70,8 +73,8 @@ def test_a_stage_writes_its_table_and_a_resumed_step_reads_it_back(tmp_path):
 
 def test_rows_of_none_write_nothing_a_kept_partition_stays_and_check_runs_after_the_write(tmp_path):
     from rlpipe.storage.layout import partition_file
+    from rlpipe.storage.stage_tables import StageTable
     from rlpipe.storage.writer import read_table
-    from rlpipe.tasks.record import StageTable
 
     def fails(rows):
         if rows and rows[0]["reward"] < 0:
@@ -93,7 +96,7 @@ def test_rows_of_none_write_nothing_a_kept_partition_stays_and_check_runs_after_
 
 def test_the_eval_stage_reads_a_resumed_steps_evals_back_and_says_so(tmp_path, monkeypatch):
     import rlpipe.tasks.evaluate as evaluate
-    from rlpipe.training import metric_names as m
+    from rlpipe.core import metric_names as m
 
     calls = []
 

@@ -8,10 +8,10 @@ import pytest
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.lineage import checkpoint_origin
+from rlpipe.storage.stage_tables import load_rows
 from rlpipe.storage.tracking import MlflowTracker, NullTracker
 from rlpipe.tasks.checkpoint import RegisterOptions, complete_registrations, register
-from rlpipe.tasks.record import load_rows
-from rlpipe.training.checkpoint import save_checkpoint
+from rlpipe.training.checkpoint_io import save_checkpoint
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from rlpipe.flows.replay import main
 from rlpipe.storage.writer import write_table
 from rlpipe.tasks.config import validate_config
-from rlpipe.tasks.replay import ReplayError, refuse_unsupported, start_weights
+from rlpipe.tasks.replay_step import ReplayError, refuse_unsupported, start_weights
 
 
 def run_dir_with(tmp_path, **rl):

@@ -16,7 +16,7 @@ from rlpipe.storage.catalog import connect
 from rlpipe.storage.queries import canned_sql
 from rlpipe.storage.writer import read_table, write_table
 from rlpipe.tasks.config import validate_config
-from rlpipe.tasks.rescore import find_examples, load_reward, prepare_out, rescore_run, scoring_env
+from rlpipe.tasks.rescoring import find_examples, load_reward, prepare_out, rescore_run, scoring_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "r"

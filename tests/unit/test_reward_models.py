@@ -13,7 +13,7 @@ from rlpipe.envs.config import RewardModelConfig
 from rlpipe.envs.reward_models import ClassifierReward, JudgeReward, WithModelRewards, build_scorer
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.tasks.score import ScoreOptions, score_rollouts
+from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 from rlpipe.tasks.setup import make_env
 from transformers import Qwen3Config, Qwen3ForSequenceClassification
 

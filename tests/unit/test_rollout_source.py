@@ -8,11 +8,11 @@ import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
 from rlpipe.rollouts.fates import select_step
+from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.training.config import RLConfig
-from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
 
 class FakeStages:

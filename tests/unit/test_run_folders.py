@@ -198,7 +198,7 @@ def test_a_copied_run_folders_catalog_is_rebuilt_to_read_the_copy(tmp_path):
 
 
 def test_a_rescore_folder_inside_its_run_names_it_relatively(tmp_path):
-    from rlpipe.tasks.rescore import prepare_out
+    from rlpipe.tasks.rescoring import prepare_out
 
     run = tmp_path / "a" / "run"
     scores_run(run, [1.0])

@@ -20,7 +20,7 @@ from rlpipe.models.chat import template_ids
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.models.tool_calls import CalculatorParser, HermesParser, ToolCall
-from rlpipe.training.checkpoint import save_checkpoint
+from rlpipe.training.checkpoint_io import save_checkpoint
 
 openai = pytest.importorskip("openai")
 

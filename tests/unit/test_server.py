@@ -19,7 +19,7 @@ from rlpipe.engines.serving import group_jobs, load_served_model
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
+from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 

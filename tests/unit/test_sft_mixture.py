@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.tasks.setup import mix, mixture_counts, sft_data, source_chats
-from rlpipe.tasks.supervised import step_indices
+from rlpipe.tasks.supervised_steps import step_indices
 from rlpipe.training.config import SftSource, SupervisedConfig
 
 from tests.hub_cache import tiny_hub_gsm8k, use_hub_cache

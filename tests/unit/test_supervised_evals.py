@@ -6,10 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import rlpipe.flows.supervised as supervised
+from rlpipe.core import metric_names as m
 from rlpipe.storage.tracking import NullTracker
 from rlpipe.tasks.config import RunConfig
 from rlpipe.tasks.evaluate import StepEvals
-from rlpipe.training import metric_names as m
 
 
 def _row(step: int) -> dict:

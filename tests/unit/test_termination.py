@@ -11,7 +11,8 @@ from rlpipe.core.termination import (
     sigterm_is_sticky,
     sigterm_stops_the_run,
 )
-from rlpipe.tasks._prefect import stage, stage_task_runs
+from rlpipe.storage.stage_tables import stage
+from rlpipe.tasks._prefect import stage_task_runs
 
 
 class Prefects(BaseException):

@@ -26,11 +26,11 @@ from rlpipe.models.chat import (
 )
 from rlpipe.models.presets import build_model
 from rlpipe.rollouts.fates import DropOptions, cut_in_thinking, sample_drop
+from rlpipe.rollouts.generation import encode_messages, thinking_budget, thinking_fields
 from rlpipe.rollouts.records import Score
+from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 from rlpipe.rollouts.source import all_cut_message
 from rlpipe.tasks.config import validate_config
-from rlpipe.tasks.generate import encode_messages, thinking_budget, thinking_fields
-from rlpipe.tasks.score import ScoreOptions, score_rollouts
 
 from tests.bpe_tokenizer import build_qwen3_like_tokenizer
 from tests.rollout_rows import rollout
@@ -209,10 +209,10 @@ class CutStages:
 
 def test_a_source_whose_completions_are_all_cut_fails_naming_the_token_budget():
     from rlpipe.envs.prompts import PromptSource
+    from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.training.config import RLConfig
-    from rlpipe.training.oversampling import BatchFillError, GroupBuffer
 
     options = rollout_options(RLConfig(steps=1, prompts_per_step=2, max_attempts=2))
     examples = [Example("e", str(i), f"q{i}", None) for i in range(20)]

@@ -11,7 +11,7 @@ from rlpipe.engines.base import SamplingParams  # noqa: E402
 from rlpipe.envs.multiturn import run_episodes  # noqa: E402
 from rlpipe.envs.registry import build_env  # noqa: E402
 from rlpipe.envs.verifiers_env import VerifiersEnv  # noqa: E402
-from rlpipe.tasks.score import ScoreOptions, score_rollouts  # noqa: E402
+from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts  # noqa: E402
 
 from tests.rollout_rows import rollout  # noqa: E402
 from tests.scripted_engine import ScriptedEngine  # noqa: E402

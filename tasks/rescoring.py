@@ -4,14 +4,14 @@ counterfactual `scores`, `groups`, `advantages` and `decisions` tables beside th
     rlpipe rescore runs/demo/rl --reward mypkg.rewards:strict      # → runs/demo/rl/rescore/strict/
     rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare
 
-The rollouts go through training's own scoring path (tasks/score.py `score_rollouts`, with the
+The rollouts go through training's own scoring path (rollouts/scoring.py `score_rollouts`, with the
 run's `task.reward_timeout_s` and DAPO overlong penalty); a reward function that raises or times
 out is recorded in `scores.error` with reward 0, as in training, but never stops the re-scoring.
 The function replaces the env's whole reward (and any `task.reward_models`); the per-turn rewards
 an episode's environment steps gave (multi-turn) are still added, as in training.
 Groups are rebuilt as the run built them (rollouts/source.py: completions whose new reward raised
 left out as `reward_error`, then `make_groups` per step and sampling round) and their advantages
-recomputed with the run's `[rl]` section (training/advantages.py).
+recomputed with the run's `[rl]` section (rollouts/advantages.py).
 
 What stays fixed is the run's batches. Each row of the run's `groups` table is replayed with the
 new rewards: a group that was trained (or carried) stays so unless its rewards now have zero
@@ -39,21 +39,21 @@ from rlpipe.core.user_code import import_user_object
 from rlpipe.envs.base import Environment, Example, Messages, RewardResult, completion_text_of
 from rlpipe.envs.rewards import RewardFn, evaluate_reward, get_reward
 from rlpipe.envs.timeout import with_reward_timeout
-from rlpipe.rollouts.fates import DropOptions, decide_groups, drop_rows, fate_rows, sample_drop
-from rlpipe.rollouts.options import RolloutOptions
-from rlpipe.rollouts.records import Rollout, Score
-from rlpipe.storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
-from rlpipe.storage.compaction import stored_steps
-from rlpipe.storage.writer import read_table, write_table
-from rlpipe.tasks.score import ScoreOptions, score_rollouts
-from rlpipe.training.advantages import (
+from rlpipe.rollouts.advantages import (
     ZERO_VARIANCE_EPS,
     Group,
     group_advantages,
     group_row,
     make_groups,
 )
-from rlpipe.training.oversampling import GroupDecision
+from rlpipe.rollouts.fates import DropOptions, decide_groups, drop_rows, fate_rows, sample_drop
+from rlpipe.rollouts.group_buffer import GroupDecision
+from rlpipe.rollouts.options import RolloutOptions
+from rlpipe.rollouts.records import Rollout, Score
+from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
+from rlpipe.storage.catalog import RESCORE_MARKER, ensure_catalog, rescore_source
+from rlpipe.storage.compaction import stored_steps
+from rlpipe.storage.writer import read_table, write_table
 
 TABLES = ("scores", "groups", "advantages", "decisions")
 

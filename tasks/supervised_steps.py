@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from rlpipe.tasks._prefect import stage
+from rlpipe.storage.stage_tables import stage
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.trainer import Trainer

@@ -21,8 +21,7 @@ from rlpipe.models.chat import (
     think_tags,
 )
 from rlpipe.rollouts.records import Rollout
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import StageTable
+from rlpipe.storage.stage_tables import StageTable, stage
 
 
 class PromptTooLongError(ValueError):

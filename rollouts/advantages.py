@@ -1,5 +1,5 @@
 """Advantages of the GRPO family and the zero-variance test; the over-sampling buffer that
-fills a batch from scored groups is training/oversampling.py.
+fills a batch from scored groups is rollouts/group_buffer.py.
 
 A group is the completions of one prompt under one policy version, keyed by
 (env, example_id, policy_version). Its advantages come from a named estimator:

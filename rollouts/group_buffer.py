@@ -2,7 +2,7 @@
 
 Over-sampling: a sampling round asks for `oversample_factor ×` the groups still needed (scaled up
 by the share of sampled groups that turned out valid), and the buffer drops zero-variance groups
-and hands the valid ones to its batch maker (training/batch_makers.py), which keeps them under
+and hands the valid ones to its batch maker (rollouts/batch_makers.py), which keeps them under
 its retention, makes the step's batch of `prompts_per_step` groups and carries the surplus to the
 next step. The built-in maker's defaults: carried groups more than `staleness_limit` policy
 versions behind the step being trained are dropped as stale, only the latest policy version of
@@ -14,7 +14,7 @@ state, the maker's included, is plain JSON (checkpoint data_state.json).
     decisions = buffer.fill(version, sample_round)  # sample_round(attempt, n_prompts) -> groups
     batch, metrics = buffer.take()
 
-Plain Python (no torch), like training/advantages.py whose `Group` records it holds.
+Plain Python (no torch), like rollouts/advantages.py whose `Group` records it holds.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlpipe.training import metric_names as m
-from rlpipe.training.advantages import ZERO_VARIANCE_EPS, Group
-from rlpipe.training.batch_makers import (
+from rlpipe.core import metric_names as m
+from rlpipe.rollouts.advantages import ZERO_VARIANCE_EPS, Group
+from rlpipe.rollouts.batch_makers import (
     BatchMaker,
     BatchMakerOptions,
     GroupDecision,

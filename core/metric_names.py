@@ -1,7 +1,7 @@
 """Metric names, in one place: what the loop logs to MLflow and what the report, the progress
 bar and the CLI summary read back. Prefixes: `train/*`, `rollout/*`, `perf/*`, `eval/*`."""
 
-# rollout/*: the batch filling of one step (training/oversampling.py, rollouts/source.py)
+# rollout/*: the batch filling of one step (rollouts/group_buffer.py, rollouts/source.py)
 ZERO_VAR_GROUPS = "rollout/zero_var_groups"
 VALID_GROUPS = "rollout/valid_groups"
 SAMPLED_GROUPS = "rollout/sampled_groups"
@@ -49,7 +49,7 @@ def train(name: str) -> str:
 
 
 def batch(name: str) -> str:
-    """rollout/batch_<name>: what the batch maker reports of the step's batch (training/batch_makers.py)."""
+    """rollout/batch_<name>: what the batch maker reports of the step's batch (rollouts/batch_makers.py)."""
     return f"rollout/batch_{name}"
 
 

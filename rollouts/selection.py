@@ -1,7 +1,7 @@
 """Stage `filter/advantages`: where each group of a step is decided, once → the `groups`,
 `decisions` and `advantages` tables.
 
-The over-sampling buffer (training/oversampling.py, driven by rollouts/source.py) fills the
+The over-sampling buffer (rollouts/group_buffer.py, driven by rollouts/source.py) fills the
 step's batch and says what it did with every group it saw (`Fill`); this stage decides each
 group's fate at the step from it (rollouts/fates.py `select_step`: trained, carried, or dropped
 as zero_variance, stale or over_cap, and why), the completions left out before grouping
@@ -16,12 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from rlpipe.rollouts.advantages import AdvantageOptions, Group, group_row
 from rlpipe.rollouts.fates import Fill, GroupFate, Selection, select_step
+from rlpipe.rollouts.generation import step_of_group
 from rlpipe.rollouts.records import Rollout
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.generate import step_of_group
-from rlpipe.tasks.record import StageTable, load_rows
-from rlpipe.training.advantages import AdvantageOptions, Group, group_row
+from rlpipe.storage.stage_tables import StageTable, load_rows, stage
 
 
 def with_stored_rows(groups: list[Group], rows: Mapping[str, Rollout], run_dir: Path) -> dict[str, Rollout]:

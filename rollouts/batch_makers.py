@@ -1,6 +1,6 @@
 """Batch makers: which valid groups a step trains on, and which the buffer keeps for later.
 
-A batch maker is purely in memory. The group buffer (training/oversampling.py `GroupBuffer`)
+A batch maker is purely in memory. The group buffer (rollouts/group_buffer.py `GroupBuffer`)
 does everything around it: it runs the sampling rounds, drops zero-variance groups, counts,
 records every decision in the `decisions`/`groups` tables (through rollouts/fates.py) and puts
 the maker's state into the checkpoint's data_state. The maker only answers five calls:
@@ -22,7 +22,7 @@ each batch drawn from it at random with the run's seed, its random state in stat
 resumed run draws the same batches). `rl.batch_maker = "module:Class"` replaces it with a
 user's class, constructed as `Class(options)` with this module's `BatchMakerOptions`.
 
-Plain Python (no torch), like training/advantages.py whose `Group` records it holds.
+Plain Python (no torch), like rollouts/advantages.py whose `Group` records it holds.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rlpipe.core.user_code import import_user_object
-from rlpipe.training.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
+from rlpipe.rollouts.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
 
 RETENTIONS = ("latest", "all", "max_age")
 SAMPLINGS = ("oldest", "reservoir")
@@ -74,7 +74,7 @@ class BatchMakerOptions:
     seed: int = 0
     staleness_limit: int = 1
     """Most policy versions a group held with retention "latest" or "all" may lag the version
-    being trained (training/oversampling.py `staleness_limit`)."""
+    being trained (rollouts/group_buffer.py `staleness_limit`)."""
     spec: str = ""
     """rl.batch_maker: a user's "module:Class", or "" for `GrpoBatchMaker`."""
 

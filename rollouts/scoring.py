@@ -14,8 +14,7 @@ from rlpipe.envs.base import Environment, Example, RewardResult
 from rlpipe.envs.multiturn import transcript_of, with_turn_rewards
 from rlpipe.envs.rewards import RewardError, format_traceback
 from rlpipe.rollouts.records import Rollout, Score
-from rlpipe.tasks._prefect import stage
-from rlpipe.tasks.record import StageTable
+from rlpipe.storage.stage_tables import StageTable, stage
 
 
 def reward_of(env: Environment, example: Example, transcript: str | list[dict]) -> RewardResult:

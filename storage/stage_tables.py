@@ -2,7 +2,9 @@
 
 Tables first: they are the source of truth; MLflow mirrors them for dashboards and the registry.
 
-A stage declares the tables it writes (`StageTable`, given to tasks/_prefect.py `stage`), and
+A stage is a function decorated with `stage(name, tables=...)`: calling it runs the function
+through the current stage runner (core/stage_runs.py: a plain call, or a Prefect task run inside a
+flow) with its tables around it. It declares the tables it writes (`StageTable`), and
 `run_with_tables` does the rest around the stage function: when a table says how to read the
 stage's result back and the step's partition holds it (a resumed step), that is the result and
 the function does not run; otherwise the function runs and each table's rows of its result are
@@ -17,6 +19,7 @@ progress as durable (a checkpoint). Outside the block, `persist` writes synchron
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlpipe.core.phases import PHASES
+from rlpipe.core.stage_runs import run_stage
+from rlpipe.core.termination import raise_if_terminated
 from rlpipe.storage.layout import step_files
 from rlpipe.storage.writer import (
     BackgroundWriter,
@@ -34,7 +38,6 @@ from rlpipe.storage.writer import (
     read_table,
     write_table,
 )
-from rlpipe.training import metric_names as m
 
 # the writer of the enclosing `background_writes()` block; a ContextVar, not a global, so each
 # flow (thread, context) sees only its own. Prefect runs sync task runs in the caller's context.
@@ -214,30 +217,29 @@ def run_with_tables(fn: Callable, tables: tuple[StageTable, ...], check: Callabl
     return result
 
 
-def train_step_row(run_id: str, step: int, mode: str, metrics: dict, seconds: dict[str, float]) -> dict:
-    row = {
-        "run_id": run_id, "step": step, "mode": mode,
-        "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"), "lr": metrics.get("lr"),
-        "tokens": int(metrics.get("tokens", 0)),
-        "tokens_per_second": metrics.get("tokens_per_second"),
-        "clip_fraction": metrics.get("clip_fraction"), "ratio_mean": metrics.get("ratio_mean"),
-        "logprob_gap": metrics.get("logprob_gap"),
-        "entropy": metrics.get("entropy"), "kl": metrics.get("kl"),
-    }
-    for phase in PHASES:
-        row[f"seconds_{phase}"] = seconds.get(phase)
-    row["seconds_total"] = sum(seconds.values())
-    return row
+def stage(name: str, retries: int = 0, retry_delay_seconds: float = 1.0, *,
+          tables: tuple[StageTable, ...] = (), check: Callable[[Any], None] | None = None
+          ) -> Callable[[Callable], Any]:
+    """Decorate a stage function: calling it runs the stage `name` through the current runner
+    (core/stage_runs.py `run_stage`: a Prefect task run in a flow, else a plain call with the
+    same retries) that writes `tables` (read back instead of recomputed on resume;
+    `run_with_tables`), then runs `check(result)`, which may raise.
 
+    The plain function, without tables, stays available as `.fn`.
+    """
 
-def step_metrics(train: dict, rollout: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
-    """The MLflow metrics of one RL step: train/*, rollout/*, perf/* (training.metric_names)."""
-    out = {m.train(k): float(v) for k, v in train.items() if isinstance(v, int | float)
-           and k not in ("seconds", "tokens_per_second", "compile_seconds")}
-    out |= {k: float(v) for k, v in rollout.items()}
-    out[m.TOKENS_PER_SECOND] = float(train.get("tokens_per_second", 0.0))
-    if "compile_seconds" in train:  # only a step that compiled (train.compile) has it
-        out[m.COMPILE_SECONDS] = float(train["compile_seconds"])
-    out |= {m.seconds(k): v for k, v in seconds.items()}
-    out[m.SECONDS_TOTAL] = sum(seconds.values())
-    return out
+    def decorate(fn: Callable) -> Callable:
+        def with_tables(*args: Any, **kwargs: Any) -> Any:
+            return run_with_tables(fn, tables, check, *args, **kwargs)
+
+        body = functools.wraps(fn)(with_tables) if tables or check is not None else fn
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            raise_if_terminated()  # a SIGTERM whose exception was swallowed stops the run here
+            return run_stage(name, body, args, kwargs, retries=retries, retry_delay_s=retry_delay_seconds)
+
+        run.fn = fn
+        return run
+
+    return decorate

@@ -13,12 +13,12 @@ from typing import Any
 
 from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
+from rlpipe.rollouts.advantages import AdvantageOptions
 from rlpipe.rollouts.fates import Fill, Selection
+from rlpipe.rollouts.generation import GenerateOptions, generate_stage
 from rlpipe.rollouts.records import Rollout, Score
-from rlpipe.tasks.advantages import filter_stage
-from rlpipe.tasks.generate import GenerateOptions, generate_stage
-from rlpipe.tasks.score import ScoreOptions, score_stage
-from rlpipe.training.advantages import AdvantageOptions
+from rlpipe.rollouts.scoring import ScoreOptions, score_stage
+from rlpipe.rollouts.selection import filter_stage
 
 
 @dataclass(frozen=True)
