@@ -1,4 +1,4 @@
-"""Async RL: the demo task with rl.max_off_policy_steps = 0, 1, 2, with the in-process engine (its
+"""Async RL: the demo task with rl.off_policy.max_steps = 0, 1, 2, with the in-process engine (its
 sampler in a thread of the trainer's process, `torch`, or in a child process, `process`:
 engine.producer) and with one `rlpipe serve` engine in a separate process, side by side in one run.
 

@@ -1,9 +1,9 @@
-"""The pass-rate curriculum on the demo: the RL phase of configs/demo.toml with rl.curriculum
+"""The pass-rate curriculum on the demo: the RL phase of configs/demo.toml with rl.curriculum.type
 "none" and "pass_rate", side by side from the same SFT checkpoint, same seeds.
 
 One SFT (the demo's, or fewer steps) gives the start checkpoint; each RL run then trains the
 demo's RL phase from it (tracking off, stages as plain calls): the demo as it is, then with the
-curriculum keyed by prompt class (rl.curriculum_key = "class": the demo's prompts never come back,
+curriculum keyed by prompt class (rl.curriculum.key = "class": the demo's prompts never come back,
 so a per-prompt history has nothing to act on, but their classes of digits and carries do), and
 with `--pool N` also on a pool of N train prompts (rl.prompt_pool) without and with the curriculum
 keyed by example. Reported per run, read back from the run's tables: the share of sampled completions
@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--rl-steps", type=int, default=120)
     parser.add_argument("--pool", type=int, default=0, help="also runs on rl.prompt_pool = N, keyed by example")
-    parser.add_argument("--retest", type=float, default=0.02, help="rl.curriculum_retest of the curriculum runs")
-    parser.add_argument("--window", type=int, default=32, help="rl.curriculum_window of the run keyed by class")
+    parser.add_argument("--retest", type=float, default=0.02, help="rl.curriculum.retest of the curriculum runs")
+    parser.add_argument("--window", type=int, default=32, help="rl.curriculum.window of the run keyed by class")
     parser.add_argument("--solved-rate", type=float, default=0.85,
-                        help="rl.curriculum_solved_rate of the run keyed by class")
-    parser.add_argument("--reads", type=float, default=1.0, help="rl.curriculum_reads of the run keyed by class")
+                        help="rl.curriculum.solved_rate of the run keyed by class")
+    parser.add_argument("--reads", type=float, default=1.0, help="rl.curriculum.reads of the run keyed by class")
     parser.add_argument("--start", default="", help="an SFT checkpoint to start from (skips the SFT)")
     parser.add_argument("--root", default="", help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/curriculum.json"))

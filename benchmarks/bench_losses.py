@@ -1,4 +1,4 @@
-"""Does each RL loss learn? Reward gain of every `rl.loss` (and a KL variant), two tasks.
+"""Does each RL loss learn? Reward gain of every `rl.loss.type` (and a KL variant), two tasks.
 
 The RL core without Prefect (engine → score → filter/advantages → pack → train, the functions the
 `rl` flow's stages call); per loss and seed: 8 prompts x 8 completions per step, GRPO advantages
@@ -162,7 +162,7 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     accuracy_start = greedy_accuracy(model, tokenizer, env, max_new_tokens) if task != "digits" else None
     rl = RLConfig(steps=steps, prompts_per_step=prompts, group_size=group, drop_zero_variance=False, loss=name,
                   **options)
-    ref = frozen_copy(model) if rl.kl_coef else None
+    ref = frozen_copy(model) if rl.loss.kl_coef else None
     engine = TorchEngine(model)
     optimizer = build_optimizer(model, lr=lr)
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=steps, min_lr_ratio=0.1)

@@ -4,7 +4,7 @@ The run: the demo's shapes (configs/demo.toml: tiny-dense with 4 layers, 16 prom
 completions, 6 new tokens, token budget 8192, greedy eval of 400 prompts every 10 steps —
 the demo's 1,000 every 25 — and a checkpoint every 10 steps), warm-started by a short SFT (200
 steps at lr 3e-3, ~35% greedy accuracy) so that rewards vary and every step trains
-(`rl.drop_zero_variance = false`, so no step can fail to fill its batch). Both phases are the
+(`rl.filter.drop_zero_variance = false`, so no step can fail to fill its batch). Both phases are the
 real Prefect flows (`sft_flow`, `rl_flow`) on the embedded Prefect API (a fresh PREFECT_HOME),
 with Parquet tables and MLflow on a temporary folder; torch runs 1 thread by default (2 threads
 on a loaded CPU with 2 cores ran SFT steps 10-30x slower and far less steadily).

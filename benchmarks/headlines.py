@@ -388,7 +388,7 @@ def headline_curriculum(results: dict, ceiling: dict) -> tuple[str, list[str]]:
             f"the curriculum: at most {settings['target_zero_variance_share']:.0%} zero-variance, held-out accuracy "
             f"at least {settings['target_accuracy']:.0%}, RL seconds not above the run without it."
             + (f" {settings['note']}" if settings.get("note") else ""))
-    return summary, table(["run (rl.curriculum, key, rl.prompt_pool)", "zero-variance share", "sampled per trained",
+    return summary, table(["run (rl.curriculum.type, key, rl.prompt_pool)", "zero-variance share", "sampled per trained",
                            "sampled completions", "trained completions", "prompts skipped", "held-out accuracy",
                            "RL seconds"], rows) + ["", note]
 

@@ -38,11 +38,11 @@ BENCHMARKS = {
     "storage": "Storage: 1M rollout rows over 500 steps and 200,000 over 10,000 (compacted); write time, size, canned query time",
     "rl_step": "RL step by stage: the share outside the stage functions (Prefect, Parquet, MLflow)",
     "trl": "rlpipe vs TRL GRPOTrainer: seconds per optimizer step and reward, same model and task",
-    "losses": "RL losses: does each `rl.loss` learn? Reward gain per loss on one task",
-    "async": "Async RL: demo task with rl.max_off_policy_steps = 0, 1, 2, in-process and `rlpipe serve` engines",
+    "losses": "RL losses: does each `rl.loss.type` learn? Reward gain per loss on one task",
+    "async": "Async RL: demo task with rl.off_policy.max_steps = 0, 1, 2, in-process and `rlpipe serve` engines",
     "distributed": "Data parallelism on the CPU: real tokens/s of 1 process vs 2 gloo ranks (DDP, FSDP2)",
     "compile": "train.compile on the CPU: eager vs compiled decoder layers, train-step tokens/s and compile time",
-    "curriculum": "Curriculum: the demo's RL phase with rl.curriculum = none and pass_rate, same SFT start and seeds",
+    "curriculum": "Curriculum: the demo's RL phase with rl.curriculum.type = none and pass_rate, same SFT start and seeds",
     "bytes": "Bytes per token: rollouts, train_tokens and checkpoints per generated and trained token, vs JSONL",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)

@@ -1,17 +1,21 @@
 """What every config section shares: the strict pydantic base, the error type, `--set` overrides,
 the finite-number check and the readable forms of errors and fields.
 
-The sections themselves live beside what they configure (training/config.py, engines/config.py,
-envs/config.py, storage/config.py); tasks/config.py composes them into a run's `RunConfig`.
+The sections themselves live beside what they configure (training/config.py, rollouts/config.py,
+engines/config.py, envs/config.py, storage/config.py); tasks/config.py composes them into a run's
+`RunConfig`. A component whose frozen options are not its section itself gets them from
+`options_from`, the one function that copies fields by name (no hand copies), and a key that
+moved to another place is refused naming that place (`moved_key_errors`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
 import typing
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -133,3 +137,68 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
             default = field.get_default(call_default_factory=True)
             lines.append(f"  {prefix}{name} = {default!r}  # {field.description or ''}")
     return lines
+
+
+T = TypeVar("T")
+
+
+def options_from(cls: type[T], *sections: Any, **given: Any) -> T:
+    """The frozen options `cls` (a dataclass) of a component: each field from `given` by name,
+    else from the first of `sections` with an attribute of that name, else its default. The
+    one way options are made from config sections: a field renamed in a section is a `given`."""
+    names = {field.name for field in dataclasses.fields(cls) if field.init}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(unknown)}")
+    values = {}
+    for name in names:
+        if name in given:
+            values[name] = given[name]
+            continue
+        source = next((section for section in sections if hasattr(section, name)), None)
+        if source is not None:
+            values[name] = getattr(source, name)
+    return cls(**values)
+
+
+def moved_key_errors(data: Any, moved: dict[str, str]) -> list[str]:
+    """One line per key of the nested config dict `data` that `moved` (old dotted key -> new
+    dotted key) says now lives elsewhere. A key that became a table (`loss = "cispo"` of `[rl]`,
+    now `type = "cispo"` of `[rl.loss]`) is moved only while its value is not a table."""
+    out = []
+    for old, new in moved.items():
+        *parents, last = old.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            continue
+        value = node[last]
+        if new.startswith(old + ".") and isinstance(value, dict):
+            continue  # already the new table
+        section, _, key = new.rpartition(".")
+        out.append(f"{old} moved to {new}: write {key} = {json.dumps(value)} under [{section}]")
+    return out
+
+
+def with_moved_keys(data: dict, moved: dict[str, str]) -> dict:
+    """A copy of the nested config dict `data` with every moved key at its new place (a stored
+    run's config.json, written before the keys moved, reads as it meant)."""
+    data = json.loads(json.dumps(data))
+    # a key that becomes a table moves first, so the keys moving into that table find it
+    for old, new in sorted(moved.items(), key=lambda item: not item[1].startswith(item[0] + ".")):
+        *parents, last = old.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            continue
+        if new.startswith(old + ".") and isinstance(node[last], dict):
+            continue
+        value = node.pop(last)
+        *new_parents, new_last = new.split(".")
+        target = data
+        for part in new_parents:
+            target = target.setdefault(part, {})
+        target[new_last] = value
+    return data

@@ -20,7 +20,7 @@ ANSWER_LENGTH = "rollout/answer_length_mean"  # tokens after </think>
 CUT_IN_THINKING = "rollout/cut_in_thinking"  # completions cut at max_new_tokens inside their reasoning
 LAG_MEAN = "rollout/policy_lag_mean"
 LAG_MAX = "rollout/policy_lag_max"
-CURRICULUM_SKIPPED = "rollout/curriculum_skipped"  # resting prompts skipped (rl.curriculum)
+CURRICULUM_SKIPPED = "rollout/curriculum_skipped"  # resting prompts skipped (rl.curriculum.type)
 CURRICULUM_RETESTED = "rollout/curriculum_retested"  # resting prompts sampled anyway
 
 # eval/*: greedy evaluation on held-out prompts

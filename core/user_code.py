@@ -2,7 +2,7 @@
 
 A spec is "module:attribute" (or a bare module for `reward_module`). The module is looked up
 on sys.path and then in the current working directory, so `rlpipe run --set
-rl.sample_filter=myfilters:keep` finds ./myfilters.py however rlpipe was started (the console
+rl.filter.sample_filter=myfilters:keep` finds ./myfilters.py however rlpipe was started (the console
 script's sys.path does not hold the working directory). The working directory goes last on the
 path: a user's models.py or tasks/ never shadows an installed package.
 """

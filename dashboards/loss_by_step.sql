@@ -13,7 +13,7 @@
 --   ratio_mean         DOUBLE   mean importance ratio (RL, else NULL)
 --   logprob_gap        DOUBLE   mean |trainer - generator| log-prob (RL, else NULL)
 --   entropy            DOUBLE   mean policy entropy over loss tokens, nats (NULL if not measured)
---   kl                 DOUBLE   mean KL estimate to the reference policy (RL with rl.kl_coef > 0, else NULL)
+--   kl                 DOUBLE   mean KL estimate to the reference policy (RL with rl.loss.kl_coef > 0, else NULL)
 SELECT
     run_id,
     step,

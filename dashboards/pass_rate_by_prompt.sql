@@ -1,6 +1,6 @@
 -- Pass rate by prompt over time: each prompt's completions per step, how many passed, and its pass rate so far.
 -- source: rollouts joined with scores on (run_id, sample_id); a completion passes when its reward is at least 1
--- (rl.curriculum_pass_reward's default); completions whose reward function raised are left out.
+-- (rl.curriculum.pass_reward's default); completions whose reward function raised are left out.
 -- One row per (run_id, env, example_id, step) the prompt was sampled at, ordered by run_id, env, example_id, step.
 -- columns:
 --   run_id               VARCHAR  run

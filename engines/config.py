@@ -43,7 +43,7 @@ class EngineConfig(Section):
 
     sync_every: int = Field(1, ge=1)
     """Send the trainer's weights to the engines every N steps (servers: a checkpoint each time);
-    at most rl.max_off_policy_steps + 1, so that samples stay within the staleness bound."""
+    at most rl.off_policy.max_steps + 1, so that samples stay within the staleness bound."""
     cuda_graphs: bool = False
     """Torch engine on CUDA: replay each decode step as one CUDA graph (engines/decode_graphs.py),
     which removes the kernel-launch overhead that bounds decoding of small models at large
@@ -51,13 +51,13 @@ class EngineConfig(Section):
     allocated while the trainer trains, and MoE blocks run every expert on every token. Off by
     default until a GPU run has measured it (docs/BENCHMARKS_GPU.md); ignored, with a log line,
     on CPU and for models without the fast Qwen3 path; not used by the snapshot engine of
-    rl.max_off_policy_steps > 0. vLLM engine: let vLLM compile and capture its CUDA graphs
+    rl.off_policy.max_steps > 0. vLLM engine: let vLLM compile and capture its CUDA graphs
     (its own default, as TRL runs it; false = enforce_eager, which starts faster)."""
     producer: Literal["thread", "process"] = "thread"
-    """Torch engine with rl.max_off_policy_steps >= 1: where the sampler of the rollouts generated
+    """Torch engine with rl.off_policy.max_steps >= 1: where the sampler of the rollouts generated
     ahead runs. thread: a weights snapshot sampled in a thread of the trainer's process (shares
     its interpreter lock); process: a child process sampling from shared-memory weights that each
-    sync refreshes (engines/process_engine.py; not with rl.partial_rollouts)."""
+    sync refreshes (engines/process_engine.py; not with rl.off_policy.partial_rollouts)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM engine: share of GPU memory vLLM may hold while generating (weights + KV cache); it
     sleeps, releasing it, while the trainer trains. Ignored by vLLM's CPU build."""
@@ -68,7 +68,7 @@ class EngineConfig(Section):
     """vLLM engine on CUDA, colocated and synchronous: vLLM's parameters whose layout is the
     trainer's become the trainer's tensors (no copy at a sync; the rest are still pushed). Layouts
     match with model.weights_dtype = "bfloat16" (a float32 trainer under a bf16 engine matches
-    none). Ignored with LoRA, with rl.max_off_policy_steps > 0, with engine.cuda_graphs (vLLM's
+    none). Ignored with LoRA, with rl.off_policy.max_steps > 0, with engine.cuda_graphs (vLLM's
     graphs hold its own parameters' addresses) and on vLLM's CPU build (engines/vllm_engine.py). Off by default until a GPU run measures it."""
 
     @model_validator(mode="after")

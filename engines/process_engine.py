@@ -1,6 +1,6 @@
 """The in-process engine's sampler in a child process, for async RL without the GIL.
 
-With `rl.max_off_policy_steps >= 1` and `engine.producer = "process"`, the producer thread of
+With `rl.off_policy.max_steps >= 1` and `engine.producer = "process"`, the producer thread of
 rollouts/source.py hands each `generate` to a child process and waits on a pipe, so the trainer's
 Python code and the decode loop no longer take turns on one interpreter lock. The weights the
 child samples from live in shared memory (a copy of the trainer's model whose tensors

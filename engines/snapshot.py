@@ -1,6 +1,6 @@
 """An in-process engine over a private copy of the trainer's weights, for async RL.
 
-With `rl.max_off_policy_steps >= 1` the trainer updates its model while rollouts of the next
+With `rl.off_policy.max_steps >= 1` the trainer updates its model while rollouts of the next
 steps are generated in a background thread. Sampling from the trainer's own tensors would mix
 policy versions inside one completion, so this engine samples from a snapshot: `sync` copies
 the trainer's weights into it (between two `generate` calls, never during one), and records the
@@ -10,7 +10,7 @@ policy version those weights are.
     engine.generate(prompts, params)                   # from the snapshot (any thread)
     engine.sync(None, version)                         # after an optimizer step, in the trainer
 
-With `partial=True` (rl.partial_rollouts) a sync does not wait for the `generate` in flight: it
+With `partial=True` (rl.off_policy.partial_rollouts) a sync does not wait for the `generate` in flight: it
 lands between two of its decode steps (the sampling thread pauses there while a sync is waiting),
 and the unfinished sequences go on from the new weights, each token recording the version that
 sampled it (`Completion.versions`; engines/decode_loop.py recomputes their KV cache).

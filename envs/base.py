@@ -50,7 +50,7 @@ class Example:
     prompt:     the user prompt text, or chat messages (list of {"role", "content"} dicts)
     answer:     what the verifier checks against (an int, a string, anything the reward understands)
     meta:       free-form details (difficulty, split, ...) kept for analysis
-    curriculum_key: the prompt's class for a curriculum keyed by class (rl.curriculum_key = "class"):
+    curriculum_key: the prompt's class for a curriculum keyed by class (rl.curriculum.key = "class"):
                 what makes it hard, shared by many prompts; None = the example_id (its own class)
     """
 

@@ -127,7 +127,7 @@ class TaskConfig(Section):
     """Weight of the environment's own reward when reward_models are set."""
     reward_timeout_s: float = Field(0.0, ge=0)
     """Seconds one reward call may take (0 = no limit). A call over it is recorded as a reward
-    error (reward 0), counted in the share that fails a step (rl.max_reward_error_fraction)."""
+    error (reward 0), counted in the share that fails a step (rl.scoring.max_reward_error_fraction)."""
     mcp_servers: list[McpServerConfig] = Field(default_factory=list)
     """MCP servers whose tools the policy may call (envs/mcp_tools.py): episodes become multi-turn,
     the tools are listed to the chat template, each call's result is a tool message."""

@@ -5,7 +5,7 @@ stall a run forever.
 
 A call over the deadline returns reward 0 with an `error` saying so: the scores table records it
 like a reward that raised, and it counts in the share that fails a step
-(`rl.max_reward_error_fraction`). Python cannot kill a thread: the overrunning call is left on
+(`rl.scoring.max_reward_error_fraction`). Python cannot kill a thread: the overrunning call is left on
 its daemon thread (it dies with the process) and later calls go on without it.
 """
 

@@ -242,10 +242,10 @@ def _mlflow_run_dir(tracker, run_id: str) -> str | None:
 def code_named_by(config: RunConfig) -> list[str]:
     """The Python code a run's config names (imported by whatever builds its environment or
     filters: resume, rescore): the dataset environment's `reward_module`, the verifiers
-    environment's `taskset` (of every `[[task.envs]]` entry), `rl.sample_filter`, `rl.batch_maker`."""
+    environment's `taskset` (of every `[[task.envs]]` entry), `rl.filter.sample_filter`, `rl.buffer.batch_maker`."""
     named = [str(entry.options[key]) for entry in config.task.entries()
              for key in ("reward_module", "taskset") if entry.options.get(key)]
-    return named + [spec for spec in (config.rl.sample_filter, config.rl.batch_maker) if spec]
+    return named + [spec for spec in (config.rl.filter.sample_filter, config.rl.buffer.batch_maker) if spec]
 
 
 def say_code_trusted(command: str, config: RunConfig, run_dir: Path) -> None:

@@ -77,7 +77,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     from rlpipe.flows.progress import progress
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.storage.compaction import table_files
-    from rlpipe.tasks.config import validate_config
+    from rlpipe.tasks.config import read_run_config
     from rlpipe.tasks.rescoring import load_reward, rescore_run, scoring_env
     from rlpipe.tasks.rl_setup import overlong_penalty_fn
     from rlpipe.tasks.setup import task_env
@@ -85,7 +85,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"not a run directory: {run_dir} has no config.json")
-    config = validate_config(json.loads(config_path.read_text()), str(config_path))
+    config = read_run_config(json.loads(config_path.read_text()), str(config_path))
     say_code_trusted(PROG, config, run_dir)
     fn = load_reward(reward)
     name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", reward.rpartition(":")[2]) or "rescore"

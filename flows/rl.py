@@ -3,7 +3,7 @@
     rollouts (generate → score → filter/advantages) → pack → train → eval → checkpoint → sync
 
 Where rollouts come from — sampling rounds, over-sampling, carry-over, the staleness bound, and
-with `rl.max_off_policy_steps >= 1` generation running ahead of training — is rollouts/source.py;
+with `rl.off_policy.max_steps >= 1` generation running ahead of training — is rollouts/source.py;
 each stage writes its own table (tasks/). The checkpoint stage puts every table of the step on
 disk before the checkpoint that marks it done, so a killed run resumes where it stopped.
 
@@ -114,7 +114,7 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     bar = progress(total=rl.steps, initial=run.start_step, desc="rl")
     for step in range(run.start_step + 1, rl.steps + 1):
         batch = _step_batch(source, step, tracker)  # generate → score → filter/advantages, each writing its table
-        watch, version, step_evals = Stopwatch(batch.seconds), step * rl.ppo_epochs, {}
+        watch, version, step_evals = Stopwatch(batch.seconds), step * rl.loss.ppo_epochs, {}
         with watch("pack"):
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, budget=run.trainer.budget, **io)
         with watch("train"):  # writes train_tokens: the batches and the trainer's log-probs (replay, tokens view)

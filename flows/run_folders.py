@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlpipe.flows.common import read_json, resolve_config
-from rlpipe.tasks.config import RunConfig
+from rlpipe.tasks.config import RunConfig, stored_config_data
 
 
 def clear_run_dir(run_dir: Path) -> None:
@@ -115,7 +115,7 @@ def run_folder(config: RunConfig, *, resume: bool = False, overwrite: bool = Fal
     if resume:
         if not (run_dir / "config.json").is_file():
             raise ValueError(f"nothing to resume: {run_dir} holds no run (no config.json)")
-        saved = compile_resolved(read_json(run_dir / "config.json"), config)
+        saved = compile_resolved(stored_config_data(read_json(run_dir / "config.json")), config)
         if differ := config_differences(saved, compile_resolved(config.model_dump(mode="json"), config)):
             raise ValueError(f"refusing to resume {run_dir} with another config ({', '.join(differ[:5])} "
                              "differ from its config.json); overwrite=true starts over")

@@ -38,7 +38,7 @@ from rlpipe.flows.launch import (
 from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite
 from rlpipe.storage.layout import human_bytes, run_folder_bytes
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
-from rlpipe.tasks.config import RunConfig, load_config, validate_config
+from rlpipe.tasks.config import RunConfig, load_config, read_run_config, validate_config
 from rlpipe.tasks.preflight import preflight
 
 
@@ -153,7 +153,7 @@ def main_resume(argv: list[str]) -> int:
         print(f"rlpipe resume: {args.run_dir} is not a run directory (no config.json)", file=sys.stderr)
         return 2
     try:
-        config = validate_config(json.loads(path.read_text()), str(path))
+        config = read_run_config(json.loads(path.read_text()), str(path))
         config = config_at(config, run_folder_root(Path(args.run_dir), config))
     except (ConfigError, ValueError, json.JSONDecodeError) as error:
         print(f"rlpipe resume: {error}", file=sys.stderr)

@@ -19,7 +19,7 @@ The built-in `GrpoBatchMaker` offers retention ("latest": only the newest policy
 each example, "all": every version, "max_age": every version up to rl.buffer.max_age versions
 old) and sampling ("oldest": oldest first, "reservoir": a bounded reservoir of valid groups,
 each batch drawn from it at random with the run's seed, its random state in state_dict so a
-resumed run draws the same batches). `rl.batch_maker = "module:Class"` replaces it with a
+resumed run draws the same batches). `rl.buffer.batch_maker = "module:Class"` replaces it with a
 user's class, constructed as `Class(options)` with this module's `BatchMakerOptions`.
 
 Plain Python (no torch), like rollouts/advantages.py whose `Group` records it holds.
@@ -76,7 +76,7 @@ class BatchMakerOptions:
     """Most policy versions a group held with retention "latest" or "all" may lag the version
     being trained (rollouts/group_buffer.py `staleness_limit`)."""
     spec: str = ""
-    """rl.batch_maker: a user's "module:Class", or "" for `GrpoBatchMaker`."""
+    """rl.buffer.batch_maker: a user's "module:Class", or "" for `GrpoBatchMaker`."""
 
     @property
     def age_limit(self) -> int:
@@ -186,12 +186,12 @@ class GrpoBatchMaker:
 
 
 def batch_maker_class(spec: str) -> type:
-    """The class a "module:Class" rl.batch_maker names; ValueError in one line naming it otherwise."""
-    cls = import_user_object(spec, "rl.batch_maker")
+    """The class a "module:Class" rl.buffer.batch_maker names; ValueError in one line naming it otherwise."""
+    cls = import_user_object(spec, "rl.buffer.batch_maker")
     missing = [name for name in ("add", "create_batch", "metadata", "state_dict", "load_state_dict")
                if not callable(getattr(cls, name, None))]
     if not isinstance(cls, type) or missing:
-        raise ValueError(f"rl.batch_maker {spec!r} must name a class with add, create_batch, metadata, state_dict "
+        raise ValueError(f"rl.buffer.batch_maker {spec!r} must name a class with add, create_batch, metadata, state_dict "
                          f"and load_state_dict{' (missing: ' + ', '.join(missing) + ')' if missing else ''}")
     return cls
 

@@ -1,4 +1,4 @@
-"""The pass-rate curriculum (`rl.curriculum = "pass_rate"`): prompts the policy always solves, or
+"""The pass-rate curriculum (`rl.curriculum.type = "pass_rate"`): prompts the policy always solves, or
 never does, rest instead of filling the batch with zero-variance groups.
 
 Each prompt, keyed by (env, example_id), keeps its pass history: whether each of its last
@@ -11,7 +11,7 @@ step draws the same prompts. A round reads the stream at most once round (never 
 twice in a round, which would merge into one group). Every skip and re-test is a row of the `curriculum` table with its
 reason (`decision_row`).
 
-`key = "class"` (rl.curriculum_key) keys the history by the prompt's *class* instead: the
+`key = "class"` (rl.curriculum.key) keys the history by the prompt's *class* instead: the
 environment's `Example.curriculum_key` (what makes it hard, e.g. arithmetic's operand digits and
 carries), or its example_id when the environment gives none. Prompts that never repeat then rest
 with their class once the class is solved; the window should span several groups of the class.
@@ -50,7 +50,7 @@ Key = tuple[str, str]
 
 @dataclass(frozen=True)
 class CurriculumOptions:
-    """What the curriculum reads of the `[rl]` section (rl.curriculum, rl.curriculum_*)."""
+    """What the curriculum reads of the `[rl]` section ([rl.curriculum])."""
 
     kind: str = "none"
     window: int = 8
@@ -137,9 +137,9 @@ def decision_row(key: Key, status: str, state: str, passed: int, counted: int, o
     if forced:
         action = "sampled anyway: every prompt of the stream rests, and a round samples at least one"
     elif status == "skipped":
-        action = f"skipped (re-tested with probability rl.curriculum_retest={options.retest:g})"
+        action = f"skipped (re-tested with probability rl.curriculum.retest={options.retest:g})"
     else:
-        action = f"re-tested (probability rl.curriculum_retest={options.retest:g})"
+        action = f"re-tested (probability rl.curriculum.retest={options.retest:g})"
     return {"attempt": attempt, "env": key[0], "example_id": key[1], "status": status, "state": state,
             "passed": passed, "counted": counted, "reason": f"{state}: {how}; {action}"}
 

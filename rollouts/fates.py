@@ -4,13 +4,13 @@ A step's completions are decided at two levels, and this module is where both be
 
 - per completion, before grouping (`sample_drop`): `reward_error` (the reward function raised:
   its made-up reward of 0 is not trained on), `truncated` (cut at max_new_tokens, with
-  rl.drop_truncated), `cut_in_thinking` (the same, cut inside its `<think>` block before any
-  answer), `filtered` (the user filter rl.sample_filter returned False or a reason);
+  rl.filter.drop_truncated), `cut_in_thinking` (the same, cut inside its `<think>` block before any
+  answer), `filtered` (the user filter rl.filter.sample_filter returned False or a reason);
 - per group (`decide_groups`), from what the over-sampling buffer did while filling the batch
   (`Fill`): `trained` (in the step's batch), `carried` (valid surplus waiting for a later step),
   `zero_variance`, `stale` (too old, replaced by a newer group of the same example, or evicted
   from the batch maker's full reservoir),
-  `over_cap` (sampled by a step that used up rl.max_attempts without filling its batch: the step
+  `over_cap` (sampled by a step that used up rl.buffer.max_attempts without filling its batch: the step
   failed and the run stopped).
 
 `select_step` is the filter/advantages stage's whole decision: each group's `GroupFate`, the
@@ -54,9 +54,9 @@ def cut_in_thinking(rollout: Rollout) -> bool:
 @functools.cache
 def user_filter(spec: str) -> Callable[[Rollout, Score], bool | str]:
     """The function a "module:function" spec names; ValueError naming the spec otherwise."""
-    fn = import_user_object(spec, "rl.sample_filter")
+    fn = import_user_object(spec, "rl.filter.sample_filter")
     if not callable(fn):
-        raise ValueError(f"rl.sample_filter must name a function as 'module:function', got {spec!r}")
+        raise ValueError(f"rl.filter.sample_filter must name a function as 'module:function', got {spec!r}")
     return fn
 
 
@@ -77,10 +77,10 @@ def sample_drop(rollout: Rollout, score: Score, options: DropOptions) -> tuple[s
         return "reward_error", f"reward function raised: {first}"
     if options.drop_truncated and cut_in_thinking(rollout):
         return "cut_in_thinking", (f"cut at rl.sampling.max_new_tokens={options.max_new_tokens} inside its "
-                                   "<think> block, before any answer, and rl.drop_truncated is on")
+                                   "<think> block, before any answer, and rl.filter.drop_truncated is on")
     if options.drop_truncated and rollout.finish_reason == "length":
         return "truncated", (f"cut at rl.sampling.max_new_tokens={options.max_new_tokens} "
-                             "(finish_reason 'length') and rl.drop_truncated is on")
+                             "(finish_reason 'length') and rl.filter.drop_truncated is on")
     if options.sample_filter:
         verdict = user_filter(options.sample_filter)(rollout, score)
         if verdict is not True:

@@ -51,7 +51,7 @@ class BufferOptions:
     max_off_policy_steps: int
     drop_zero_variance: bool
     maker: BatchMakerOptions = BatchMakerOptions()
-    """The batch maker's options (`[rl.buffer]`, rl.batch_maker, the seed)."""
+    """The batch maker's options (`[rl.buffer]`, rl.buffer.batch_maker, the seed)."""
 
 
 class BatchFillError(RuntimeError):
@@ -143,7 +143,7 @@ class GroupBuffer:
                 f"could not fill {self.options.prompts_per_step} groups with non-zero reward variance "
                 f"after {self.attempts} attempts ({len(self.held) + len(self.batch or [])} valid; of "
                 f"{c['sampled_groups']} groups sampled, {c['zero_var_groups']} had zero variance): raise "
-                "rl.max_attempts or rl.oversample_factor, set rl.partial_batches, or make the task easier/harder "
+                "rl.buffer.max_attempts or rl.buffer.oversample_factor, set rl.buffer.partial_batches, or make the task easier/harder "
                 "so rewards differ within a group"
             )
         self.attempts += 1
@@ -205,7 +205,7 @@ class GroupBuffer:
         return self.options.prompts_per_step - len(self.batch or [])
 
     def _collect_partial(self) -> list[GroupDecision]:
-        """The largest batch the maker can make from what it holds (rl.partial_batches)."""
+        """The largest batch the maker can make from what it holds (rl.buffer.partial_batches)."""
         for size in range(min(self._missing(), len(self.held)), 0, -1):
             late = self._collect(size)
             if late is not None:

@@ -62,7 +62,7 @@ class Rollout(_Row):
     """Completion tokens outside the reasoning block."""
     answer_text: str | None = None
     """What the reward sees: the text after `</think>` ('' when cut inside the reasoning)."""
-    # partial rollouts (rl.partial_rollouts): the versions of the weights that sampled its first
+    # partial rollouts (rl.off_policy.partial_rollouts): the versions of the weights that sampled its first
     # and its last token; both default to policy_version (one version sampled it all)
     first_policy_version: int | None = None
     """Version of its oldest token (>= policy_version, the version its round started from)."""

@@ -33,7 +33,7 @@ class ScoreOptions:
     max_error_fraction: float = 0.0
     """The share of a round's reward calls that may raise before the step fails."""
     length_penalty: Callable[[int], float] | None = None
-    """DAPO's overlong penalty on the reward, of the completion's tokens (rl.overlong_buffer), or None."""
+    """DAPO's overlong penalty on the reward, of the completion's tokens (rl.scoring.overlong_buffer), or None."""
 
 
 def score_rollouts(

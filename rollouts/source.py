@@ -14,7 +14,7 @@ partial batches; its batch maker, rollouts.batch_makers, keeps the valid groups 
 (rollouts/fates.py `select_step`: trained, carried or dropped and why), computes the advantages
 and records them. `options` are the `[rl]` fields it reads (rollouts/options.py).
 
-`rl.max_off_policy_steps = k`:
+`rl.off_policy.max_steps = k`:
 - k = 0: `batch(step)` fills the step's batch inline from the current weights (on-policy).
 - k >= 1: a producer thread fills the batches of the next steps while the trainer trains. It fills
   step t only once the engines sample from a policy version >= t - 1 - k (`publish`), so every
@@ -211,7 +211,7 @@ class RolloutSource:
         except BatchFillError as error:  # record what the failed rounds sampled, then fail the step
             buffer = self.options.buffer
             failed = over_cap(getattr(error, "decisions", []),
-                              f"step {step} used rl.max_attempts={buffer.max_attempts} sampling rounds without "
+                              f"step {step} used rl.buffer.max_attempts={buffer.max_attempts} sampling rounds without "
                               f"filling its batch of {buffer.prompts_per_step} groups; the run stopped")
             selection = self.stages.select(Fill([], failed, drops, rested), self._rows, self.options.advantages,
                                            step=step, empty=not sampled)

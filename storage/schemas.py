@@ -75,7 +75,7 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("answer_tokens", pa.int32()),
         _opt("answer_text", pa.string()),  # the text the reward saw
         # versions of the weights that sampled the first and the last token (they differ only
-        # with rl.partial_rollouts); policy_version <= first_policy_version <= last_policy_version
+        # with rl.off_policy.partial_rollouts); policy_version <= first_policy_version <= last_policy_version
         _opt("first_policy_version", pa.int32()),
         _opt("last_policy_version", pa.int32()),
     ],
@@ -135,7 +135,7 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("ratio_mean", pa.float64()),
         _opt("logprob_gap", pa.float64()),
         _opt("entropy", pa.float64()),  # mean policy entropy over loss tokens (nats)
-        _opt("kl", pa.float64()),  # mean KL estimate to the reference policy (rl.kl_coef > 0)
+        _opt("kl", pa.float64()),  # mean KL estimate to the reference policy (rl.loss.kl_coef > 0)
     ],
     # one row per saved checkpoint (checkpoint)
     "checkpoints": _KEY
@@ -188,7 +188,7 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _f("status", pa.string()),  # skipped | retested
         _f("state", pa.string()),  # solved | hopeless
         _f("passed", pa.int32()),  # completions of its window that passed
-        _f("counted", pa.int32()),  # completions in its window (rl.curriculum_window)
+        _f("counted", pa.int32()),  # completions in its window (rl.curriculum.window)
         _f("reason", pa.string()),
     ],
     # one row per packed micro-batch an RL step trained on, exactly (tasks/tokens.py): the

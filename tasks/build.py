@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.engines.base import Engine
-from rlpipe.tasks.phase_loss import phase_loss
 from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
 from rlpipe.training.checkpoint_files import resume_checkpoint
 from rlpipe.training.checkpoint_io import load_checkpoint
+from rlpipe.training.policy_loss import phase_loss_fn
 from rlpipe.training.step import StepOptions
 from rlpipe.training.trainer import Trainer, TrainOptions
 
@@ -48,7 +48,7 @@ class Built:
     tokenizer: Any
     trainer: Trainer
     loss_fn: Any
-    """The phase's loss (`TrainerPlan.loss` through tasks/phase_loss.py `phase_loss`, as every rank builds it)."""
+    """The phase's loss (`TrainerPlan.loss` through training/policy_loss.py `phase_loss_fn`, as every rank builds it)."""
     start_step: int = 0
     data_state: dict = field(default_factory=dict)
     """The resumed checkpoint's data state ({} when starting)."""
@@ -89,7 +89,7 @@ def build(config, plan: TrainerPlan, start: StartPoint) -> Built:
     trainer = make_trainer(config, model, plan, start.resume, ref_model=reference)
     model = trainer.model  # under data parallelism: rank 0's whole-weight view
     engines, eval_engine = open_engines(config, model, plan.engines)
-    return Built(model=model, tokenizer=tokenizer, trainer=trainer, loss_fn=phase_loss(plan.loss),
+    return Built(model=model, tokenizer=tokenizer, trainer=trainer, loss_fn=phase_loss_fn(plan.loss),
                  start_step=start_step, data_state=data_state, engines=engines, eval_engine=eval_engine)
 
 
@@ -131,8 +131,8 @@ def make_engines(config, model) -> list[Engine]:
         # a tied model's checkpoints name their lm_head for vLLM servers (tasks/checkpoint.py)
         return engines_from_config(config.engine)
     dtype = engine_dtype(model, config.model.bf16_autocast)
-    if config.rl.partial_rollouts and kind != "torch":
-        raise ValueError(f"rl.partial_rollouts needs the in-process torch engine; engine.type = 'auto' chose "
+    if config.rl.off_policy.partial_rollouts and kind != "torch":
+        raise ValueError(f"rl.off_policy.partial_rollouts needs the in-process torch engine; engine.type = 'auto' chose "
                          f"{kind!r} here: set engine.type = 'torch'")
     if kind == "vllm":
         from rlpipe.engines.vllm_engine import VllmEngine  # optional extra
@@ -144,16 +144,16 @@ def make_engines(config, model) -> list[Engine]:
                            gpu_memory_utilization=config.engine.gpu_memory_utilization,
                            max_model_len=config.engine.max_model_len or None,
                            enforce_eager=not config.engine.cuda_graphs,
-                           sleep_between_calls=config.rl.max_off_policy_steps == 0,
+                           sleep_between_calls=config.rl.off_policy.max_steps == 0,
                            zero_copy=config.engine.zero_copy)]
-    if config.rl.max_off_policy_steps > 0 and config.engine.producer == "process":
+    if config.rl.off_policy.max_steps > 0 and config.engine.producer == "process":
         from rlpipe.engines.process_engine import ProcessEngine
 
         return [ProcessEngine(model, dtype=dtype, threads=config.threads)]
-    if config.rl.max_off_policy_steps > 0:
+    if config.rl.off_policy.max_steps > 0:
         from rlpipe.engines.snapshot import SnapshotEngine
 
-        return [SnapshotEngine(model, dtype=dtype, partial=config.rl.partial_rollouts)]
+        return [SnapshotEngine(model, dtype=dtype, partial=config.rl.off_policy.partial_rollouts)]
     from rlpipe.engines.torch_engine import TorchEngine
 
     return [TorchEngine(model, dtype=dtype, cuda_graphs=config.engine.cuda_graphs)]
@@ -161,15 +161,15 @@ def make_engines(config, model) -> list[Engine]:
 
 def rl_plan(config) -> TrainerPlan:
     """The RL phase's trainer: rl.optim over steps × ppo_epochs optimizer steps, the policy loss,
-    the KL reference when rl.kl_coef > 0, rollout engines. gspo normalises per sequence, dr_grpo
+    the KL reference when rl.loss.kl_coef > 0, rollout engines. gspo normalises per sequence, dr_grpo
     by a constant (training/rl_loss.py, LOSSES)."""
     rl = config.rl
     normaliser, constant = rl.loss_normaliser()
     step = StepOptions(normaliser=normaliser, constant=constant, autocast=config.model.bf16_autocast,
                        temperature=rl.sampling.temperature, entropy=True)
-    options = TrainOptions(step=step, max_grad_norm=rl.optim.max_grad_norm, epochs=rl.ppo_epochs)
-    return TrainerPlan(optim=rl.optim, total_steps=rl.steps * rl.ppo_epochs, loss=("rl", rl), options=options,
-                       reference=rl.kl_coef > 0, engines="rollout")
+    options = TrainOptions(step=step, max_grad_norm=rl.optim.max_grad_norm, epochs=rl.loss.ppo_epochs)
+    return TrainerPlan(optim=rl.optim, total_steps=rl.steps * rl.loss.ppo_epochs, loss=rl.policy_loss(), options=options,
+                       reference=rl.loss.kl_coef > 0, engines="rollout")
 
 
 def supervised_plan(config, phase: str) -> TrainerPlan:
@@ -177,5 +177,5 @@ def supervised_plan(config, phase: str) -> TrainerPlan:
     section = getattr(config, phase)
     step = StepOptions(normaliser=section.optim.normaliser or "token", autocast=config.model.bf16_autocast, entropy=True)
     options = TrainOptions(step=step, max_grad_norm=section.optim.max_grad_norm)
-    return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=("nll",), options=options,
+    return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=None, options=options,
                        engines="eval")

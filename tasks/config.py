@@ -4,8 +4,10 @@ Every field has a docstring (shown by `rlpipe run --help-config`); unknown keys 
 their dotted name; `--set a.b=c` overrides a value before validation. The resolved config is
 written to `<run_dir>/config.json` and logged to MLflow as params.
 
-Each `[section]` lives beside what it configures (training/config.py, engines/config.py,
-envs/config.py, storage/config.py) and checks its own keys; `RunConfig` composes them and holds
+Each `[section]` lives beside what it configures (training/config.py, rollouts/config.py,
+engines/config.py, envs/config.py, storage/config.py) and checks its own keys; a key that moved is
+refused with its new place, and a stored run's config.json is read with its moved keys in place
+(`read_run_config`); `RunConfig` composes them and holds
 the checks that span sections. What sections share is core/config.py.
 """
 
@@ -22,16 +24,18 @@ from rlpipe.core.config import (
     apply_overrides,
     check_plain_name,
     format_validation_error,
+    moved_key_errors,
     non_finite_keys,
     non_utf8_keys,
+    with_moved_keys,
 )
 from rlpipe.engines.config import EngineConfig
 from rlpipe.envs.config import TaskConfig
+from rlpipe.rollouts.config import MOVED, RLConfig
 from rlpipe.storage.config import TrackingConfig
 from rlpipe.training.config import (
     CheckpointConfig,
     ModelConfig,
-    RLConfig,
     SupervisedConfig,
     TrainConfig,
 )
@@ -89,20 +93,20 @@ class RunConfig(Section):
                 "rank 0's process sets up its parallel groups on the process group the training ranks "
                 "share, and such a run hung (ddp, vLLM's CPU build); sample from vLLM servers instead "
                 "(engine.type = 'http', vllm+http:// urls)")
-        k = self.rl.max_off_policy_steps
+        k = self.rl.off_policy.max_steps
         if self.engine.sync_every > k + 1:
-            raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.max_off_policy_steps + 1 "
+            raise ValueError(f"engine.sync_every = {self.engine.sync_every} exceeds rl.off_policy.max_steps + 1 "
                              f"= {k + 1}: engines would sample from weights older than the staleness bound")
-        if self.rl.partial_rollouts and self.engine.type in ("http", "vllm"):
-            raise ValueError(f"rl.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), "
+        if self.rl.off_policy.partial_rollouts and self.engine.type in ("http", "vllm"):
+            raise ValueError(f"rl.off_policy.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), "
                              f"got engine.type = {self.engine.type!r}")
         if self.engine.producer == "process":
             if self.engine.type not in ("torch", "auto") or k == 0:
                 raise ValueError("engine.producer = 'process' is the sampler of the in-process torch engine for "
-                                 f"async RL: it needs engine.type = 'torch' and rl.max_off_policy_steps >= 1 (got "
-                                 f"engine.type = {self.engine.type!r}, rl.max_off_policy_steps = {k})")
-            if self.rl.partial_rollouts:
-                raise ValueError("engine.producer = 'process' with rl.partial_rollouts is not supported: a sync "
+                                 f"async RL: it needs engine.type = 'torch' and rl.off_policy.max_steps >= 1 (got "
+                                 f"engine.type = {self.engine.type!r}, rl.off_policy.max_steps = {k})")
+            if self.rl.off_policy.partial_rollouts:
+                raise ValueError("engine.producer = 'process' with rl.off_policy.partial_rollouts is not supported: a sync "
                                  "interrupts the generation in flight only in the trainer's process "
                                  "(engine.producer = 'thread')")
         if self.pretrain.data:
@@ -126,6 +130,10 @@ def validate_config(data: dict, source: str = "") -> RunConfig:
         key = bad[0].encode("utf-8", "backslashreplace").decode("utf-8")
         raise ConfigError(f"invalid config {source}".rstrip() + f": {key} is not valid UTF-8 text "
                           "(write it in UTF-8, e.g. a plain ASCII name)")
+    moved = moved_key_errors(data, MOVED)
+    if moved:  # one line: the first moved key and where it goes now
+        raise ConfigError(f"invalid config {source}".rstrip() + f": {moved[0]}"
+                          + (f" (and {len(moved) - 1} more moved key(s) of [rl])" if len(moved) > 1 else ""))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
@@ -144,3 +152,15 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config {path} is not valid TOML: {error}") from None
     return validate_config(apply_overrides(data, list(overrides)), str(path))
+
+
+def read_run_config(data: dict, source: str = "") -> RunConfig:
+    """The `RunConfig` of a run's stored config.json: written by an earlier version, its moved
+    keys are read at their new place (a run resumes, replays and rescores as it was meant)."""
+    return validate_config(with_moved_keys(data, MOVED), source)
+
+
+def stored_config_data(data: dict) -> dict:
+    """A stored config.json's dict with its moved keys at their new place (to compare with a
+    config of today's layout)."""
+    return with_moved_keys(data, MOVED)

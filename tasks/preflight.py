@@ -140,16 +140,16 @@ def _check_data(config) -> None:
 
 
 def _check_user_code(config) -> None:
-    if "rl" in _phases(config.flow) and config.rl.sample_filter:
+    if "rl" in _phases(config.flow) and config.rl.filter.sample_filter:
         from rlpipe.rollouts.fates import user_filter
 
-        _check("rl.sample_filter", "name a function 'module:function' importable from the installed "
-               "packages or the current folder", lambda: user_filter(config.rl.sample_filter))
-    if "rl" in _phases(config.flow) and config.rl.batch_maker:
+        _check("rl.filter.sample_filter", "name a function 'module:function' importable from the installed "
+               "packages or the current folder", lambda: user_filter(config.rl.filter.sample_filter))
+    if "rl" in _phases(config.flow) and config.rl.buffer.batch_maker:
         from rlpipe.rollouts.batch_makers import batch_maker_class
 
-        _check("rl.batch_maker", "name a class 'module:Class' importable from the installed packages or the "
-               "current folder", lambda: batch_maker_class(config.rl.batch_maker))
+        _check("rl.buffer.batch_maker", "name a class 'module:Class' importable from the installed packages or the "
+               "current folder", lambda: batch_maker_class(config.rl.buffer.batch_maker))
 
 
 def preflight(config) -> None:

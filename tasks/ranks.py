@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from rlpipe.tasks.phase_loss import phase_loss
 from rlpipe.tasks.setup import Placement, make_optimizer, placement, prepare_model
 from rlpipe.training.dist_state import broadcast_weights, load_full_optimizer_state
 from rlpipe.training.dist_trainer import ParallelTrainer, follow
 from rlpipe.training.distributed import GatheredOptimizer, data_parallel
+from rlpipe.training.policy_loss import PolicyLoss, phase_loss_fn
 from rlpipe.training.trainer import LocalTrainer, Trainer, TrainOptions
 
 
@@ -32,8 +32,9 @@ class TrainerPlan:
 
     optim: Any
     total_steps: int
-    loss: tuple
-    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (tasks/losses.phase_loss on each rank)."""
+    loss: PolicyLoss | None
+    """None (NLL) for pretrain/SFT, the policy loss for RL (training/policy_loss.py
+    `phase_loss_fn` builds it on each rank)."""
     options: TrainOptions
     reference: bool = False
     """Keep a frozen copy of the starting weights as the KL penalty's reference."""
@@ -57,14 +58,15 @@ class TrainerSpec:
     parallel: str
     optim: Any
     total_steps: int
-    loss: tuple
-    """("nll",) for pretrain/SFT, ("rl", RLConfig) for RL (tasks/losses.phase_loss on each rank)."""
+    loss: PolicyLoss | None
+    """None (NLL) for pretrain/SFT, the policy loss for RL (training/policy_loss.py
+    `phase_loss_fn` builds it on each rank)."""
     reference: bool = False
-    """A KL reference (rl.kl_coef > 0): every rank holds one, loaded with rank 0's, and scores its
+    """A KL reference (rl.loss.kl_coef > 0): every rank holds one, loaded with rank 0's, and scores its
     own micro-batches (training/dist_reference.py)."""
 
 
-def spec_for(config, model, optim, total_steps: int, loss: tuple, reference: bool = False) -> TrainerSpec:
+def spec_for(config, model, optim, total_steps: int, loss: PolicyLoss | None, reference: bool = False) -> TrainerSpec:
     """The TrainerSpec of `model` (placed, adapters injected) under `config`."""
     return TrainerSpec(model_class=type(model), model_config=model.config, dtype=next(model.parameters()).dtype,
                        placement=placement(config), parallel=config.train.parallel, optim=optim,
@@ -134,7 +136,7 @@ def follow_ranks() -> int:
         spec: TrainerSpec = message[0][1]
         model = _fresh_model(spec)
         dp, optimizer, scheduler = _collective_setup(spec, model, None)
-        steps += follow(dp, optimizer, scheduler, phase_loss(spec.loss))
+        steps += follow(dp, optimizer, scheduler, phase_loss_fn(spec.loss))
 
 
 def end_run() -> None:

@@ -12,7 +12,7 @@ evolves exactly as in the run. Each step's micro-batches come back tensor for te
 loss and options its config.json builds (tasks/build.py, in one process). On CPU in fp32 with the run's thread count, every number matches
 bit for bit; a GPU run is replayed on its device but is not bit-exact in general.
 
-Supported: async runs (rl.max_off_policy_steps >= 1: the step trains on stored batches, however
+Supported: async runs (rl.off_policy.max_steps >= 1: the step trains on stored batches, however
 old the weights that sampled them), ppo_epochs > 1 (the optimizer state comes with the checkpoint;
 the logged figures are the last epoch's), partial batches, a KL penalty (reference = the starting
 weights). A step trained over several ranks (train.parallel) is replayed in one process on the
@@ -84,12 +84,12 @@ class Replay:
 
 
 def load_config(run_dir: Path):
-    from rlpipe.tasks.config import validate_config  # the run's own validated config
+    from rlpipe.tasks.config import read_run_config  # the run's own validated config
 
     path = run_dir / "config.json"
     if not path.is_file():
         raise ReplayError(f"{run_dir} is not a run directory (no config.json)")
-    return validate_config(json.loads(path.read_text()), str(path))
+    return read_run_config(json.loads(path.read_text()), str(path))
 
 
 def refuse_unsupported(config) -> None:
@@ -131,7 +131,7 @@ def trainer_state(run_dir: Path, config, from_step: int, start: str | None):
     (tasks/build.py), with the KL reference of the starting weights when the run had one."""
     rl = config.rl
     # the starting weights only when the replay starts there, or the KL penalty's reference needs them
-    first = start_weights(run_dir, config, start) if not from_step or rl.kl_coef > 0 else None
+    first = start_weights(run_dir, config, start) if not from_step or rl.loss.kl_coef > 0 else None
     resume = checkpoint_dir(run_dir, from_step) if from_step else None
     weights = first if first is not None else str(resume)
     plan = dataclasses.replace(rl_plan(config), engines="none", single_process=True)

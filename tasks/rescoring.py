@@ -110,7 +110,7 @@ def find_examples(train: Sequence[Example], ids: Iterable[str], known: dict[str,
 def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], options: DropOptions
                  ) -> tuple[list[Group], list[dict]]:
     """The groups a step's sampling rounds formed (rollouts/source.py: completions whose reward
-    raised, or truncated ones with rl.drop_truncated, left out, then make_groups per round), and
+    raised, or truncated ones with rl.filter.drop_truncated, left out, then make_groups per round), and
     the `decisions` rows of those left out."""
     score_of = {s.sample_id: s for s in scores}
     groups: list[Group] = []
@@ -159,7 +159,7 @@ def counterfactual(original: Sequence[dict], groups: dict[str, Group], options: 
             elif status == "zero_variance":
                 status = "carried"
             elif status == "over_cap":
-                reason = "the run's step used up rl.max_attempts without filling its batch and failed"
+                reason = "the run's step used up rl.buffer.max_attempts without filling its batch and failed"
             key = {"run_id": row["run_id"], "step": step}
             group_rows.append({**key, **group_row(group), "attempts": row["attempts"], "kept": status == "trained",
                                "status": status})

@@ -81,10 +81,10 @@ class RLRun:
 
 def overlong_penalty_fn(rl):
     """DAPO's soft overlong penalty as a function of the completion length, or None when off."""
-    if rl.overlong_buffer == 0:
+    if rl.scoring.overlong_buffer == 0:
         return None
     return functools.partial(overlong_penalty, max_length=rl.sampling.max_new_tokens,
-                             buffer_length=rl.overlong_buffer, factor=rl.overlong_penalty)
+                             buffer_length=rl.scoring.overlong_buffer, factor=rl.scoring.overlong_penalty)
 
 
 def open_curriculum(options, run_dir: Path, start_step: int, pool=()) -> Curriculum:
@@ -135,7 +135,7 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
     if start.resume is not None:
         prompts.load_state_dict(built.data_state["prompts"])
         buffer.load_state_dict(built.data_state["buffer"])
-    version = built.start_step * rl.ppo_epochs
+    version = built.start_step * rl.loss.ppo_epochs
     # servers restart from a resumed checkpoint (its syncs rows are repaired), or take the
     # pipeline's SFT result, which no server was started from
     sync_from = start.resume if start.resume is not None else start_checkpoint
@@ -150,7 +150,7 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
     stages = RunStages(engines=built.engines, tokenizer=built.tokenizer, env=env,
                        generating=GenerateOptions(sampling, max_context=context, seed=config.seed,
                                                   template_kwargs=chat_kwargs),
-                       scoring=ScoreOptions(rl.max_reward_error_fraction, overlong_penalty_fn(rl)),
+                       scoring=ScoreOptions(rl.scoring.max_reward_error_fraction, overlong_penalty_fn(rl)),
                        run_dir=run_dir, run_id=run_id)
     source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version,
                            curriculum=open_curriculum(curriculum_options(rl, config.seed), run_dir, built.start_step,

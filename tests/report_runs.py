@@ -98,9 +98,9 @@ def _write_decisions(run_dir: Path, run_id: str, steps: tuple[int, ...], group_s
         if r["error"]:
             status, reason = "reward_error", "reward function raised: " + r["error"].splitlines()[0]
         elif step == steps[2] and r["group_id"] == first_group[step]:
-            status, reason = "stale", "sampled by policy version 1, older than rl.max_off_policy_steps allows"
+            status, reason = "stale", "sampled by policy version 1, older than rl.off_policy.max_steps allows"
         elif step == steps[2] and status == "trained" and i % group_size == 1:
-            status, reason = "truncated", "cut at max_new_tokens and rl.drop_truncated is on"
+            status, reason = "truncated", "cut at max_new_tokens and rl.filter.drop_truncated is on"
         elif r["group_id"] == carried:
             # carried at its own step, trained at the next one: the newest row is its fate
             decisions[step].append(_decision(r, "carried", "valid surplus, waits for a later step"))

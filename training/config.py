@@ -1,9 +1,10 @@
 """The config sections of what trains: the model and its LoRA adapters (`[model]`), the trainer
 (`[train]`), optimizers (`optim` of each phase), the supervised phases (`[pretrain]`, `[sft]`) and
-RL (`[rl]`, with its `[rl.sampling]`).
+the policy loss (`[rl.loss]`).
 
 Typed, documented, strict (core/config.py `Section`); tasks/config.py composes them into a run's
-`RunConfig`. The policy loss's choices are checked by its registry (training/rl_loss.py).
+`RunConfig`, and rollouts/config.py the `[rl]` section around `[rl.loss]` and `[rl.optim]`. The
+policy loss's choices are checked by its registry (training/rl_loss.py).
 """
 
 from __future__ import annotations
@@ -11,17 +12,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from rlpipe.core.config import Section
+from rlpipe.core.config import Section, options_from
 from rlpipe.training.kl import KL_ESTIMATORS
 from rlpipe.training.lora import DEFAULT_TARGETS, LoraOptions
-from rlpipe.training.losses import Normaliser
-from rlpipe.training.rl_loss import (
-    LOSS_NAMES,
-    LOSSES,
-    RLLossOptions,
-    check_loss_choice,
-    loss_normaliser,
-)
+from rlpipe.training.rl_loss import LOSS_NAMES
 
 
 class LoraSection(Section):
@@ -41,7 +35,7 @@ class LoraSection(Section):
         """What `training.lora.add_lora` injects; None when rank is 0 (LoRA off)."""
         if self.rank == 0:
             return None
-        return LoraOptions(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets))
+        return options_from(LoraOptions, self, targets=tuple(self.targets))
 
 
 class ModelConfig(Section):
@@ -112,7 +106,7 @@ class TrainConfig(Section):
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient
     reduction on CUDA). NCCL on CUDA, gloo on CPU. Rank 0 runs the flow, tables, MLflow and
     engines (not engine.type = "vllm": use vLLM servers); the other ranks only train. "none" with
-    --nproc-per-node means ddp. rl.kl_coef, model.lora and the entropy metric work under both
+    --nproc-per-node means ddp. rl.loss.kl_coef, model.lora and the entropy metric work under both
     (docs/ARCHITECTURE.md, ranks)."""
     parallel_timeout_s: float = Field(1800.0, gt=0)
     """Seconds a rank waits in a collective before failing: the other ranks wait while rank 0
@@ -212,103 +206,11 @@ class SupervisedConfig(Section):
         return self
 
 
-class SamplingConfig(Section):
-    """`[rl.sampling]`: how completions are sampled."""
+class LossConfig(Section):
+    """`[rl.loss]`: the policy loss (training/rl_loss.py) and how many optimizer steps each
+    rollout batch gets."""
 
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature (the loss evaluates the same tempered policy)."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold."""
-    top_k: int = Field(0, ge=0)
-    """Top-k sampling (0 = off)."""
-    max_new_tokens: int = Field(16, ge=1)
-    """Completion length limit, in the model's tokens (reasoning and answer together): a budget
-    set for rlpipe's character tokenizer means far more text with a BPE tokenizer, and the
-    reasoning block of a thinking model spends it first."""
-    max_thinking_tokens: int = Field(0, ge=0)
-    """Thinking budget (0 = none): once a completion has spent this many tokens inside its
-    `<think>` block, the engine writes `</think>` as its next token and sampling goes on with
-    the answer, as Qwen3's guide does by hand. The torch engine only (engine.type = "torch");
-    needs a tokenizer with `<think>` and `</think>` tokens."""
-
-
-class BufferConfig(Section):
-    """`[rl.buffer]`: what the built-in batch maker keeps of the valid groups and how it takes a
-    step's batch from them (rollouts/batch_makers.py `GrpoBatchMaker`)."""
-
-    retention: Literal["latest", "all", "max_age"] = "latest"
-    """Which valid groups wait for a later step: "latest" keeps only the newest policy version of
-    each example (an older group is dropped as stale when a newer one arrives), "all" keeps every
-    version; both drop groups more than max(rl.max_staleness, rl.max_off_policy_steps) versions
-    old. "max_age" keeps every version up to `max_age` versions old instead."""
-    max_age: int = Field(1, ge=0)
-    """retention = "max_age": most policy versions a held group may lag the version being
-    trained (in place of rl.max_staleness)."""
-    sampling: Literal["oldest", "reservoir"] = "oldest"
-    """How a batch is taken from the held groups: "oldest" first, or "reservoir": at most
-    `reservoir_size` valid groups are held (a new one evicts a held one at random) and each batch
-    is drawn from them at random, seeded by the run's `seed`; the generator's state is in the
-    checkpoint, so a resumed run draws the same batches."""
-    reservoir_size: int = Field(64, ge=1)
-    """sampling = "reservoir": most valid groups held; at least rl.prompts_per_step. The
-    reservoir holds groups with non-zero advantages only (it needs rl.drop_zero_variance)."""
-
-
-class RLConfig(Section):
-    """`[rl]`: the RL phase: batches, groups, advantages, the policy loss and off-policy bounds."""
-
-    steps: int = Field(50, ge=0)
-    """Optimizer steps of RL."""
-    prompts_per_step: int = Field(16, ge=1)
-    """Groups (prompts) trained on per step."""
-    group_size: int = Field(8, ge=1)
-    """Completions per prompt."""
-    oversample_factor: float = Field(1.0, ge=1)
-    """Sample this many times the prompts needed; surplus valid groups carry to the next step."""
-    max_attempts: int = Field(4, ge=1)
-    """Sampling rounds per step before giving up on filling the batch."""
-    partial_batches: bool = False
-    """When max_attempts rounds cannot fill the batch (a policy that solves nearly every prompt),
-    train on the valid groups found instead of failing the step."""
-    max_staleness: int = Field(1, ge=0)
-    """Carried-over groups older than this many policy versions are dropped."""
-    buffer: BufferConfig = Field(default_factory=BufferConfig)
-    """The built-in batch maker's retention and sampling ([rl.buffer])."""
-    batch_maker: str = ""
-    """A user's batch maker "module:Class" in place of the built-in one ("" = built-in): the
-    class is constructed with the buffer's options and answers add / create_batch / metadata /
-    state_dict / load_state_dict (docs/DESIGN.md, "Write a batch maker")."""
-    max_off_policy_steps: int = Field(0, ge=0)
-    """Async RL: rollouts of the next k steps are generated while the current step trains
-    (0 = synchronous, on-policy). A trained sample lags the updated weights by at most
-    max(k, max_staleness) policy versions; older ones are dropped as stale."""
-    partial_rollouts: bool = False
-    """Async RL with the in-process engine: a weight update does not wait for the generation in
-    flight; it lands between two decode steps and unfinished completions go on with the new
-    weights, each token recording the version that sampled it (docs/ASYNC.md). Needs
-    max_off_policy_steps >= 1."""
-    off_policy_tis_cap: float = Field(2.0, ge=0)
-    """Off-policy correction when max_off_policy_steps >= 1 and tis_cap is 0: truncated
-    importance weights capped at this value (0 = no correction)."""
-    off_policy_sequence_mask: float = Field(0.0, ge=0)
-    """Mask whole sequences whose mean per-token log-ratio (trainer vs. the policy that sampled
-    them) exceeds this in absolute value (0 = off; training/off_policy.py)."""
-    estimator: Literal["grpo", "rloo"] = "grpo"
-    """Advantage estimator."""
-    normalize_std: bool = False
-    """GRPO: divide by the group's reward std."""
-    positive_only: bool = False
-    """Clamp advantages at 0 (learn from successes only)."""
-    drop_zero_variance: bool = True
-    """Drop groups whose rewards all match (they carry no signal)."""
-    drop_truncated: bool = False
-    """Leave completions cut at sampling.max_new_tokens out of their group (DAPO's overlong
-    filtering); their fate is `truncated`. Off: they are trained like any other."""
-    sample_filter: str = ""
-    """A user filter "module:function", called as f(rollout, score) on every scored completion
-    (rollouts.records): True keeps it; False or a reason string leaves it out of its group, with
-    the fate `filtered` ("" = none)."""
-    loss: Literal[LOSS_NAMES] = "reinforce"
+    type: Literal[LOSS_NAMES] = "reinforce"
     """Policy loss (training/rl_loss.py): on-policy REINFORCE; PPO clipped token ratio against the
     engine's log-probs; GSPO sequence ratio (normalised per sequence); CISPO clipped, detached IS
     weight; Dr. GRPO (PPO clip normalised by prompts_per_step x group_size x max_new_tokens, no
@@ -326,89 +228,8 @@ class RLConfig(Section):
     computes the reference log-probs of the micro-batches it trains (training/dist_reference.py)."""
     kl_estimator: Literal[KL_ESTIMATORS] = "k3"
     """Per-token KL estimator: k1 = log ratio, k2 = squared / 2, k3 = exp(r) - r - 1 (TRL's)."""
-    overlong_buffer: int = Field(0, ge=0)
-    """DAPO soft overlong penalty: over the last N tokens before sampling.max_new_tokens the
-    reward ramps down by up to overlong_penalty (0 = off)."""
-    overlong_penalty: float = Field(1.0, ge=0)
-    """DAPO: the penalty at max_new_tokens (the ramp's depth)."""
+    tis_cap: float = Field(0.0, ge=0)
+    """Truncated importance weight cap for engine/trainer mismatch (0 = off; async RL has its
+    own default, rl.off_policy.tis_cap)."""
     ppo_epochs: int = Field(1, ge=1)
     """Optimizer steps per rollout batch (PPO)."""
-    tis_cap: float = Field(0.0, ge=0)
-    """Truncated importance weight cap for engine/trainer mismatch (0 = off)."""
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    """Rollout sampling."""
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=5))
-    """Optimizer and batching."""
-    eval_every: int = Field(10, ge=0)
-    """Greedy evaluation every N steps (and at step 0 and the end; 0 = only those)."""
-    checkpoint_every: int = Field(10, ge=0)
-    """Checkpoint every N steps (and the last; 0 = only the last)."""
-    max_reward_error_fraction: float = Field(0.5, ge=0, le=1)
-    """Fail the step once this share of reward calls raised."""
-    prompt_pool: int = Field(0, ge=0)
-    """RL samples its prompts from the first N examples of the train split only (0 = all of
-    them): a pool small enough that prompts come back, which the curriculum needs."""
-    curriculum: Literal["none", "pass_rate"] = "none"
-    """Prompt selection (rollouts/curriculum.py): "pass_rate" rests prompts whose last
-    curriculum_window completions all passed (solved) or all failed (hopeless), skipping them
-    except for re-tests; every skip and re-test is a row of the `curriculum` table."""
-    curriculum_window: int = Field(8, ge=1)
-    """pass_rate: a prompt's newest scored completions its pass rate is taken over; it rests only
-    once this many are counted."""
-    curriculum_retest: float = Field(0.1, gt=0, le=1)
-    """pass_rate: the chance that a resting prompt is sampled (re-tested) when the prompt stream
-    reaches it; it is skipped otherwise (so it rests about 1/curriculum_retest of its turns)."""
-    curriculum_pass_reward: float = 1.0
-    """pass_rate: a completion passes when its reward is at least this."""
-    curriculum_key: Literal["example", "class"] = "example"
-    """pass_rate: keep the pass history per prompt ("example") or per the environment's prompt
-    class ("class": Example.curriculum_key, e.g. arithmetic's digits and carries; a prompt of an
-    environment without classes is its own class), so prompts that never repeat rest with their
-    solved class. With "class", make curriculum_window span several groups."""
-    curriculum_reads: float = Field(0.0, ge=0)
-    """pass_rate: a sampling round reads at most this many times the prompts it asks for from the
-    stream (0 = until it has them): when most prompts rest, a round samples fewer prompts (the
-    step fills with later rounds or trains a partial batch) instead of reading on for awake ones."""
-    curriculum_solved_rate: float = Field(1.0, gt=0.5, le=1)
-    """pass_rate: a full window rests as solved when at least this share of it passed, hopeless
-    when at most 1 - this share (1 = all passed / none passed)."""
-
-    def loss_options(self) -> RLLossOptions:
-        """The policy loss's options (training/rl_loss.py; building them validates them). Async RL
-        (max_off_policy_steps >= 1) gives a loss that weights by the engine's log-probs truncated
-        importance weights capped at off_policy_tis_cap when tis_cap is 0."""
-        tis_cap = self.tis_cap
-        if self.max_off_policy_steps > 0 and tis_cap == 0 and LOSSES[self.loss].tis == "engine":
-            tis_cap = self.off_policy_tis_cap
-        return RLLossOptions(name=self.loss, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-                             tis_cap=tis_cap, cispo_cap=self.cispo_cap, kl_coef=self.kl_coef,
-                             kl_estimator=self.kl_estimator)
-
-    def loss_normaliser(self) -> tuple[Normaliser, float]:
-        """(normaliser, constant) of the optimizer step: the loss's own (gspo: per sequence; dr_grpo:
-        a constant) or optim.normaliser; the constant is the most completion tokens a step holds."""
-        return loss_normaliser(self.loss, self.optim.normaliser, self.prompts_per_step * self.group_size,
-                               self.sampling.max_new_tokens)
-
-    @model_validator(mode="after")
-    def _check(self) -> RLConfig:
-        check_loss_choice(self.loss_options(), normalize_std=self.normalize_std, normaliser=self.optim.normaliser)
-        if self.overlong_buffer > self.sampling.max_new_tokens:
-            raise ValueError(f"rl.overlong_buffer ({self.overlong_buffer}) exceeds rl.sampling.max_new_tokens "
-                             f"({self.sampling.max_new_tokens})")
-        if self.max_off_policy_steps > 0 and self.ppo_epochs > 1:
-            raise ValueError("rl.max_off_policy_steps >= 1 needs rl.ppo_epochs = 1 (policy versions then "
-                             "count steps, which the staleness bound is stated in)")
-        if self.buffer.sampling == "reservoir" and self.buffer.reservoir_size < self.prompts_per_step:
-            raise ValueError(f"rl.buffer.reservoir_size ({self.buffer.reservoir_size}) is smaller than "
-                             f"rl.prompts_per_step ({self.prompts_per_step}): the reservoir could never fill a batch")
-        if self.buffer.sampling == "reservoir" and not self.drop_zero_variance:
-            raise ValueError("rl.buffer.sampling = 'reservoir' holds groups with non-zero advantages: it needs "
-                             "rl.drop_zero_variance = true")
-        module, _, cls = self.batch_maker.partition(":")
-        if self.batch_maker and not (module and cls):
-            raise ValueError(f"rl.batch_maker must be 'module:Class', got {self.batch_maker!r}")
-        if self.partial_rollouts and self.max_off_policy_steps == 0:
-            raise ValueError("rl.partial_rollouts needs rl.max_off_policy_steps >= 1 (synchronous RL samples "
-                             "nothing while the weights change)")
-        return self

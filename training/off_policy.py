@@ -1,6 +1,6 @@
 """Off-policy diagnostics and sequence-level masking for async RL, around any RL loss.
 
-With `rl.max_off_policy_steps >= 1` a batch was sampled by weights up to k updates older than the
+With `rl.off_policy.max_steps >= 1` a batch was sampled by weights up to k updates older than the
 ones being trained (the behaviour policy, whose log-probs the engine recorded). Per token,
 log r = trainer log-prob − behaviour log-prob. This wrapper
 

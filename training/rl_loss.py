@@ -31,7 +31,7 @@ engine/trainer mismatch); log-ratios are clamped to ±20 so that a wild token ca
   per_token = −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A) on each of its tokens, the gradient flowing
   through the mean; normalised per sequence (Zheng et al. 2025, "Group Sequence Policy
   Optimization", arXiv 2507.18071, eq. 5-7; TRL `importance_sampling_level="sequence"` with
-  `loss_type="grpo"`). The paper clips at ε = 3e-4 / 4e-4: set rl.epsilon_low/high accordingly.
+  `loss_type="grpo"`). The paper clips at ε = 3e-4 / 4e-4: set rl.loss.epsilon_low/high accordingly.
 - `cispo`: per_token = −sg(min(r, cispo_cap)) · A · logprobs: REINFORCE with a clipped, detached
   importance weight, so no token loses its gradient (MiniMax-M1, arXiv 2506.13585, eq. 4-5, no
   lower bound; cap ε_max = 5 as in ScaleRL, arXiv 2510.13786; TRL `loss_type="cispo"`).
@@ -71,7 +71,7 @@ _MAX_LOG_RATIO = 20.0
 
 @dataclass(frozen=True, kw_only=True)
 class RLLossOptions:
-    """Options of the policy loss (rl.loss, rl.epsilon_low, ... in a run config)."""
+    """Options of the policy loss (rl.loss.type, rl.loss.epsilon_low, ... in a run config)."""
 
     name: str = "reinforce"
     """Which loss (a key of `LOSSES`)."""
@@ -99,7 +99,7 @@ class RLLossOptions:
             raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
         if self.tis_cap > 0 and LOSSES[self.name].tis == "never":
             with_tis = " and ".join(name for name, kind in LOSSES.items() if kind.tis != "never")
-            raise ValueError(f"rl.tis_cap is for {with_tis}; rl.loss = {self.name!r} weights tokens by its "
+            raise ValueError(f"rl.loss.tis_cap is for {with_tis}; rl.loss.type = {self.name!r} weights tokens by its "
                              "own importance ratio")
         if not self.cispo_cap > 0:
             raise ValueError(f"cispo_cap must be > 0, got {self.cispo_cap}")
@@ -115,12 +115,12 @@ def check_loss_choice(options: RLLossOptions, *, normalize_std: bool, normaliser
     normaliser (`normaliser`, None when the config leaves it unset) other than the loss's own."""
     kind = LOSSES[options.name]
     if options.tis_cap > 0 and kind.tis == "with_old_logprobs":
-        raise ValueError(f"rl.tis_cap with rl.loss = {options.name!r} is not supported: the PPO ratio "
+        raise ValueError(f"rl.loss.tis_cap with rl.loss.type = {options.name!r} is not supported: the PPO ratio "
                          "against the engine's log-probs already absorbs the mismatch")
     if normalize_std and not kind.std_scaling:
-        raise ValueError(f"rl.loss = {options.name!r} removes the std normalisation: set rl.normalize_std = false")
+        raise ValueError(f"rl.loss.type = {options.name!r} removes the std normalisation: set rl.advantages.normalize_std = false")
     if kind.normaliser and normaliser is not None and normaliser != kind.normaliser:
-        raise ValueError(f"rl.loss = {options.name!r} is normalised per {kind.normaliser}; rl.optim.normaliser = "
+        raise ValueError(f"rl.loss.type = {options.name!r} is normalised per {kind.normaliser}; rl.optim.normaliser = "
                          f"{normaliser!r} contradicts it (leave it unset)")
 
 
@@ -326,7 +326,7 @@ class LossKind:
     old log-probs (which a run does not bind: its ratio against the engine covers the mismatch); never
     (the loss weights tokens by its own importance ratio)."""
     std_scaling: bool = True
-    """Whether the group's advantages may be divided by their std (rl.normalize_std)."""
+    """Whether the group's advantages may be divided by their std (rl.advantages.normalize_std)."""
 
 
 LOSSES: dict[str, LossKind] = {
@@ -336,7 +336,7 @@ LOSSES: dict[str, LossKind] = {
     "cispo": LossKind(policy_loss=cispo_loss),
     "dr_grpo": LossKind(policy_loss=dr_grpo_loss, normaliser="constant", std_scaling=False),
 }
-"""The policy losses by name, in the order `rl.loss` lists them."""
+"""The policy losses by name, in the order `rl.loss.type` lists them."""
 LOSS_NAMES = tuple(LOSSES)
 
 

@@ -1,4 +1,4 @@
-"""Async RL (rl.max_off_policy_steps = k >= 1): the staleness bound, checked by SQL over the run's
+"""Async RL (rl.off_policy.max_steps = k >= 1): the staleness bound, checked by SQL over the run's
 tables, and every sampled completion's fate recorded once."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_pa
 def test_carried_groups_stay_within_max_staleness_and_weights_go_out_every_sync_every_steps(
         sft_checkpoint, tmp_path, monkeypatch):  # noqa: F811
     """k = 1 with over-sampling ×2 (tiny.toml): surplus groups are carried to later steps, so a
-    trained sample may lag by more than k, up to rl.max_staleness = 2 and never beyond (older
+    trained sample may lag by more than k, up to rl.buffer.max_staleness = 2 and never beyond (older
     groups are dropped as stale, which happens here: the bound bites); and with
     engine.sync_every = 2 the sync stage runs at steps 2, 4, 6 and 8 only."""
     import rlpipe.flows.rl

@@ -34,7 +34,7 @@ def test_a_tiny_run_with_compile_finishes_with_loadable_checkpoints(tmp_path):
     runs = tmp_path / "runs"
     command = [sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
                "--set", f"runs_root={runs}", "--set", "train.compile=true", "--set", "sft.steps=3",
-               "--set", "rl.steps=2", "--set", "rl.kl_coef=0.05", "--set", "threads=1"]
+               "--set", "rl.steps=2", "--set", "rl.loss.kl_coef=0.05", "--set", "threads=1"]
     inductor = tmp_path / "inductor"  # torch.compile's kernels land here: proof that it compiled
     done = subprocess.run(command, env=env_for(tmp_path) | {"TORCHINDUCTOR_CACHE_DIR": str(inductor)}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=900)

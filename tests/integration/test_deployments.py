@@ -118,7 +118,7 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         run(prefect("--no-prompt", "deploy", "--all"), env, 300)
         worker = start(prefect("worker", "start", "--pool", "rlpipe"), env, tmp_path / "worker.log")
         # a loss with its own normaliser: the flow validates its parameters again (tests/integration/test_every_loss.py has every loss)
-        overrides = [f"runs_root={runs}", "rl.loss=gspo"]
+        overrides = [f"runs_root={runs}", "rl.loss.type=gspo"]
         began = time.monotonic()
         flow_run = deployment_run({"overrides": overrides}, env)
         seconds = time.monotonic() - began

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 # lean: 3 SFT steps, 4 RL steps with a checkpoint every 2; a KL penalty (its reference's log-probs
 # travel from rank 0 with the batches), so resume also restores the reference
 OVERRIDES = ["--set", "sft.steps=3", "--set", "rl.steps=4", "--set", "rl.checkpoint_every=2", "--set", "threads=1",
-             "--set", "rl.kl_coef=0.05"]
+             "--set", "rl.loss.kl_coef=0.05"]
 TABLES = ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "train_tokens", "evals",
           "checkpoints")
 

@@ -1,4 +1,4 @@
-"""Every `rl.loss` from every entry point: `rlpipe run --set rl.loss=NAME`, stopped by SIGTERM after
+"""Every `rl.loss.type` from every entry point: `rlpipe run --set rl.loss.type=NAME`, stopped by SIGTERM after
 its first checkpoint and continued by `rlpipe resume` (which validates the run's config.json
 again), and a deployment's parameters (a dumped config with overrides, flows/common.py
 `resolve_config`, what a flow run does first). tests/integration/test_deployments.py runs one
@@ -39,8 +39,8 @@ def env_for(tmp_path: Path, prefect_api_url: str) -> dict[str, str]:
 
 
 def overrides(runs: Path, loss: str) -> list[str]:
-    settings = [f"runs_root={runs}", "run_name=r", "flow=rl", f"rl.loss={loss}", f"rl.steps={STEPS}",
-                "rl.checkpoint_every=1", "rl.eval_every=0", "rl.drop_zero_variance=false",
+    settings = [f"runs_root={runs}", "run_name=r", "flow=rl", f"rl.loss.type={loss}", f"rl.steps={STEPS}",
+                "rl.checkpoint_every=1", "rl.eval_every=0", "rl.filter.drop_zero_variance=false",
                 "task.eval_examples=4", "threads=1"]
     return [part for setting in settings for part in ("--set", setting)]
 
@@ -85,8 +85,8 @@ def test_every_loss_as_deployment_parameters(tmp_path, loss):
     from rlpipe.tasks.config import load_config
 
     dumped = load_config(ROOT / "configs" / "rl.toml", [f"runs_root={tmp_path}"]).model_dump(mode="json")
-    for config in (resolve_config(None, [f"rl.loss={loss}"], dumped),
-                   resolve_config(str(ROOT / "configs" / "rl.toml"), [f"rl.loss={loss}"], None)):
-        assert config.rl.loss == loss
+    for config in (resolve_config(None, [f"rl.loss.type={loss}"], dumped),
+                   resolve_config(str(ROOT / "configs" / "rl.toml"), [f"rl.loss.type={loss}"], None)):
+        assert config.rl.loss.type == loss
         assert config.rl.loss_normaliser()[0] == (LOSSES[loss].normaliser or "token")
     assert not any(tmp_path.iterdir())

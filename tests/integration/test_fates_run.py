@@ -1,6 +1,6 @@
 """Every sampled completion's fate, and the tokens view, after a tiny RL run that exercises most
 fates: carried surplus (over-sampling x2), zero-variance groups, a reward function that raises for
-some samples, truncation at max_new_tokens with rl.drop_truncated, a user filter. One `fates` row
+some samples, truncation at max_new_tokens with rl.filter.drop_truncated, a user filter. One `fates` row
 per `rollouts` row, and the logged rollout/fate_* counters equal the counts of those rows."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def flaky_score(original):
 
 
 def no_nines(rollout, score):
-    """The run's user filter (rl.sample_filter): completions with a 9 in them are dropped."""
+    """The run's user filter (rl.filter.sample_filter): completions with a 9 in them are dropped."""
     return "9" not in rollout.completion_text or "has a 9"
 
 

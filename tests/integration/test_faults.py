@@ -181,7 +181,7 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
     log = tmp_path / "term.log"  # a file, not a pipe nobody reads while the run writes to it
     # no over-sampling: every step samples, so the resume reads back the rollouts of the step it
     # restarts (with carried groups a step may train on earlier steps' rollouts alone)
-    process = subprocess.Popen(cli(*run_args(runs, "term"), "--set", "rl.oversample_factor=1.0"), env=env, cwd=tmp_path,
+    process = subprocess.Popen(cli(*run_args(runs, "term"), "--set", "rl.buffer.oversample_factor=1.0"), env=env, cwd=tmp_path,
                                stdout=subprocess.DEVNULL,
                                stderr=log.open("w"), start_new_session=True)
     try:

@@ -1,4 +1,4 @@
-"""rl.partial_rollouts on the tiny pipeline: weight updates land inside sampling rounds, so some
+"""rl.off_policy.partial_rollouts on the tiny pipeline: weight updates land inside sampling rounds, so some
 completions span two policy versions; a SIGKILL and `rlpipe resume` lose no rollout and train none
 twice; the staleness bound holds for every trained completion's oldest token; a step that trained
 spanning completions replays bit for bit. It needs the real CLI and flow: the interruption is a
@@ -59,8 +59,8 @@ def test_partial_rollouts_span_versions_survive_sigkill_and_replay_exactly(tmp_p
     env = env_for(tmp_path, prefect_api_url)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
     args = ["run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}", "--set", "run_name=partial",
-            "--set", "rl.checkpoint_every=1", "--set", f"rl.steps={STEPS}", "--set", "rl.max_off_policy_steps=1",
-            "--set", "rl.partial_rollouts=true", *ONE_THREAD]
+            "--set", "rl.checkpoint_every=1", "--set", f"rl.steps={STEPS}", "--set", "rl.off_policy.max_steps=1",
+            "--set", "rl.off_policy.partial_rollouts=true", *ONE_THREAD]
     # killed by tests/fault_hooks as the producer, one step ahead, records step 4's advantages
     killed = subprocess.run([sys.executable, "-c", HELD_ROUNDS, *args], cwd=tmp_path, capture_output=True, text=True,
                             timeout=600, start_new_session=True,

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 # The demo with smaller sizes: what README's run commands read (the tables of step 60) is there;
 # zero-variance groups are kept so that every step trains whatever the short SFT left.
 DEMO_SIZES = ["sft.steps=30", "sft.eval_every=0", "sft.checkpoint_every=0", "rl.steps=60",
-              "rl.prompts_per_step=4", "rl.group_size=4", "rl.drop_zero_variance=false",
+              "rl.prompts_per_step=4", "rl.group_size=4", "rl.filter.drop_zero_variance=false",
               "task.eval_examples=20", "task.options.eval_size=20"]
 
 USER_REWARDS = '''\
@@ -61,7 +61,7 @@ SHOWS = {
     "rlpipe rescore runs/demo/rl --reward mypkg.rewards:strict": "re-scored",
     "rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare": "60 row(s)",
     'rlpipe sql runs "select run, step, avg(reward) from scores group by all order by all"': "demo/rl",
-    "rlpipe run --help-config": "rl.loss",
+    "rlpipe run --help-config": "rl.loss.type",
 }
 
 

@@ -130,7 +130,7 @@ def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_pa
 
     runs = tmp_path / "runs"
     env = env_for(tmp_path, prefect_api_url)
-    args = [*run_args(runs, "async"), "--set", "rl.max_off_policy_steps=1", "--set", "rl.steps=6"]
+    args = [*run_args(runs, "async"), "--set", "rl.off_policy.max_steps=1", "--set", "rl.steps=6"]
     seed = draw_seed("test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice")
     table, step = random.Random(seed).choice([("rollouts", 3), ("scores", 4), ("groups", 2), ("batches", 3),
                                           ("train_steps", 2), ("checkpoints", 3), ("advantages", 5)])

@@ -174,7 +174,7 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
                 "--set", "engine.type=http", "--set", f'engine.urls=["vllm+{url}"]',
                 "--set", "engine.timeout_s=120", "--set", "rl.steps=3", "--set", "rl.eval_every=0",
                 # no surplus groups carried to the next step: each step trains on its own samples
-                "--set", "rl.max_staleness=0", *FLOAT32, *overrides, *ONE_THREAD]
+                "--set", "rl.buffer.max_staleness=0", *FLOAT32, *overrides, *ONE_THREAD]
         done = subprocess.run(cli(*args), env=env_for(tmp_path, prefect_api_url), cwd=tmp_path,
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
@@ -184,8 +184,8 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
         # first (the server still holds `start`): async RL, the server reloaded while a producer
         # samples ahead; each sync waits for the round in flight (before, 3,816 of 7,104
         # completions recorded version 0 but came from version 1's weights)
-        ahead = run("vllm-async", "--set", "flow=rl", "--set", "rl.max_off_policy_steps=1",
-                    "--set", "rl.checkpoint_every=1", "--set", "rl.partial_batches=true")
+        ahead = run("vllm-async", "--set", "flow=rl", "--set", "rl.off_policy.max_steps=1",
+                    "--set", "rl.checkpoint_every=1", "--set", "rl.buffer.partial_batches=true")
         run("vllm")
     assert all(r["ok"] for r in read_table(ahead, "syncs").to_pylist())
     assert_sampled_by_recorded_versions(ahead, start, max_lag=2)
@@ -214,7 +214,7 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
         args = [str(VLLM_PYTHON), "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
                 "--set", f"run_name={name}", "--set", f"runs_root={tmp_path / 'runs'}",
                 "--set", "engine.type=vllm", "--set", "rl.steps=3", "--set", "rl.eval_every=0",
-                "--set", "rl.max_staleness=0", *FLOAT32, *overrides, *ONE_THREAD]
+                "--set", "rl.buffer.max_staleness=0", *FLOAT32, *overrides, *ONE_THREAD]
         env = dict(env_for(tmp_path, prefect_api_url), OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
         env.pop("VIRTUAL_ENV", None)
         log = (tmp_path / f"{name}.log").open("w")
@@ -245,7 +245,7 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
     #   completion carries the log-probs of exactly the policy version it is recorded with, so no
     #   weight push landed inside a generate or read the trainer's tensors in the middle of a step
     lora_run = start("colocated-lora", *from_sft, "--set", "model.lora.rank=8", "--set", "rl.optim.lr=3e-3")
-    ahead_run = start("colocated-async", *from_sft, "--set", "rl.max_off_policy_steps=1",
+    ahead_run = start("colocated-async", *from_sft, "--set", "rl.off_policy.max_steps=1",
                       "--set", "rl.checkpoint_every=1")
     lora, ahead = finish(lora_run), finish(ahead_run)
     on_policy(lora, first_sync=1)  # vLLM started from model.path

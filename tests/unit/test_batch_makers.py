@@ -168,11 +168,11 @@ def test_bad_batch_maker_specs_are_one_line_naming_the_key(tmp_path, monkeypatch
     from rlpipe.tasks.config import validate_config
     from rlpipe.tasks.preflight import _check_user_code
 
-    with pytest.raises(ValueError, match="rl.batch_maker must be 'module:Class', got 'nocolon'"):
+    with pytest.raises(ValueError, match="rl.buffer.batch_maker must be 'module:Class', got 'nocolon'"):
         RLConfig(batch_maker="nocolon")
     (tmp_path / "half_maker.py").write_text("class Half:\n    def add(self, groups): pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match=r"rl.batch_maker 'half_maker:Half' must name a class .*missing: "
+    with pytest.raises(ValueError, match=r"rl.buffer.batch_maker 'half_maker:Half' must name a class .*missing: "
                                          r"create_batch, metadata, state_dict, load_state_dict"):
         batch_maker_class("half_maker:Half")
     for spec, why in [("no_such_module_xyz:C", "cannot import module"), ("half_maker:Nope", "has no attribute")]:
@@ -180,7 +180,7 @@ def test_bad_batch_maker_specs_are_one_line_naming_the_key(tmp_path, monkeypatch
         with pytest.raises(ConfigError) as error:
             _check_user_code(config)
         message = str(error.value)
-        assert message.startswith("rl.batch_maker") and why in message and "\n" not in message
+        assert message.startswith("rl.buffer.batch_maker") and why in message and "\n" not in message
 
 
 def test_rl_buffer_section_is_checked():
@@ -190,7 +190,7 @@ def test_rl_buffer_section_is_checked():
     with pytest.raises(ValueError, match="retention"):
         RLConfig(buffer={"retention": "newest"})
     with pytest.raises(ValueError, match="reservoir' holds groups with non-zero advantages: it needs "
-                                         "rl.drop_zero_variance = true"):
+                                         "rl.filter.drop_zero_variance = true"):
         RLConfig(drop_zero_variance=False, buffer={"sampling": "reservoir"})
     with pytest.raises(ValueError, match="oversample_factor"):
         RLConfig(buffer={"oversample_factor": 2})  # the [rl] fields stay in [rl]

@@ -76,7 +76,7 @@ def test_run_name_must_be_a_plain_folder_name(name):
         load_config(ROOT / "configs" / "tiny.toml", [f"run_name={name!r}".replace("'", '"')])
 
 
-@pytest.mark.parametrize("key", ["rl.optim.lr", "rl.optim.max_grad_norm", "rl.oversample_factor",
+@pytest.mark.parametrize("key", ["rl.optim.lr", "rl.optim.max_grad_norm", "rl.buffer.oversample_factor",
                                  "sft.optim.min_lr_ratio", "rl.sampling.temperature", "task.options.x"])
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
 def test_non_finite_numbers_are_refused_by_name(key, value):
@@ -92,8 +92,8 @@ def test_non_finite_strings_are_refused_too():
 
 def test_epsilon_low_must_stay_below_one():
     with pytest.raises(ConfigError, match=r"rl\.epsilon_low"):
-        load_config(ROOT / "configs" / "tiny.toml", ["rl.epsilon_low=1.0"])
-    assert load_config(ROOT / "configs" / "tiny.toml", ["rl.epsilon_low=0.99"]).rl.epsilon_low == 0.99
+        load_config(ROOT / "configs" / "tiny.toml", ["rl.loss.epsilon_low=1.0"])
+    assert load_config(ROOT / "configs" / "tiny.toml", ["rl.loss.epsilon_low=0.99"]).rl.loss.epsilon_low == 0.99
 
 
 def test_an_inline_api_token_is_refused_with_where_to_put_it():
@@ -102,11 +102,11 @@ def test_an_inline_api_token_is_refused_with_where_to_put_it():
 
 
 @pytest.mark.parametrize(("rl", "message"), [
-    ({"loss": "ppo_clip", "tis_cap": 2.0}, "rl.tis_cap with rl.loss = 'ppo_clip' is not supported"),
-    ({"loss": "gspo", "tis_cap": 2.0}, "rl.tis_cap is for reinforce and ppo_clip; rl.loss = 'gspo'"),
-    ({"loss": "dr_grpo", "normalize_std": True}, "rl.loss = 'dr_grpo' removes the std normalisation"),
+    ({"loss": "ppo_clip", "tis_cap": 2.0}, "rl.loss.tis_cap with rl.loss.type = 'ppo_clip' is not supported"),
+    ({"loss": "gspo", "tis_cap": 2.0}, "rl.loss.tis_cap is for reinforce and ppo_clip; rl.loss.type = 'gspo'"),
+    ({"loss": "dr_grpo", "normalize_std": True}, "rl.loss.type = 'dr_grpo' removes the std normalisation"),
     ({"loss": "gspo", "optim": {"normaliser": "token"}},
-     "rl.loss = 'gspo' is normalised per sequence; rl.optim.normaliser = 'token' contradicts it"),
+     "rl.loss.type = 'gspo' is normalised per sequence; rl.optim.normaliser = 'token' contradicts it"),
 ])
 def test_a_loss_combination_is_refused_at_validation(rl, message):
     # the loss registry (training/rl_loss.py) decides; the config refuses before a run starts
@@ -115,7 +115,7 @@ def test_a_loss_combination_is_refused_at_validation(rl, message):
 
 
 def test_a_loss_option_set_to_its_own_value_is_accepted():
-    assert validate_config({"rl": {"loss": "gspo", "optim": {"normaliser": "sequence"}}}).rl.loss == "gspo"
+    assert validate_config({"rl": {"loss": "gspo", "optim": {"normaliser": "sequence"}}}).rl.loss.type == "gspo"
     assert validate_config({"rl": {"loss": "dr_grpo"}}).rl.loss_normaliser() == ("constant", 16.0 * 16 * 8)
 
 
@@ -140,7 +140,7 @@ def test_the_lora_section_builds_the_adapters_options():
 def test_validate_dump_load_validate_is_the_identity_for_every_loss(loss):
     # flows receive the config as a dict (config.json, Prefect parameters, a rank's copy) and
     # validate it again: a default must never come back as a setting that contradicts the loss
-    config = load_config(ROOT / "configs" / "tiny.toml", [f'rl.loss="{loss}"'])
+    config = load_config(ROOT / "configs" / "tiny.toml", [f'rl.loss.type="{loss}"'])
     dumped = config.model_dump(mode="json")
     again = validate_config(json.loads(json.dumps(dumped)))
     assert again == config and again.model_dump(mode="json") == dumped
@@ -153,8 +153,8 @@ def test_a_resolved_config_takes_another_loss_as_an_override(loss):
     # a deployment's `config` parameter is often a dumped config.json with `overrides` on top
     dumped = load_config(ROOT / "configs" / "tiny.toml").model_dump(mode="json")
     assert dumped["rl"]["optim"]["normaliser"] is None  # unset stays unset in the dump
-    config = validate_config(apply_overrides(dumped, [f"rl.loss={loss}"]))
-    assert config.rl.loss == loss and config.rl.loss_normaliser()[0] == (LOSSES[loss].normaliser or "token")
+    config = validate_config(apply_overrides(dumped, [f"rl.loss.type={loss}"]))
+    assert config.rl.loss.type == loss and config.rl.loss_normaliser()[0] == (LOSSES[loss].normaliser or "token")
 
 
 def test_the_normaliser_left_unset_is_token_for_supervised_phases_and_reinforce():
@@ -173,7 +173,7 @@ def test_a_supervised_phase_refuses_the_constant_normaliser_it_has_no_divisor_fo
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_again_to_itself_under_every_loss(path):
     for loss in LOSS_NAMES:
-        config = load_config(path, [f"rl.loss={loss}", "rl.normalize_std=false"])
+        config = load_config(path, [f"rl.loss.type={loss}", "rl.advantages.normalize_std=false"])
         dumped = json.loads(json.dumps(config.model_dump(mode="json")))
         assert validate_config(dumped) == config, (path.name, loss)
         assert validate_config(config.model_dump()) == config  # the python-mode dump a rank's copy takes
@@ -182,5 +182,5 @@ def test_lora_and_kl_are_accepted_under_data_parallelism(parallel):
     """The README's promise; tests/integration/test_distributed_extras.py checks that such a step
     equals one process's."""
     config = load_config(ROOT / "configs" / "tiny.toml",
-                         [f"train.parallel={parallel}", "model.lora.rank=4", "rl.kl_coef=0.05"])
-    assert (config.train.parallel, config.model.lora.rank, config.rl.kl_coef) == (parallel, 4, 0.05)
+                         [f"train.parallel={parallel}", "model.lora.rank=4", "rl.loss.kl_coef=0.05"])
+    assert (config.train.parallel, config.model.lora.rank, config.rl.loss.kl_coef) == (parallel, 4, 0.05)

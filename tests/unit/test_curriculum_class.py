@@ -1,4 +1,4 @@
-"""The curriculum keyed by prompt class (rl.curriculum_key = "class"): prompts that never repeat
+"""The curriculum keyed by prompt class (rl.curriculum.key = "class"): prompts that never repeat
 rest with their solved class, the arithmetic environment's classes (digits and carries), the
 solved-rate rule, and the class history rebuilt for a resumed run."""
 

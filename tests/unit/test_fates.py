@@ -69,7 +69,7 @@ def test_sample_drops_name_the_reason():
     ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
     assert sample_drop(rollout("g:0"), ok, rl) is None
     assert sample_drop(rollout("g:0", "length"), ok, rl) == (
-        "truncated", "cut at rl.sampling.max_new_tokens=7 (finish_reason 'length') and rl.drop_truncated is on")
+        "truncated", "cut at rl.sampling.max_new_tokens=7 (finish_reason 'length') and rl.filter.drop_truncated is on")
     assert sample_drop(rollout("g:0", "length"), ok, rollout_options(RLConfig()).drops) is None  # trained by default
     failed = Score("r", 1, "g:0", "g", 0.0, {}, "ZeroDivisionError: boom\nTraceback ...")
     assert sample_drop(rollout("g:0"), failed, rl) == ("reward_error", "reward function raised: ZeroDivisionError: boom")
@@ -86,7 +86,7 @@ def test_a_user_filter_drops_completions_as_filtered():
     assert sample_drop(rollout("g:0"), ok, rl) is None
     long = Rollout(**{**rollout("g:0").row(), "completion_tokens": [2, 3], "n_completion_tokens": 2})
     assert sample_drop(long, ok, rl) == ("filtered", "tests.unit.test_fates:keep_short: 2 tokens")
-    with pytest.raises(ValueError, match="rl.sample_filter 'tests.unit.test_fates:nothing'"):
+    with pytest.raises(ValueError, match="rl.filter.sample_filter 'tests.unit.test_fates:nothing'"):
         sample_drop(rollout("g:0"), ok, rollout_options(RLConfig(sample_filter="tests.unit.test_fates:nothing")).drops)
 
 
@@ -152,7 +152,7 @@ def test_a_step_that_cannot_fill_its_batch_records_its_samples_before_failing():
     assert len(rows) == len({r["sample_id"] for r in rows}) == 4 * (2 + 2)  # round 2: 1 missing / valid share 1/2
     over = [r for r in rows if r["status"] == "over_cap"]
     assert [r["sample_id"] for r in over] == ["s1a1g0:1", "s1a1g0:2", "s1a1g0:3"]
-    assert "rl.max_attempts=2" in over[0]["reason"] and "the run stopped" in over[0]["reason"]
+    assert "rl.buffer.max_attempts=2" in over[0]["reason"] and "the run stopped" in over[0]["reason"]
     assert {r["status"] for r in rows} == {"reward_error", "zero_variance", "over_cap"}
     # the counters the flow logs before the run stops equal those rows
     assert error.value.metrics["rollout/fate_over_cap"] == len(over)

@@ -64,7 +64,7 @@ def test_user_objects_come_from_the_working_directory(tmp_path, monkeypatch):
     assert import_user_object("my_rewards_mod:reward", "--reward")("", "", None) == 1.0
     with pytest.raises(ValueError, match=r"--reward 'my_rewards_mod:nope'.*no attribute 'nope'"):
         import_user_object("my_rewards_mod:nope", "--reward")
-    with pytest.raises(ValueError, match=r"rl.sample_filter 'absent_mod_xyz:f': cannot import"):
-        import_user_object("absent_mod_xyz:f", "rl.sample_filter")
+    with pytest.raises(ValueError, match=r"rl.filter.sample_filter 'absent_mod_xyz:f': cannot import"):
+        import_user_object("absent_mod_xyz:f", "rl.filter.sample_filter")
     with pytest.raises(ValueError, match="must be 'module:attribute'"):
-        import_user_object("no_colon", "rl.sample_filter")
+        import_user_object("no_colon", "rl.filter.sample_filter")

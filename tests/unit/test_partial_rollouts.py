@@ -182,9 +182,9 @@ def test_version_span_and_rollout_defaults():
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"rl": {"partial_rollouts": True}}, "rl.partial_rollouts needs rl.max_off_policy_steps >= 1"),
+    ({"rl": {"partial_rollouts": True}}, "rl.off_policy.partial_rollouts needs rl.off_policy.max_steps >= 1"),
     ({"rl": {"partial_rollouts": True, "max_off_policy_steps": 1}, "engine": {"type": "vllm"}},
-     "rl.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), got engine.type = 'vllm'"),
+     "rl.off_policy.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), got engine.type = 'vllm'"),
 ])
 def test_a_config_partial_rollouts_cannot_serve_is_refused_naming_the_field(config, message):
     from rlpipe.core.config import ConfigError
