@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.core.phases import PHASES
+from rlpipe.storage.background_writer import BackgroundWriter
 from rlpipe.storage.layout import step_files
 from rlpipe.storage.writer import (
-    BackgroundWriter,
     is_complete,
     read_partition,
     read_table,
@@ -56,7 +56,7 @@ def background_writes() -> Iterator[BackgroundWriter]:
 
 def drain_writes() -> None:
     """Wait until every queued table write is on disk, fsynced with its folders (a checkpoint
-    comes next and marks the step done); raises storage.writer.TableWriteError
+    comes next and marks the step done); raises storage.background_writer.TableWriteError
     naming the (table, step) of a failed write. A no-op outside `background_writes()`."""
     writer = _WRITER.get()
     if writer is not None:

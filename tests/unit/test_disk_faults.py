@@ -12,7 +12,8 @@ import rlpipe.storage.layout as layout
 import rlpipe.training.checkpoint as checkpoint
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
-from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table, write_table
+from rlpipe.storage.background_writer import BackgroundWriter, TableWriteError
+from rlpipe.storage.writer import read_table, write_table
 from rlpipe.tasks.record import load_rows
 from rlpipe.training.checkpoint import load_checkpoint, save_checkpoint
 from rlpipe.training.checkpoint_files import checkpoint_dir, latest_checkpoint
