@@ -31,10 +31,10 @@ import numpy as np
 import pyarrow as pa
 from rlpipe.storage.compaction import table_files
 from rlpipe.storage.schemas import schema_for
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
 
 from benchmarks.results import write_results
+from tests.synthetic_runs import synthetic_step
 
 VOCAB = 151_936
 TOKENIZER_BYTES = 11_400_000  # Qwen3's tokenizer.json + tokenizer_config.json + vocab/merges

@@ -27,10 +27,10 @@ from pathlib import Path
 import duckdb
 from rlpipe.storage.catalog import ensure_catalog
 from rlpipe.storage.queries import canned_sql, run_canned
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import compact_run, write_table
 
 from benchmarks.results import write_results
+from tests.synthetic_runs import synthetic_step
 
 GROUP_SIZE = 8
 QUERIES = ("reward_by_step", "zero_variance_by_step")

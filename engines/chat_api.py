@@ -257,7 +257,7 @@ def tool_call_chunks(head: dict[str, Any], choices: list[dict[str, Any]], finish
 
 
 def add_chat_completions(app: FastAPI, state: Any) -> None:
-    """Register POST /v1/chat/completions on `app`; `state` is engines/server.py's ServerState."""
+    """Register POST /v1/chat/completions on `app`; `state` is engines/serve_app.py's ServerState."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -5,7 +5,7 @@ does the calls, retries and weight sync.
 Request shapes per flavor, checked against the servers' source and docs; the vllm flavor also
 runs against a real vLLM 0.32 server on the CPU (tests/integration/test_vllm_cpu.py):
 
-- rlpipe: `engines/server.py` (this repository) — POST /v1/completions with `prompt` as a batch of
+- rlpipe: `engines/serve_app.py` (this repository) — POST /v1/completions with `prompt` as a batch of
   token ids, `logprobs: 0` and `ignore_eos: true`, reading `choices[i].token_ids` and
   `choices[i].logprobs.token_logprobs`; sync: POST /update_weights_from_disk
   {"model_path", "weight_version"} → {"success", "message", "policy_version"}.

@@ -35,7 +35,7 @@ class StreamOptions(BaseModel):
 
 
 async def sample(request: Any, state: Any, prompts: list[list[int]], params: SamplingParams):
-    """The batcher's (`state` is engines/server.py's ServerState) completions for `prompts` and the model that made them, under the request's
+    """The batcher's (`state` is engines/serve_app.py's ServerState) completions for `prompts` and the model that made them, under the request's
     deadline and dropped when the client goes away."""
     try:
         return await until_answered(request, state.batcher.submit(prompts, params), state.limits.request_timeout_s)

@@ -1,4 +1,4 @@
-"""`rlpipe serve`'s command line: options, token, Host allowlist and limits → engines.server's app.
+"""`rlpipe serve`'s command line: options, token, Host allowlist and limits → engines.serve_app's app.
 
     rlpipe serve CHECKPOINT [--port N] [--token-file F] [--allow-host NAME] [--max-n N] ...
         [--served-model-name NAME ...] [--tool-call-parser hermes|calculator]
@@ -29,7 +29,7 @@ import h11
 import torch
 from rlpipe.engines.http import read_token
 from rlpipe.engines.request_pipeline import LOOPBACK_HOSTS, ServeLimits
-from rlpipe.engines.server import DEFAULT_PORT, TOKEN_ENV, build_app
+from rlpipe.engines.serve_app import DEFAULT_PORT, TOKEN_ENV, build_app
 from rlpipe.models.tool_calls import PARSERS
 
 MAX_HEADER_BYTES = 16 * 1024  # h11's default, set explicitly: a request's header block at most

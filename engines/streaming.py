@@ -105,7 +105,7 @@ class ChoiceStream:
 async def live_events(state: Any, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple]:
     """("token", i, j, token, logprob) as the batcher's engine samples them, then ("done",
     groups, served); the request deadline applies, and closing the iterator drops the request's
-    remaining work (`state` is engines/server.py's ServerState)."""
+    remaining work (`state` is engines/serve_app.py's ServerState)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 

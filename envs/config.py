@@ -43,7 +43,7 @@ class RewardModelConfig(Section):
 
 class McpServerConfig(Section):
     """One `[[task.mcp_servers]]` entry: an MCP server whose tools the policy may call
-    (envs/mcp_tools.py). Give `command` (a stdio server the run starts) or `url` (a streamable
+    (envs/mcp_toolbox.py). Give `command` (a stdio server the run starts) or `url` (a streamable
     HTTP server already running), not both."""
 
     name: str = Field(min_length=1)

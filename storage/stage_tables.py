@@ -30,9 +30,9 @@ from typing import Any
 
 from rlpipe.core.stage_runs import run_stage
 from rlpipe.core.termination import raise_if_terminated
+from rlpipe.storage.background_writer import BackgroundWriter
 from rlpipe.storage.layout import step_files
 from rlpipe.storage.writer import (
-    BackgroundWriter,
     is_complete,
     read_partition,
     read_table,
@@ -59,7 +59,7 @@ def background_writes() -> Iterator[BackgroundWriter]:
 
 def drain_writes() -> None:
     """Wait until every queued table write is on disk, fsynced with its folders (a checkpoint
-    comes next and marks the step done); raises storage.writer.TableWriteError
+    comes next and marks the step done); raises storage.background_writer.TableWriteError
     naming the (table, step) of a failed write. A no-op outside `background_writes()`."""
     writer = _WRITER.get()
     if writer is not None:

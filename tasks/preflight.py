@@ -119,7 +119,7 @@ def _check_mcp_servers(task) -> None:
         if server.command and shutil.which(server.command, path=server.env.get("PATH")) is None:
             raise ConfigError(f"task.mcp_servers[{index}].command: {server.command!r} is not an executable "
                               "file or on PATH (give the server's program, e.g. python, npx or uvx)")
-        from rlpipe.envs.mcp_tools import from_environment
+        from rlpipe.envs.mcp_toolbox import from_environment
 
         _check(f"task.mcp_servers[{index}]", "set it in the run's environment",
                lambda server=server: from_environment(server))

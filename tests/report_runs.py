@@ -2,7 +2,7 @@
 `write_fated_run` (an RL run with recorded fates, `decisions`); `embedded_data` reads a written
 report's data back.
 
-For the fated run, storage.synthetic gives rollouts, scores and groups; this adds what the report's fate chart and
+For the fated run, tests/synthetic_runs.py gives rollouts, scores and groups; this adds what the report's fate chart and
 rollout browser read: advantages of the trained completions and a `decisions` row for every decided
 completion, covering every kind of fate the view shows: trained, zero_variance, a group carried at
 one step and trained at the next, reward_error, truncated, stale, and completions not yet decided
@@ -17,8 +17,9 @@ import re
 from pathlib import Path
 
 from rlpipe.storage.queries import run_sql
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
+
+from tests.synthetic_runs import synthetic_step
 
 NASTY = 'ends a script early? </script><script>document.title="pwned"</script> <!-- ünïcode'
 EPISODE = {"n_turns": 2, "completion_text": "calc 51*92<|im_end|>\n<|im_start|>tool\n4692<|im_end|>\nans 4692",
@@ -33,7 +34,7 @@ SFT_STEPS = (0, 1, 2)
 
 
 def write_run(run_dir, run_id, steps, *, rl, seed=0):
-    """A tiny run: RL runs get rollouts, scores and groups (storage.synthetic); both get train_steps, evals."""
+    """A tiny run: RL runs get rollouts, scores and groups (tests/synthetic_runs.py); both get train_steps, evals."""
     for step in steps:
         if rl:
             tables = synthetic_step(step, run_id=run_id, n_groups=5, group_size=4, n_token_rows=2, seed=seed,

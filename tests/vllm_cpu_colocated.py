@@ -12,7 +12,8 @@ import weakref
 
 import torch
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.vllm_engine import VllmEngine, vllm_unavailable_reason
+from rlpipe.engines.vllm_engine import VllmEngine
+from rlpipe.engines.vllm_lifecycle import vllm_unavailable_reason
 from rlpipe.engines.vllm_weights import rebind_weights_on_worker, trainer_weights
 from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rlpipe.engines.base import Engine, SamplingParams
-from rlpipe.engines.vllm_engine import vllm_unavailable_reason
+from rlpipe.engines.vllm_lifecycle import vllm_unavailable_reason
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.batch import Sequence, pack_one
@@ -56,6 +56,6 @@ def test_logprobs_match_trainer_and_follow_the_optimizer(preset):
         engine.close()
     # closed, vLLM's sleep-mode pool is empty: the next preset's engine can load its weights
     # (vLLM asserts it; "CuMem allocator can only be used for one instance per process")
-    from rlpipe.engines.vllm_engine import cumem_pool_bytes
+    from rlpipe.engines.vllm_lifecycle import cumem_pool_bytes
 
     assert cumem_pool_bytes() == 0

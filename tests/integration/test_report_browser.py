@@ -21,10 +21,10 @@ import urllib.parse
 import pytest
 from rlpipe.dashboards import report
 from rlpipe.storage.queries import run_canned
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
 
 from tests.report_runs import write_fated_run
+from tests.synthetic_runs import synthetic_step
 
 STEPS = (0, 1, 2, 3, 4)
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rlpipe.storage.background_writer import BackgroundWriter, TableWriteError
 from rlpipe.storage.compaction import fresh_files
 from rlpipe.storage.stage_tables import (
     background_writes,
@@ -20,7 +21,7 @@ from rlpipe.storage.stage_tables import (
     load_rows_beyond,
     persist,
 )
-from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table
+from rlpipe.storage.writer import read_table
 
 from tests.leftovers import strays
 
@@ -98,7 +99,7 @@ def test_sigkill_leaves_a_prefix_of_the_writes_and_no_partial_file(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from rlpipe.storage.writer import BackgroundWriter
+        from rlpipe.storage.background_writer import BackgroundWriter
         writer = BackgroundWriter()
         for step in range(1, {total} + 1):
             writer.submit({str(tmp_path)!r}, "train_steps", step,

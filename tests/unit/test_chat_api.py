@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.server import build_app
+from rlpipe.engines.serve_app import build_app
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.chat import template_ids
 from rlpipe.models.presets import build_model

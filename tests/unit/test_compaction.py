@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from rlpipe.storage.background_writer import BackgroundWriter
 from rlpipe.storage.catalog import connect, ensure_catalog, lazy_frame
 from rlpipe.storage.compaction import compacted_files, fresh_files, stored_steps
 from rlpipe.storage.queries import run_canned
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import (
-    BackgroundWriter,
     compact_run,
     is_complete,
     read_table,
     write_table,
 )
+
+from tests.synthetic_runs import synthetic_step
 
 HOOKS = Path(__file__).resolve().parents[1] / "fault_hooks"
 STEPS = 25

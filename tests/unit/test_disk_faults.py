@@ -12,8 +12,9 @@ import rlpipe.storage.layout as layout
 import rlpipe.training.checkpoint_io as checkpoint
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
+from rlpipe.storage.background_writer import BackgroundWriter, TableWriteError
 from rlpipe.storage.stage_tables import load_rows
-from rlpipe.storage.writer import BackgroundWriter, TableWriteError, read_table, write_table
+from rlpipe.storage.writer import read_table, write_table
 from rlpipe.training.checkpoint_files import checkpoint_dir, latest_checkpoint
 from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 

@@ -206,8 +206,9 @@ def test_preflight_refuses_a_bad_entry_in_one_line_naming_it(first, says, tmp_pa
 
 def test_env_by_step_equals_the_numbers_computed_from_the_rows(tmp_path):
     from rlpipe.storage.queries import run_canned
-    from rlpipe.storage.synthetic import synthetic_step
     from rlpipe.storage.writer import write_table
+
+    from tests.synthetic_runs import synthetic_step
 
     expected: dict[tuple, dict] = {}
     run_dirs = []

@@ -21,7 +21,7 @@ from rlpipe.engines.http import (
     read_token,
 )
 from rlpipe.engines.protocol import end_of_turn_ids
-from rlpipe.engines.server import build_app
+from rlpipe.engines.serve_app import build_app
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer

@@ -1,6 +1,6 @@
-"""Tools from MCP servers (envs/mcp_tools.py): a tiny MCP server this file writes and starts, over
-stdio and over streamable HTTP; listing, calling, every error path, closing, and episodes whose
-scripted turns call a tool."""
+"""Tools from MCP servers (envs/mcp_toolbox.py, envs/mcp_tools.py): a tiny MCP server this file
+writes and starts, over stdio and over streamable HTTP; listing, calling, every error path,
+closing, and episodes whose scripted turns call a tool."""
 
 from __future__ import annotations
 
@@ -18,13 +18,8 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv
 from rlpipe.envs.base import Example, StepResult
 from rlpipe.envs.config import McpServerConfig
-from rlpipe.envs.mcp_tools import (
-    McpToolbox,
-    McpToolsEnv,
-    ToolUseOptions,
-    from_environment,
-    schema_error,
-)
+from rlpipe.envs.mcp_toolbox import McpToolbox, from_environment, schema_error
+from rlpipe.envs.mcp_tools import McpToolsEnv, ToolUseOptions
 from rlpipe.envs.multiturn import episode_reward, with_env_tools
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.storage.writer import conform

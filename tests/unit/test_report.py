@@ -12,10 +12,10 @@ import pytest
 from rlpipe.dashboards import report
 from rlpipe.flows.cli import main as rlpipe
 from rlpipe.storage.queries import canned_queries, run_canned
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
 
 from tests.report_runs import NASTY, RL_STEPS, SFT_STEPS, embedded_data, write_run
+from tests.synthetic_runs import synthetic_step
 
 
 @pytest.fixture(scope="module")

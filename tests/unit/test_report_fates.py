@@ -11,7 +11,6 @@ import pytest
 from rlpipe.dashboards import report, report_rollouts
 from rlpipe.storage.catalog import connect
 from rlpipe.storage.queries import canned_sql, run_sql
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
 
 from tests.report_runs import (
@@ -23,6 +22,7 @@ from tests.report_runs import (
     write_fated_run,
     write_run,
 )
+from tests.synthetic_runs import synthetic_step
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from rlpipe.engines.request_pipeline import ServeLimits
+from rlpipe.engines.serve_app import build_app
 from rlpipe.engines.serve_cli import check_token_file, main, server_token
-from rlpipe.engines.server import build_app
 
 from tests.unit.test_server import ckpt, run_dir  # noqa: F401 - fixtures
 

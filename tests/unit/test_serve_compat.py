@@ -12,8 +12,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from rlpipe.engines.base import Completion
-from rlpipe.engines.server import build_app
-from rlpipe.engines.serving import ServedModel, load_served_model
+from rlpipe.engines.serve_app import build_app
+from rlpipe.engines.serve_generation import ServedModel, load_served_model
 from rlpipe.envs.base import Example
 from rlpipe.envs.calculator import TOOL, CalculatorEnv, run_tool
 from rlpipe.models.chat import template_ids

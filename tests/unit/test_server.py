@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.request_pipeline import ServeLimits
-from rlpipe.engines.server import build_app
-from rlpipe.engines.serving import group_jobs, load_served_model
+from rlpipe.engines.serve_app import build_app
+from rlpipe.engines.serve_generation import group_jobs, load_served_model
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer

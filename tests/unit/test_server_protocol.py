@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 from rlpipe.engines.request_pipeline import ServeLimits
-from rlpipe.engines.server import build_app
+from rlpipe.engines.serve_app import build_app
 
 from tests.unit.test_server import ckpt, client, run_dir  # noqa: F401 - fixtures
 

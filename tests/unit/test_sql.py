@@ -15,8 +15,9 @@ import pytest
 from rlpipe.flows.cli import main as rlpipe
 from rlpipe.storage.queries import canned_queries, run_canned, run_sql
 from rlpipe.storage.sqlcli import main as sql_main
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
+
+from tests.synthetic_runs import synthetic_step
 
 RUNS = ("run-a", "run-b")
 STEPS = (1, 2, 3)

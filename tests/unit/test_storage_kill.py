@@ -19,15 +19,17 @@ import duckdb
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from rlpipe.storage.compaction import fresh_files
-from rlpipe.storage.synthetic import synthetic_step
 from rlpipe.storage.writer import write_table
 
+from tests.synthetic_runs import synthetic_step
+
+ROOT = Path(__file__).resolve().parents[2]  # the child imports tests.synthetic_runs from here
 ROWS = 2400
 STEPS = 6
 CHILD = f"""
 import sys
 import pyarrow as pa
-from rlpipe.storage.synthetic import synthetic_step
+from tests.synthetic_runs import synthetic_step
 from rlpipe.storage.writer import write_table
 run, version = sys.argv[1], int(sys.argv[2])
 table = synthetic_step(1, run_id="r", n_groups=300, group_size=8, n_token_rows=2400)["rollouts"].drop_columns(["step"])
@@ -66,7 +68,7 @@ def test_sigkill_mid_write_leaves_whole_partitions(tmp_path):
     for step in range(4):
         write_table(run, "rollouts", step, base, run_id="r")
     rng = random.Random(1234)
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for version in range(1, 5):
         child = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(run), str(version)], stdout=subprocess.PIPE, env=env

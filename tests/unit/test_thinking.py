@@ -231,8 +231,9 @@ def test_a_source_whose_completions_are_all_cut_fails_naming_the_token_budget():
 def test_the_report_plots_reasoning_and_answer_lengths_of_thinking_runs(tmp_path):
     import pyarrow.parquet as pq
     from rlpipe.dashboards import report
-    from rlpipe.storage.synthetic import synthetic_step
     from rlpipe.storage.writer import write_table
+
+    from tests.synthetic_runs import synthetic_step
 
     def run(folder, run_id, thinking: bool):
         for step in (1, 2):

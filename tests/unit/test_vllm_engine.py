@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from rlpipe.engines.vllm_engine import vllm_unavailable_reason, write_vllm_config
+from rlpipe.engines.vllm_lifecycle import vllm_unavailable_reason, write_vllm_config
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 
@@ -117,7 +117,7 @@ def test_vllm_versions_compare_by_major_and_minor():
 def test_vllm_logging_is_quiet_but_keeps_real_warnings(monkeypatch):
     import logging
 
-    from rlpipe.engines.vllm_engine import quiet_vllm_logging
+    from rlpipe.engines.vllm_lifecycle import quiet_vllm_logging
 
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     seen: list[str] = []
@@ -193,35 +193,35 @@ def test_a_moe_model_whose_kernels_vllm_does_not_name_is_warned_about(caplog):
 def test_a_missing_flashinfer_switches_vllm_to_its_other_sampler(monkeypatch, caplog):
     import importlib.util
 
-    from rlpipe.engines import vllm_engine
+    from rlpipe.engines import vllm_lifecycle
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
-    monkeypatch.setattr(vllm_engine, "_said", set())
+    monkeypatch.setattr(vllm_lifecycle, "_said", set())
     environ: dict[str, str] = {}
-    with caplog.at_level("WARNING", logger="rlpipe.engines.vllm_engine"):
-        assert vllm_engine.use_sampler_without_flashinfer(environ)
-        assert vllm_engine.use_sampler_without_flashinfer({})  # set again, said once
+    with caplog.at_level("WARNING", logger="rlpipe.engines.vllm_lifecycle"):
+        assert vllm_lifecycle.use_sampler_without_flashinfer(environ)
+        assert vllm_lifecycle.use_sampler_without_flashinfer({})  # set again, said once
     assert environ == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     said = [r.getMessage() for r in caplog.records if "FlashInfer is not installed" in r.getMessage()]
     assert len(said) == 1 and "VLLM_USE_FLASHINFER_SAMPLER=0" in said[0]
     user = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}  # the user's own choice is kept
-    assert not vllm_engine.use_sampler_without_flashinfer(user) and user["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    assert not vllm_lifecycle.use_sampler_without_flashinfer(user) and user["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
 
 
 def test_an_installed_flashinfer_leaves_vllm_its_default(monkeypatch):
     import importlib.machinery
     import importlib.util
 
-    from rlpipe.engines import vllm_engine
+    from rlpipe.engines import vllm_lifecycle
 
     real_find_spec = importlib.util.find_spec
     spec = importlib.machinery.ModuleSpec("flashinfer", None)
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: spec if name == "flashinfer" else real_find_spec(name, *a))
     environ: dict[str, str] = {}
-    assert not vllm_engine.use_sampler_without_flashinfer(environ) and environ == {}
+    assert not vllm_lifecycle.use_sampler_without_flashinfer(environ) and environ == {}
 
 
 def test_the_vllm_engine_sets_the_sampler_before_vllm_is_imported():
@@ -229,7 +229,8 @@ def test_the_vllm_engine_sets_the_sampler_before_vllm_is_imported():
     # has set the variable before vLLM could read it
     code = ("import os, sys\n"
             "sys.modules['flashinfer'] = None\n"
-            "from rlpipe.engines.vllm_engine import VllmEngine, FLASHINFER_SAMPLER\n"
+            "from rlpipe.engines.vllm_engine import VllmEngine\n"
+            "from rlpipe.engines.vllm_lifecycle import FLASHINFER_SAMPLER\n"
             "try:\n"
             "    VllmEngine.__init__(object.__new__(VllmEngine), None)\n"
             "except Exception:\n"
@@ -287,7 +288,7 @@ def test_parameters_of_the_trainers_layout_become_its_tensors():
 
 
 def test_zero_copy_applies_only_to_a_synchronous_eager_cuda_engine_without_lora():
-    from rlpipe.engines.vllm_engine import zero_copy_applies
+    from rlpipe.engines.vllm_lifecycle import zero_copy_applies
     from rlpipe.training.lora import LoraOptions, add_lora
 
     model = build_model("tiny-dense", vocab_size=40, seed=0)

@@ -1,4 +1,5 @@
-"""Synthetic run tables (rollouts, scores, groups) for tests and the storage benchmark.
+"""Synthetic run tables (rollouts, scores, groups) for tests and the storage benchmarks, which
+import it as `tests.synthetic_runs` (benchmarks/bench_storage.py, benchmarks/bench_bytes.py).
 
     tables = synthetic_step(step=3, run_id="r", n_groups=250, group_size=8, n_token_rows=200, seed=0)
     tables["rollouts"], tables["scores"], tables["groups"]   # pa.Tables in the run schemas

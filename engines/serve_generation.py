@@ -1,10 +1,11 @@
-"""What `rlpipe serve` serves: the loaded checkpoint, the slot that swaps it, and the batcher.
+"""What `rlpipe serve` generates with: the loaded checkpoint, the slot that swaps it, and the
+request batcher.
 
 `ModelSlot` holds the served model; a reload swaps it under the lock generation holds, so a
 generate call sees the old or the new weights, never a mix. `Batcher` merges requests that
 arrive within `batch_window_ms` and share sampling parameters into one `TorchEngine.generate`
 call; a request with an explicit `seed` is never merged (its draws would depend on the batch).
-The HTTP layer is engines/server.py.
+The HTTP layer is engines/serve_app.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""`rlpipe serve`: the torch engine behind an OpenAI/vLLM-compatible HTTP API, with weight reload.
+"""`rlpipe serve`'s HTTP app: the torch engine behind an OpenAI/vLLM-compatible API, with weight
+reload. What it generates with (the served model, its reload slot, the request batcher) is
+engines/serve_generation.py; its command line is engines/serve_cli.py.
 
     rlpipe serve runs/demo/checkpoints/step_000010 --port 8001 [--token-file F] [--allow-root DIR]
         [--served-model-name NAME ...] [--tool-call-parser hermes] [--chat-template-kwargs JSON]
@@ -97,7 +99,7 @@ from rlpipe.engines.request_pipeline import (
     check_request_limits,
     read_request,
 )
-from rlpipe.engines.serving import (
+from rlpipe.engines.serve_generation import (
     Batcher,
     ModelSlot,
     ServedModel,
