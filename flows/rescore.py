@@ -76,10 +76,10 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     from rlpipe.flows.common import say_code_trusted
     from rlpipe.flows.progress import progress
     from rlpipe.rollouts.options import rollout_options
+    from rlpipe.rollouts.source_setup import overlong_penalty_fn
     from rlpipe.storage.compaction import table_files
     from rlpipe.tasks.config import read_run_config
     from rlpipe.tasks.rescoring import load_reward, rescore_run, scoring_env
-    from rlpipe.tasks.rl_setup import overlong_penalty_fn
     from rlpipe.tasks.setup import task_env
 
     config_path = run_dir / "config.json"
@@ -97,7 +97,7 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
         counts = rescore_run(run_dir, out_dir, reward=reward, env=env,
                              scorer=scoring_env(env, fn, config.task.reward_timeout_s),
                              options=rollout_options(config.rl),
-                             seed=config.seed, length_penalty=overlong_penalty_fn(config.rl), tick=bar.update)
+                             seed=config.seed, length_penalty=overlong_penalty_fn(config.rl.scoring, config.rl.sampling.max_new_tokens), tick=bar.update)
     finally:
         bar.close()
     return out_dir.resolve(), counts

@@ -1,5 +1,6 @@
-"""Building an RL run's state once, before its first step: model, optimizer, loss, engines, the
-rollout source, and what a resume restores.
+"""Building an RL run's state once, before its first step: model, optimizer, loss, engines (the
+one builder, tasks/build.py), and the rollout source (rollouts/source_setup.py), with what a resume
+restores.
 
 Not a stage (nothing is persisted): flows/rl.py calls `open_rl` and keeps the
 result for the whole run; `close` releases the engines.
@@ -7,21 +8,14 @@ result for the whole run; `close` releases the engines.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpipe.engines.base import Engine, SamplingParams
+from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
-from rlpipe.rollouts.advantages import overlong_penalty
-from rlpipe.rollouts.curriculum import Curriculum, PassHistory, class_keys, history_rows
-from rlpipe.rollouts.generation import GenerateOptions, thinking_budget
-from rlpipe.rollouts.group_buffer import GroupBuffer
-from rlpipe.rollouts.options import curriculum_options, rollout_options
-from rlpipe.rollouts.scoring import ScoreOptions
 from rlpipe.rollouts.source import RolloutSource
-from rlpipe.rollouts.stages import RunStages
+from rlpipe.rollouts.source_setup import SourceInputs, open_source
 from rlpipe.storage.layout import mark_env_partitioned
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.evaluate import eval_step
@@ -79,28 +73,6 @@ class RLRun:
             close_env(self.env)
 
 
-def overlong_penalty_fn(rl):
-    """DAPO's soft overlong penalty as a function of the completion length, or None when off."""
-    if rl.scoring.overlong_buffer == 0:
-        return None
-    return functools.partial(overlong_penalty, max_length=rl.sampling.max_new_tokens,
-                             buffer_length=rl.scoring.overlong_buffer, factor=rl.scoring.overlong_penalty)
-
-
-def open_curriculum(options, run_dir: Path, start_step: int, pool=()) -> Curriculum:
-    """The prompt curriculum of a run starting after `start_step`: a resumed run's pass history is
-    rebuilt from its own tables through that step (what the stopped run had there); keyed by
-    class, each prompt's class is read from the run's prompt `pool`."""
-    if not options.enabled or start_step == 0:
-        return Curriculum(options)
-    rows = history_rows(run_dir, through_step=start_step)
-    key_of = None
-    if options.key == "class":
-        classes = class_keys(pool, {(env, example_id) for env, example_id, _ in rows}, options)
-        key_of = lambda key: classes.get(key, key)  # noqa: E731
-    return Curriculum(options, PassHistory.from_rows(rows, options.window, options.pass_reward, key_of))
-
-
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop
     needs. The environment's MCP servers (task.mcp_servers) start first; `RLRun.close` stops them."""
@@ -121,20 +93,12 @@ def close_env(env) -> None:
 
 
 def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
-    from rlpipe.envs.mixture import prompt_source, train_pool
-
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
     start = start_point(config, run_dir, start_checkpoint)
     built = build(config, rl_plan(config), start)
-    prompts = prompt_source(env, config.seed, pool=rl.prompt_pool)
     if config.task.envs:  # a mixture's rollouts: step=<k>/env=<name>/ (storage/layout.py)
         mark_env_partitioned(run_dir)
-    options = rollout_options(rl, seed=config.seed)
-    buffer = GroupBuffer(options.buffer)
-    if start.resume is not None:
-        prompts.load_state_dict(built.data_state["prompts"])
-        buffer.load_state_dict(built.data_state["buffer"])
     version = built.start_step * rl.loss.ppo_epochs
     # servers restart from a resumed checkpoint (its syncs rows are repaired), or take the
     # pipeline's SFT result, which no server was started from
@@ -143,18 +107,11 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
         sync_task(built.engines, str(sync_from), version, run_dir=run_dir, run_id=run_id, step=built.start_step,
                   retries=config.engine.retries, only_missing=True)
     stops, context = stop_token_ids(built.tokenizer), max_context(built.model)
-    sampling = SamplingParams(n=rl.group_size, temperature=rl.sampling.temperature, top_p=rl.sampling.top_p,
-                              top_k=rl.sampling.top_k, max_new_tokens=rl.sampling.max_new_tokens,
-                              stop_token_ids=stops,
-                              **thinking_budget(built.tokenizer, rl.sampling.max_thinking_tokens))
-    stages = RunStages(engines=built.engines, tokenizer=built.tokenizer, env=env,
-                       generating=GenerateOptions(sampling, max_context=context, seed=config.seed,
-                                                  template_kwargs=chat_kwargs),
-                       scoring=ScoreOptions(rl.scoring.max_reward_error_fraction, overlong_penalty_fn(rl)),
-                       run_dir=run_dir, run_id=run_id)
-    source = RolloutSource(options, prompts, buffer, stages, start_step=built.start_step, published_version=version,
-                           curriculum=open_curriculum(curriculum_options(rl, config.seed), run_dir, built.start_step,
-                                                      train_pool(env, config.seed, rl.prompt_pool)))
+    inputs = SourceInputs(env=env, engines=built.engines, tokenizer=built.tokenizer, stop_token_ids=stops,
+                          max_context=context, run_dir=run_dir, run_id=run_id, seed=config.seed,
+                          template_kwargs=chat_kwargs)
+    source = open_source(rl, inputs, start_step=built.start_step, published_version=version,
+                         data_state=built.data_state if start.resume is not None else {})
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,
                  engines=built.engines, eval_engine=built.eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
