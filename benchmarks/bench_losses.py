@@ -174,9 +174,9 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                             seed=seed)
     stages = MemoryStages(engine, tokenizer, env, params)
-    options = rollout_options(rl)
-    source = RolloutSource(options, PromptSource(env.examples("train", seed=seed), seed=seed),
-                           GroupBuffer(options.buffer), stages, start_step=0, published_version=0)
+    rollout = rollout_options(rl)
+    source = RolloutSource(rollout, PromptSource(env.examples("train", seed=seed), seed=seed),
+                           GroupBuffer(rollout.buffer), stages, start_step=0, published_version=0)
     rewards, entropies, started = [], [], time.perf_counter()
     with source:
         for step in range(1, steps + 1):
