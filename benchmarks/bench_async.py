@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
                 if engine_name == "process" and k == 0:
                     continue  # no producer to place: the same run as the in-process k = 0
                 config = validate_config(demo_config(root, f"{engine_name}-k{k}", args.sft_steps, args.rl_steps,
-                                                     {"max_off_policy_steps": k}, engine))
+                                                     {"off_policy": {"max_steps": k}}, engine))
                 start = time.perf_counter()
                 out = run_rl(config, start_checkpoint=sft["checkpoint"])
                 seconds = time.perf_counter() - start

@@ -76,13 +76,15 @@ def run(args: argparse.Namespace) -> dict:
         start, sft_accuracy = sft["checkpoint"], sft["eval"].get("eval/accuracy")
     results = []
     for rl in run_settings(args.pool, args.retest, args.window, args.solved_rate, args.reads):
-        label = (f"{rl['curriculum']}{', by ' + rl.get('curriculum_key', 'example') if rl['curriculum'] != 'none' else ''}"
+        curriculum = rl["curriculum"]
+        label = (f"{curriculum['type']}"
+                 f"{', by ' + curriculum.get('key', 'example') if curriculum['type'] != 'none' else ''}"
                  f", pool {rl.get('prompt_pool') or 'all'}")
         config = validate_config(demo_config(root, f"rl-{len(results)}", args.sft_steps, args.rl_steps, rl))
         began = time.perf_counter()
         out = run_rl(config, start_checkpoint=str(start))
         seconds = time.perf_counter() - began
-        results.append({"run": label, "curriculum": rl["curriculum"], "prompt_pool": rl.get("prompt_pool", 0),
+        results.append({"run": label, "curriculum": curriculum["type"], "prompt_pool": rl.get("prompt_pool", 0),
                         "seconds": seconds, "accuracy": out["eval"].get("eval/accuracy"),
                         **figures(config.run_dir / "rl")})
         print(json.dumps(results[-1]), flush=True)
@@ -96,12 +98,12 @@ def run_settings(pool: int, retest: float, window: int, solved_rate: float, read
     """The `[rl]` fields of each run: the demo as it is and with the curriculum keyed by class;
     with `pool`, the same on a pool of `pool` train prompts without and with the curriculum keyed
     by example (what the pool does alone, and what the per-prompt history adds)."""
-    runs = [{"curriculum": "none"},
-            {"curriculum": "pass_rate", "curriculum_key": "class", "curriculum_window": window,
-             "curriculum_solved_rate": solved_rate, "curriculum_retest": retest, "curriculum_reads": reads}]
+    runs = [{"curriculum": {"type": "none"}},
+            {"curriculum": {"type": "pass_rate", "key": "class", "window": window, "solved_rate": solved_rate,
+                            "retest": retest, "reads": reads}}]
     if pool:
-        runs += [{"curriculum": "none", "prompt_pool": pool},
-                 {"curriculum": "pass_rate", "prompt_pool": pool, "curriculum_retest": retest}]
+        runs += [{"curriculum": {"type": "none"}, "prompt_pool": pool},
+                 {"curriculum": {"type": "pass_rate", "retest": retest}, "prompt_pool": pool}]
     return runs
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from benchmarks.results import write_results
 
-VARIANTS = {  # name → build_rl_loss options (a KL variant next to the plain losses)
+VARIANTS = {  # name → (rl.loss.type, other [rl.loss] options): a KL variant next to the plain losses
     "reinforce": ("reinforce", {}),
     "ppo_clip": ("ppo_clip", {}),
     "gspo": ("gspo", {}),
@@ -137,20 +137,20 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
                  prompts: int = 8, group: int = 8) -> dict:
     """One RL run of `variant` (a VARIANTS key) on `task`: mean reward and entropy per step, the
     gain, and for arithmetic the greedy accuracy before and after. The loss comes from the run
-    config's [rl] section (`tasks.phase_loss.loss_for`), as in the `rl` flow."""
+    config's [rl] section (`RLConfig.policy_loss`, `training.policy_loss.policy_loss_fn`), as in the `rl` flow."""
     import torch
     from rlpipe.engines.base import SamplingParams
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.envs.prompts import PromptSource
+    from rlpipe.rollouts.config import RLConfig
     from rlpipe.rollouts.group_buffer import GroupBuffer
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.tasks.pack import pack_rollouts
-    from rlpipe.tasks.phase_loss import loss_for
     from rlpipe.tasks.setup import stop_token_ids
     from rlpipe.tasks.train import train_on_batches
-    from rlpipe.training.config import RLConfig
     from rlpipe.training.kl import frozen_copy
+    from rlpipe.training.policy_loss import policy_loss_fn
     from rlpipe.training.rl_loss import loss_normaliser
     from rlpipe.training.step import StepOptions, build_optimizer, build_scheduler
     from rlpipe.training.trainer import LocalTrainer, TrainOptions
@@ -160,13 +160,13 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     torch.manual_seed(seed)
     model, tokenizer, env = make_start(task, seed, start)
     accuracy_start = greedy_accuracy(model, tokenizer, env, max_new_tokens) if task != "digits" else None
-    rl = RLConfig(steps=steps, prompts_per_step=prompts, group_size=group, drop_zero_variance=False, loss=name,
-                  **options)
+    rl = RLConfig(steps=steps, prompts_per_step=prompts, group_size=group, filter={"drop_zero_variance": False},
+                  loss={"type": name, **options})
     ref = frozen_copy(model) if rl.loss.kl_coef else None
     engine = TorchEngine(model)
     optimizer = build_optimizer(model, lr=lr)
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=steps, min_lr_ratio=0.1)
-    loss_fn = loss_for(rl)
+    loss_fn = policy_loss_fn(rl.policy_loss())
     normaliser, constant = loss_normaliser(name, "token", prompts * group, max_new_tokens)
     trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(
         step=StepOptions(normaliser=normaliser, constant=constant, autocast=False, entropy=True), max_grad_norm=1.0),
@@ -174,9 +174,9 @@ def learning_run(variant: str, seed: int = 0, steps: int = 40, task: str = "digi
     params = SamplingParams(n=group, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                             seed=seed)
     stages = MemoryStages(engine, tokenizer, env, params)
-    options = rollout_options(rl)
-    source = RolloutSource(options, PromptSource(env.examples("train", seed=seed), seed=seed),
-                           GroupBuffer(options.buffer), stages, start_step=0, published_version=0)
+    rollout = rollout_options(rl)
+    source = RolloutSource(rollout, PromptSource(env.examples("train", seed=seed), seed=seed),
+                           GroupBuffer(rollout.buffer), stages, start_step=0, published_version=0)
     rewards, entropies, started = [], [], time.perf_counter()
     with source:
         for step in range(1, steps + 1):

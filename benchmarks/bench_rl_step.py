@@ -240,8 +240,8 @@ def bench_configs(args: argparse.Namespace, root: Path) -> tuple[dict, dict]:
     sft["sft"]["optim"]["lr"] = args.sft_lr  # a quick warm start, not the demo's full SFT
     rl = json.loads(json.dumps(base))
     rl.update(flow="rl", run_name="bench-rl")
-    rl["rl"].update(steps=args.steps, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-                    drop_zero_variance=False)
+    rl["rl"].update(steps=args.steps, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+    rl["rl"].setdefault("filter", {})["drop_zero_variance"] = False
     return sft, rl
 
 

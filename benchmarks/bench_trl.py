@@ -14,7 +14,7 @@ first on odd ones, so that the shared machine's drifting load falls on both side
   PromptSource draws them for the seed (`same_prompts_each_step` checks it);
 - advantage = reward - group mean (no std scaling), no KL (beta = 0), on-policy (one optimizer
   step per batch, so TRL's ratio is 1), loss normalised by the step's completion tokens (TRL's
-  `dapo`, rlpipe's `token`), every group kept (rlpipe: drop_zero_variance = false, no
+  `dapo`, rlpipe's `token`), every group kept (rlpipe: rl.filter.drop_zero_variance = false, no
   over-sampling; TRL never drops groups); both compute the policy's entropy every step;
 - the same optimizer and schedule: rlpipe's AdamW (lr 1e-4, 2 warmup steps, cosine to 0.1x,
   grad norm clipped at 1.0) handed to TRL as `optimizers`. At lr 5e-4 both sides' rewards fell

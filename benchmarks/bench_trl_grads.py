@@ -94,12 +94,13 @@ def compare(args: argparse.Namespace) -> dict:
     from rlpipe.envs.prompts import PromptSource
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
+    from rlpipe.rollouts.config import RLConfig
     from rlpipe.rollouts.group_buffer import GroupBuffer
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
     from rlpipe.tasks.pack import pack_rollouts
     from rlpipe.tasks.setup import make_optimizer, stop_token_ids
-    from rlpipe.training.config import OptimConfig, RLConfig
+    from rlpipe.training.config import OptimConfig
     from rlpipe.training.rl_loss import build_rl_loss
     from rlpipe.training.step import StepOptions, forward_backward, optim_step
 
@@ -116,7 +117,8 @@ def compare(args: argparse.Namespace) -> dict:
         optim = OptimConfig(lr=LR, warmup_steps=2, min_lr_ratio=0.1, token_budget=8192, max_grad_norm=1.0)
         optimizer, scheduler = make_optimizer(model, optim, args.steps)
         engine, stops = TorchEngine(model), stop_token_ids(tokenizer)
-        rl = RLConfig(steps=args.steps, prompts_per_step=PROMPTS, group_size=GROUP, drop_zero_variance=False)
+        rl = RLConfig(steps=args.steps, prompts_per_step=PROMPTS, group_size=GROUP,
+                      filter={"drop_zero_variance": False})
         stages = MemoryStages(engine, tokenizer, env, SamplingParams(n=GROUP, max_new_tokens=16,
                                                                      stop_token_ids=stops, seed=0))
         options = rollout_options(rl)

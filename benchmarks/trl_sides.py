@@ -69,8 +69,9 @@ def rl_config(args: argparse.Namespace, root: Path, start: str, seed: int) -> di
     config["model"]["path"] = start
     config["rl"] = {
         "steps": args.steps, "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
-        "oversample_factor": 1.0, "max_attempts": 1, "drop_zero_variance": False, "estimator": "grpo",
-        "normalize_std": False, "loss": "reinforce", "eval_every": 0, "checkpoint_every": 0,
+        "buffer": {"oversample_factor": 1.0, "max_attempts": 1}, "filter": {"drop_zero_variance": False},
+        "advantages": {"estimator": "grpo", "normalize_std": False}, "loss": {"type": "reinforce"},
+        "eval_every": 0, "checkpoint_every": 0,
         "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens},
         "optim": rl_optim(args),
     }

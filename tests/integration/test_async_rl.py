@@ -48,8 +48,8 @@ def test_staleness_bound_holds_on_every_trained_sample(k, sft_checkpoint, tmp_pa
     monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
 
     # no over-sampling carry (max_staleness 0): the bound is k itself
-    config = validate_config(config_dict(tmp_path, f"k{k}", {"max_off_policy_steps": k, "max_staleness": 0,
-                                                             "steps": 8}))
+    config = validate_config(config_dict(tmp_path, f"k{k}", {"off_policy": {"max_steps": k},
+                                                             "buffer": {"max_staleness": 0}, "steps": 8}))
     run_rl(config, start_checkpoint=sft_checkpoint)
     run_dir = config.run_dir / "rl"
     low, high, trained, distinct = staleness_report(run_dir)
@@ -76,7 +76,8 @@ def test_carried_groups_stay_within_max_staleness_and_weights_go_out_every_sync_
 
     tracker = NullTracker()
     monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
-    config = config_dict(tmp_path, "carried", {"max_off_policy_steps": 1, "max_staleness": 2, "steps": 8})
+    config = config_dict(tmp_path, "carried", {"off_policy": {"max_steps": 1}, "buffer": {"max_staleness": 2},
+                                               "steps": 8})
     config["engine"] = {**config.get("engine", {}), "sync_every": 2}
     config = validate_config(config)
     run_rl(config, start_checkpoint=sft_checkpoint)
@@ -98,7 +99,8 @@ def test_the_sampler_process_keeps_the_bound_and_every_fate(sft_checkpoint, tmp_
     from rlpipe.flows.rl import run_rl
     from rlpipe.tasks.config import validate_config
 
-    config = config_dict(tmp_path, "process", {"max_off_policy_steps": 1, "max_staleness": 0, "steps": 4})
+    config = config_dict(tmp_path, "process", {"off_policy": {"max_steps": 1}, "buffer": {"max_staleness": 0},
+                                               "steps": 4})
     config["engine"] = {**config.get("engine", {}), "producer": "process"}
     config = validate_config(config)
     run_rl(config, start_checkpoint=sft_checkpoint)

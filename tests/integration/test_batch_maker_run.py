@@ -14,8 +14,8 @@ from tests.integration.test_rl_loop_regression import config_dict, sft_checkpoin
 
 pytestmark = pytest.mark.slow
 
-RL = {"steps": 3, "checkpoint_every": 1, "eval_every": 0, "max_staleness": 2,
-      "buffer": {"sampling": "reservoir", "reservoir_size": 5}}
+RL = {"steps": 3, "checkpoint_every": 1, "eval_every": 0,
+      "buffer": {"max_staleness": 2, "sampling": "reservoir", "reservoir_size": 5}}
 
 
 def trained(run_dir) -> list[tuple]:

@@ -36,8 +36,8 @@ def test_code_config_runs_and_scores_in_the_sandbox(tmp_path, monkeypatch):
     config["model"]["overrides"] = {"num_hidden_layers": 1}
     config["task"]["eval_examples"] = 4
     config["sft"] |= {"steps": 20, "examples": 640}
-    config["rl"] |= {"steps": 2, "eval_every": 0, "checkpoint_every": 0, "prompts_per_step": 2,
-                     "group_size": 4, "partial_batches": True}
+    config["rl"] |= {"steps": 2, "eval_every": 0, "checkpoint_every": 0, "prompts_per_step": 2, "group_size": 4}
+    config["rl"]["buffer"]["partial_batches"] = True
     with prefect_test_harness(server_startup_timeout=90):
         result = pipeline_flow(config=config)
     rl_dir = Path(result["run_dir"]) / "rl"

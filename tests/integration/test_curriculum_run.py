@@ -15,8 +15,8 @@ from tests.integration.test_rl_loop_regression import config_dict, sft_checkpoin
 
 pytestmark = pytest.mark.slow
 
-RL = {"steps": 4, "checkpoint_every": 2, "eval_every": 0, "curriculum": "pass_rate", "curriculum_retest": 0.2,
-      "partial_batches": True, "max_attempts": 3, "prompt_pool": 6}
+RL = {"steps": 4, "checkpoint_every": 2, "eval_every": 0, "curriculum": {"type": "pass_rate", "retest": 0.2},
+      "buffer": {"partial_batches": True, "max_attempts": 3}, "prompt_pool": 6}
 
 
 def curriculum_config(root, name):
@@ -78,9 +78,9 @@ def assert_resume_replays(run_dir, copy_config: dict, checkpoint: str) -> None:
     assert run_sql([copy_rl], again).to_pylist() == run_sql([run_dir / "rl"], again).to_pylist()
 
 
-CLASS_RL = {"steps": 4, "checkpoint_every": 2, "eval_every": 0, "curriculum": "pass_rate", "curriculum_key": "class",
-            "curriculum_window": 16, "curriculum_pass_reward": 0.0, "curriculum_retest": 0.2,
-            "partial_batches": True, "max_attempts": 3}
+CLASS_RL = {"steps": 4, "checkpoint_every": 2, "eval_every": 0,
+            "curriculum": {"type": "pass_rate", "key": "class", "window": 16, "pass_reward": 0.0, "retest": 0.2},
+            "buffer": {"partial_batches": True, "max_attempts": 3}}
 """Keyed by class on the whole train split (prompts that never repeat); every reward passes
 (pass_reward 0), so each class rests once 16 of its completions are scored."""
 

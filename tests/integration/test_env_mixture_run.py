@@ -27,8 +27,9 @@ def mixture_config(runs_root: Path) -> dict:
         {"name": "cd", "weight": 1, "env": "countdown",
          "options": {"min_numbers": 3, "max_numbers": 3, "max_number": 9, "max_target": 20, "eval_size": 20}}]}
     config["tracking"] = {"enabled": False, "report": False, "prefect_task_runs": False}
-    config["rl"] = {**config["rl"], "steps": 2, "prompts_per_step": 8, "group_size": 4, "oversample_factor": 1.0,
-                    "max_attempts": 1, "eval_every": 2, "checkpoint_every": 1}
+    config["rl"] = {**config["rl"], "steps": 2, "prompts_per_step": 8, "group_size": 4, "eval_every": 2,
+                    "checkpoint_every": 1}
+    config["rl"]["buffer"] = {**config["rl"]["buffer"], "oversample_factor": 1.0, "max_attempts": 1}
     return config
 
 

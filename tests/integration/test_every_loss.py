@@ -75,7 +75,7 @@ def test_every_loss_runs_stops_and_resumes_from_the_cli(tmp_path, prefect_api_ur
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert sorted(read_table(run_dir, "train_steps").column("step").to_pylist()) == list(range(1, STEPS + 1))
     saved = json.loads((run_dir / "config.json").read_text())
-    assert saved["rl"]["loss"] == loss and saved["rl"]["optim"]["normaliser"] is None
+    assert saved["rl"]["loss"]["type"] == loss and saved["rl"]["optim"]["normaliser"] is None
 
 
 @pytest.mark.parametrize("loss", LOSS_NAMES)

@@ -39,9 +39,9 @@ def test_every_rollout_has_one_fate_and_the_counters_match(sft_checkpoint, tmp_p
     monkeypatch.setattr(rlpipe.flows.rl, "make_tracker", lambda *args, **kwargs: tracker)
     monkeypatch.setattr(ArithmeticEnv, "score", flaky_score(ArithmeticEnv.score))
     config = validate_config(config_dict(tmp_path, "fates", {
-        "steps": 4, "drop_truncated": True, "max_reward_error_fraction": 1.0, "max_attempts": 20,
+        "steps": 4, "scoring": {"max_reward_error_fraction": 1.0}, "buffer": {"max_attempts": 20},
         "sampling": {"max_new_tokens": 2},
-        "sample_filter": "tests.integration.test_fates_run:no_nines"}))
+        "filter": {"drop_truncated": True, "sample_filter": "tests.integration.test_fates_run:no_nines"}}))
     rlpipe.flows.rl.run_rl(config, start_checkpoint=sft_checkpoint)
     con = connect(config.run_dir / "rl")
 

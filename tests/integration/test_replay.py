@@ -75,10 +75,10 @@ def test_a_tampered_stored_value_is_named(rl_run, tmp_path, capsys):
 
 VARIANTS = {
     # generation one step ahead of training, with the off-policy TIS and sequence mask, and a KL penalty
-    "async_kl": {"max_off_policy_steps": 1, "off_policy_sequence_mask": 0.5, "kl_coef": 0.05},
+    "async_kl": {"off_policy": {"max_steps": 1, "sequence_mask": 0.5}, "loss": {"kl_coef": 0.05}},
     # two optimizer steps per batch (the optimizer state evolves within the step), partial batches
-    "ppo_partial": {"ppo_epochs": 2, "loss": "ppo_clip", "partial_batches": True, "max_attempts": 1,
-                    "oversample_factor": 1.0},
+    "ppo_partial": {"loss": {"type": "ppo_clip", "ppo_epochs": 2},
+                    "buffer": {"partial_batches": True, "max_attempts": 1, "oversample_factor": 1.0}},
 }
 
 

@@ -20,8 +20,9 @@ def test_lora_cispo_with_kl_and_overlong_penalty(prefect_api, tmp_path):  # noqa
     from rlpipe.storage.writer import read_table
 
     config = tiny_config(tmp_path, tracking__enabled=False, sft__steps=20, rl__steps=2, rl__eval_every=0,
-                         rl__checkpoint_every=0, rl__loss="cispo", rl__kl_coef=0.05, rl__kl_estimator="k3",
-                         rl__overlong_buffer=2, rl__overlong_penalty=0.5, model__lora={"rank": 4})
+                         rl__checkpoint_every=0, rl__loss__type="cispo", rl__loss__kl_coef=0.05,
+                         rl__loss__kl_estimator="k3", rl__scoring__overlong_buffer=2,
+                         rl__scoring__overlong_penalty=0.5, model__lora={"rank": 4})
     result = pipeline_flow(config=config)
     rl_dir = Path(result["run_dir"]) / "rl"
 

@@ -36,7 +36,8 @@ def http_config(tmp_path: Path, start: Path, urls: list[str], steps: int) -> dic
     config.update(flow="rl", run_name="http", runs_root=str(tmp_path / "runs"))
     config["model"]["path"] = str(start)
     config["engine"] = {"type": "http", "urls": urls, "retries": 1, "timeout_s": 60}
-    config["rl"].update(steps=steps, eval_every=0, drop_zero_variance=False)
+    config["rl"].update(steps=steps, eval_every=0)
+    config["rl"].setdefault("filter", {})["drop_zero_variance"] = False
     config["tracking"] = {"enabled": True, "report": False, "experiment": "http-secret"}
     return config
 

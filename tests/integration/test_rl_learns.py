@@ -13,14 +13,14 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.snapshot import SnapshotEngine
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.group_buffer import GroupBuffer
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.tasks.pack import pack_rollouts
-from rlpipe.tasks.phase_loss import loss_for
 from rlpipe.tasks.setup import make_model_and_tokenizer, stop_token_ids
 from rlpipe.tasks.train import train_on_batches
-from rlpipe.training.config import RLConfig
+from rlpipe.training.policy_loss import policy_loss_fn
 from rlpipe.training.step import StepOptions, build_optimizer, build_scheduler
 from rlpipe.training.trainer import LocalTrainer, TrainOptions
 
@@ -35,9 +35,9 @@ def test_reinforce_raises_reward_on_a_learnable_env(ahead):
     engine = SnapshotEngine(model) if ahead else TorchEngine(model)
     optimizer = build_optimizer(model, lr=3e-3)
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=40, min_lr_ratio=1.0)
-    rl = RLConfig(steps=40, prompts_per_step=8, group_size=8, drop_zero_variance=False,
-                  max_off_policy_steps=ahead)
-    loss_fn = loss_for(rl)
+    rl = RLConfig(steps=40, prompts_per_step=8, group_size=8, filter={"drop_zero_variance": False},
+                  off_policy={"max_steps": ahead})
+    loss_fn = policy_loss_fn(rl.policy_loss())
     trainer = LocalTrainer(model, optimizer, scheduler, TrainOptions(
         step=StepOptions(normaliser="token", autocast=False, entropy=True), max_grad_norm=1.0))
     params = SamplingParams(n=8, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer), seed=0)

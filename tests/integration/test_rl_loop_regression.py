@@ -40,8 +40,8 @@ VARIANTS = {
     # tiny.toml as is: over-sampling ×2 with carried surplus groups
     "base": {},
     # PPO ratio over two epochs, rloo with std normalisation, no over-sampling, partial batches
-    "ppo": {"loss": "ppo_clip", "ppo_epochs": 2, "estimator": "rloo", "normalize_std": True,
-            "oversample_factor": 1.0, "partial_batches": True, "max_attempts": 2},
+    "ppo": {"loss": {"type": "ppo_clip", "ppo_epochs": 2}, "advantages": {"estimator": "rloo", "normalize_std": True},
+            "buffer": {"oversample_factor": 1.0, "partial_batches": True, "max_attempts": 2}},
 }
 # machine kind -> variant -> sha256 of the final model.safetensors
 EXPECTED = {
@@ -64,12 +64,23 @@ def machine_kind() -> str:
     return f"{vendor} {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
 
 
+def merged(base: dict, changes: dict) -> dict:
+    """`base` with `changes` over it, table by table: a change to one key of [rl.buffer] keeps
+    the buffer's other keys of the base config."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def config_dict(runs_root: Path, name: str, rl: dict) -> dict:
+    """tiny.toml in `runs_root` as run `name`, with the `[rl]` changes `rl` (its sub-tables merged
+    into tiny.toml's)."""
     config = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
     config.update(runs_root=str(runs_root), run_name=name, threads=1)
     config["tracking"] = {"enabled": False, "report": False, "prefect_task_runs": False}
     config["model"] = {**config.get("model", {}), "bf16_autocast": False}
-    config["rl"] = {**config["rl"], "steps": 6, **rl}
+    config["rl"] = merged(config["rl"], {"steps": 6, **rl})
     return config
 
 

@@ -126,7 +126,8 @@ def test_a_budget_that_ends_every_completion_inside_the_block_says_so(prefect_ap
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     config = _config(tmp_path, model_dir, thinking=True)
-    config["rl"].update(sampling={"max_new_tokens": 3}, max_attempts=2)
+    config["rl"]["sampling"] = {"max_new_tokens": 3}
+    config["rl"]["buffer"] = {**config["rl"]["buffer"], "max_attempts": 2}
     with pytest.raises(BatchFillError) as error:
         pipeline_flow(config=config)
     message = str(error.value)

@@ -14,9 +14,9 @@ from rlpipe.rollouts.advantages import (
     group_stats,
     make_groups,
 )
+from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
 from rlpipe.rollouts.options import rollout_options
-from rlpipe.training.config import RLConfig
 
 
 def fill_batch(buffer, version, sample):
@@ -24,8 +24,9 @@ def fill_batch(buffer, version, sample):
     return buffer.take()
 
 
-def BufferConfig(groups_per_batch, **options):  # noqa: N802 - reads like the section it builds
-    return rollout_options(RLConfig(prompts_per_step=groups_per_batch, **options)).buffer
+def BufferConfig(groups_per_batch, max_off_policy_steps=0, **buffer):  # noqa: N802 - reads like the section it builds
+    rl = RLConfig(prompts_per_step=groups_per_batch, buffer=buffer, off_policy={"max_steps": max_off_policy_steps})
+    return rollout_options(rl).buffer
 
 
 def _close(a, b):
@@ -91,7 +92,7 @@ def test_make_groups_and_group_advantages():
         ("arithmetic", "a", 1),
     ]
     assert groups[0].sample_ids == ["s-a-0", "s-a-1"] and groups[0].attempt == 2
-    adv = group_advantages(groups[:1], rollout_options(RLConfig(estimator="rloo")).advantages)
+    adv = group_advantages(groups[:1], rollout_options(RLConfig(advantages={"estimator": "rloo"})).advantages)
     assert adv == {"s-a-0": 1.0, "s-a-1": -1.0}
     row = group_row(groups[1])
     assert row["zero_variance"] and row["n"] == 2 and row["reward_mean"] == 1.0
@@ -220,7 +221,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="oversample_factor"):
         BufferConfig(groups_per_batch=2, oversample_factor=0.5)
     with pytest.raises(ValueError, match="estimator"):
-        RLConfig(estimator="ppo")
+        RLConfig(advantages={"estimator": "ppo"})
 
 
 def test_prompts_to_sample_scales_with_the_valid_share():

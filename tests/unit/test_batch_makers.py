@@ -16,9 +16,9 @@ from rlpipe.rollouts.batch_makers import (
     GrpoBatchMaker,
     batch_maker_class,
 )
+from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.group_buffer import GroupBuffer
 from rlpipe.rollouts.options import rollout_options
-from rlpipe.training.config import RLConfig
 
 
 def group(gid: str, example: str, version: int, rewards=(0.0, 1.0)) -> Group:
@@ -52,8 +52,8 @@ def run_steps(buffer: GroupBuffer, sample_round, steps: range) -> list[list[str]
     return out
 
 
-RESERVOIR = {"prompts_per_step": 3, "oversample_factor": 3.0, "max_staleness": 10,
-             "buffer": {"sampling": "reservoir", "reservoir_size": 5}}
+CARRY = {"oversample_factor": 3.0, "max_staleness": 10}  # surplus groups wait for later steps
+RESERVOIR = {"prompts_per_step": 3, "buffer": {**CARRY, "sampling": "reservoir", "reservoir_size": 5}}
 
 
 def test_retention_latest_replaces_all_keeps_every_version():
@@ -81,7 +81,7 @@ def test_retention_max_age_bounds_age_by_its_own_field():
 
 
 def test_the_buffer_records_what_the_maker_drops_as_stale_decisions():
-    buffer = buffer_for(prompts_per_step=2, max_staleness=5, buffer={"retention": "all"})
+    buffer = buffer_for(prompts_per_step=2, buffer={"max_staleness": 5, "retention": "all"})
     buffer.start_batch(0)
     buffer.add([group("a0", "a", 0), group("a1", "a", 1)])
     assert [g.group_id for g in buffer.pending] == ["a0", "a1"]  # "all": both versions wait
@@ -94,7 +94,7 @@ def test_reservoir_draws_are_seeded_random_and_bounded():
     a = run_steps(buffer_for(seed=7, **RESERVOIR), rounds(0), range(1, 7))
     b = run_steps(buffer_for(seed=7, **RESERVOIR), rounds(0), range(1, 7))
     c = run_steps(buffer_for(seed=8, **RESERVOIR), rounds(0), range(1, 7))
-    oldest = run_steps(buffer_for(seed=7, **{**RESERVOIR, "buffer": {}}), rounds(0), range(1, 7))
+    oldest = run_steps(buffer_for(seed=7, **{**RESERVOIR, "buffer": CARRY}), rounds(0), range(1, 7))
     assert a == b  # same seed, same batches
     assert a != c  # another seed draws others
     assert a != oldest  # not oldest first
@@ -110,7 +110,7 @@ def test_reservoir_draws_are_seeded_random_and_bounded():
 
 @pytest.mark.parametrize("buffer", [RESERVOIR["buffer"], {}, {"retention": "all"}], ids=["reservoir", "oldest", "all"])
 def test_a_restored_buffer_makes_the_identical_next_batches(buffer):
-    rl = {**RESERVOIR, "buffer": buffer}
+    rl = {**RESERVOIR, "buffer": {**CARRY, **buffer}}
     straight = buffer_for(seed=3, **rl)
     sample_round = rounds(0)
     run_steps(straight, sample_round, range(1, 4))
@@ -146,7 +146,7 @@ USER_MAKER = documented_example()
 def test_a_user_batch_maker_from_module_colon_class(tmp_path, monkeypatch):
     (tmp_path / "my_makers.py").write_text(USER_MAKER)
     monkeypatch.syspath_prepend(str(tmp_path))
-    buffer = buffer_for(prompts_per_step=2, max_staleness=5, batch_maker="my_makers:NewestFirst")
+    buffer = buffer_for(prompts_per_step=2, buffer={"max_staleness": 5, "batch_maker": "my_makers:NewestFirst"})
     assert type(buffer.maker).__name__ == "NewestFirst"
     buffer.start_batch(2)
     decisions = buffer.add([group("a0", "a", 0), group("z", "z", 0, (1.0, 1.0)), group("b2", "b", 2),
@@ -155,7 +155,7 @@ def test_a_user_batch_maker_from_module_colon_class(tmp_path, monkeypatch):
     batch, metrics = buffer.take()
     assert [g.group_id for g in batch] == ["c1", "b2"]  # the user's order, not oldest first
     assert metrics["rollout/batch_newest_version"] == 2 and metrics["rollout/carried_groups"] == 1
-    restored = buffer_for(prompts_per_step=1, max_staleness=5, batch_maker="my_makers:NewestFirst")
+    restored = buffer_for(prompts_per_step=1, buffer={"max_staleness": 5, "batch_maker": "my_makers:NewestFirst"})
     restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
     assert [g.group_id for g in restored.pending] == ["a0"] and restored.take()[0][0].group_id == "a0"
     restored.maker.metadata = lambda batch: {"note": "text"}
@@ -169,14 +169,14 @@ def test_bad_batch_maker_specs_are_one_line_naming_the_key(tmp_path, monkeypatch
     from rlpipe.tasks.preflight import _check_user_code
 
     with pytest.raises(ValueError, match="rl.buffer.batch_maker must be 'module:Class', got 'nocolon'"):
-        RLConfig(batch_maker="nocolon")
+        RLConfig(buffer={"batch_maker": "nocolon"})
     (tmp_path / "half_maker.py").write_text("class Half:\n    def add(self, groups): pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"rl.buffer.batch_maker 'half_maker:Half' must name a class .*missing: "
                                          r"create_batch, metadata, state_dict, load_state_dict"):
         batch_maker_class("half_maker:Half")
     for spec, why in [("no_such_module_xyz:C", "cannot import module"), ("half_maker:Nope", "has no attribute")]:
-        config = validate_config({"flow": "rl", "rl": {"batch_maker": spec}})
+        config = validate_config({"flow": "rl", "rl": {"buffer": {"batch_maker": spec}}})
         with pytest.raises(ConfigError) as error:
             _check_user_code(config)
         message = str(error.value)
@@ -191,15 +191,16 @@ def test_rl_buffer_section_is_checked():
         RLConfig(buffer={"retention": "newest"})
     with pytest.raises(ValueError, match="reservoir' holds groups with non-zero advantages: it needs "
                                          "rl.filter.drop_zero_variance = true"):
-        RLConfig(drop_zero_variance=False, buffer={"sampling": "reservoir"})
+        RLConfig(filter={"drop_zero_variance": False}, buffer={"sampling": "reservoir"})
     with pytest.raises(ValueError, match="oversample_factor"):
-        RLConfig(buffer={"oversample_factor": 2})  # the [rl] fields stay in [rl]
+        RLConfig(oversample_factor=2)  # the buffer's fields live in [rl.buffer], not in [rl]
+    assert RLConfig(buffer={"oversample_factor": 2}).buffer.oversample_factor == 2
 
 
 def test_a_user_makers_groups_older_than_the_bound_are_dropped_as_stale(tmp_path, monkeypatch):
     (tmp_path / "keep_all.py").write_text(USER_MAKER)
     monkeypatch.syspath_prepend(str(tmp_path))
-    buffer = buffer_for(prompts_per_step=2, max_staleness=1, batch_maker="keep_all:NewestFirst")
+    buffer = buffer_for(prompts_per_step=2, buffer={"max_staleness": 1, "batch_maker": "keep_all:NewestFirst"})
     buffer.start_batch(0)
     buffer.add([group("old", "o", 0)])
     fresh = iter(range(100))

@@ -32,7 +32,7 @@ def test_a_supervised_plan_builds_a_local_trainer_and_an_eval_engine_only():
 
 
 def test_an_rl_plan_with_a_kl_penalty_keeps_the_starting_weights_frozen_as_the_reference():
-    config = _config(rl={"kl_coef": 0.1, "ppo_epochs": 2})
+    config = _config(rl={"loss": {"kl_coef": 0.1, "ppo_epochs": 2}})
     plan = dataclasses.replace(rl_plan(config), engines="none")
     assert plan.total_steps == config.rl.steps * 2 and plan.options.epochs == 2 and plan.reference
     built = build(config, plan, StartPoint())

@@ -91,7 +91,7 @@ def test_non_finite_strings_are_refused_too():
 
 
 def test_epsilon_low_must_stay_below_one():
-    with pytest.raises(ConfigError, match=r"rl\.epsilon_low"):
+    with pytest.raises(ConfigError, match=r"rl\.loss\.epsilon_low"):
         load_config(ROOT / "configs" / "tiny.toml", ["rl.loss.epsilon_low=1.0"])
     assert load_config(ROOT / "configs" / "tiny.toml", ["rl.loss.epsilon_low=0.99"]).rl.loss.epsilon_low == 0.99
 
@@ -102,10 +102,10 @@ def test_an_inline_api_token_is_refused_with_where_to_put_it():
 
 
 @pytest.mark.parametrize(("rl", "message"), [
-    ({"loss": "ppo_clip", "tis_cap": 2.0}, "rl.loss.tis_cap with rl.loss.type = 'ppo_clip' is not supported"),
-    ({"loss": "gspo", "tis_cap": 2.0}, "rl.loss.tis_cap is for reinforce and ppo_clip; rl.loss.type = 'gspo'"),
-    ({"loss": "dr_grpo", "normalize_std": True}, "rl.loss.type = 'dr_grpo' removes the std normalisation"),
-    ({"loss": "gspo", "optim": {"normaliser": "token"}},
+    ({"loss": {"type": "ppo_clip", "tis_cap": 2.0}}, "rl.loss.tis_cap with rl.loss.type = 'ppo_clip' is not supported"),
+    ({"loss": {"type": "gspo", "tis_cap": 2.0}}, "rl.loss.tis_cap is for reinforce and ppo_clip; rl.loss.type = 'gspo'"),
+    ({"loss": {"type": "dr_grpo"}, "advantages": {"normalize_std": True}}, "rl.loss.type = 'dr_grpo' removes the std normalisation"),
+    ({"loss": {"type": "gspo"}, "optim": {"normaliser": "token"}},
      "rl.loss.type = 'gspo' is normalised per sequence; rl.optim.normaliser = 'token' contradicts it"),
 ])
 def test_a_loss_combination_is_refused_at_validation(rl, message):
@@ -115,16 +115,16 @@ def test_a_loss_combination_is_refused_at_validation(rl, message):
 
 
 def test_a_loss_option_set_to_its_own_value_is_accepted():
-    assert validate_config({"rl": {"loss": "gspo", "optim": {"normaliser": "sequence"}}}).rl.loss.type == "gspo"
-    assert validate_config({"rl": {"loss": "dr_grpo"}}).rl.loss_normaliser() == ("constant", 16.0 * 16 * 8)
+    assert validate_config({"rl": {"loss": {"type": "gspo"}, "optim": {"normaliser": "sequence"}}}).rl.loss.type == "gspo"
+    assert validate_config({"rl": {"loss": {"type": "dr_grpo"}}}).rl.loss_normaliser() == ("constant", 16.0 * 16 * 8)
 
 
 def test_async_rl_gives_truncated_is_to_the_losses_that_weight_by_the_engine():
-    async_rl = {"max_off_policy_steps": 1, "off_policy_tis_cap": 3.0}
+    async_rl = {"off_policy": {"max_steps": 1, "tis_cap": 3.0}}
     assert validate_config({"rl": async_rl}).rl.loss_options().tis_cap == 3.0
-    assert validate_config({"rl": async_rl | {"tis_cap": 1.5}}).rl.loss_options().tis_cap == 1.5
-    assert validate_config({"rl": async_rl | {"loss": "ppo_clip"}}).rl.loss_options().tis_cap == 0.0
-    assert validate_config({"rl": async_rl | {"loss": "gspo"}}).rl.loss_options().tis_cap == 0.0
+    assert validate_config({"rl": async_rl | {"loss": {"tis_cap": 1.5}}}).rl.loss_options().tis_cap == 1.5
+    assert validate_config({"rl": async_rl | {"loss": {"type": "ppo_clip"}}}).rl.loss_options().tis_cap == 0.0
+    assert validate_config({"rl": async_rl | {"loss": {"type": "gspo"}}}).rl.loss_options().tis_cap == 0.0
     assert validate_config({}).rl.loss_options().tis_cap == 0.0
 
 

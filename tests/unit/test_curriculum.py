@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.curriculum import (
     Curriculum,
     CurriculumOptions,
@@ -20,7 +21,6 @@ from rlpipe.rollouts.options import curriculum_options, rollout_options
 from rlpipe.rollouts.records import Score
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.storage.writer import write_table
-from rlpipe.training.config import RLConfig
 
 from tests.rollout_rows import rollout
 
@@ -151,12 +151,14 @@ def test_history_rebuilt_from_the_tables_equals_the_live_one_through_a_step(tmp_
 
 
 def test_config_fields_reach_the_options_and_bad_values_name_the_field():
-    rl = RLConfig(curriculum="pass_rate", curriculum_window=5, curriculum_retest=0.5, curriculum_pass_reward=0.5)
+    rl = RLConfig(curriculum={"type": "pass_rate", "window": 5, "retest": 0.5, "pass_reward": 0.5})
     assert curriculum_options(rl, seed=9) == CurriculumOptions(kind="pass_rate", window=5, retest=0.5,
                                                                pass_reward=0.5, seed=9)
-    for bad in ({"curriculum": "easy_first"}, {"curriculum_window": 0}, {"curriculum_retest": 0},
-                {"curriculum_retest": 1.5}, {"prompt_pool": -1}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
+    for bad, field in [({"curriculum": {"type": "easy_first"}}, r"curriculum\.type"),
+                       ({"curriculum": {"window": 0}}, r"curriculum\.window"),
+                       ({"curriculum": {"retest": 0}}, r"curriculum\.retest"),
+                       ({"curriculum": {"retest": 1.5}}, r"curriculum\.retest"), ({"prompt_pool": -1}, "prompt_pool")]:
+        with pytest.raises(ValueError, match=field):
             RLConfig(**bad)
 
 
@@ -185,7 +187,7 @@ class SolvedStages:
 
 def test_the_rollout_source_skips_solved_prompts_and_hands_the_rows_to_the_filter_stage():
     stages = SolvedStages()
-    rl = RLConfig(steps=3, prompts_per_step=5, curriculum="pass_rate", curriculum_window=2, curriculum_retest=0.01)
+    rl = RLConfig(steps=3, prompts_per_step=5, curriculum={"type": "pass_rate", "window": 2, "retest": 0.01})
     options = rollout_options(rl)
     source = RolloutSource(options, PromptSource(examples(10), seed=0, shuffle=False), GroupBuffer(options.buffer),
                            stages, start_step=0, published_version=0,

@@ -8,6 +8,7 @@ import pytest
 from rlpipe.envs.arithmetic import ArithmeticConfig, ArithmeticEnv, carries, problem_class
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.curriculum import (
     Curriculum,
     CurriculumOptions,
@@ -16,7 +17,6 @@ from rlpipe.rollouts.curriculum import (
     resting,
 )
 from rlpipe.rollouts.options import curriculum_options
-from rlpipe.training.config import RLConfig
 
 from tests.unit.test_curriculum import scored
 
@@ -92,12 +92,12 @@ def test_the_class_history_rebuilt_from_table_rows_equals_the_live_one():
 
 
 def test_class_config_fields_reach_the_options_and_bad_values_name_the_field():
-    rl = RLConfig(curriculum="pass_rate", curriculum_key="class", curriculum_solved_rate=0.9)
+    rl = RLConfig(curriculum={"type": "pass_rate", "key": "class", "solved_rate": 0.9})
     options = curriculum_options(rl, seed=1)
     assert (options.key, options.solved_rate) == ("class", 0.9)
-    for bad in ({"curriculum_key": "prompt"}, {"curriculum_solved_rate": 0.5}, {"curriculum_solved_rate": 1.1}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            RLConfig(**bad)
+    for bad in ({"key": "prompt"}, {"solved_rate": 0.5}, {"solved_rate": 1.1}):
+        with pytest.raises(ValueError, match=rf"curriculum\.{next(iter(bad))}"):
+            RLConfig(curriculum=bad)
 
 
 def test_a_round_reads_at_most_its_share_of_the_stream_and_samples_fewer_when_most_prompts_rest():

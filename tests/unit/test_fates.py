@@ -6,6 +6,7 @@ import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
 from rlpipe.rollouts.advantages import Group
+from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.fates import (
     STATUSES,
     decide_groups,
@@ -18,7 +19,6 @@ from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
-from rlpipe.training.config import RLConfig
 
 
 def group(gid: str, example: str, version: int, rewards: list[float]) -> Group:
@@ -33,7 +33,7 @@ def rollout(sid: str, finish_reason: str = "stop") -> Rollout:
 
 
 def test_a_replaced_group_is_recorded_stale_not_left_carried():
-    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=2, max_staleness=5)).buffer)
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=2, buffer={"max_staleness": 5})).buffer)
     buffer.start_batch(0)
     buffer.add([group("old", "a", 0, [0, 1])])
     buffer.start_batch(1)
@@ -48,7 +48,7 @@ def test_a_replaced_group_is_recorded_stale_not_left_carried():
 
 
 def test_a_group_decided_twice_in_a_step_keeps_its_last_decision_and_the_batch_is_trained():
-    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, max_staleness=5)).buffer)
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, buffer={"max_staleness": 5})).buffer)
     buffer.start_batch(0)
     decisions = buffer.add([group("a0", "a", 0, [0, 1]), group("a1", "a", 1, [0, 1]), group("z", "b", 1, [1, 1])])
     batch, _ = buffer.take()
@@ -65,7 +65,7 @@ def test_a_group_decided_twice_in_a_step_keeps_its_last_decision_and_the_batch_i
 
 
 def test_sample_drops_name_the_reason():
-    rl = rollout_options(RLConfig(drop_truncated=True, sampling={"max_new_tokens": 7})).drops
+    rl = rollout_options(RLConfig(filter={"drop_truncated": True}, sampling={"max_new_tokens": 7})).drops
     ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
     assert sample_drop(rollout("g:0"), ok, rl) is None
     assert sample_drop(rollout("g:0", "length"), ok, rl) == (
@@ -81,13 +81,14 @@ def keep_short(rollout, score):
 
 
 def test_a_user_filter_drops_completions_as_filtered():
-    rl = rollout_options(RLConfig(sample_filter="tests.unit.test_fates:keep_short")).drops
+    rl = rollout_options(RLConfig(filter={"sample_filter": "tests.unit.test_fates:keep_short"})).drops
     ok = Score("r", 1, "g:0", "g", 1.0, {}, None)
     assert sample_drop(rollout("g:0"), ok, rl) is None
     long = Rollout(**{**rollout("g:0").row(), "completion_tokens": [2, 3], "n_completion_tokens": 2})
     assert sample_drop(long, ok, rl) == ("filtered", "tests.unit.test_fates:keep_short: 2 tokens")
+    nothing = rollout_options(RLConfig(filter={"sample_filter": "tests.unit.test_fates:nothing"})).drops
     with pytest.raises(ValueError, match="rl.filter.sample_filter 'tests.unit.test_fates:nothing'"):
-        sample_drop(rollout("g:0"), ok, rollout_options(RLConfig(sample_filter="tests.unit.test_fates:nothing")).drops)
+        sample_drop(rollout("g:0"), ok, nothing)
 
 
 class Stages:
@@ -125,7 +126,7 @@ def source(rl: RLConfig, stages: Stages) -> RolloutSource:
 
 def test_every_sampled_completion_gets_one_final_fate_and_the_metrics_count_them():
     stages = Stages()
-    rl = RLConfig(steps=3, prompts_per_step=2, oversample_factor=2.0)
+    rl = RLConfig(steps=3, prompts_per_step=2, buffer={"oversample_factor": 2.0})
     logged = []
     with source(rl, stages) as src:
         for step in range(1, 4):
@@ -145,7 +146,7 @@ def test_every_sampled_completion_gets_one_final_fate_and_the_metrics_count_them
 
 def test_a_step_that_cannot_fill_its_batch_records_its_samples_before_failing():
     stages = Stages(flat=True)  # one valid group in two rounds, for a batch of two
-    rl = RLConfig(steps=1, prompts_per_step=2, max_attempts=2)
+    rl = RLConfig(steps=1, prompts_per_step=2, buffer={"max_attempts": 2})
     with source(rl, stages) as src, pytest.raises(BatchFillError) as error:
         src.batch(1)
     rows = stages.fates[1]
@@ -179,7 +180,7 @@ def test_the_groups_rows_and_the_decisions_rows_read_one_decision():
     from rlpipe.rollouts.fates import Fill
     from rlpipe.rollouts.selection import advantage_rows, group_rows
 
-    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, max_staleness=5)).buffer)
+    buffer = GroupBuffer(rollout_options(RLConfig(prompts_per_step=1, buffer={"max_staleness": 5})).buffer)
     buffer.start_batch(0)
     decisions = buffer.add([group("a0", "a", 0, [0, 1]), group("a1", "a", 1, [0, 1]), group("z", "b", 1, [1, 1]),
                             group("c", "c", 1, [1, 0])])

@@ -137,7 +137,7 @@ def test_parallel_config_key_is_checked():
         validate_config({"train": {"parallel": "zero3"}})
     # LoRA and a KL penalty work under data parallelism (tests/integration/test_distributed_extras.py)
     assert validate_config({"train": {"parallel": "ddp"}, "model": {"lora": {"rank": 4}}}).model.lora.rank == 4
-    assert validate_config({"train": {"parallel": "fsdp2"}, "rl": {"kl_coef": 0.1}}).rl.loss.kl_coef == 0.1
+    assert validate_config({"train": {"parallel": "fsdp2"}, "rl": {"loss": {"kl_coef": 0.1}}}).rl.loss.kl_coef == 0.1
     assert validate_config({"train": {"parallel": "fsdp2"}}).train.parallel == "fsdp2"
 
 

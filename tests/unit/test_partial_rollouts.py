@@ -182,8 +182,8 @@ def test_version_span_and_rollout_defaults():
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"rl": {"partial_rollouts": True}}, "rl.off_policy.partial_rollouts needs rl.off_policy.max_steps >= 1"),
-    ({"rl": {"partial_rollouts": True, "max_off_policy_steps": 1}, "engine": {"type": "vllm"}},
+    ({"rl": {"off_policy": {"partial_rollouts": True}}}, "rl.off_policy.partial_rollouts needs rl.off_policy.max_steps >= 1"),
+    ({"rl": {"off_policy": {"partial_rollouts": True, "max_steps": 1}}, "engine": {"type": "vllm"}},
      "rl.off_policy.partial_rollouts needs the in-process engine (engine.type = 'torch' or 'auto'), got engine.type = 'vllm'"),
 ])
 def test_a_config_partial_rollouts_cannot_serve_is_refused_naming_the_field(config, message):
@@ -192,7 +192,7 @@ def test_a_config_partial_rollouts_cannot_serve_is_refused_naming_the_field(conf
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(config)
-    ok = validate_config({"rl": {"partial_rollouts": True, "max_off_policy_steps": 1}})
+    ok = validate_config({"rl": {"off_policy": {"partial_rollouts": True, "max_steps": 1}}})
     assert rollout_options(ok.rl).partial_rollouts and not rollout_options(validate_config({}).rl).partial_rollouts
 
 

@@ -53,7 +53,7 @@ def test_the_child_samples_what_the_torch_engine_samples_and_takes_each_sync():
     ({"engine": {"producer": "process"}},
      "engine.producer = 'process' is the sampler of the in-process torch engine for async RL: it needs "
      "engine.type = 'torch' and rl.off_policy.max_steps >= 1 (got engine.type = 'torch', rl.off_policy.max_steps = 0)"),
-    ({"engine": {"producer": "process"}, "rl": {"max_off_policy_steps": 1, "partial_rollouts": True}},
+    ({"engine": {"producer": "process"}, "rl": {"off_policy": {"max_steps": 1, "partial_rollouts": True}}},
      "engine.producer = 'process' with rl.off_policy.partial_rollouts is not supported"),
     ({"engine": {"producer": "fork"}}, "engine.producer"),
 ])
@@ -63,5 +63,5 @@ def test_a_producer_the_run_cannot_use_is_refused_naming_the_field(config, messa
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(config)
-    assert validate_config({"engine": {"producer": "process"}, "rl": {"max_off_policy_steps": 2}}).engine.producer \
+    assert validate_config({"engine": {"producer": "process"}, "rl": {"off_policy": {"max_steps": 2}}}).engine.producer \
         == "process"

@@ -7,12 +7,12 @@ import threading
 import pytest
 from rlpipe.envs.base import Example
 from rlpipe.envs.prompts import PromptSource
+from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.fates import select_step
 from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
 from rlpipe.rollouts.options import rollout_options
 from rlpipe.rollouts.records import Rollout, Score
 from rlpipe.rollouts.source import RolloutSource
-from rlpipe.training.config import RLConfig
 
 
 class FakeStages:
@@ -59,7 +59,7 @@ def test_synchronous_source_samples_each_step_from_the_published_version():
 
 def test_one_step_ahead_never_exceeds_the_bound():
     stages = FakeStages()
-    rl = RLConfig(steps=4, prompts_per_step=2, max_off_policy_steps=1, max_staleness=0)
+    rl = RLConfig(steps=4, prompts_per_step=2, off_policy={"max_steps": 1}, buffer={"max_staleness": 0})
     with source_for(rl, stages) as source:
         for step in range(1, 5):
             batch = source.batch(step)
@@ -89,7 +89,7 @@ def test_a_sync_waits_for_the_round_in_flight_and_later_rounds_record_its_versio
         return rows
 
     stages.generate = slow_second_step
-    rl = RLConfig(steps=3, prompts_per_step=2, max_off_policy_steps=1, max_staleness=0)
+    rl = RLConfig(steps=3, prompts_per_step=2, off_policy={"max_steps": 1}, buffer={"max_staleness": 0})
     entered, overlapped = threading.Event(), []
     with source_for(rl, stages) as source:
         source.batch(1)
@@ -118,6 +118,6 @@ def test_a_producer_error_reaches_the_trainer():
         return [Score("r", step, r.sample_id, r.group_id, 0.0, {}, None) for r in rollouts]
 
     stages.score = all_zero
-    rl = RLConfig(steps=2, prompts_per_step=2, max_attempts=2, max_off_policy_steps=1)
+    rl = RLConfig(steps=2, prompts_per_step=2, buffer={"max_attempts": 2}, off_policy={"max_steps": 1})
     with source_for(rl, stages) as source, pytest.raises(BatchFillError, match="after 2 attempts"):
         source.batch(1)

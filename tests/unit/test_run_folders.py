@@ -228,10 +228,10 @@ def test_paths_a_moved_run_recorded_map_to_the_new_place(tmp_path):
 
 def test_code_a_run_config_names():
     config = validate_config({"flow": "rl", "task": {"env": "dataset", "options": {"path": "x.jsonl",
-                              "reward_module": "myrewards"}}, "rl": {"sample_filter": "myfilters:keep"}})
+                              "reward_module": "myrewards"}}, "rl": {"filter": {"sample_filter": "myfilters:keep"}}})
     assert code_named_by(config) == ["myrewards", "myfilters:keep"]
     assert code_named_by(validate_config({"flow": "rl"})) == []
-    assert code_named_by(validate_config({"flow": "rl", "rl": {"batch_maker": "my_makers:NewestFirst"}})) == [
+    assert code_named_by(validate_config({"flow": "rl", "rl": {"buffer": {"batch_maker": "my_makers:NewestFirst"}}})) == [
         "my_makers:NewestFirst"]
 
 

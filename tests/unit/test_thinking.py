@@ -209,12 +209,12 @@ class CutStages:
 
 def test_a_source_whose_completions_are_all_cut_fails_naming_the_token_budget():
     from rlpipe.envs.prompts import PromptSource
+    from rlpipe.rollouts.config import RLConfig
     from rlpipe.rollouts.group_buffer import BatchFillError, GroupBuffer
     from rlpipe.rollouts.options import rollout_options
     from rlpipe.rollouts.source import RolloutSource
-    from rlpipe.training.config import RLConfig
 
-    options = rollout_options(RLConfig(steps=1, prompts_per_step=2, max_attempts=2))
+    options = rollout_options(RLConfig(steps=1, prompts_per_step=2, buffer={"max_attempts": 2}))
     examples = [Example("e", str(i), f"q{i}", None) for i in range(20)]
     src = RolloutSource(options, PromptSource(examples, seed=0), GroupBuffer(options.buffer), CutStages(),
                         start_step=0, published_version=0)

@@ -51,7 +51,7 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
     make_engines(RunConfig.model_validate({"device": "cpu", "engine": {"type": "vllm"}}), model)
     # async RL: vLLM stays awake (a wake-up would push the trainer's tensors mid-step)
     make_engines(RunConfig.model_validate(
-        {"device": "cpu", "engine": {"type": "vllm"}, "rl": {"max_off_policy_steps": 1}}), model)
+        {"device": "cpu", "engine": {"type": "vllm"}, "rl": {"off_policy": {"max_steps": 1}}}), model)
     # a CPU model samples in its own float32; on CUDA with bf16 autocast it is "bfloat16"
     common = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "enforce_eager": True,
               "zero_copy": False}
