@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rlpipe.core.config import options_from
 from rlpipe.engines.base import Completion, SamplingParams, prompt_seed
 from rlpipe.engines.http_wire import (
     FLAVORS,
@@ -344,8 +345,7 @@ def engines_from_config(engine_config: Any) -> list[HttpEngine]:
         engines.append(
             HttpEngine(
                 base,
-                HttpOptions(timeout_s=engine_config.timeout_s, retries=engine_config.retries, api_token=token,
-                            flavor=flavor),
+                options_from(HttpOptions, engine_config, api_token=token, flavor=flavor),
                 name=base,
             )
         )

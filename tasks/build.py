@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core.config import options_from
 from rlpipe.engines.base import Engine
 from rlpipe.tasks.ranks import TrainerPlan, make_trainer
 from rlpipe.tasks.setup import engine_dtype, make_model_and_tokenizer, placement, prepare_model
@@ -167,7 +168,7 @@ def rl_plan(config) -> TrainerPlan:
     normaliser, constant = rl.loss_normaliser()
     step = StepOptions(normaliser=normaliser, constant=constant, autocast=config.model.bf16_autocast,
                        temperature=rl.sampling.temperature, entropy=True)
-    options = TrainOptions(step=step, max_grad_norm=rl.optim.max_grad_norm, epochs=rl.loss.ppo_epochs)
+    options = options_from(TrainOptions, rl.optim, step=step, epochs=rl.loss.ppo_epochs)
     return TrainerPlan(optim=rl.optim, total_steps=rl.steps * rl.loss.ppo_epochs, loss=rl.policy_loss(), options=options,
                        reference=rl.loss.kl_coef > 0, engines="rollout")
 
@@ -176,6 +177,6 @@ def supervised_plan(config, phase: str) -> TrainerPlan:
     """The pretrain or SFT phase's trainer: its optim section, next-token NLL, an eval engine."""
     section = getattr(config, phase)
     step = StepOptions(normaliser=section.optim.normaliser or "token", autocast=config.model.bf16_autocast, entropy=True)
-    options = TrainOptions(step=step, max_grad_norm=section.optim.max_grad_norm)
+    options = options_from(TrainOptions, section.optim, step=step)
     return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=None, options=options,
                        engines="eval")
