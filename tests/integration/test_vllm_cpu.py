@@ -154,6 +154,11 @@ def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints(tmp_path):
     assert measured["moe_backends"] == ["CPU"] * MOE_LAYERS
 
 
+# the pipelines' SFT phase only gives RL a start that answers some prompts (tiny.toml's 40 steps
+# are for learning, which these tests do not check); RL fills its batches from it with partial batches
+SHORT_SFT = ("--set", "sft.steps=12", "--set", "rl.buffer.partial_batches=true")
+
+
 def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
     # the whole loop: SFT, then RL whose start (the SFT result) and every step's checkpoint are
     # reloaded into vLLM, which samples; the trainer's recomputed log-probs of the sampled tokens
@@ -186,7 +191,7 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url):
         # completions recorded version 0 but came from version 1's weights)
         ahead = run("vllm-async", "--set", "flow=rl", "--set", "rl.off_policy.max_steps=1",
                     "--set", "rl.checkpoint_every=1", "--set", "rl.buffer.partial_batches=true")
-        run("vllm")
+        run("vllm", *SHORT_SFT)
     assert all(r["ok"] for r in read_table(ahead, "syncs").to_pylist())
     assert_sampled_by_recorded_versions(ahead, start, max_lag=2)
     run_dir = tmp_path / "runs" / "vllm" / "rl"
@@ -234,7 +239,7 @@ def test_pipeline_with_the_colocated_vllm_engine_trains_on_policy(tmp_path, pref
         assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] > 0 for r in steps)
         assert all(r["logprob_gap"] < TOLERANCE for r in steps), [r["logprob_gap"] for r in steps]
 
-    pipeline = finish(start("colocated"))
+    pipeline = finish(start("colocated", *SHORT_SFT))
     on_policy(pipeline / "rl", first_sync=0)  # step 0: the SFT result, which vLLM did not start from
     sft_result = sorted((pipeline / "sft" / "checkpoints").glob("step_*"))[-1]
     from_sft = ("--set", "flow=rl", "--set", f"model.path={sft_result}")
