@@ -201,8 +201,11 @@ def retain_checkpoints(*, run_dir: Path, tracker, options: RegisterOptions) -> R
 
 
 def promote_best(tracker, model_name: str, row: dict | None, accuracy: float | None, best: float) -> float:
-    """Move the registry's `best` alias to this checkpoint when its eval beats `best`; the new best."""
+    """Move the registry's `best` alias to this checkpoint when its eval beats `best`; the new best.
+    A row whose version is of another registered model (a copied or moved run resumed under its
+    folder's name: its stored rows name the original's) moves no alias, but is still the best so far."""
     if row is None or accuracy is None or accuracy <= best or not row["mlflow_model_version"]:
         return best
-    tracker.set_alias(model_name, "best", row["mlflow_model_version"])
+    if row.get("mlflow_model_name") in (None, model_name):
+        tracker.set_alias(model_name, "best", row["mlflow_model_version"])
     return accuracy

@@ -78,3 +78,28 @@ def test_a_damaged_checkpoint_is_named_not_registered(run_dir, tracker):
     with pytest.raises(ValueError, match=rf"'{weights}' is corrupt"):
         complete_registrations(run_dir=run_dir, run_id="demo/sft", tracker=tracker, options=RegisterOptions("demo-sft"))
     assert versions(tracker, "demo-sft") == []
+
+
+class AliasLog:
+    """A tracker that records the aliases it is asked to set."""
+
+    def __init__(self):
+        self.aliases = []
+
+    def set_alias(self, name, alias, version):
+        self.aliases.append((name, alias, version))
+
+
+def test_best_moves_only_to_a_version_of_this_runs_model():
+    from rlpipe.tasks.checkpoint import promote_best
+
+    tracker = AliasLog()
+    own = {"mlflow_model_name": "copy", "mlflow_model_version": "2"}
+    assert promote_best(tracker, "copy", own, 0.5, 0.25) == 0.5
+    assert tracker.aliases == [("copy", "best", "2")]
+    # a copied run resumed under its folder's name: its stored row names the original's version
+    original = {"mlflow_model_name": "orig", "mlflow_model_version": "3"}
+    assert promote_best(tracker, "copy", original, 0.75, 0.5) == 0.75  # still the best so far
+    assert tracker.aliases == [("copy", "best", "2")]
+    assert promote_best(tracker, "copy", own, 0.6, 0.75) == 0.75  # not better: nothing moves
+    assert tracker.aliases == [("copy", "best", "2")]
