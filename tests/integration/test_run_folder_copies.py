@@ -37,8 +37,11 @@ def killed_in_rl(runs: Path, name: str, env: dict) -> Path:
     """A tiny pipeline run SIGKILLed once RL step 3 is trained (last checkpoint: step 2)."""
     run_dir = runs / name
     trigger = run_dir / "rl" / "tables" / "train_steps" / "step=3" / "part-0.parquet"
+    # a 4-step SFT phase: RL's step 2 then evals better than its start, so the copy's resume meets
+    # a stored best whose registered version is the original's
     process = subprocess.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}",
-                                   "--set", f"run_name={name}", *ONE_THREAD), env=env, cwd=ROOT,
+                                   "--set", f"run_name={name}", "--set", "sft.steps=4", *ONE_THREAD),
+                               env=env, cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
