@@ -25,14 +25,16 @@ from test_resume import ONE_THREAD, cli, env_for
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "tests" / "fault_hooks"
 pytestmark = pytest.mark.slow
+SFT_STEPS = 4
 
-# In the order a tiny run reaches them (SFT checkpoints every 10 of 40 steps, RL every 2 of 4).
+# In the order the run reaches them (SFT checkpoints every 2 of 4 steps, RL every 2 of 4): the
+# commit's mechanics, not learning, so SFT is cut from tiny.toml's 40 steps to 4.
 # A `before:` point on a `checkpoints` row is reached by the resume that completes that commit:
 # the version is registered, the row not yet written.
 KILL_POINTS = [
-    "after:*/sft/checkpoints/step_000020",
-    "before:*/sft/tables/checkpoints/step=20/part-0.parquet",
-    "after:*/sft/checkpoints/step_000040",
+    "after:*/sft/checkpoints/step_000002",
+    "before:*/sft/tables/checkpoints/step=2/part-0.parquet",
+    "after:*/sft/checkpoints/step_000004",
     "after:*/rl/tables/origins/step=0/part-0.parquet",
     "after:*/rl/checkpoints/step_000002",
     "before:*/rl/tables/checkpoints/step=2/part-0.parquet",
@@ -69,7 +71,7 @@ def test_sigkill_after_each_rename_of_a_commit_then_resume(tmp_path, prefect_api
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
     run_dir = runs / "chain"
     command = cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}", "--set", "run_name=chain",
-                  "--set", "sft.checkpoint_every=10", *ONE_THREAD)
+                  "--set", f"sft.steps={SFT_STEPS}", "--set", "sft.checkpoint_every=2", *ONE_THREAD)
     for number, point in enumerate(KILL_POINTS):
         log = tmp_path / f"kill-{number}.log"
         code = run_killed_at(command, env, point, log)
@@ -82,7 +84,7 @@ def test_sigkill_after_each_rename_of_a_commit_then_resume(tmp_path, prefect_api
     from rlpipe.storage.lineage import version_lineage
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    for phase, model, steps in (("sft", "chain-sft", [10, 20, 30, 40]), ("rl", "chain", [2, 4])):
+    for phase, model, steps in (("sft", "chain-sft", [2, 4]), ("rl", "chain", [2, 4])):
         rows = checkpoint_rows(run_dir / phase)
         assert sorted(rows) == steps, phase
         found = client.search_model_versions(f"name = '{model}'")
@@ -93,11 +95,11 @@ def test_sigkill_after_each_rename_of_a_commit_then_resume(tmp_path, prefect_api
             assert row["mlflow_model_version"] == by_step[step] and row["sha256"] == metadata["sha256"], (phase, step)
     sft_versions = {int(v.tags["step"]): str(v.version) for v in client.search_model_versions("name = 'chain-sft'")}
     origin = table_rows(run_dir / "rl", "origins")
-    assert len(origin) == 1 and origin[0]["parent_model_version"] == sft_versions[40]
-    assert origin[0]["parent_step"] == 40
+    assert len(origin) == 1 and origin[0]["parent_model_version"] == sft_versions[SFT_STEPS]
+    assert origin[0]["parent_step"] == SFT_STEPS
     rl_last = checkpoint_rows(run_dir / "rl")[4]["mlflow_model_version"]
     chain = version_lineage(client, f"models:/chain/{rl_last}")
-    assert [entry["model"] for entry in chain] == [f"models:/chain/{rl_last}", f"models:/chain-sft/{sft_versions[40]}"]
+    assert [entry["model"] for entry in chain] == [f"models:/chain/{rl_last}", f"models:/chain-sft/{sft_versions[SFT_STEPS]}"]
 
     # the `best` alias: moved by each checkpointed eval that beat every one before it (step 0's included)
     evals = table_rows(run_dir / "rl", "evals")

@@ -60,30 +60,40 @@ def test_a_tiny_run_with_compile_finishes_with_loadable_checkpoints(tmp_path):
     assert set(saved) <= set(model.state_dict())
 
 
-def _rank(rank: int, world: int, store: str, kind: str, out: str) -> None:
+KINDS = ("ddp", "fsdp2")
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
+    """Each of KINDS in turn, a fresh compiled model each, in one pair of rank processes (their
+    start and first compile paid once): rank 0 saves every kind's losses and full state."""
     import torch.distributed as dist
     from rlpipe.models.compile import compile_layers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
+    dp = None
     try:
-        model = compile_layers(build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0))
-        dp = data_parallel(model, kind, torch.device("cpu"))
-        losses = _train(model, _steps(), build_rl_loss("reinforce"), "token",
-                        lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp)
-        state = _full_state(model)
+        results = {}
+        for kind in KINDS:
+            model = compile_layers(build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0))
+            dp = data_parallel(model, kind, torch.device("cpu"))
+            losses = _train(model, _steps(), build_rl_loss("reinforce"), "token",
+                            lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp)
+            results[kind] = {"losses": losses, "state": _full_state(model)}
+            dp = model = None  # this kind's DDP/FSDP2 wrapper gone before the next kind's
+            gc.collect()
         if rank == 0:
-            torch.save({"losses": losses, "state": state}, out)
+            torch.save(results, out)
     finally:
         dp = None  # DDP before its group (else its destructor can hang at exit)
         gc.collect()
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_compiled_layers_on_two_ranks_equal_one_process(tmp_path, kind):
-    """Against one compiled process: compiled vs eager differs by float noise that AdamW magnifies
+def test_compiled_layers_on_two_ranks_equal_one_process(tmp_path):
+    """DDP and FSDP2, each against one compiled process (the same reference for both: the same
+    model, steps and micro-batches): compiled vs eager differs by float noise that AdamW magnifies
     (~4e-5 here, tests/unit/test_compile.py), which would hide a wrong rank gradient's ~1e-3."""
     from rlpipe.models.compile import compile_layers
 
@@ -95,11 +105,13 @@ def test_compiled_layers_on_two_ranks_equal_one_process(tmp_path, kind):
 
     single_losses = _train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), kind, out), nprocs=2, join=True)
-    result = torch.load(out)
-    assert result["losses"] == pytest.approx(single_losses, rel=1e-5)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    results = torch.load(out)
+    assert set(results) == set(KINDS)
     expected = single.state_dict()
-    assert set(result["state"]) == set(expected)  # no `_orig_mod.` prefixes under DDP/FSDP2 either
-    # as test_distributed: float-order noise ~1e-6 after 3 AdamW steps, a wrong gradient ~1e-3
-    worst = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
-    assert worst < 1e-5, worst
+    for kind, result in results.items():
+        assert result["losses"] == pytest.approx(single_losses, rel=1e-5), kind
+        assert set(result["state"]) == set(expected), kind  # no `_orig_mod.` prefixes under DDP/FSDP2 either
+        # as test_distributed: float-order noise ~1e-6 after 3 AdamW steps, a wrong gradient ~1e-3
+        worst = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst < 1e-5, (kind, worst)

@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 # phase -> (the run's overrides, its folder in the run's, its last step, the checkpoint before it);
-# RL runs in the pipeline: RL from the untrained preset samples no reward variance to train on
+# RL runs in the pipeline (its SFT cut to 4 steps): RL from the untrained preset samples no reward
+# variance to train on
 PHASES = {
     "sft": (["--set", "flow=sft", "--set", "sft.steps=8", "--set", "sft.checkpoint_every=4"], ".", 8, 4),
-    "rl": (["--set", "rl.steps=4", "--set", "rl.checkpoint_every=2"], "rl", 4, 2),
+    "rl": (["--set", "sft.steps=4", "--set", "rl.steps=4", "--set", "rl.checkpoint_every=2"], "rl", 4, 2),
 }
 
 

@@ -101,22 +101,32 @@ def _full_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _rank(rank: int, world: int, store: str, preset: str, kind: str, normaliser: str, out: str) -> None:
+KINDS = ("ddp", "fsdp2")
+
+
+def _rank(rank: int, world: int, store: str, preset: str, normaliser: str, out: str) -> None:
+    """Each of KINDS in turn, a fresh model each, in one pair of rank processes (their start paid
+    once): rank 0 saves every kind's losses, gradients and full state."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     # a file store, not a TCP port: nothing another process could take between pick and bind
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    dp = None
     try:
-        model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
-        dp = data_parallel(model, kind, torch.device("cpu"))
-        record = {}
-        losses = _train(model, _steps(), build_rl_loss("reinforce"), normaliser,
-                        lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp, record)
-        state = _full_state(model)
+        results = {}
+        for kind in KINDS:
+            model = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
+            dp = data_parallel(model, kind, torch.device("cpu"))
+            record = {}
+            losses = _train(model, _steps(), build_rl_loss("reinforce"), normaliser,
+                            lambda seqs: shard_micro_batches(seqs, 96, rank, world), dp, record)
+            results[kind] = {"losses": losses, "state": _full_state(model), "record": record}
+            dp = model = None  # this kind's DDP/FSDP2 wrapper gone before the next kind's
+            gc.collect()
         if rank == 0:
-            torch.save({"losses": losses, "state": state, "record": record}, out)
+            torch.save(results, out)
     finally:
         dp = None  # DDP before its group (else its destructor can hang at exit)
         gc.collect()
@@ -124,9 +134,9 @@ def _rank(rank: int, world: int, store: str, preset: str, kind: str, normaliser:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
-def test_two_ranks_equal_one_process(tmp_path, preset, kind):
+def test_two_ranks_equal_one_process(tmp_path, preset):
+    """DDP and FSDP2 (one pair of ranks trains each in turn), each against the same one-process run."""
     normaliser = "token" if preset == "tiny-dense" else "sequence"
     torch.set_num_threads(1)
     single = build_model(preset, VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
@@ -138,17 +148,20 @@ def test_two_ranks_equal_one_process(tmp_path, preset, kind):
     single_record = {}
     single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks, record=single_record)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), preset, kind, normaliser, out), nprocs=2, join=True)
-    result = torch.load(out)
-    assert result["losses"] == pytest.approx(single_losses, rel=1e-5)
-    assert_same_gradients(result["record"], single_record)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), preset, normaliser, out), nprocs=2, join=True)
+    results = torch.load(out)
+    assert set(results) == set(KINDS)
     expected = single.state_dict()
-    worst = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
-    # AdamW steps every weight by ~lr = 1e-3 whatever the gradient's size, so float-order noise
-    # in a gradient shows up at ~1e-6 after 3 steps; a wrong normaliser or a missed rank's
-    # gradient moves weights by ~1e-3. (At lr 1e-2 that noise flipped one MoE token's top-2
-    # experts by step 3: routing is discrete.)
-    assert worst < 1e-5, sorted(((result["state"][k] - expected[k]).abs().max().item(), k) for k in expected)[-3:]
+    for kind, result in results.items():
+        assert result["losses"] == pytest.approx(single_losses, rel=1e-5), kind
+        assert_same_gradients(result["record"], single_record)
+        worst = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
+        # AdamW steps every weight by ~lr = 1e-3 whatever the gradient's size, so float-order noise
+        # in a gradient shows up at ~1e-6 after 3 steps; a wrong normaliser or a missed rank's
+        # gradient moves weights by ~1e-3. (At lr 1e-2 that noise flipped one MoE token's top-2
+        # experts by step 3: routing is discrete.)
+        assert worst < 1e-5, (kind, sorted(((result["state"][k] - expected[k]).abs().max().item(), k)
+                                           for k in expected)[-3:])
 
 
 def test_shards_are_balanced_by_tokens_and_equal_in_count():

@@ -50,13 +50,26 @@ def _reference():
     return frozen_copy(build_model("tiny-dense", VOCAB, seed=1, pad_token_id=0, eos_token_id=0))
 
 
-def _rank(rank: int, world: int, store: str, kind: str, lora: bool, ref_on: str, out: str) -> None:
+# (kind, lora, ref_on): every case runs in turn in one pair of rank processes (their start paid once)
+CASES = [("fsdp2", False, "ranks"), ("ddp", True, "ranks"), ("fsdp2", True, "rank0")]
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     # a file store, not a TCP port: nothing another process could take between pick and bind
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    try:
+        for number, (kind, lora, ref_on) in enumerate(CASES):
+            _case(rank, kind, lora, ref_on, f"{out}.{number}")
+            gc.collect()  # this case's DDP/FSDP2 wrapper gone before the next case's
+    finally:
+        dist.destroy_process_group()
+
+
+def _case(rank: int, kind: str, lora: bool, ref_on: str, out: str) -> None:
     dp = None
     try:
         model = _model(lora)
@@ -88,7 +101,6 @@ def _rank(rank: int, world: int, store: str, kind: str, lora: bool, ref_on: str,
     finally:
         dp = None  # DDP before its group (else its destructor can hang at exit)
         gc.collect()
-        dist.destroy_process_group()
 
 
 def _one_process(lora: bool, kl: dict):
@@ -106,29 +118,35 @@ def _one_process(lora: bool, kl: dict):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "lora", "ref_on"),
-                         [("fsdp2", False, "ranks"), ("ddp", True, "ranks"), ("fsdp2", True, "rank0")])
-def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path, kind, lora, ref_on):
+def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path):
+    """Every case of CASES against one process (its run computed once per `lora`: the same for
+    every kind and wherever the reference sits)."""
     torch.set_num_threads(1)
-    expected, metrics, logprobs = _one_process(lora, KL)
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), kind, lora, ref_on, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    one_process = {lora: _one_process(lora, KL) for lora in sorted({lora for _, lora, _ in CASES})}
+    for number, case in enumerate(CASES):
+        _check(f"{out}.{number}", case, *one_process[case[1]])
+
+
+def _check(out: str, case: tuple, expected: dict, metrics: list, logprobs: list) -> None:
+    _, lora, _ = case
     lead, follower = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
-    assert follower["steps"] == STEPS
+    assert follower["steps"] == STEPS, case
     for got, want in zip(lead["metrics"], metrics, strict=True):  # global figures, as one process
         for key in METRICS:
-            assert got[key] == pytest.approx(want[key], rel=1e-5), key
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (case, key)
     for got, want in zip(lead["logprobs"], logprobs, strict=True):  # every rank's micro-batches
-        assert set(got) == set(want) and len(want) > 2
+        assert set(got) == set(want) and len(want) > 2, case
         for key, value in want.items():
-            assert (got[key] - value).abs().max().item() < 1e-5, key
-    assert set(lead["state"]) == set(expected) == set(lead["view"])
-    assert all(torch.equal(lead["view"][k], v) for k, v in lead["state"].items())
+            assert (got[key] - value).abs().max().item() < 1e-5, (case, key)
+    assert set(lead["state"]) == set(expected) == set(lead["view"]), case
+    assert all(torch.equal(lead["view"][k], v) for k, v in lead["state"].items()), case
     worst = max((lead["state"][k] - v).abs().max().item() for k, v in expected.items())
-    assert worst < 1e-5, worst
+    assert worst < 1e-5, (case, worst)
     if lora:  # only the adapters moved
         start = _model(lora).state_dict()
-        assert all(torch.equal(lead["state"][k], start[k]) for k in start if "lora_" not in k)
+        assert all(torch.equal(lead["state"][k], start[k]) for k in start if "lora_" not in k), case
     # the KL term matters at this tolerance: without it the weights end elsewhere
     plain, _, _ = _one_process(lora, {})
-    assert max((plain[k] - v).abs().max().item() for k, v in expected.items()) > 1e-4
+    assert max((plain[k] - v).abs().max().item() for k, v in expected.items()) > 1e-4, case

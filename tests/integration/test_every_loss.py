@@ -1,8 +1,13 @@
-"""Every `rl.loss.type` from every entry point: `rlpipe run --set rl.loss.type=NAME`, stopped by SIGTERM after
-its first checkpoint and continued by `rlpipe resume` (which validates the run's config.json
-again), and a deployment's parameters (a dumped config with overrides, flows/common.py
+"""Every `rl.loss.type` from every entry point: `rlpipe run --set rl.loss.type=NAME` to the end,
+its config.json read back as `rlpipe resume` reads it (validated again, and equal to the config the
+run had), and a deployment's parameters (a dumped config with overrides, flows/common.py
 `resolve_config`, what a flow run does first). tests/integration/test_deployments.py runs one
 loss through a real Prefect deployment.
+
+Stopping and resuming is the same for every loss (a loss holds no state; what differs per loss is
+its config, read back above, and whether it uses the sampler's log-probs and which normaliser):
+one run, `dr_grpo` (log-prob ratios and its constant normaliser), is stopped by SIGTERM after its
+first checkpoint and continued by `rlpipe resume`.
 
 The run is RL from the seeded preset on tiny.toml's task with zero-variance groups kept, so every
 step fills its batch however the untrained policy answers.
@@ -23,7 +28,7 @@ from rlpipe.training.rl_loss import LOSS_NAMES, LOSSES
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-STEPS = 8
+STEPS = 4
 
 
 def cli(*args: str) -> list[str]:
@@ -41,14 +46,41 @@ def env_for(tmp_path: Path, prefect_api_url: str) -> dict[str, str]:
 def overrides(runs: Path, loss: str) -> list[str]:
     settings = [f"runs_root={runs}", "run_name=r", "flow=rl", f"rl.loss.type={loss}", f"rl.steps={STEPS}",
                 "rl.checkpoint_every=1", "rl.eval_every=0", "rl.filter.drop_zero_variance=false",
-                "task.eval_examples=4", "threads=1"]
+                "task.eval_examples=4", "rl.prompts_per_step=2", "rl.group_size=4", "threads=1"]
     return [part for setting in settings for part in ("--set", setting)]
 
 
+def saved_loss(run_dir: Path, loss: str) -> None:
+    """The run's config.json names `loss` with the normaliser left unset, and reads back as
+    `rlpipe resume` reads it (flows/runner.py main_resume) to the config it was written from."""
+    from rlpipe.tasks.config import read_run_config
+
+    path = run_dir / "config.json"
+    saved = json.loads(path.read_text())
+    assert saved["rl"]["loss"]["type"] == loss and saved["rl"]["optim"]["normaliser"] is None
+    again = read_run_config(saved, str(path))
+    assert again.model_dump(mode="json") == saved
+    assert again.rl.loss.type == loss and again.rl.loss_normaliser()[0] == (LOSSES[loss].normaliser or "token")
+
+
 @pytest.mark.parametrize("loss", LOSS_NAMES)
-def test_every_loss_runs_stops_and_resumes_from_the_cli(tmp_path, prefect_api_url, loss):
+def test_every_loss_runs_from_the_cli(tmp_path, prefect_api_url, loss):
     from rlpipe.storage.writer import read_table
 
+    env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
+    run_dir = runs / "r"
+    done = subprocess.run(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)), cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    assert sorted(read_table(run_dir, "train_steps").column("step").to_pylist()) == list(range(1, STEPS + 1))
+    saved_loss(run_dir, loss)
+
+
+def test_a_run_stopped_by_sigterm_resumes_from_the_cli(tmp_path, prefect_api_url):
+    from rlpipe.storage.writer import read_table
+
+    loss = "dr_grpo"
     env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
     run_dir = runs / "r"
     log = tmp_path / "run.log"
@@ -74,8 +106,7 @@ def test_every_loss_runs_stops_and_resumes_from_the_cli(tmp_path, prefect_api_ur
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert sorted(read_table(run_dir, "train_steps").column("step").to_pylist()) == list(range(1, STEPS + 1))
-    saved = json.loads((run_dir / "config.json").read_text())
-    assert saved["rl"]["loss"]["type"] == loss and saved["rl"]["optim"]["normaliser"] is None
+    saved_loss(run_dir, loss)
 
 
 @pytest.mark.parametrize("loss", LOSS_NAMES)
