@@ -7,6 +7,10 @@ tests start a dozen processes each. Tests that pass this URL to their subprocess
 the rest (test_compile_run, the `straight` run of test_distributed_run) keep the embedded server
 a user gets by default, so that path stays covered.
 
+`prefect_in_process`: in-process flows (pipeline_flow(...), rl_flow(...)) run against that same
+server, a module at a time, rather than under a `prefect_test_harness` each, which starts a server
+of its own (its SQLite migrated) for every module or test: 10-20 s on 2 busy cores.
+
 `straight_tiny_run`: one uninterrupted `rlpipe run configs/tiny.toml` per test session (both xdist
 workers share it, tests/built_once.py), which tests compare against or copy, never change.
 """
@@ -53,6 +57,28 @@ def prefect_api_url(tmp_path_factory) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/api"
     finally:
         stop_group(server)
+
+
+@pytest.fixture(scope="module")
+def prefect_in_process(prefect_api_url) -> Iterator[None]:
+    """While the module's tests run, this process's flows talk to the session's Prefect server (as
+    prefect_test_harness sets its own server's URL); at the end, the logs and events they queued
+    are sent before the URL goes back."""
+    import prefect.context
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}), \
+            prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+        # the second, as prefect_test_harness does: threads that start without a settings context
+        # of their own (a run's producer and writer threads) see the same server
+        yield
+        try:
+            APILogWorker.instance().drain()
+        except RuntimeError:  # never started
+            pass
+        EventsWorker.drain_all()
 
 
 @pytest.fixture(scope="session")
