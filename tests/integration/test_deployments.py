@@ -27,6 +27,7 @@ from tests.prefect_server import stop_group, wait_healthy
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 900
+SFT_STEPS = 4  # of tiny.toml's 40: what is checked here is the deployment's mechanics
 
 
 def prefect_env(tmp_path: Path, port: int) -> dict[str, str]:
@@ -117,8 +118,9 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         run(prefect("work-pool", "create", "rlpipe", "--type", "process"), env, 120)
         run(prefect("--no-prompt", "deploy", "--all"), env, 300)
         worker = start(prefect("worker", "start", "--pool", "rlpipe"), env, tmp_path / "worker.log")
-        # a loss with its own normaliser: the flow validates its parameters again (tests/integration/test_every_loss.py has every loss)
-        overrides = [f"runs_root={runs}", "rl.loss=gspo"]
+        # a loss with its own normaliser: the flow validates its parameters again (tests/integration/test_every_loss.py has every loss);
+        # a short SFT phase (RL's 4 steps, checkpoints and registry entries as tiny.toml has them)
+        overrides = [f"runs_root={runs}", "rl.loss=gspo", f"sft.steps={SFT_STEPS}"]
         began = time.monotonic()
         flow_run = deployment_run({"overrides": overrides}, env)
         seconds = time.monotonic() - began
@@ -164,7 +166,7 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
 
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert sorted(read_table(run_dir / "rl", "train_steps").column("step").to_pylist()) == [1, 2, 3, 4]
-    assert read_table(run_dir / "sft", "train_steps").num_rows == 40
+    assert read_table(run_dir / "sft", "train_steps").num_rows == SFT_STEPS
     assert read_table(run_dir / "rl", "rollouts").num_rows > 0
     assert sorted(read_table(run_dir / "rl", "checkpoints").column("step").to_pylist()) == [2, 4]
     client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
