@@ -64,8 +64,10 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	  $(VLLM_VENV)/bin/python -c "import vllm, peft, rlpipe.flows.pipeline" ) > $(VLLM_VENV).log 2>&1 || { rm -rf $(VLLM_VENV); exit 1; }
 	touch $@
 
+# the inner loop, under 3 minutes: the tests not marked slow (those run whole pipelines, start
+# CLI processes or compile), on the same two workers as `make test`
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" tests
 
 bench: setup
 	$(PIP) install -q -e '.[dev,bench]'

@@ -6,6 +6,13 @@ a SQLite database migrated on first use): 10-30 s per process on 2 busy cores, a
 tests start a dozen processes each. Tests that pass this URL to their subprocesses pay it once;
 the rest (test_compile_run, the `straight` run of test_distributed_run) keep the embedded server
 a user gets by default, so that path stays covered.
+
+`prefect_in_process`: in-process flows (pipeline_flow(...), rl_flow(...)) run against that same
+server, a module at a time, rather than under a `prefect_test_harness` each, which starts a server
+of its own (its SQLite migrated) for every module or test: 10-20 s on 2 busy cores.
+
+`straight_tiny_run`: one uninterrupted `rlpipe run configs/tiny.toml` per test session (both xdist
+workers share it, tests/built_once.py), which tests compare against or copy, never change.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.built_once import build_once
 from tests.ports import start_on_free_port
 from tests.prefect_server import stop_group, wait_healthy
 
@@ -48,3 +57,44 @@ def prefect_api_url(tmp_path_factory) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/api"
     finally:
         stop_group(server)
+
+
+@pytest.fixture(scope="module")
+def prefect_in_process(prefect_api_url) -> Iterator[None]:
+    """While the module's tests run, this process's flows talk to the session's Prefect server (as
+    prefect_test_harness sets its own server's URL); at the end, the logs and events they queued
+    are sent before the URL goes back."""
+    import prefect.context
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api_url}), \
+            prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+        # the second, as prefect_test_harness does: threads that start without a settings context
+        # of their own (a run's producer and writer threads) see the same server
+        yield
+        try:
+            APILogWorker.instance().drain()
+        except RuntimeError:  # never started
+            pass
+        EventsWorker.drain_all()
+
+
+@pytest.fixture(scope="session")
+def straight_tiny_run(tmp_path_factory, prefect_api_url) -> Path:
+    """A folder holding `runs/straight`, an uninterrupted `rlpipe run configs/tiny.toml` with
+    test_faults.OVERRIDES (progress made durable often, one torch thread), and `mlflow.db`, its
+    MLflow store: what the kill-and-resume tests must end with (weights, row counts, the `best`
+    aliases), and a finished run for tests that copy one. Run once per session, then only read."""
+    from test_faults import STEP_TIMEOUT_S, run_args  # same folder: pytest puts it on sys.path
+    from test_resume import cli, env_for
+
+    def build(folder: Path) -> None:
+        log = folder / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
+        with log.open("w") as stderr:
+            done = subprocess.run(cli(*run_args(folder / "runs", "straight")), env=env_for(folder, prefect_api_url),
+                                  cwd=folder, stdout=subprocess.DEVNULL, stderr=stderr, timeout=STEP_TIMEOUT_S)
+        assert done.returncode == 0, log.read_text()[-3000:]
+
+    return build_once(tmp_path_factory, "straight-tiny-run", build)

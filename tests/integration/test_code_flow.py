@@ -16,8 +16,7 @@ PROBLEM = sandbox.isolation_problem()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(PROBLEM is not None, reason=f"no isolation here: {PROBLEM}")]
 
 
-def test_code_config_runs_and_scores_in_the_sandbox(tmp_path, monkeypatch):
-    from prefect.testing.utilities import prefect_test_harness
+def test_code_config_runs_and_scores_in_the_sandbox(tmp_path, monkeypatch, prefect_in_process):
     from rlpipe.envs.registry import build_env
     from rlpipe.flows.pipeline import pipeline_flow
     from rlpipe.storage.catalog import connect
@@ -38,8 +37,7 @@ def test_code_config_runs_and_scores_in_the_sandbox(tmp_path, monkeypatch):
     config["sft"] |= {"steps": 20, "examples": 640}
     config["rl"] |= {"steps": 2, "eval_every": 0, "checkpoint_every": 0, "prompts_per_step": 2, "group_size": 4}
     config["rl"]["buffer"]["partial_batches"] = True
-    with prefect_test_harness(server_startup_timeout=90):
-        result = pipeline_flow(config=config)
+    result = pipeline_flow(config=config)
     rl_dir = Path(result["run_dir"]) / "rl"
     with connect(rl_dir) as con:
         rows = con.sql("select r.example_id, r.completion_text, s.reward, s.components from rollouts r "

@@ -7,7 +7,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from rlpipe.models.presets import build_model
 from rlpipe.training.batch import PackedBatch, Sequence, pack
 from rlpipe.training.dist_state import (
@@ -33,6 +32,8 @@ from rlpipe.training.step import (
     optim_step,
 )
 from rlpipe.training.trainer import TrainOptions
+
+from tests.ranks import run_ranks
 
 VOCAB = 64
 ONE_STEP = TrainOptions(max_grad_norm=1.0, step=StepOptions(entropy=False))
@@ -148,7 +149,7 @@ def test_two_ranks_equal_one_process(tmp_path, preset):
     single_record = {}
     single_losses = _train(single, _steps(), build_rl_loss("reinforce"), normaliser, both_ranks, record=single_record)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), preset, normaliser, out), nprocs=2, join=True)
+    run_ranks(_rank, (2, str(tmp_path / "store"), preset, normaliser, out))
     results = torch.load(out)
     assert set(results) == set(KINDS)
     expected = single.state_dict()
@@ -211,7 +212,7 @@ def _lead_or_follow(rank: int, world: int, store: str, out: str) -> None:
 @pytest.mark.slow
 def test_rank_zero_leads_and_the_others_follow(tmp_path):
     out = str(tmp_path / "lead.pt")
-    mp.spawn(_lead_or_follow, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    run_ranks(_lead_or_follow, (2, str(tmp_path / "store"), out))
     lead, follower = torch.load(out), torch.load(out + ".rank1")
     assert follower["steps"] == STEPS
     single = build_model("tiny-dense", VOCAB, seed=0, pad_token_id=0, eos_token_id=0)
@@ -275,7 +276,7 @@ def test_fsdp2_state_gathers_to_rank_0_and_restores_on_two_ranks_or_one(tmp_path
     """The gathered whole state (what a checkpoint saves) resumes FSDP2 exactly, and also resumes
     a single process (another world size) to float-order noise."""
     out = str(tmp_path / "restore.pt")
-    mp.spawn(_restore_rank, args=(2, str(tmp_path / "store"), "tiny-moe", out), nprocs=2, join=True)
+    run_ranks(_restore_rank, (2, str(tmp_path / "store"), "tiny-moe", out))
     result = torch.load(out)
     for name, value in result["continued"].items():
         assert torch.equal(result["restored"][name], value), name

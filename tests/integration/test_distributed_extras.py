@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from rlpipe.models.presets import build_model
 from rlpipe.tasks.train import train_on_batches
 from rlpipe.training.dist_reference import place_reference
@@ -25,6 +24,8 @@ from rlpipe.training.rl_loss import build_rl_loss
 from rlpipe.training.step import StepOptions, build_optimizer
 from rlpipe.training.trainer import LocalTrainer, TrainOptions
 from test_distributed import STEPS, VOCAB, _full_state, _packed, _steps  # same folder
+
+from tests.ranks import run_ranks
 
 # a reference far from the policy (another init), so a KL term missing or bound to the wrong
 # micro-batch on any rank moves the weights by ~lr, far above the tolerance
@@ -123,7 +124,7 @@ def test_kl_lora_entropy_and_logprobs_on_two_ranks_equal_one_process(tmp_path):
     every kind and wherever the reference sits)."""
     torch.set_num_threads(1)
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    run_ranks(_rank, (2, str(tmp_path / "store"), out))
     one_process = {lora: _one_process(lora, KL) for lora in sorted({lora for _, lora, _ in CASES})}
     for number, case in enumerate(CASES):
         _check(f"{out}.{number}", case, *one_process[case[1]])

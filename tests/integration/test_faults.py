@@ -53,6 +53,8 @@ def kill_points() -> list[tuple[str, str, int]]:
     points += [("rl", "evals", 0)]
     for step in (1, 2, 3, 4):
         points += [("rl", table, step) for table in ("rollouts", "scores", "groups", "batches")]
+        if step == 2:  # tiny.toml evaluates every 2 steps (the last step's eval is a final write)
+            points += [("rl", "evals", step)]
         if step < 4:
             points += [("rl", "train_steps", step), ("rl", "checkpoints", step)]
     return points
@@ -90,74 +92,62 @@ def best_step(tracking: Path, model: str) -> str | None:
         return None
 
 
-def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_api_url):
+def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_api_url, straight_tiny_run):
     """Afterwards: after each kill the run dir is consistent (check_consistent); the last resume
     finishes; the final weights, the row counts of every stage's table and the step the `best`
-    alias points at equal those of an uninterrupted run."""
+    alias points at equal those of an uninterrupted run (conftest.straight_tiny_run, the same
+    settings)."""
     runs, env = tmp_path / "runs", env_for(tmp_path, prefect_api_url)
     seed = draw_seed("test_sigkill_at_ten_random_points_each_followed_by_resume")
     rng = random.Random(seed)
-    # the uninterrupted run goes on beside the killed one (each is one thread)
-    log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
-    # its own MLflow store (two processes creating one SQLite database at once collide) and Prefect
-    # home; both runs talk to the session's Prefect server
-    straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
-                    "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
-    straight = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                stderr=log.open("w"), start_new_session=True)
+    straight_dir = straight_tiny_run / "runs" / "straight"
     killed_dir, kills, command = runs / "killed", [], cli(*run_args(runs, "killed"))
-    try:
-        pending = kill_points()
-        while len(kills) < 10:
-            pending = [p for p in pending if not partition(killed_dir, p).exists()]
-            assert pending, f"ran out of kill points after {kills} (seed {seed})"
-            # one of the next few, to spread the kills over the run, but never so far ahead that
-            # the points left cannot hold the kills still to come (a run may also pass a point or
-            # two between a poll and the kill, hence the slack of 3 per skipped point)
-            slack = len(pending) - (10 - len(kills))
-            point = rng.choice(pending[:1 + min(3, max(0, slack) // 3)])
-            attempt_log = tmp_path / f"attempt-{len(kills)}.log"
-            process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                       stderr=attempt_log.open("w"), start_new_session=True)
-            try:
-                deadline = time.monotonic() + STEP_TIMEOUT_S
-                while not partition(killed_dir, point).exists() and process.poll() is None \
-                        and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                assert process.poll() is None, (f"run ended ({process.returncode}) before the kill point {point} "
-                                                f"(kills: {kills}, seed {seed}): {attempt_log.read_text()[-2000:]}")
+    pending = kill_points()
+    while len(kills) < 10:
+        pending = [p for p in pending if not partition(killed_dir, p).exists()]
+        assert pending, f"ran out of kill points after {kills} (seed {seed})"
+        # one of the next few, to spread the kills over the run, but never so far ahead that
+        # the points left cannot hold the kills still to come (a run may also pass a point or
+        # two between a poll and the kill, hence the slack of 3 per skipped point)
+        slack = len(pending) - (10 - len(kills))
+        point = rng.choice(pending[:1 + min(3, max(0, slack) // 3)])
+        attempt_log = tmp_path / f"attempt-{len(kills)}.log"
+        process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                   stderr=attempt_log.open("w"), start_new_session=True)
+        try:
+            deadline = time.monotonic() + STEP_TIMEOUT_S
+            while not partition(killed_dir, point).exists() and process.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert process.poll() is None, (f"run ended ({process.returncode}) before the kill point {point} "
+                                            f"(kills: {kills}, seed {seed}): {attempt_log.read_text()[-2000:]}")
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
-            finally:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait(timeout=30)
-            kills.append(point)
-            check_consistent(killed_dir, f"kills {kills}, seed {seed}")
-            pending.remove(point)
-            command = cli("resume", str(killed_dir))
-        where = f"kills {kills}, seed {seed}"
-        resumed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
-        assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
-        assert straight.wait(timeout=STEP_TIMEOUT_S) == 0, log.read_text()[-3000:]
-    finally:
-        if straight.poll() is None:
-            os.killpg(straight.pid, signal.SIGKILL)
-            straight.wait(timeout=30)
+        kills.append(point)
+        check_consistent(killed_dir, f"kills {kills}, seed {seed}")
+        pending.remove(point)
+        command = cli("resume", str(killed_dir))
+    where = f"kills {kills}, seed {seed}"
+    resumed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
 
     check_consistent(killed_dir, where)
-    last = lambda run: sorted((runs / run / "rl" / "checkpoints").glob("step_*"))[-1]  # noqa: E731
-    a, b = load_file(last("straight") / "model.safetensors"), load_file(last("killed") / "model.safetensors")
+    last = lambda run_dir: sorted((run_dir / "rl" / "checkpoints").glob("step_*"))[-1]  # noqa: E731
+    a, b = load_file(last(straight_dir) / "model.safetensors"), load_file(last(killed_dir) / "model.safetensors")
     assert a.keys() == b.keys(), where
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=f"{name} ({where})")
     for table in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals"):
-        assert rows(killed_dir, table) == rows(runs / "straight", table), f"{table} ({where})"
+        assert rows(killed_dir, table) == rows(straight_dir, table), f"{table} ({where})"
     # SFT evals at steps 10-40 (OVERRIDES): its `best` is set, and a resume must keep it where an
     # uninterrupted run puts it; RL's (compared too) is set only if RL beats its step-0 eval
     for suffix in ("-sft", ""):
         killed_best = best_step(tmp_path / "mlflow.db", "killed" + suffix)
-        assert killed_best == best_step(tmp_path / "mlflow-straight.db", "straight" + suffix), f"{suffix} ({where})"
+        assert killed_best == best_step(straight_tiny_run / "mlflow.db", "straight" + suffix), f"{suffix} ({where})"
     assert best_step(tmp_path / "mlflow.db", "killed-sft") is not None, where
     assert strays(killed_dir / "rl" / "tables") == [] and strays(killed_dir / "sft" / "tables") == [], where
     assert json.loads((killed_dir / "run.json").read_text())["status"] == "finished", where

@@ -1,4 +1,5 @@
-"""Each flow for a few steps under Prefect's test harness: tables, task runs, MLflow, registry."""
+"""Each flow for a few steps in this process, against the session's Prefect server (conftest.py):
+tables, task runs, MLflow, registry."""
 
 from __future__ import annotations
 
@@ -12,11 +13,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=90):
-        yield
+def prefect_api(prefect_in_process):
+    """The flows run in this process against the session's Prefect server (conftest.py)."""
+    yield
 
 
 def tiny_config(tmp_path: Path, **changes) -> dict:

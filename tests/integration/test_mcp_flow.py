@@ -72,9 +72,8 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_rl_run_calls_an_mcp_tool_and_stops_its_server(tmp_path, monkeypatch):
+def test_rl_run_calls_an_mcp_tool_and_stops_its_server(tmp_path, monkeypatch, prefect_in_process):
     pytest.importorskip("mcp")
-    from prefect.testing.utilities import prefect_test_harness
     from rlpipe.engines.torch_engine import TorchEngine
     from rlpipe.flows.rl import rl_flow
     from rlpipe.models.tokenizer import build_tokenizer
@@ -91,8 +90,7 @@ def test_rl_run_calls_an_mcp_tool_and_stops_its_server(tmp_path, monkeypatch):
                                         "args": [str(script), str(pids)]}]}
     config["rl"] |= {"steps": 1, "eval_every": 0, "checkpoint_every": 0, "prompts_per_step": 2,
                      "group_size": 2, "sampling": {"max_new_tokens": 96}}
-    with prefect_test_harness(server_startup_timeout=90):
-        rl_flow(config=config)
+    rl_flow(config=config)
     with connect(tmp_path / "runs" / "rl") as con:
         calls = con.sql("""
             select m->>'$.tool_call.server', m->>'$.tool_call.name', m->>'$.tool_call.error', m->>'$.content',

@@ -12,8 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_multiturn_config_runs_and_records_turns(tmp_path, monkeypatch):
-    from prefect.testing.utilities import prefect_test_harness
+def test_multiturn_config_runs_and_records_turns(tmp_path, monkeypatch, prefect_in_process):
     from rlpipe.flows.pipeline import pipeline_flow
     from rlpipe.storage.catalog import connect
 
@@ -26,8 +25,7 @@ def test_multiturn_config_runs_and_records_turns(tmp_path, monkeypatch):
     config["sft"] |= {"steps": 20, "examples": 640}
     config["rl"] |= {"steps": 2, "eval_every": 0, "checkpoint_every": 0, "prompts_per_step": 2, "group_size": 4}
     config["rl"]["buffer"]["partial_batches"] = True
-    with prefect_test_harness(server_startup_timeout=90):
-        result = pipeline_flow(config=config)
+    result = pipeline_flow(config=config)
     rl_dir = Path(result["run_dir"]) / "rl"
     with connect(rl_dir) as con:
         rows = con.sql("select n_turns, len(turns), finish_reason, messages from rollouts").fetchall()

@@ -1,6 +1,9 @@
-"""SIGKILL a pipeline run at a random stage, resume it, and get the uninterrupted run's weights.
+"""SIGKILL a pipeline run, resume it, and lose nothing: an async run killed at a random stage, and
+a run killed between a checkpoint's rename and its row. The runs are subprocesses of the real CLI
+(`rlpipe run`, `rlpipe resume`); this module's helpers serve the other CLI tests.
 
-Both runs are subprocesses of the real CLI (`rlpipe run`, `rlpipe resume`).
+A run killed once at a random RL stage and resumed to the uninterrupted run's weights is
+test_faults.py's (ten kills, SFT's stages and RL's, each followed by a resume).
 """
 
 from __future__ import annotations
@@ -14,18 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.leftovers import strays
 from tests.seeds import draw_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-# (table, step) partitions whose appearance triggers the kill: spread over the RL stages
-KILL_POINTS = [("rollouts", 2), ("scores", 2), ("groups", 3), ("batches", 3), ("train_steps", 1),
-               ("checkpoints", 2), ("evals", 2)]
 
 
 def cli(*args: str) -> list[str]:
@@ -56,63 +52,10 @@ def run_args(runs_root: Path, name: str) -> list[str]:
             "--set", f"run_name={name}", "--set", "rl.checkpoint_every=1", *ONE_THREAD]
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    last = sorted((run_dir / "rl" / "checkpoints").glob("step_*"))[-1]
-    return load_file(last / "model.safetensors")
-
-
 def rows(run_dir: Path, table: str) -> int:
     import pyarrow.parquet as pq
 
     return sum(pq.ParquetFile(p).metadata.num_rows for p in (run_dir / "rl" / "tables" / table).glob("step=*/*.parquet"))
-
-
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, prefect_api_url):
-    runs = tmp_path / "runs"
-    env = env_for(tmp_path, prefect_api_url)
-    # the uninterrupted run goes on beside the killed one (one thread each, see ONE_THREAD), with
-    # its own MLflow store: two processes creating one SQLite database at once collide
-    log = tmp_path / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
-    straight_env = {**env, "PREFECT_HOME": str(tmp_path / "prefect-straight"),
-                    "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow-straight.db'}"}
-    straight_run = subprocess.Popen(cli(*run_args(runs, "straight")), env=straight_env, cwd=tmp_path,
-                                    stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
-    try:
-        seed = draw_seed("test_sigkill_then_resume_matches_uninterrupted_run")
-        table, step = random.Random(seed).choice(KILL_POINTS)
-        where = f"kill point {table}/step={step}, seed {seed}"
-        trigger = runs / "killed" / "rl" / "tables" / table / f"step={step}"
-        process = subprocess.Popen(cli(*run_args(runs, "killed")), env=env, cwd=tmp_path,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 600
-            while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert process.poll() is None, f"run ended before the {where}"
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-
-        resumed = subprocess.run(cli("resume", str(runs / "killed")), env=env, cwd=tmp_path, capture_output=True,
-                                 text=True, timeout=600)
-        assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
-        assert straight_run.wait(timeout=600) == 0, log.read_text()[-3000:]
-    finally:
-        if straight_run.poll() is None:
-            os.killpg(straight_run.pid, signal.SIGKILL)
-            straight_run.wait(timeout=30)
-
-    straight, killed = final_weights(runs / "straight"), final_weights(runs / "killed")
-    assert straight.keys() == killed.keys(), where
-    for name in straight:
-        torch.testing.assert_close(killed[name], straight[name], rtol=0, atol=1e-6, msg=f"{name} ({where})")
-    for table_name in ("rollouts", "scores", "groups", "advantages", "batches", "train_steps", "evals"):
-        assert rows(runs / "killed", table_name) == rows(runs / "straight", table_name), f"{table_name} ({where})"
-    # no temporary or partial files left visible
-    assert strays(runs / "killed" / "rl" / "tables") == [], where
-    assert strays(runs / "killed" / "sft" / "tables") == [], where
 
 
 def sample_versions(run_dir: Path) -> set[tuple[str, int]]:

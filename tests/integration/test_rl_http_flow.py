@@ -24,11 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=90):
-        yield
+def prefect_api(prefect_in_process):
+    """The flows run in this process against the session's Prefect server (conftest.py)."""
+    yield
 
 
 def http_config(tmp_path: Path, start: Path, urls: list[str], steps: int) -> dict:

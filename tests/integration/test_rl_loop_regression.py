@@ -33,6 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.built_once import build_once
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -84,13 +86,18 @@ def config_dict(runs_root: Path, name: str, rl: dict) -> dict:
     return config
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sft_checkpoint(tmp_path_factory) -> str:
+    """tiny.toml's SFT phase, trained once per test session (tests/built_once.py): every module
+    that imports this fixture starts its RL runs from the same checkpoint, and only reads it."""
     from rlpipe.flows.supervised import run_supervised
     from rlpipe.tasks.config import validate_config
 
-    root = tmp_path_factory.mktemp("sft")
-    return run_supervised(validate_config(config_dict(root, "sft", {})), "sft")["checkpoint"]
+    def build(root: Path) -> None:
+        checkpoint = run_supervised(validate_config(config_dict(root, "sft", {})), "sft")["checkpoint"]
+        (root / "checkpoint.txt").write_text(str(checkpoint))
+
+    return (build_once(tmp_path_factory, "sft-checkpoint", build) / "checkpoint.txt").read_text()
 
 
 def final_weights_sha(run_dir: Path) -> str:

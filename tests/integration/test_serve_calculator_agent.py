@@ -26,7 +26,6 @@ PROBLEMS = 6
 
 
 def train_agent(tmp_path: Path, monkeypatch) -> Path:
-    from prefect.testing.utilities import prefect_test_harness
     from rlpipe.flows.sft import sft_flow
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -38,8 +37,7 @@ def train_agent(tmp_path: Path, monkeypatch) -> Path:
     config["task"]["options"] |= {"teacher_tool_rate": 1.0}
     config["task"]["eval_examples"] = 8
     config["sft"] |= {"steps": 100, "examples": 3200, "checkpoint_every": 0}
-    with prefect_test_harness(server_startup_timeout=90):
-        return Path(sft_flow(config=config)["checkpoint"])
+    return Path(sft_flow(config=config)["checkpoint"])
 
 
 def chat_episode(api, problem: str) -> list[dict]:
@@ -71,7 +69,7 @@ def as_text(messages: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
-def test_the_trained_calculator_agent_is_served_with_its_tool(tmp_path, monkeypatch):
+def test_the_trained_calculator_agent_is_served_with_its_tool(tmp_path, monkeypatch, prefect_in_process):
     checkpoint = train_agent(tmp_path, monkeypatch)
     env = CalculatorEnv(CalculatorConfig(max_turns=3))
     examples = list(env.examples("eval"))[:PROBLEMS]

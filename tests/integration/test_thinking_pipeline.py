@@ -24,11 +24,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=90):
-        yield
+def prefect_api(prefect_in_process):
+    """The flows run in this process against the session's Prefect server (conftest.py)."""
+    yield
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def test_cuda_without_cuda_names_the_setting(setting):
         resolve_device(setting)
 
 
+@pytest.mark.slow
 @NO_CUDA
 def test_cli_fails_with_one_line_before_creating_the_run(tmp_path):
     out = subprocess.run(

@@ -72,6 +72,7 @@ def test_the_blocked_packages_are_absent_in_the_subprocess(without_the_pipeline_
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_bench_gpu_and_every_module_its_parts_use_import_without_the_pipeline_stack(
         without_the_pipeline_stack):
     modules = sorted({f"benchmarks.{m}" for m in GPU_BENCHMARKS}.union(
@@ -90,12 +91,14 @@ def test_bench_gpu_and_every_module_its_parts_use_import_without_the_pipeline_st
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_bench_gpu_help_runs_without_the_pipeline_stack(without_the_pipeline_stack):
     done = run(["-m", "benchmarks.bench_gpu", "--help"], without_the_pipeline_stack)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--parts" in done.stdout
 
 
+@pytest.mark.slow
 def test_pytest_m_gpu_collects_the_gpu_tests_alone_without_the_pipeline_stack(
         without_the_pipeline_stack):
     done = run(["-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
@@ -114,6 +117,7 @@ def test_only_expressions_that_select_gpu_tests_alone_narrow_the_collection():
         assert not selects_gpu_only(markexpr), markexpr
 
 
+@pytest.mark.slow
 def test_the_benchmark_encodes_prompts_as_the_generate_stage_does():
     tokenizer = build_tokenizer()
     env, examples, prompts = arithmetic_prompts(tokenizer, 4, seed=0)

@@ -57,9 +57,11 @@ CASES = [  # (chunk_size, temperature, with_bias): one token per chunk, a partia
     (16, 1.0, False),
     (1024, 1.3, True),
 ]
+# compiling the kernels takes seconds each (a shape, temperature or bias is a graph of its own)
+COMPILED = pytest.param("compiled", marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+@pytest.mark.parametrize("kernels", ["eager", COMPILED])
 @pytest.mark.parametrize(("chunk_size", "temperature", "with_bias"), CASES)
 def test_float32_matches_float64_reference(kernels, chunk_size, temperature, with_bias):
     out, ref, grads, ref_grads, labels = _run(kernels, chunk_size, temperature, with_bias)
@@ -74,7 +76,7 @@ def test_float32_matches_float64_reference(kernels, chunk_size, temperature, wit
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+@pytest.mark.parametrize("kernels", ["eager", COMPILED])
 def test_bf16_autocast_matches_reference(kernels):
     """Under autocast the logits are rounded to bf16 (8 bits of mantissa) once, by the matmul;
     the softmax accumulates in float32 and grad_logits are rounded to bf16 once."""
@@ -90,6 +92,7 @@ def test_bf16_autocast_matches_reference(kernels):
         assert err < 0.02, f"{name}: max error {err:.4f} of the gradient's scale"
 
 
+@pytest.mark.slow
 def test_bf16_compiled_equals_eager():
     """Both kernels see the same bf16 matmul output: only float32 summation order differs."""
     a = _run("eager", 16, 0.7, True, autocast=True)

@@ -238,6 +238,7 @@ def test_secrets_come_from_the_run_environment_by_name_never_from_the_config(ser
         from_environment(remote, {})
 
 
+@pytest.mark.slow
 def test_starting_fails_in_one_line_naming_the_server(server_script, http_url, tmp_path):
     with pytest.raises(ValueError, match=r"^MCP server 'ghost' .*could not be started: .*$"):
         McpToolbox([McpServerConfig(name="ghost", command=str(tmp_path / "no-such-program"))])

@@ -43,6 +43,7 @@ def test_the_wheel_holds_rlpipe_alone(tmp_path):
     assert "rlpipe/dashboards/report.html" in names and "rlpipe/flows/cli.py" in names
 
 
+@pytest.mark.slow
 def test_a_users_own_models_and_tasks_do_not_shadow_rlpipe(tmp_path):
     for name in ("models", "training", "tasks", "flows", "storage"):
         (tmp_path / name).mkdir()

@@ -135,6 +135,7 @@ def test_a_flow_given_bad_parameters_refuses_them_before_opening_its_run(where):
     assert nothing_written(where)
 
 
+@pytest.mark.slow
 def test_the_real_cli_refuses_with_one_line_in_a_subprocess(tmp_path):
     # the installed entry point, argv as bytes the way a shell passes a non-UTF-8 name
     for setting, says in [(b"run_name=a\xffb", "run_name is not valid UTF-8"),

@@ -15,6 +15,7 @@ from tests.unit.test_engine import dense_model, prompts_of
 from tests.unit.test_partial_rollouts import load, perturbed
 
 
+@pytest.mark.slow
 def test_the_child_samples_what_the_torch_engine_samples_and_takes_each_sync():
     """Same seed and weights: the same completions as the torch engine in this process; the
     trainer's updates reach the child only through `sync` (with the version it records), and a
