@@ -29,6 +29,13 @@ from tests.built_once import build_once
 from tests.ports import start_on_free_port
 from tests.prefect_server import stop_group, wait_healthy
 
+# The server's background services that no test needs: the ones for schedules, late or paused
+# runs, automations, work-pool health and housekeeping, and the one that stores events (a tiny
+# run's task runs send hundreds). They cost a fifth of the server's CPU per run (4.1 s instead of
+# 5.2 s); the task run recorder, which the tests that read task runs need, stays on.
+IDLE_SERVICES = ("CANCELLATION_CLEANUP", "DB_VACUUM", "EVENT_PERSISTER", "EVENT_LOGGER", "FOREMAN", "LATE_RUNS",
+                 "SCHEDULER", "PAUSE_EXPIRATIONS", "REPOSSESSOR", "CLEANUP_RECONCILER", "TRIGGERS")
+
 
 @pytest.fixture(scope="session")
 def prefect_api_url(tmp_path_factory) -> Iterator[str]:
@@ -42,6 +49,7 @@ def prefect_api_url(tmp_path_factory) -> Iterator[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         env.update(PREFECT_HOME=str(home), PREFECT_API_URL=url, PREFECT_UI_ENABLED="false",
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", PREFECT_LOGGING_LEVEL="WARNING")
+        env.update({f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in IDLE_SERVICES})
         server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                    "--port", str(port)], env=env, stdout=log.open("w"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
