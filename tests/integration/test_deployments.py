@@ -42,6 +42,8 @@ def prefect_env(tmp_path: Path, port: int) -> dict[str, str]:
         DO_NOT_TRACK="1",
         # SQLite on a busy machine: be patient with locks instead of failing a call
         PREFECT_API_REQUEST_TIMEOUT="120",
+        # the worker looks for scheduled runs every second, not every 10 (each run waited for it)
+        PREFECT_WORKER_QUERY_SECONDS="1",
         PREFECT_LOGGING_LEVEL="WARNING",
         RLPIPE_PROGRESS="0",
         OMP_NUM_THREADS="1",
