@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
 from tests.built_once import build_once
 from tests.ports import start_on_free_port
 from tests.prefect_server import stop_group, wait_healthy
@@ -101,8 +102,8 @@ def straight_tiny_run(tmp_path_factory, prefect_api_url) -> Path:
     def build(folder: Path) -> None:
         log = folder / "straight.log"  # a file, not a pipe nobody reads while the run writes to it
         with log.open("w") as stderr:
-            done = subprocess.run(cli(*run_args(folder / "runs", "straight")), env=env_for(folder, prefect_api_url),
-                                  cwd=folder, stdout=subprocess.DEVNULL, stderr=stderr, timeout=STEP_TIMEOUT_S)
+            done = warm_cli.run(cli(*run_args(folder / "runs", "straight")), env=env_for(folder, prefect_api_url),
+                                cwd=folder, stdout=subprocess.DEVNULL, stderr=stderr, timeout=STEP_TIMEOUT_S)
         assert done.returncode == 0, log.read_text()[-3000:]
 
     return build_once(tmp_path_factory, "straight-tiny-run", build)

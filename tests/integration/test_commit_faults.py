@@ -22,6 +22,8 @@ import pytest
 from test_faults import STEP_TIMEOUT_S, best_step, mlflow_statuses
 from test_resume import ONE_THREAD, cli, env_for
 
+from tests import warm_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "tests" / "fault_hooks"
 pytestmark = pytest.mark.slow
@@ -45,8 +47,8 @@ KILL_POINTS = [
 
 def run_killed_at(command: list[str], env: dict[str, str], point: str, log: Path) -> int:
     """Run `command` with the kill point armed; its exit status (-9: killed there)."""
-    process = subprocess.Popen(command, env={**env, "RLPIPE_TEST_KILL": point}, cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
+    process = warm_cli.Popen(command, env={**env, "RLPIPE_TEST_KILL": point}, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
     try:
         return process.wait(timeout=STEP_TIMEOUT_S)
     finally:
@@ -77,7 +79,7 @@ def test_sigkill_after_each_rename_of_a_commit_then_resume(tmp_path, prefect_api
         code = run_killed_at(command, env, point, log)
         assert code == -signal.SIGKILL, f"not killed at {point}: exit {code}\n{log.read_text()[-3000:]}"
         command = cli("resume", str(run_dir))
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    done = warm_cli.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
 
     from mlflow import MlflowClient
@@ -132,7 +134,7 @@ def test_data_parallel_sigkill_after_a_checkpoint_rename_then_resume(tmp_path, p
         assert code != 0 and "rank 0 (local rank 0" in log.read_text() and "SIGKILL" in log.read_text(), \
             f"not killed at {point}: exit {code}\n{log.read_text()[-3000:]}"
         command = cli("resume", str(run_dir), "--nproc-per-node", "2")
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    done = warm_cli.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
 
     from mlflow import MlflowClient

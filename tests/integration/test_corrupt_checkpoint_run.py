@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ from safetensors.torch import load_file
 from test_commit_faults import HOOKS, run_killed_at, table_rows
 from test_faults import STEP_TIMEOUT_S
 from test_resume import ONE_THREAD, cli, env_for
+
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -53,8 +54,8 @@ def test_a_truncated_newest_checkpoint_is_set_aside_and_its_steps_replayed(phase
     file = newest / victim
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
-    resumed = subprocess.run(cli("resume", str(runs / "torn")), env=env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=STEP_TIMEOUT_S)
+    resumed = warm_cli.run(cli("resume", str(runs / "torn")), env=env, cwd=ROOT, capture_output=True, text=True,
+                           timeout=STEP_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     notes = [line for line in resumed.stderr.splitlines() if f"'{file}' is corrupt" in line]
     assert len(notes) == 1 and "moved it to" in notes[0], resumed.stderr[-3000:]

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from test_faults import STEP_TIMEOUT_S, mlflow_statuses
 from test_resume import ONE_THREAD, cli, env_for
+
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "tests" / "fault_hooks"
@@ -49,8 +50,8 @@ def test_a_full_disk_at_each_writer_ends_the_run_in_one_line_and_resume_complete
     command = cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}", "--set", "run_name=full",
                   "--set", "flow=sft", "--set", f"sft.steps={STEPS}", "--set", "sft.checkpoint_every=4", *ONE_THREAD)
     for writer, (pattern, named) in WRITERS.items():
-        failed = subprocess.run(command, env={**env, "RLPIPE_TEST_ENOSPC": f"{writer}:{pattern}"}, cwd=ROOT,
-                                capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+        failed = warm_cli.run(command, env={**env, "RLPIPE_TEST_ENOSPC": f"{writer}:{pattern}"}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
         last = failed.stderr.strip().splitlines()[-1] if failed.stderr.strip() else ""
         path = str(run_dir / named) if named else str(tmp_path / "mlflow.db")
         assert failed.returncode == 1, (writer, failed.stderr[-3000:])
@@ -60,7 +61,7 @@ def test_a_full_disk_at_each_writer_ends_the_run_in_one_line_and_resume_complete
         assert mlflow_statuses(tmp_path / "mlflow.db", "rlpipe-tiny") == {"full": "FAILED"}, writer
         command = cli("resume", str(run_dir))
 
-    resumed = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    resumed = warm_cli.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert mlflow_statuses(tmp_path / "mlflow.db", "rlpipe-tiny") == {"full": "FINISHED"}

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load_file
 from test_resume import env_for, rows  # same folder: pytest puts it on sys.path
 
+from tests import warm_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
 pytestmark = pytest.mark.slow
@@ -38,8 +40,8 @@ def command(runs: Path, name: str) -> list[str]:
 def straight(tmp_path_factory) -> Path:
     """An uninterrupted 2-rank run."""
     tmp = tmp_path_factory.mktemp("straight")
-    done = subprocess.run(command(tmp / "runs", "straight"), env=env_for(tmp), cwd=tmp, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    done = warm_cli.run(command(tmp / "runs", "straight"), env=env_for(tmp), cwd=tmp, capture_output=True,
+                        text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "training with ddp" in done.stderr  # train.parallel 'none' + --nproc-per-node
     return tmp / "runs" / "straight"
@@ -98,8 +100,8 @@ def test_every_trained_token_has_the_trainer_logprob_one_process_computes(straig
 
 def test_a_two_rank_step_replays_in_one_process_within_the_tolerance(straight, tmp_path):
     # step 4: no checkpoint after step 2, so steps 3 and 4 are replayed forward
-    done = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "replay", str(straight / "rl"), "--step", "4"],
-                          env=env_for(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = warm_cli.run([sys.executable, "-m", "rlpipe.flows.cli", "replay", str(straight / "rl"), "--step", "4"],
+                        env=env_for(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "not bit for bit" in done.stdout and "OK: step 4 matches within 0.0001" in done.stdout, done.stdout
 
@@ -124,8 +126,8 @@ def test_a_killed_rank_fails_the_run_naming_it_and_resume_loses_nothing(straight
     env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
     killed = runs / "killed"
     trigger = killed / "rl" / "checkpoints" / "step_000002" / "metadata.json"
-    process = subprocess.Popen(command(runs, "killed"), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = warm_cli.Popen(command(runs, "killed"), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -148,8 +150,8 @@ def test_a_killed_rank_fails_the_run_naming_it_and_resume_loses_nothing(straight
     assert json.loads((killed / "rl" / "run.json").read_text())["status"] == "failed"
     assert json.loads((killed / "run.json").read_text())["status"] == "failed"
 
-    resumed = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "resume", str(killed), "--nproc-per-node", "2"],
-                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    resumed = warm_cli.run([sys.executable, "-m", "rlpipe.flows.cli", "resume", str(killed), "--nproc-per-node", "2"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((killed / "run.json").read_text())["status"] == "finished"
     for table in TABLES:

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from rlpipe.training.rl_loss import LOSS_NAMES, LOSSES
 
+from tests import warm_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -69,8 +71,8 @@ def test_every_loss_runs_from_the_cli(tmp_path, prefect_api_url, loss):
 
     env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
     run_dir = runs / "r"
-    done = subprocess.run(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)), cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = warm_cli.run(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)), cwd=tmp_path,
+                        env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert sorted(read_table(run_dir, "train_steps").column("step").to_pylist()) == list(range(1, STEPS + 1))
@@ -84,8 +86,8 @@ def test_a_run_stopped_by_sigterm_resumes_from_the_cli(tmp_path, prefect_api_url
     env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
     run_dir = runs / "r"
     log = tmp_path / "run.log"
-    process = subprocess.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)),
-                               cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    process = warm_cli.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)),
+                             cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
         while not (run_dir / "checkpoints" / "step_000001").is_dir():
@@ -101,8 +103,8 @@ def test_a_run_stopped_by_sigterm_resumes_from_the_cli(tmp_path, prefect_api_url
     stopped_at = len(read_table(run_dir, "train_steps").column("step").to_pylist())
     assert 1 <= stopped_at < STEPS
 
-    resumed = subprocess.run(cli("resume", str(run_dir)), cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=900)
+    resumed = warm_cli.run(cli("resume", str(run_dir)), cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert sorted(read_table(run_dir, "train_steps").column("step").to_pylist()) == list(range(1, STEPS + 1))

@@ -27,6 +27,7 @@ from rlpipe.training.checkpoint_files import METADATA_FILE, _verify
 from safetensors.torch import load_file
 from test_resume import ONE_THREAD, cli, env_for, rows  # same folder: pytest puts it on sys.path
 
+from tests import warm_cli
 from tests.leftovers import strays
 from tests.seeds import draw_seed
 
@@ -112,8 +113,8 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_
         slack = len(pending) - (10 - len(kills))
         point = rng.choice(pending[:1 + min(3, max(0, slack) // 3)])
         attempt_log = tmp_path / f"attempt-{len(kills)}.log"
-        process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                   stderr=attempt_log.open("w"), start_new_session=True)
+        process = warm_cli.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                 stderr=attempt_log.open("w"), start_new_session=True)
         try:
             deadline = time.monotonic() + STEP_TIMEOUT_S
             while not partition(killed_dir, point).exists() and process.poll() is None \
@@ -132,7 +133,7 @@ def test_sigkill_at_ten_random_points_each_followed_by_resume(tmp_path, prefect_
         pending.remove(point)
         command = cli("resume", str(killed_dir))
     where = f"kills {kills}, seed {seed}"
-    resumed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    resumed = warm_cli.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
 
     check_consistent(killed_dir, where)
@@ -171,9 +172,9 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
     log = tmp_path / "term.log"  # a file, not a pipe nobody reads while the run writes to it
     # no over-sampling: every step samples, so the resume reads back the rollouts of the step it
     # restarts (with carried groups a step may train on earlier steps' rollouts alone)
-    process = subprocess.Popen(cli(*run_args(runs, "term"), "--set", "rl.buffer.oversample_factor=1.0"), env=env, cwd=tmp_path,
-                               stdout=subprocess.DEVNULL,
-                               stderr=log.open("w"), start_new_session=True)
+    process = warm_cli.Popen(cli(*run_args(runs, "term"), "--set", "rl.buffer.oversample_factor=1.0"), env=env, cwd=tmp_path,
+                             stdout=subprocess.DEVNULL,
+                             stderr=log.open("w"), start_new_session=True)
     try:
         trigger = partition(run_dir, ("rl", "rollouts", 2))
         deadline = time.monotonic() + STEP_TIMEOUT_S
@@ -181,8 +182,8 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
             time.sleep(0.02)
         assert process.poll() is None, log.read_text()[-3000:]
         os.kill(process.pid, signal.SIGSTOP)  # held still (its lock too) while a second process tries
-        second = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
-                                timeout=300)
+        second = warm_cli.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
         assert second.returncode == 2 and f"in use by another process (pid {process.pid})" in second.stderr, \
             second.stderr[-2000:]
         os.kill(process.pid, signal.SIGTERM)
@@ -211,12 +212,12 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
     victim = partition(run_dir, ("rl", "rollouts", last + 1))
     assert victim.is_file(), last
     victim.write_bytes(victim.read_bytes()[:40])
-    broken = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
-                            timeout=STEP_TIMEOUT_S)
+    broken = warm_cli.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=STEP_TIMEOUT_S)
     assert broken.returncode == 1 and f"partition file '{victim}' is corrupt" in broken.stderr, broken.stderr[-3000:]
     victim.unlink()
-    done = subprocess.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=STEP_TIMEOUT_S)
+    done = warm_cli.run(cli("resume", str(run_dir)), env=env, cwd=tmp_path, capture_output=True, text=True,
+                        timeout=STEP_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert rows(run_dir, "train_steps") == 4

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
 from tests.hub_cache import tiny_hub_gsm8k, tiny_hub_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path, prefect_ap
                  "rl.checkpoint_every": "2", "task.eval_examples": "4", "rl.optim.token_budget": "2048",
                  "tracking.report": "false"}
     args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    done = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "gsm8k.toml"),
+    done = warm_cli.run([sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "gsm8k.toml"),
                            *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -65,7 +65,7 @@ def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path, prefect_ap
     assert AutoTokenizer.from_pretrained(checkpoint).chat_template == AutoTokenizer.from_pretrained(snapshot).chat_template
 
     # replay finds the starting weights by the recorded hub id and commit, bit for bit
-    replay = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "replay", str(run), "--step", "1"],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    replay = warm_cli.run([sys.executable, "-m", "rlpipe.flows.cli", "replay", str(run), "--step", "1"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     assert f"tiny-org/Tiny-Qwen3@{snapshot.name}" in replay.stdout + replay.stderr

@@ -7,12 +7,12 @@ sync of the trainer's thread meeting the producer thread's decode loop."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pyarrow.parquet as pq
 import pytest
 
+from tests import warm_cli
 from tests.integration.test_async_rl import query, untracked_groups
 from tests.integration.test_resume import ONE_THREAD, ROOT, cli, env_for, rows
 
@@ -62,15 +62,15 @@ def test_partial_rollouts_span_versions_survive_sigkill_and_replay_exactly(tmp_p
             "--set", "rl.checkpoint_every=1", "--set", f"rl.steps={STEPS}", "--set", "rl.off_policy.max_steps=1",
             "--set", "rl.off_policy.partial_rollouts=true", *ONE_THREAD]
     # killed by tests/fault_hooks as the producer, one step ahead, records step 4's advantages
-    killed = subprocess.run([sys.executable, "-c", HELD_ROUNDS, *args], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600, start_new_session=True,
-                            env={**env, "RLPIPE_TEST_KILL": "after:*/rl/tables/advantages/step=4/part-0.parquet"})
+    killed = warm_cli.run([sys.executable, "-c", HELD_ROUNDS, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, start_new_session=True,
+                          env={**env, "RLPIPE_TEST_KILL": "after:*/rl/tables/advantages/step=4/part-0.parquet"})
     assert killed.returncode == -9, killed.stderr[-3000:]
     before = versions(runs / "partial")
     assert any(first < last for _, _, first, last in before)  # some completions span two versions
-    resumed = subprocess.run(cli("resume", str(runs / "partial")), env={k: v for k, v in env.items()
+    resumed = warm_cli.run(cli("resume", str(runs / "partial")), env={k: v for k, v in env.items()
                                                                         if k != "PYTHONPATH"},
-                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert before <= versions(runs / "partial")  # every sampled rollout kept, with the versions it had
     rl_dir = runs / "partial" / "rl"

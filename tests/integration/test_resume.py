@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
 from tests.seeds import draw_seed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,8 +80,8 @@ def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_pa
                                           ("train_steps", 2), ("checkpoints", 3), ("advantages", 5)])
     where = f"kill point {table}/step={step}, seed {seed}"
     trigger = runs / "async" / "rl" / "tables" / table / f"step={step}"
-    process = subprocess.Popen(cli(*args), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    process = warm_cli.Popen(cli(*args), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -92,8 +93,8 @@ def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_pa
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     before = sample_versions(runs / "async")
-    resumed = subprocess.run(cli("resume", str(runs / "async")), env=env, cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
+    resumed = warm_cli.run(cli("resume", str(runs / "async")), env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
     assert resumed.returncode == 0, f"{where}: {resumed.stderr[-3000:]}"
     rl_dir = runs / "async" / "rl"
     assert before <= sample_versions(runs / "async"), where  # every sampled rollout kept, same policy version
@@ -122,14 +123,14 @@ sys.exit(main(sys.argv[1:]))
 def test_kill_right_after_the_checkpoint_rename_is_repaired_on_resume(tmp_path, prefect_api_url):
     runs = tmp_path / "runs"
     env = env_for(tmp_path, prefect_api_url)
-    killed = subprocess.run([sys.executable, "-c", KILL_AFTER_RENAME, *run_args(runs, "window")], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=600, start_new_session=True)
+    killed = warm_cli.run([sys.executable, "-c", KILL_AFTER_RENAME, *run_args(runs, "window")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     rl_dir = runs / "window" / "rl"
     assert (rl_dir / "checkpoints" / "step_000002").is_dir()
     assert not (rl_dir / "tables" / "checkpoints" / "step=2").exists()
     assert (rl_dir / "tables" / "train_steps" / "step=2").exists()  # on disk before the rename
-    resumed = subprocess.run(cli("resume", str(runs / "window")), env=env, cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
+    resumed = warm_cli.run(cli("resume", str(runs / "window")), env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert rows(runs / "window", "checkpoints") == 4 and rows(runs / "window", "train_steps") == 4

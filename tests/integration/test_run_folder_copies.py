@@ -18,6 +18,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from tests import warm_cli
 from tests.integration.test_resume import ONE_THREAD, ROOT, cli, env_for
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 def rlpipe(*args: str, env: dict, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cli(*args), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return warm_cli.run(cli(*args), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def killed_in_rl(runs: Path, name: str, env: dict) -> Path:
@@ -39,10 +40,10 @@ def killed_in_rl(runs: Path, name: str, env: dict) -> Path:
     trigger = run_dir / "rl" / "tables" / "train_steps" / "step=3" / "part-0.parquet"
     # a 4-step SFT phase: RL's step 2 then evals better than its start, so the copy's resume meets
     # a stored best whose registered version is the original's
-    process = subprocess.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}",
+    process = warm_cli.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}",
                                    "--set", f"run_name={name}", "--set", "sft.steps=4", *ONE_THREAD),
-                               env=env, cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                             env=env, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while not trigger.exists():

@@ -23,6 +23,8 @@ from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.checkpoint_io import save_checkpoint
 
+from tests import warm_cli
+
 pytestmark = pytest.mark.slow
 
 
@@ -123,19 +125,19 @@ def test_half_sent_requests_are_cut_off(checkpoint):
 def test_token_and_cap_flags_of_the_command_line(checkpoint, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RLPIPE_API_TOKEN"}
     command = [sys.executable, "-m", "rlpipe.flows.cli", "serve", str(checkpoint), "--port", "0", "--threads", "1"]
-    empty = subprocess.run([*command, "--token", ""], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    empty = warm_cli.run([*command, "--token", ""], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert empty.returncode == 2 and "--token is empty" in empty.stderr
     # the same command line without the CLI's other imports (faster)
     serve = [sys.executable, "-m", "rlpipe.engines.serve_cli", *command[4:]]
-    blank = subprocess.run(serve, cwd=ROOT, env={**env, "RLPIPE_API_TOKEN": " "}, capture_output=True, text=True,
-                           timeout=120)
+    blank = warm_cli.run(serve, cwd=ROOT, env={**env, "RLPIPE_API_TOKEN": " "}, capture_output=True, text=True,
+                         timeout=120)
     assert blank.returncode == 2 and "RLPIPE_API_TOKEN is set but empty" in blank.stderr
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     token_file.chmod(0o644)
     caps = ["--max-n", "2", "--max-tokens", "3", "--max-prompts", "2", "--max-body-bytes", "1500"]
-    proc = subprocess.Popen([*command, "--token-file", str(token_file), *caps], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm_cli.Popen([*command, "--token-file", str(token_file), *caps], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = serve_url(proc)
         wait_ready(url)

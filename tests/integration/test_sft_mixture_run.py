@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests import warm_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -45,9 +47,9 @@ def test_each_sft_step_trains_on_its_share_of_the_mixture_across_a_kill_and_resu
     args = [arg for text in overrides for arg in ("--set", text)]
     run = tmp_path / "runs" / "mix"
     trigger = run / "tables" / "checkpoints" / "step=2"
-    process = subprocess.Popen([sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "sft.toml"),
+    process = warm_cli.Popen([sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "sft.toml"),
                                 *args], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=(tmp_path / "run.log").open("w"), start_new_session=True)
+                             stderr=(tmp_path / "run.log").open("w"), start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -58,8 +60,8 @@ def test_each_sft_step_trains_on_its_share_of_the_mixture_across_a_kill_and_resu
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    done = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "resume", str(run)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    done = warm_cli.run([sys.executable, "-m", "rlpipe.flows.cli", "resume", str(run)], env=env, cwd=tmp_path,
+                        capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
 

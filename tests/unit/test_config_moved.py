@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +16,8 @@ from rlpipe.rollouts.config import MOVED
 from rlpipe.tasks.config import read_run_config, stored_config_data, validate_config
 from rlpipe.training.config import LossConfig
 from rlpipe.training.rl_loss import RLLossOptions
+
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +97,7 @@ def test_the_refusal_writes_the_value_as_toml_and_counts_the_other_moved_keys():
 
 def test_rlpipe_run_refuses_a_moved_key_in_one_line_before_it_writes_anything(tmp_path):
     runs = tmp_path / "runs"
-    done = subprocess.run(
+    done = warm_cli.run(
         [sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs" / "tiny.toml"),
          "--set", "rl.max_off_policy_steps=1", "--set", f"runs_root={runs}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -3,7 +3,6 @@ placement and precision of the model (the CUDA runs themselves are in tests/gpu)
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from rlpipe.tasks.setup import engine_dtype, place_model
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import build_optimizer, forward_backward, optim_step
+
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the error path cannot run")
@@ -48,7 +49,7 @@ def test_cuda_without_cuda_names_the_setting(setting):
 @pytest.mark.slow
 @NO_CUDA
 def test_cli_fails_with_one_line_before_creating_the_run(tmp_path):
-    out = subprocess.run(
+    out = warm_cli.run(
         [sys.executable, "-m", "rlpipe.flows.cli", "run", str(ROOT / "configs/tiny.toml"), "--set", "device=cuda",
          "--set", f"runs_root={tmp_path}"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,

@@ -17,6 +17,7 @@ from rlpipe.storage.queries import canned_queries, run_canned, run_sql
 from rlpipe.storage.sqlcli import main as sql_main
 from rlpipe.storage.writer import write_table
 
+from tests import warm_cli
 from tests.synthetic_runs import synthetic_step
 
 RUNS = ("run-a", "run-b")
@@ -357,9 +358,8 @@ def test_cli_notes_tables_without_data(tmp_path, capsys):
 
 def test_canned_queries_are_found_from_any_working_folder(tmp_path):
     # the installed package's *.sql, not a `dashboards` folder that only the checkout's root has
-    import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "sql", "--list"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = warm_cli.run([sys.executable, "-m", "rlpipe.flows.cli", "sql", "--list"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "reward_by_step" in out.stdout and "rescore_compare" in out.stdout, out.stderr

@@ -1,0 +1,305 @@
+"""`python -m rlpipe.flows.cli ...` for the tests, forked from a warm interpreter.
+
+Every CLI process a test starts spends about 5 of its 11 CPU seconds importing torch and
+transformers. A worker of the test session keeps one helper process (the zygote) that has
+imported them once and forks a child for each CLI command; the child takes the command's
+environment, working directory, standard streams and session, then runs `rlpipe.flows.cli` as
+`python -m` would. It is a real process of its own: its own pid, exit status, signals and files,
+so the fault tests kill it, wait for it and read its output as they would a `subprocess.Popen`.
+
+The zygote imports only libraries that read no per-test setting at import: not Prefect (its
+settings are fixed when it is imported), not MLflow (it starts threads at import), nothing of
+rlpipe. A command whose environment differs from the zygote's in any variable that a library may
+read at import (anything but PREFECT_*, RLPIPE_*, PYTEST_* and the MLflow store URIs: HF_HOME,
+OMP_NUM_THREADS, ... ) runs as an ordinary subprocess, as does any other command. So do all
+commands when RLPIPE_TEST_COLD_CLI=1.
+
+`run` and `Popen` take the arguments of their `subprocess` namesakes that the tests use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+PRELOAD = ("torch", "safetensors.torch", "pyarrow.parquet", "duckdb", "tokenizers", "transformers.modeling_utils",
+           "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe", "mlflow",
+           "mlflow.store.tracking.sqlalchemy_store")
+# read when used, not at import: these may differ between the zygote and a command
+LAZY_PREFIXES = ("PREFECT_", "RLPIPE_", "PYTEST_")
+LAZY_NAMES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+CLI_MODULE = "rlpipe.flows.cli"
+
+
+def import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(LAZY_PREFIXES) and k not in LAZY_NAMES}
+
+
+# ---------------------------------------------------------------------------------------------
+# the zygote (this file run as a script)
+
+
+def become(request: dict, fds: list[int]) -> None:
+    """In the forked child: take the command's streams, session, directory and environment, run
+    the CLI module as `python -m` does, and exit as it exits (atexit handlers and all)."""
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, 256)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
+    sys.argv = [CLI_MODULE, *request["args"]]
+    import runpy
+
+    runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
+
+
+def serve(channel: socket.socket) -> None:
+    """Fork a child per request; report each child's pid, and its exit status once it ends."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    channel.sendall(b'{"ready": true}\n')
+    channel.settimeout(0.05)
+    children: set[int] = set()
+    pending, fds = b"", []
+    while True:
+        try:
+            data, more, _, _ = socket.recv_fds(channel, 1 << 20, 3)
+        except TimeoutError:
+            data, more = None, []
+        if data == b"":
+            return  # the test process has gone
+        fds += more
+        pending += data or b""
+        if b"\n" in pending:  # one request at a time: the test side waits for its pid
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush(), sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                channel.close()
+                become(request, fds)
+            for fd in fds:
+                os.close(fd)
+            fds = []
+            children.add(pid)
+            channel.sendall(json.dumps({"started": pid}).encode() + b"\n")
+        for pid in list(children):
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                ended = {"ended": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime}
+                channel.sendall(json.dumps(ended).encode() + b"\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# the test side
+
+
+class Zygote:
+    """This process's zygote: started on first use, ended with the process."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.env = dict(os.environ)
+        self.process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        theirs.close()
+        self.channel, self.lock = ours, threading.Lock()
+        self.started: queue.Queue[int] = queue.Queue()
+        self.codes: dict[int, int] = {}
+        self.cpu_s: dict[int, float] = {}  # each ended child's CPU seconds
+        self.ended = threading.Condition()
+        reader = self.channel.makefile("rb")
+        if json.loads(reader.readline() or b"{}").get("ready") is not True:
+            raise RuntimeError("the warm CLI zygote did not start")
+        threading.Thread(target=self._read, args=(reader,), daemon=True).start()
+        import atexit
+
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the zygote (its children run on) and reap it."""
+        self.channel.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+    def _read(self, reader) -> None:
+        for line in reader:
+            message = json.loads(line)
+            if "started" in message:
+                self.started.put(message["started"])
+            else:
+                with self.ended:
+                    self.codes[message["ended"]] = message["code"]
+                    self.cpu_s[message["ended"]] = message["cpu_s"]
+                    self.ended.notify_all()
+
+    def start(self, args: list[str], env: dict[str, str], cwd: str, fds: list[int], new_session: bool) -> int:
+        request = {"args": args, "env": env, "cwd": cwd, "new_session": new_session}
+        with self.lock:
+            socket.send_fds(self.channel, [json.dumps(request).encode() + b"\n"], fds)
+            return self.started.get(timeout=60)
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        with self.ended:
+            self.ended.wait_for(lambda: pid in self.codes, timeout)
+            return self.codes.get(pid)
+
+
+_ZYGOTE: Zygote | None = None
+
+
+def zygote() -> Zygote:
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
+        _ZYGOTE = Zygote()
+    return _ZYGOTE
+
+
+def warm_args(args, env) -> list[str] | None:
+    """The CLI arguments of `args` if the zygote can run it with `env`, else None."""
+    if os.environ.get("RLPIPE_TEST_COLD_CLI") == "1" or isinstance(args, str | bytes | os.PathLike):
+        return None
+    if any(isinstance(a, bytes) for a in args):
+        return None  # a shell's non-UTF-8 argument: only a real exec passes it as it is
+    args = [str(a) for a in args]
+    if args[:3] != [sys.executable, "-m", CLI_MODULE]:
+        return None
+    if import_time_env(dict(os.environ if env is None else env)) != import_time_env(zygote().env):
+        return None
+    return args[3:]
+
+
+def _stream(value, target: int) -> tuple[int, object | None]:
+    """(fd for the child's stream `target`, the test's end of a pipe or None) for a stdin, stdout
+    or stderr argument; None inherits this process's own, as subprocess does."""
+    mode = "w" if target == 0 else "r"
+    if value is None:
+        return os.dup(target), None
+    if value == subprocess.DEVNULL:
+        return os.open(os.devnull, os.O_RDWR), None
+    if value == subprocess.PIPE:
+        read, write = os.pipe()
+        return (read, os.fdopen(write, "wb")) if mode == "w" else (write, os.fdopen(read, "rb"))
+    return os.dup(value if isinstance(value, int) else value.fileno()), None
+
+
+class WarmProcess:
+    """The subset of subprocess.Popen the tests use, for a child of the zygote."""
+
+    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session) -> None:
+        self.args, self.returncode, self._text = args, None, text
+        merged = stderr == subprocess.STDOUT  # the child's stderr goes where its stdout goes
+        fds, ends = zip(*(_stream(stdin, 0), _stream(stdout, 1), _stream(None if merged else stderr, 2)), strict=True)
+        if merged:
+            os.close(fds[2])
+            fds = (fds[0], fds[1], fds[1])
+        try:
+            self.pid = zygote().start(warm_args(args, env), dict(os.environ if env is None else env),
+                                      str(cwd or os.getcwd()), list(fds), start_new_session)
+        finally:
+            for fd in set(fds):
+                os.close(fd)
+        self.stdin, self.stdout, self.stderr = ends
+        if text:
+            import io
+
+            self.stdout, self.stderr = (io.TextIOWrapper(e) if e else None for e in (self.stdout, self.stderr))
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = zygote().wait(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = zygote().wait(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None):
+        results: dict[str, object] = {}
+        readers = [threading.Thread(target=lambda k=k, s=s: results.__setitem__(k, s.read()), daemon=True)
+                   for k, s in (("out", self.stdout), ("err", self.stderr)) if s is not None]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return results.get("out"), results.get("err")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for stream in (self.stdout, self.stderr, self.stdin):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+def Popen(args, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False,  # noqa: N802
+          start_new_session=False, **rest):
+    """subprocess.Popen, warm where the zygote can run the command."""
+    if rest or warm_args(args, env) is None:
+        return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                                start_new_session=start_new_session, **rest)
+    return WarmProcess(args, env, cwd, stdin, stdout, stderr, text, start_new_session)
+
+
+def run(args, *, env=None, cwd=None, capture_output=False, text=False, timeout=None, input=None,  # noqa: A002
+        stdout=None, stderr=None, check=False, start_new_session=False):
+    """subprocess.run, warm where the zygote can run the command."""
+    if capture_output:
+        stdout = stderr = subprocess.PIPE
+    if input is not None or warm_args(args, env) is None:
+        return subprocess.run(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, timeout=timeout,
+                              input=input, check=check, start_new_session=start_new_session)
+    with WarmProcess(args, env, cwd, None, stdout, stderr, text, start_new_session) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    done = subprocess.CompletedProcess(args, process.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))
