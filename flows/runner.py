@@ -6,7 +6,8 @@ it (storage.runlock): a second `rlpipe run --overwrite` or `rlpipe resume` gets 
 and --overwrite also refuses a folder holding, or lying inside, a running run. `rlpipe resume`
 acts on the folder it is given, wherever it lies now (a moved or copied run resumes as itself),
 and leaves a finished run as it is.
-SIGTERM stops a run like Ctrl-C: queued table writes drain, MLflow and run.json say FAILED.
+SIGTERM and Ctrl-C stop a run alike, in seconds: queued table writes drain, MLflow and run.json say
+FAILED, and one line says how it stopped and how to resume (exit 143 or 130).
 
 `--nproc-per-node N` (flows/launch.py) starts N ranks of the same command through torch's
 elastic launcher; each rank comes back here with torchrun's environment set: rank 0 runs the
@@ -26,7 +27,7 @@ from rlpipe.core import metric_names as m
 from rlpipe.core.config import ConfigError, describe_fields
 from rlpipe.core.environment import quiet_defaults
 from rlpipe.core.files import io_error
-from rlpipe.core.termination import Terminated, sigterm_received, sigterm_stops_the_run
+from rlpipe.core.termination import Terminated, sigterm_stops_the_run, stop_signal
 from rlpipe.flows.common import finished_result, say_code_trusted
 from rlpipe.flows.launch import (
     add_launch_arguments,
@@ -35,6 +36,7 @@ from rlpipe.flows.launch import (
     launched_rank,
     strip_launch_flags,
 )
+from rlpipe.flows.prefect_api import embedded_server_in_own_session
 from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite
 from rlpipe.storage.layout import human_bytes, run_folder_bytes
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
@@ -60,6 +62,7 @@ def start(config: RunConfig, resume: bool = False) -> dict:
     """Run the flow the config names (Prefect's embedded API unless PREFECT_API_URL is set);
     resume: continue the run in config.run_dir (a new run's folder holds none)."""
     quiet_defaults()
+    embedded_server_in_own_session()  # Ctrl-C stops the run, never its Prefect API under it
     return flow_function(config.flow)(config=config.model_dump(mode="json"), resume=resume)
 
 
@@ -288,6 +291,13 @@ def _resume_hint(config: RunConfig) -> str:
     return ""
 
 
+_STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number, as a shell reports it
+
+
+def _stopped(name: str) -> str:
+    return "interrupted (Ctrl-C)" if name == "SIGINT" else f"stopped by signal {name}"
+
+
 def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> int:
     began = time.perf_counter()
     try:
@@ -306,14 +316,14 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
         print(f"rlpipe: {error}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as stop:
-        why = "interrupted" if isinstance(stop, KeyboardInterrupt) else str(stop)
-        print(f"rlpipe: {why}{_resume_hint(config)}", file=sys.stderr)
-        return 130 if isinstance(stop, KeyboardInterrupt) else 143
+        name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else (stop_signal() or "SIGTERM")
+        print(f"rlpipe: {_stopped(name)}{_resume_hint(config)}", file=sys.stderr)
+        return _STOP_EXIT[name]
     except Exception as error:  # noqa: BLE001 - one clear line; Prefect logged the traceback
-        if sigterm_received():  # the signal surfaced as another library's error
-            print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error})"
+        if (name := stop_signal()) is not None:  # the signal surfaced as another library's error
+            print(f"rlpipe: {_stopped(name)} (surfacing as {type(error).__name__}: {error})"
                   f"{_resume_hint(config)}", file=sys.stderr)
-            return 143
+            return _STOP_EXIT[name]
         if (disk := io_error(error)) is not None:  # a full disk, an I/O error: the path and errno
             print(f"rlpipe: run failed: storage error: {disk}; once that is fixed (space freed), "
                   f"`rlpipe resume {config.run_dir}` continues from the last complete stage", file=sys.stderr)
