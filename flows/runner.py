@@ -136,6 +136,7 @@ def main_run(argv: list[str]) -> int:
     if kind is not None and isinstance(ranks := _with_parallel(config, kind), str):  # before N processes start
         print(f"rlpipe run: {ranks}", file=sys.stderr)
         return 2
+    _say(f"{config.flow} run → {config.run_dir}: checking the model, tokenizer, environment and data")
     if problem := _preflight(config):
         print(f"rlpipe run: {problem}", file=sys.stderr)
         return 2
@@ -169,6 +170,7 @@ def main_resume(argv: list[str]) -> int:
     if launching and isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
         print(f"rlpipe resume: {ranks}", file=sys.stderr)
         return 2
+    _say(f"resuming {config.flow} run {config.run_dir}: checking the model, tokenizer, environment and data")
     if problem := _preflight(config):
         print(f"rlpipe resume: {problem}", file=sys.stderr)
         return 2
@@ -194,6 +196,14 @@ def config_at(config: RunConfig, root: Path) -> RunConfig:
         return config
     return validate_config({**config.model_dump(mode="json"), "runs_root": str(root.parent),
                             "run_name": root.name})
+
+
+def _say(text: str) -> None:
+    """One progress line on stdout, at once (the steps before a run's first output take seconds
+    to minutes: imports, pre-flight, the Prefect API, the model); said by the launching process
+    only, not by every rank."""
+    if launched_rank() is None or launched_rank()[0] == 0:
+        print(f"rlpipe: {text}", flush=True)
 
 
 def _preflight(config: RunConfig) -> str | None:
@@ -311,6 +321,7 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
             if (config.run_dir / "run.json").exists():
                 clear_run_dir(config.run_dir)
         with sigterm_stops_the_run():
+            _say("starting the Prefect API and building the model, optimizer and engines")
             result = start(config, resume=resume)
     except RunLockedError as error:
         print(f"rlpipe: {error}", file=sys.stderr)

@@ -30,7 +30,8 @@ PLACEHOLDER = "names a command with placeholders (CONFIG, RUN_DIR, CKPT, ...) or
 MULTINODE = "needs several machines (tests/integration/test_distributed_run.py runs the launcher on one)"
 
 COMMANDS: dict[str, str] = {
-    # "Two commands"
+    # "Set-up, then two commands"
+    "make setup": INSTALL,
     "make demo": "the 4-minute demo; its command, `rlpipe run configs/demo.toml`, runs as the FIXTURE",
     "make test": SLOW,
     "make bench": SLOW,
