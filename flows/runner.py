@@ -79,6 +79,8 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
             lines += [f"    {env:<36} {phase['eval'][m.eval_env(env, 'accuracy')]:6.1%}"
                       for env in (entry.name for entry in config.task.envs)
                       if m.eval_env(env, "accuracy") in phase["eval"]]
+    if (verdict := rl_lost_accuracy(result)) is not None and config.flow == "pipeline":
+        lines.append(verdict)
     teacher_error = config.task.options.get("teacher_carry_error", 0)
     if teacher_error and config.flow == "pipeline":
         lines.append(f"  (SFT imitated a teacher that forgets every carry in {teacher_error:.0%} of its "
@@ -102,6 +104,15 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (after pip install -e '.[ui]' in the checkout)",
     ]
     return lines
+
+
+def rl_lost_accuracy(result: dict) -> str | None:
+    """A pipeline's verdict line when RL ended below the held-out accuracy SFT reached, else None."""
+    before, after = ((result.get(phase) or {}).get("eval", {}).get(m.EVAL_ACCURACY) for phase in ("sft", "rl"))
+    if before is None or after is None or after >= before:
+        return None
+    return (f"  warning: RL lowered held-out accuracy from {before:.1%} to {after:.1%}; the RL phase made "
+            "the model worse (see its reward_by_step and zero_variance_by_step below)")
 
 
 def main_run(argv: list[str]) -> int:
