@@ -8,6 +8,8 @@ acts on the folder it is given, wherever it lies now (a moved or copied run resu
 and leaves a finished run as it is.
 SIGTERM and Ctrl-C stop a run alike, in seconds: queued table writes drain, MLflow and run.json say
 FAILED, and one line says how it stopped and how to resume (exit 143 or 130).
+A run whose RL trained on no sample in any step ends, after its summary, with a verdict line saying
+so and exit 1 (none of its RL checkpoints is registered: flows/rl.py).
 
 `--nproc-per-node N` (flows/launch.py) starts N ranks of the same command through torch's
 elastic launcher; each rank comes back here with torchrun's environment set: rank 0 runs the
@@ -113,6 +115,18 @@ def rl_lost_accuracy(result: dict) -> str | None:
         return None
     return (f"  warning: RL lowered held-out accuracy from {before:.1%} to {after:.1%}; the RL phase made "
             "the model worse (see its reward_by_step and zero_variance_by_step below)")
+
+
+def untrained_verdict(config: RunConfig, result: dict) -> str | None:
+    """The verdict line of a run whose RL phase trained on no sample in any step (its weights are
+    those it started from, and none of its checkpoints was registered); None otherwise."""
+    rl = result.get("rl") if config.flow == "pipeline" else result if config.flow == "rl" else None
+    if not rl or rl.get("trained", True):
+        return None
+    return (f"rlpipe: RL trained on no sample in its {rl.get('steps')} steps: every completion had a reward equal "
+            "to the rest of its group (or was dropped), so no weight changed and no RL checkpoint was registered. "
+            "Make rewards differ within a group: a task the model solves sometimes, a less strict reward, "
+            "a larger rl.group_size")
 
 
 def main_run(argv: list[str]) -> int:
@@ -358,4 +372,7 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
     finally:
         release_run_lock(config.run_dir)
     print("\n".join(summary_lines(config, result or {}, time.perf_counter() - began)))
+    if (verdict := untrained_verdict(config, result or {})) is not None:
+        print(verdict, file=sys.stderr)
+        return 1
     return 0
