@@ -95,14 +95,22 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     return run_phase(state, tracker, body)
 
 
-def _step_batch(source, step: int, tracker):
+def _step_batch(source, step: int, tracker, buffer):
     """The step's rollouts; a step that cannot fill its batch logs its fate counters (over_cap
-    included) before the run stops, so MLflow still equals the fates rows."""
+    included) before the run stops, so MLflow still equals the fates rows, and names the settings
+    that let a resume go on (`fill_settings`)."""
     try:
         return source.batch(step)
     except BatchFillError as error:
         tracker.log_metrics(getattr(error, "metrics", {}), step=step)
+        error.resume_settings = fill_settings(buffer)
         raise
+
+
+def fill_settings(buffer) -> list[str]:
+    """The `rlpipe resume --set` settings that let a step which could not fill its batch go on:
+    twice the sampling rounds, training on the valid groups they find (runner.py's advice)."""
+    return [f"rl.buffer.max_attempts={2 * buffer.max_attempts}", "rl.buffer.partial_batches=true"]
 
 
 def _registering(saving, trained: bool):
@@ -129,7 +137,7 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         tracker.log_metrics(evals, step=0)
     bar = progress(total=rl.steps, initial=run.start_step, desc="rl")
     for step in range(run.start_step + 1, rl.steps + 1):
-        batch = _step_batch(source, step, tracker)  # generate → score → filter/advantages, each writing its table
+        batch = _step_batch(source, step, tracker, rl.buffer)  # generate → score → filter/advantages, each writing its table
         if not (n_trained := trained_samples(batch.samples)):
             bar.write(untrained_step_warning(step, batch.metrics), file=sys.stderr)
         trained = trained or n_trained > 0

@@ -39,7 +39,7 @@ from rlpipe.flows.launch import (
     strip_launch_flags,
 )
 from rlpipe.flows.prefect_api import embedded_server_in_own_session
-from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite
+from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite, resumed_with
 from rlpipe.storage.layout import human_bytes, run_folder_bytes
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, read_run_config, validate_config
@@ -173,6 +173,9 @@ def main_run(argv: list[str]) -> int:
 def main_resume(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlpipe resume", description="Continue a stopped run.")
     parser.add_argument("run_dir", help="a run directory (holds config.json)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change a setting that is safe to change mid-run, e.g. --set rl.buffer.max_attempts=8 "
+                             "(retries, sampling rounds, partial batches, filters, step counts; repeatable)")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     if problem := check_launch_arguments(args):
@@ -184,6 +187,7 @@ def main_resume(argv: list[str]) -> int:
     try:
         config = read_run_config(json.loads(path.read_text()), str(path))
         config = config_at(config, run_folder_root(Path(args.run_dir), config))
+        config = resumed_with(config, args.overrides) if args.overrides else config
     except (ConfigError, ValueError, json.JSONDecodeError) as error:
         print(f"rlpipe resume: {error}", file=sys.stderr)
         return 2
@@ -326,6 +330,15 @@ def _resume_hint(config: RunConfig) -> str:
     return ""
 
 
+def resume_advice(run_dir: Path, settings: list[str]) -> str:
+    """The line after a failed run's error: the `rlpipe resume` command that continues it, with
+    the `--set KEY=VALUE` settings the error names as its way out (flows/run_folders.py
+    RESUME_SETTABLE), if any."""
+    command = " ".join(["rlpipe resume", str(run_dir), *(f"--set {s}" for s in settings)])
+    return (f"  nothing persisted was lost; `{command}` continues from the last complete stage"
+            + (" with those settings" if settings else ""))
+
+
 _STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number, as a shell reports it
 
 
@@ -366,8 +379,7 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
             return 1
         print(f"rlpipe: run failed: {type(error).__name__}: {error}", file=sys.stderr)
         if (config.run_dir / "run.json").exists():  # resume advice only where a run was persisted
-            print(f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
-                  "last complete stage", file=sys.stderr)
+            print(resume_advice(config.run_dir, getattr(error, "resume_settings", [])), file=sys.stderr)
         return 1
     finally:
         release_run_lock(config.run_dir)

@@ -38,6 +38,8 @@ COMMANDS: dict[str, str] = {
     # "What a run is"
     "rlpipe run configs/demo.toml [--set rl.steps=50 ...]": FIXTURE,
     "rlpipe resume runs/demo": RUN,
+    "rlpipe resume RUN --set KEY=VALUE": PLACEHOLDER,  # run with real settings: tests/integration/test_resume_advice.py
+    "rlpipe resume ... --set": PLACEHOLDER,
     "rlpipe sql runs/demo/rl --query reward_by_step": RUN,
     'rlpipe sql runs/demo/rl "select step, avg(reward) from scores group by step"': RUN,
     "python -c \"import duckdb; duckdb.connect('runs/demo/rl/catalog.duckdb', read_only=True)"
