@@ -11,6 +11,7 @@ ATTEMPTS = "rollout/attempts_per_batch"
 CARRIED_GROUPS = "rollout/carried_groups"
 BATCH_GROUPS = "rollout/batch_groups"
 KEPT_GROUPS = "rollout/kept_groups"
+TRAINED_SAMPLES = "rollout/trained_samples"  # completions of the batch with a non-zero advantage
 REWARD_MEAN = "rollout/reward_mean"
 REWARD_MEAN_ALL = "rollout/reward_mean_all"
 REWARD_ERRORS = "rollout/reward_errors"

@@ -20,6 +20,11 @@ template_ids), rendered in a thread under the request deadline. A request's own 
 (`<|im_end|>`, eos) plus `stop_token_ids` unless `ignore_eos`, and at `stop` strings
 (engines/openai_output.py).
 
+Caps: the rendered prompt and the sampling parameters go through the same check as
+/v1/completions (engines/request_pipeline.py `check_request_limits`: --max-n, --max-tokens,
+prompt + max_tokens within the context), max_tokens (or max_completion_tokens) as requested,
+never shrunk to fit; unset, it is what the context leaves after the prompt, within --max-tokens.
+
 Tool calls: with `--tool-call-parser NAME` (models/tool_calls.py) and `tools` in the request
 (`tool_choice` "auto", the default, or "none" to skip parsing), the reply's calls become
 `message.tool_calls` ({id, type "function", function {name, arguments as a JSON string}}), its
@@ -55,6 +60,7 @@ from rlpipe.engines.protocol import (
 from rlpipe.engines.request_pipeline import (
     RequestError,
     check_request_limits,
+    default_max_tokens,
     read_request,
     until_answered,
 )
@@ -134,12 +140,17 @@ class ChatRequest(OpenAIRequest):
         for name in ("max_completion_tokens", "max_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), default_max)
+        max_tokens = self.requested_max_tokens or default_max
         return sampling_params(
             n=self.n, max_tokens=max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop_token_ids=self.stop_ids(end_of_turn),
         )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens, else None (the server's default applies)."""
+        return next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), None)
 
     def client_template(self) -> str | None:
         """The chat template the request brings (field or chat_template_kwargs), if any."""
@@ -267,9 +278,7 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
                                "--allow-client-chat-template to accept one)", 403)
         current = state.slot.current
         try:
-            # unset max_tokens: what the context leaves, within the server's cap (--max-tokens)
-            default_max = max(1, min(state.limits.max_tokens, (current.max_model_len or 4096) - 1))
-            params = req.sampling_params(end_of_turn_ids(current.tokenizer), default_max)
+            params = req.sampling_params(end_of_turn_ids(current.tokenizer), state.limits.max_tokens)
         except ValueError as err:
             raise RequestError(str(err)) from err
         model = check_model(req.model, state)
@@ -281,12 +290,11 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
             raise
         except Exception as err:  # noqa: BLE001 - a template that refuses the messages (jinja raise)
             raise RequestError(f"messages: the chat template cannot render them: {err}") from err
-        limit = current.max_model_len
-        if limit is not None and len(prompt) + params.max_new_tokens > limit:
-            params = replace(params, max_new_tokens=max(1, limit - len(prompt)))
-            if len(prompt) >= limit:
-                raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {limit}")
-        check_request_limits([prompt], params, state.limits, limit)
+        if req.requested_max_tokens is None:  # unset: what the context leaves, within --max-tokens
+            params = replace(params, max_new_tokens=default_max_tokens(len(prompt), state.limits,
+                                                                        current.max_model_len))
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        check_request_limits([prompt], params, state.limits, current.max_model_len, field)
         parse_tools = state.tool_parser is not None and bool(req.tools) and req.tool_choice != "none"
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model}

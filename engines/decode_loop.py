@@ -18,6 +18,10 @@ a backend over new weights when they changed since the last call (None otherwise
 sequences then go on with the new weights: their KV cache is recomputed by one prefill of prompt
 plus the tokens sampled so far, so every later token (and its log-prob) is exactly the new
 policy's; each token records the version that sampled it (`Completion.versions`).
+
+Cancellation: `cancelled()`, when given, is asked before every decode step; once it answers
+True the loop stops and raises `GenerationCancelled` (`rlpipe serve` stops the generation of a
+request whose client has gone or whose deadline has passed, rather than finishing it for nobody).
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ class Backend(Protocol):
         ...
 
 
+class GenerationCancelled(Exception):
+    """`generate_batch` stopped because its `cancelled()` answered True."""
+
+
 Swap = Callable[[], tuple[int, Backend | None]]
 """Between two decode steps: (policy version now, a backend over new weights or None)."""
 
@@ -86,11 +94,13 @@ def generate_batch(
     emit: Callable[[int, int, float], None] | None = None,
     swap: Swap | None = None,
     version: int = 0,
+    cancelled: Callable[[], bool] | None = None,
 ) -> list[Completion]:
     """Sample one completion per entry of `prompts` (equal prompts share one prefill).
     emit(row, token, logprob): called with each row's token as it is sampled (streaming).
     swap: the partial-rollout hook (module docstring); `version` is the policy version of the
-    weights `backend` holds. With a swap, each completion carries its tokens' versions."""
+    weights `backend` holds. With a swap, each completion carries its tokens' versions.
+    cancelled(): asked before each decode step; True stops the loop (GenerationCancelled)."""
     unique: dict[tuple[int, ...], int] = {}
     source = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     tokens, pad = left_pad(list(unique), device)
@@ -118,6 +128,8 @@ def generate_batch(
     budget = _ThinkingBudget.of(prompts, params, device)
     n_live = n_rows
     for t in range(max_new):
+        if cancelled is not None and cancelled():
+            raise GenerationCancelled(f"cancelled after {t} of {max_new} tokens")
         draws = None if uniforms is None else uniforms[t][rows]
         token, logprob = sample_next(logits, params, draws)
         if budget is not None:

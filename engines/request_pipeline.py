@@ -206,18 +206,29 @@ async def read_request(request: Any, limits: ServeLimits, model: type[BaseModel]
         raise RequestError(str(err)) from err
 
 
+def default_max_tokens(prompt_tokens: int, limits: ServeLimits, context: int | None) -> int:
+    """A request's max_tokens when it sets none: what the context leaves after its prompt, within
+    --max-tokens (at least 1, so a prompt that fills the context is refused by
+    `check_request_limits` naming the context)."""
+    room = limits.max_tokens if context is None else context - prompt_tokens
+    return max(1, min(limits.max_tokens, room))
+
+
 def check_request_limits(prompts: list[list[int]], params: SamplingParams, limits: ServeLimits,
-                         context: int | None) -> None:
-    """400 naming the cap (and its option) that a request exceeds."""
+                         context: int | None, max_tokens_field: str = "max_tokens") -> None:
+    """400 naming the cap (and its option) that a request exceeds: the one check every route
+    runs on the prompts and sampling parameters it will generate with, max_tokens as requested
+    (never clamped to fit first), named by the request's own field (`max_tokens_field`)."""
     if len(prompts) > limits.max_prompts:
         raise RequestError(f"{len(prompts)} prompts exceed max_prompts={limits.max_prompts} (--max-prompts)")
     if params.n > limits.max_n:
         raise RequestError(f"n={params.n} exceeds max_n={limits.max_n} (--max-n)")
     if params.max_new_tokens > limits.max_tokens:
-        raise RequestError(f"max_tokens={params.max_new_tokens} exceeds max_tokens={limits.max_tokens} (--max-tokens)")
+        raise RequestError(f"{max_tokens_field}={params.max_new_tokens} exceeds max_tokens={limits.max_tokens} "
+                           "(--max-tokens)")
     if context is not None:
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
         need = len(prompts[longest]) + params.max_new_tokens
         if need > context:
-            raise RequestError(f"prompt[{longest}] has {len(prompts[longest])} tokens; with max_tokens="
+            raise RequestError(f"prompt[{longest}] has {len(prompts[longest])} tokens; with {max_tokens_field}="
                                f"{params.max_new_tokens} that is {need}, over the model's context of {context}")

@@ -55,7 +55,8 @@ request, so a small request or a weight reload never waits for a long request to
 request with an explicit `seed` is never merged with another, so its completions equal the
 in-process engine's for that seed and prompts when it fits one call (a later part k draws
 with seed + k). A request unanswered after `--request-timeout-s` gets 504, and one whose client
-disconnected is dropped: either way its remaining parts are never generated.
+disconnected is dropped: either way its remaining parts are never generated, and the engine call
+under way stops at its next decode step once no request waits for it.
 
 Weight reload: the checkpoint is loaded and verified (sha256) while the old weights keep serving,
 then swapped in under the lock that generation holds, so a generate call sees either the old

@@ -5,7 +5,8 @@
         [--chat-template-kwargs JSON] [--allow-client-chat-template]
 
 Connections: request headers must be complete within --header-timeout-s of a connection opening
-(or of its previous response), bodies within --body-timeout-s (408), a request's headers within
+(or of its previous response), and once they are in, the request is never cut by that deadline
+however long its answer takes; bodies within --body-timeout-s (408), a request's headers within
 16 KiB (h11 answers 400 past it), and an idle keep-alive connection is closed after 5 s. An empty token (--token "", a blank
 $RLPIPE_API_TOKEN) is refused rather than turning authentication off; a token file that other
 users can read gets a warning.
@@ -50,15 +51,28 @@ LIMIT_HELP = {
 def header_deadline_protocol(timeout_s: float) -> type:
     """uvicorn's h11 protocol, closing a connection whose request headers are not complete
     `timeout_s` after it opened or after its previous response (uvicorn's own keep-alive timer
-    restarts on every byte, so a client sending a header a byte at a time would hold it)."""
+    restarts on every byte, so a client sending a header a byte at a time would hold it).
+
+    The deadline is for headers only: once a request's headers are in (its request cycle is open),
+    the timer is off until its response is complete, however long the answer takes. A client that
+    sends headers and body in one write (curl, `requests`) leaves h11's state at DONE right away,
+    so the open cycle, not h11's state, is what says a request is in flight."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderDeadlineProtocol(H11Protocol):
         _header_timer: Any = None
 
+        def _in_flight(self) -> bool:
+            """A request whose headers arrived and whose response is not complete."""
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _waiting_for_headers(self) -> bool:
+            return not self._in_flight() and self.conn.their_state in (h11.IDLE, h11.DONE)
+
         def _arm(self) -> None:
             self._disarm()
-            self._header_timer = self.loop.call_later(timeout_s, self._headers_overdue)
+            if self._waiting_for_headers():
+                self._header_timer = self.loop.call_later(timeout_s, self._headers_overdue)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -67,7 +81,7 @@ def header_deadline_protocol(timeout_s: float) -> type:
 
         def _headers_overdue(self) -> None:
             self._header_timer = None
-            if self.conn.their_state in (h11.IDLE, h11.DONE) and not self.transport.is_closing():
+            if self._waiting_for_headers() and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -76,11 +90,11 @@ def header_deadline_protocol(timeout_s: float) -> type:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state not in (h11.IDLE, h11.DONE):  # a request's headers are in
+            if not self._waiting_for_headers():  # a request's headers are in
                 self._disarm()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
+            super().on_response_complete()  # may start a pipelined request already received
             if not self.transport.is_closing():
                 self._arm()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -82,17 +83,16 @@ class ModelSlot:
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, pinned: ServedModel | None = None,
-        on_token: TokenCallback | None = None,
+        on_token: TokenCallback | None = None, cancelled: Callable[[], bool] | None = None,
     ) -> tuple[list[list[Completion]], ServedModel]:
         """Completions and the model that made them (blocking; run it off the event loop).
         pinned: the model an earlier part of the same request used (a request sees one model,
         even when a reload lands between its parts); default: the current one.
-        on_token: TorchEngine.generate's streaming callback."""
+        on_token: TorchEngine.generate's streaming callback. cancelled: asked between decode
+        steps; True stops the call (engines.decode_loop.GenerationCancelled)."""
         with self._lock:
             served = pinned or self._served
-            if on_token is None:
-                return served.engine.generate(prompts, params), served
-            return served.engine.generate(prompts, params, on_token=on_token), served
+            return served.engine.generate(prompts, params, on_token=on_token, cancelled=cancelled), served
 
     def top_logprobs(self, served: ServedModel, sequences: list[tuple[list[int], list[int]]], k: int,
                      temperature: float) -> list[list[list[tuple[int, float]]]]:
@@ -216,6 +216,15 @@ def cap_sequences(group: list[_Unit], limit: int) -> list[list[_Unit]]:
     return calls
 
 
+def _nobody_waits(units: list[_Unit]) -> Callable[[], bool]:
+    """The engine call's `cancelled`: True once every request it generates for has been answered
+    or dropped (client gone, deadline passed), so a long call stops between two decode steps
+    instead of finishing for nobody. Read from the engine's thread: a future's done() only reads
+    its state."""
+    jobs = [unit.job for unit in units]
+    return lambda: all(job.future.done() for job in jobs)
+
+
 def _stream_to(units: list[_Unit]) -> TokenCallback | None:
     """The engine call's token callback, routing prompt i of the call to its job's own callback
     (None when no job of the call streams)."""
@@ -327,7 +336,8 @@ class Batcher:
         self.stats.prompts += len(prompts)
         try:
             completions, served = await asyncio.to_thread(
-                self.slot.generate, prompts, units[0].params, units[0].job.served, _stream_to(units)
+                self.slot.generate, prompts, units[0].params, units[0].job.served, _stream_to(units),
+                _nobody_waits(units),
             )
         except Exception as exc:  # noqa: BLE001 - handed to every waiting request
             for unit in units:

@@ -105,14 +105,17 @@ class TorchEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  on_token: TokenCallback | None = None,
-                 pause: Callable[[], None] | None = None) -> list[list[Completion]]:
+                 pause: Callable[[], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> list[list[Completion]]:
         """For each prompt (in order), `params.n` completions (in order).
 
         on_token(i, j, token, logprob): called (in this thread) with each token of completion j
         of prompt i as it is sampled, for streaming; the returned completions are the same.
         pause(): partial rollouts (engines/snapshot.py): called between two decode steps, it may
         change the weights and `sync` a new version meanwhile; sampling then goes on from the new
-        weights (engines/decode_loop.py) and each completion carries its tokens' versions."""
+        weights (engines/decode_loop.py) and each completion carries its tokens' versions.
+        cancelled(): asked before each decode step; once True, generation stops with
+        engines.decode_loop.GenerationCancelled (`rlpipe serve`: nobody waits for the answer)."""
         self._check_open()
         vocab = self.model.config.vocab_size
         for i, prompt in enumerate(prompts):
@@ -143,7 +146,7 @@ class TorchEngine:
                     swap = None if pause is None else functools.partial(self._swap, pause)
                     done = generate_batch(
                         backend, [prompts[i] for i, _ in chunk], params, generator, self.device, emit,
-                        swap=swap, version=self._policy_version,
+                        swap=swap, version=self._policy_version, cancelled=cancelled,
                     )
                     for (i, j), completion in zip(chunk, done, strict=True):
                         results[i][j] = completion

@@ -13,7 +13,9 @@ disk before the checkpoint that marks it done, so a killed run resumes where it 
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import ExitStack
+from dataclasses import replace
 
 from prefect import flow
 from rlpipe.core import metric_names as m
@@ -47,7 +49,14 @@ from rlpipe.tasks.evaluate import best_accuracy_before, step_accuracy
 from rlpipe.tasks.origin import origin_task
 from rlpipe.tasks.pack import pack_task
 from rlpipe.tasks.rl_setup import RLRun, open_rl
-from rlpipe.tasks.step_rows import step_metrics, train_step_row
+from rlpipe.tasks.step_rows import (
+    step_metrics,
+    train_step_row,
+    trained_before,
+    trained_samples,
+    trained_share,
+    untrained_step_warning,
+)
 from rlpipe.tasks.sync import sync_task
 from rlpipe.tasks.train import train_task
 from rlpipe.training.checkpoint_files import checkpoint_steps, latest_checkpoint
@@ -86,22 +95,37 @@ def run_rl(config: RunConfig, parent_mlflow_run_id: str | None = None,
     return run_phase(state, tracker, body)
 
 
-def _step_batch(source, step: int, tracker):
+def _step_batch(source, step: int, tracker, buffer):
     """The step's rollouts; a step that cannot fill its batch logs its fate counters (over_cap
-    included) before the run stops, so MLflow still equals the fates rows."""
+    included) before the run stops, so MLflow still equals the fates rows, and names the settings
+    that let a resume go on (`fill_settings`)."""
     try:
         return source.batch(step)
     except BatchFillError as error:
         tracker.log_metrics(getattr(error, "metrics", {}), step=step)
+        error.resume_settings = fill_settings(buffer)
         raise
+
+
+def fill_settings(buffer) -> list[str]:
+    """The `rlpipe resume --set` settings that let a step which could not fill its batch go on:
+    twice the sampling rounds, training on the valid groups they find (runner.py's advice)."""
+    return [f"rl.buffer.max_attempts={2 * buffer.max_attempts}", "rl.buffer.partial_batches=true"]
+
+
+def _registering(saving, trained: bool):
+    """The checkpoint options of a step: registered once any step trained on a sample; until
+    then the weights are the start's, and their checkpoints are saved but not registered."""
+    return saving if trained else replace(saving, model_name=None)
 
 
 def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
     rl, model_name = config.rl, registered_model_name(config)
     saving = register_options(config.engine, model_name, config.checkpoint.keep_last)
     saved = TrainingState(run.model, run.tokenizer, run.trainer.optimizer, run.trainer.scheduler)
+    trained = trained_before(io["run_dir"], run.start_step)  # a checkpoint of untrained weights is not registered
     # a kill between a checkpoint's rename and its registration: completed before going on
-    complete_registrations(tracker=tracker, options=saving, **io)
+    complete_registrations(tracker=tracker, options=_registering(saving, trained), **io)
     evals = run.evaluate(0, **io) if run.start_step == 0 else {}
     best, last = evals.get(m.EVAL_ACCURACY, -math.inf), None
     if run.start_step:  # a resumed run moves the `best` alias only for a better eval than before,
@@ -113,7 +137,10 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         tracker.log_metrics(evals, step=0)
     bar = progress(total=rl.steps, initial=run.start_step, desc="rl")
     for step in range(run.start_step + 1, rl.steps + 1):
-        batch = _step_batch(source, step, tracker)  # generate → score → filter/advantages, each writing its table
+        batch = _step_batch(source, step, tracker, rl.buffer)  # generate → score → filter/advantages, each writing its table
+        if not (n_trained := trained_samples(batch.samples)):
+            bar.write(untrained_step_warning(step, batch.metrics), file=sys.stderr)
+        trained = trained or n_trained > 0
         watch, version, step_evals = Stopwatch(batch.seconds), step * rl.loss.ppo_epochs, {}
         with watch("pack"):
             batches = pack_task(batch.samples, rl.optim.token_budget, step=step, budget=run.trainer.budget, **io)
@@ -123,14 +150,16 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
         if due(step, rl.eval_every, rl.steps):
             with watch("eval"):
                 step_evals = evals = run.evaluate(step, **io)
-        tracker.log_metrics(step_metrics(train, batch.metrics, watch.seconds) | step_evals, step=step)
+        tracker.log_metrics(step_metrics(train, batch.metrics, watch.seconds) | step_evals
+                            | {m.TRAINED_SAMPLES: float(n_trained)}, step=step)
         sync = step % config.engine.sync_every == 0
         with watch("checkpoint"):  # the step's tables on disk, then the checkpoint marking it done
             row = checkpoint_task(train_row=train_step_row(io["run_id"], step, "rl", train, watch.seconds),
                                   checkpoint=due(step, rl.checkpoint_every, rl.steps)
                                   or (sync and run.needs_checkpoint_to_sync), state=saved,
                                   record=CheckpointRecord(batch.state, train, policy_version=version),
-                                  tracker=tracker, options=saving, step=step, **io)
+                                  tracker=tracker, options=_registering(saving, trained),
+                                  step=step, **io)
         best = promote_best(tracker, model_name, row, step_evals.get(m.EVAL_ACCURACY), best)
         if row:  # checkpoint.keep_last once `best` points where it will; the closed steps' tables compacted
             after_checkpoint(tracker=tracker, options=saving, run_dir=io["run_dir"], step=step)
@@ -149,8 +178,10 @@ def _loop(config: RunConfig, run: RLRun, source, tracker, io: dict) -> dict:
                             step=step)
         bar.update(1)
         bar.set_postfix(reward=f"{batch.metrics.get(m.REWARD_MEAN, 0):.2f}",
+                        trained=trained_share(n_trained, batch.metrics),
                         **({"acc": f"{step_evals[m.EVAL_ACCURACY]:.2f}"} if step_evals else {}))
     bar.close()
     run.trainer.finish()
     last = last or latest_checkpoint(io["run_dir"])
-    return {"checkpoint": str(last) if last else None, "eval": evals, "steps": rl.steps}
+    # trained: whether any step of the run trained on a sample (runner.py ends a run that did not)
+    return {"checkpoint": str(last) if last else None, "eval": evals, "steps": rl.steps, "trained": trained}

@@ -58,12 +58,39 @@ RESUME_MAY_CHANGE = frozenset({"runs_root", "run_name", "train.parallel"})
 (`rlpipe resume --nproc-per-node N` trains a single-process run with ddp)."""
 
 
+RESUME_SETTABLE = frozenset({
+    *(f"{phase}.{key}" for phase in ("rl", "sft", "pretrain") for key in ("steps", "eval_every", "checkpoint_every")),
+    "rl.buffer.max_attempts", "rl.buffer.oversample_factor", "rl.buffer.partial_batches",
+    "rl.filter.drop_zero_variance", "rl.filter.drop_truncated", "rl.filter.sample_filter",
+    "rl.scoring.max_reward_error_fraction", "engine.retries",
+})
+"""Config keys `rlpipe resume RUN --set KEY=VALUE` may change: how a step's batch is filled and
+filtered (sampling rounds, partial batches, filters), retries, and a phase's step counts (the
+learning rate's cosine decay then stretches to the new count from the resumed step on). None of
+them changes what a checkpoint holds or how a stored table reads; every other key is refused."""
+
+
+def resumed_with(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """`config` with `rlpipe resume`'s `--set KEY=VALUE` overrides applied; ConfigError naming the
+    first key a resume may not change (RESUME_SETTABLE), or the override's problem."""
+    from rlpipe.core.config import ConfigError, apply_overrides, parse_override
+    from rlpipe.tasks.config import validate_config
+
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        if key not in RESUME_SETTABLE:
+            raise ConfigError(f"--set {key}: a resume keeps the run's settings, except {', '.join(sorted(RESUME_SETTABLE))}"
+                              "; to change another, start a new run")
+    return validate_config(apply_overrides(config.model_dump(mode="json"), overrides), "(--set)")
+
+
 def config_differences(saved: dict, given: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts (RESUME_MAY_CHANGE left out)."""
+    """Dotted keys whose values differ between two config dicts (RESUME_MAY_CHANGE and
+    RESUME_SETTABLE left out)."""
     keys = sorted(set(saved) | set(given))
     found = []
     for key in keys:
-        if f"{prefix}{key}" in RESUME_MAY_CHANGE:
+        if f"{prefix}{key}" in RESUME_MAY_CHANGE | RESUME_SETTABLE:
             continue
         a, b = saved.get(key), given.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -6,7 +6,10 @@ it (storage.runlock): a second `rlpipe run --overwrite` or `rlpipe resume` gets 
 and --overwrite also refuses a folder holding, or lying inside, a running run. `rlpipe resume`
 acts on the folder it is given, wherever it lies now (a moved or copied run resumes as itself),
 and leaves a finished run as it is.
-SIGTERM stops a run like Ctrl-C: queued table writes drain, MLflow and run.json say FAILED.
+SIGTERM and Ctrl-C stop a run alike, in seconds: queued table writes drain, MLflow and run.json say
+FAILED, and one line says how it stopped and how to resume (exit 143 or 130).
+A run whose RL trained on no sample in any step ends, after its summary, with a verdict line saying
+so and exit 1 (none of its RL checkpoints is registered: flows/rl.py).
 
 `--nproc-per-node N` (flows/launch.py) starts N ranks of the same command through torch's
 elastic launcher; each rank comes back here with torchrun's environment set: rank 0 runs the
@@ -26,7 +29,7 @@ from rlpipe.core import metric_names as m
 from rlpipe.core.config import ConfigError, describe_fields
 from rlpipe.core.environment import quiet_defaults
 from rlpipe.core.files import io_error
-from rlpipe.core.termination import Terminated, sigterm_received, sigterm_stops_the_run
+from rlpipe.core.termination import Terminated, sigterm_stops_the_run, stop_signal
 from rlpipe.flows.common import finished_result, say_code_trusted
 from rlpipe.flows.launch import (
     add_launch_arguments,
@@ -35,7 +38,8 @@ from rlpipe.flows.launch import (
     launched_rank,
     strip_launch_flags,
 )
-from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite
+from rlpipe.flows.prefect_api import embedded_server_in_own_session
+from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite, resumed_with
 from rlpipe.storage.layout import human_bytes, run_folder_bytes
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, read_run_config, validate_config
@@ -60,6 +64,7 @@ def start(config: RunConfig, resume: bool = False) -> dict:
     """Run the flow the config names (Prefect's embedded API unless PREFECT_API_URL is set);
     resume: continue the run in config.run_dir (a new run's folder holds none)."""
     quiet_defaults()
+    embedded_server_in_own_session()  # Ctrl-C stops the run, never its Prefect API under it
     return flow_function(config.flow)(config=config.model_dump(mode="json"), resume=resume)
 
 
@@ -76,6 +81,8 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
             lines += [f"    {env:<36} {phase['eval'][m.eval_env(env, 'accuracy')]:6.1%}"
                       for env in (entry.name for entry in config.task.envs)
                       if m.eval_env(env, "accuracy") in phase["eval"]]
+    if (verdict := rl_lost_accuracy(result)) is not None and config.flow == "pipeline":
+        lines.append(verdict)
     teacher_error = config.task.options.get("teacher_carry_error", 0)
     if teacher_error and config.flow == "pipeline":
         lines.append(f"  (SFT imitated a teacher that forgets every carry in {teacher_error:.0%} of its "
@@ -99,6 +106,27 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (after pip install -e '.[ui]' in the checkout)",
     ]
     return lines
+
+
+def rl_lost_accuracy(result: dict) -> str | None:
+    """A pipeline's verdict line when RL ended below the held-out accuracy SFT reached, else None."""
+    before, after = ((result.get(phase) or {}).get("eval", {}).get(m.EVAL_ACCURACY) for phase in ("sft", "rl"))
+    if before is None or after is None or after >= before:
+        return None
+    return (f"  warning: RL lowered held-out accuracy from {before:.1%} to {after:.1%}; the RL phase made "
+            "the model worse (see its reward_by_step and zero_variance_by_step below)")
+
+
+def untrained_verdict(config: RunConfig, result: dict) -> str | None:
+    """The verdict line of a run whose RL phase trained on no sample in any step (its weights are
+    those it started from, and none of its checkpoints was registered); None otherwise."""
+    rl = result.get("rl") if config.flow == "pipeline" else result if config.flow == "rl" else None
+    if not rl or rl.get("trained", True):
+        return None
+    return (f"rlpipe: RL trained on no sample in its {rl.get('steps')} steps: every completion had a reward equal "
+            "to the rest of its group (or was dropped), so no weight changed and no RL checkpoint was registered. "
+            "Make rewards differ within a group: a task the model solves sometimes, a less strict reward, "
+            "a larger rl.group_size")
 
 
 def main_run(argv: list[str]) -> int:
@@ -133,6 +161,7 @@ def main_run(argv: list[str]) -> int:
     if kind is not None and isinstance(ranks := _with_parallel(config, kind), str):  # before N processes start
         print(f"rlpipe run: {ranks}", file=sys.stderr)
         return 2
+    _say(f"{config.flow} run → {config.run_dir}: checking the model, tokenizer, environment and data")
     if problem := _preflight(config):
         print(f"rlpipe run: {problem}", file=sys.stderr)
         return 2
@@ -144,6 +173,9 @@ def main_run(argv: list[str]) -> int:
 def main_resume(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlpipe resume", description="Continue a stopped run.")
     parser.add_argument("run_dir", help="a run directory (holds config.json)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change a setting that is safe to change mid-run, e.g. --set rl.buffer.max_attempts=8 "
+                             "(retries, sampling rounds, partial batches, filters, step counts; repeatable)")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     if problem := check_launch_arguments(args):
@@ -155,6 +187,7 @@ def main_resume(argv: list[str]) -> int:
     try:
         config = read_run_config(json.loads(path.read_text()), str(path))
         config = config_at(config, run_folder_root(Path(args.run_dir), config))
+        config = resumed_with(config, args.overrides) if args.overrides else config
     except (ConfigError, ValueError, json.JSONDecodeError) as error:
         print(f"rlpipe resume: {error}", file=sys.stderr)
         return 2
@@ -166,6 +199,7 @@ def main_resume(argv: list[str]) -> int:
     if launching and isinstance(ranks := _with_parallel(config, _parallel_kind(config)), str):
         print(f"rlpipe resume: {ranks}", file=sys.stderr)
         return 2
+    _say(f"resuming {config.flow} run {config.run_dir}: checking the model, tokenizer, environment and data")
     if problem := _preflight(config):
         print(f"rlpipe resume: {problem}", file=sys.stderr)
         return 2
@@ -191,6 +225,14 @@ def config_at(config: RunConfig, root: Path) -> RunConfig:
         return config
     return validate_config({**config.model_dump(mode="json"), "runs_root": str(root.parent),
                             "run_name": root.name})
+
+
+def _say(text: str) -> None:
+    """One progress line on stdout, at once (the steps before a run's first output take seconds
+    to minutes: imports, pre-flight, the Prefect API, the model); said by the launching process
+    only, not by every rank."""
+    if launched_rank() is None or launched_rank()[0] == 0:
+        print(f"rlpipe: {text}", flush=True)
 
 
 def _preflight(config: RunConfig) -> str | None:
@@ -288,6 +330,22 @@ def _resume_hint(config: RunConfig) -> str:
     return ""
 
 
+def resume_advice(run_dir: Path, settings: list[str]) -> str:
+    """The line after a failed run's error: the `rlpipe resume` command that continues it, with
+    the `--set KEY=VALUE` settings the error names as its way out (flows/run_folders.py
+    RESUME_SETTABLE), if any."""
+    command = " ".join(["rlpipe resume", str(run_dir), *(f"--set {s}" for s in settings)])
+    return (f"  nothing persisted was lost; `{command}` continues from the last complete stage"
+            + (" with those settings" if settings else ""))
+
+
+_STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number, as a shell reports it
+
+
+def _stopped(name: str) -> str:
+    return "interrupted (Ctrl-C)" if name == "SIGINT" else f"stopped by signal {name}"
+
+
 def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> int:
     began = time.perf_counter()
     try:
@@ -301,29 +359,32 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
             if (config.run_dir / "run.json").exists():
                 clear_run_dir(config.run_dir)
         with sigterm_stops_the_run():
+            _say("starting the Prefect API and building the model, optimizer and engines")
             result = start(config, resume=resume)
     except RunLockedError as error:
         print(f"rlpipe: {error}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as stop:
-        why = "interrupted" if isinstance(stop, KeyboardInterrupt) else str(stop)
-        print(f"rlpipe: {why}{_resume_hint(config)}", file=sys.stderr)
-        return 130 if isinstance(stop, KeyboardInterrupt) else 143
+        name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else (stop_signal() or "SIGTERM")
+        print(f"rlpipe: {_stopped(name)}{_resume_hint(config)}", file=sys.stderr)
+        return _STOP_EXIT[name]
     except Exception as error:  # noqa: BLE001 - one clear line; Prefect logged the traceback
-        if sigterm_received():  # the signal surfaced as another library's error
-            print(f"rlpipe: stopped by signal SIGTERM (surfacing as {type(error).__name__}: {error})"
+        if (name := stop_signal()) is not None:  # the signal surfaced as another library's error
+            print(f"rlpipe: {_stopped(name)} (surfacing as {type(error).__name__}: {error})"
                   f"{_resume_hint(config)}", file=sys.stderr)
-            return 143
+            return _STOP_EXIT[name]
         if (disk := io_error(error)) is not None:  # a full disk, an I/O error: the path and errno
             print(f"rlpipe: run failed: storage error: {disk}; once that is fixed (space freed), "
                   f"`rlpipe resume {config.run_dir}` continues from the last complete stage", file=sys.stderr)
             return 1
         print(f"rlpipe: run failed: {type(error).__name__}: {error}", file=sys.stderr)
         if (config.run_dir / "run.json").exists():  # resume advice only where a run was persisted
-            print(f"  nothing persisted was lost; `rlpipe resume {config.run_dir}` continues from the "
-                  "last complete stage", file=sys.stderr)
+            print(resume_advice(config.run_dir, getattr(error, "resume_settings", [])), file=sys.stderr)
         return 1
     finally:
         release_run_lock(config.run_dir)
     print("\n".join(summary_lines(config, result or {}, time.perf_counter() - began)))
+    if (verdict := untrained_verdict(config, result or {})) is not None:
+        print(verdict, file=sys.stderr)
+        return 1
     return 0

@@ -23,9 +23,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 from rlpipe.core.config import Section, options_from
 from rlpipe.training.config import LossConfig, OptimConfig
-from rlpipe.training.losses import Normaliser
-from rlpipe.training.policy_loss import PolicyLoss
-from rlpipe.training.rl_loss import LOSSES, RLLossOptions, check_loss_choice, loss_normaliser
+from rlpipe.training.loss_choice import (
+    LOSS_RULES,
+    Normaliser,
+    PolicyLoss,
+    RLLossOptions,
+    check_loss_choice,
+    loss_normaliser,
+)
 
 
 class SamplingConfig(Section):
@@ -240,7 +245,7 @@ class RLConfig(Section):
         (off_policy.max_steps >= 1) gives a loss that weights by the engine's log-probs truncated
         importance weights capped at off_policy.tis_cap when loss.tis_cap is 0."""
         tis_cap = self.loss.tis_cap
-        if self.off_policy.max_steps > 0 and tis_cap == 0 and LOSSES[self.loss.type].tis == "engine":
+        if self.off_policy.max_steps > 0 and tis_cap == 0 and LOSS_RULES[self.loss.type].tis == "engine":
             tis_cap = self.off_policy.tis_cap
         return options_from(RLLossOptions, self.loss, name=self.loss.type, tis_cap=tis_cap)
 

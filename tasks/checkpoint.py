@@ -121,7 +121,8 @@ def complete_registrations(*, run_dir: Path, run_id: str, tracker, options: Regi
     completed = []
     for step in sorted(checkpoint_steps(run_dir)):
         rows = load_rows(run_dir, "checkpoints", step)
-        if rows and (rows[0]["mlflow_model_version"] is not None or not options.model_name):
+        if rows and (rows[0]["mlflow_model_version"] is not None or not options.model_name
+                     or rows[0]["mlflow_model_name"] is None):  # None: left unregistered (untrained weights)
             continue
         path = checkpoint_dir(run_dir, step)
         metadata = verify_checkpoint(path)

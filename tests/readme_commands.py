@@ -30,13 +30,16 @@ PLACEHOLDER = "names a command with placeholders (CONFIG, RUN_DIR, CKPT, ...) or
 MULTINODE = "needs several machines (tests/integration/test_distributed_run.py runs the launcher on one)"
 
 COMMANDS: dict[str, str] = {
-    # "Two commands"
+    # "Set-up, then two commands"
+    "make setup": INSTALL,
     "make demo": "the 4-minute demo; its command, `rlpipe run configs/demo.toml`, runs as the FIXTURE",
     "make test": SLOW,
     "make bench": SLOW,
     # "What a run is"
     "rlpipe run configs/demo.toml [--set rl.steps=50 ...]": FIXTURE,
     "rlpipe resume runs/demo": RUN,
+    "rlpipe resume RUN --set KEY=VALUE": PLACEHOLDER,  # run with real settings: tests/integration/test_resume_advice.py
+    "rlpipe resume ... --set": PLACEHOLDER,
     "rlpipe sql runs/demo/rl --query reward_by_step": RUN,
     'rlpipe sql runs/demo/rl "select step, avg(reward) from scores group by step"': RUN,
     "python -c \"import duckdb; duckdb.connect('runs/demo/rl/catalog.duckdb', read_only=True)"

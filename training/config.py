@@ -13,9 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from rlpipe.core.config import Section, options_from
-from rlpipe.training.kl import KL_ESTIMATORS
-from rlpipe.training.lora import DEFAULT_TARGETS, LoraOptions
-from rlpipe.training.rl_loss import LOSS_NAMES
+from rlpipe.training.loss_choice import DEFAULT_TARGETS, KL_ESTIMATORS, LOSS_NAMES, LoraOptions
 
 
 class LoraSection(Section):

@@ -20,36 +20,12 @@ reads the adapters from there (the frozen base is rebuilt from the run's start).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rlpipe.training.loss_choice import DEFAULT_TARGETS, LoraOptions  # noqa: F401 - kept without torch, for the config
 
 ADAPTER_DIR = "adapter"
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoraOptions:
-    """What `add_lora` injects. The run config's `model.lora` section is where a run's values
-    come from (its `options()`: None when LoRA is off); the defaults here are that section's."""
-
-    rank: int
-    """Adapter rank r (>= 1; no default: an adapter's rank is always chosen)."""
-    alpha: float = 16.0
-    """Scale numerator: the update is (alpha / rank) · B·A."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input."""
-    targets: tuple[str, ...] = field(default=DEFAULT_TARGETS)
-    """Names of the Linear modules that get adapters."""
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-        if not self.alpha > 0 or not 0 <= self.dropout < 1:
-            raise ValueError(f"LoRA needs alpha > 0 and dropout in [0, 1), got {self.alpha}, {self.dropout}")
-        if not self.targets:
-            raise ValueError("LoRA targets must name at least one module")
 
 
 def _peft():

@@ -20,12 +20,11 @@ TRL's `dapo` and DAPO's token-level mean), `labels != -100` and `loss_mask`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal
 
 import torch
 from rlpipe.training.batch import IGNORE_INDEX, PackedBatch
+from rlpipe.training.loss_choice import Normaliser
 
-Normaliser = Literal["token", "sequence", "constant"]
 NORMALISERS: tuple[str, ...] = ("token", "sequence", "constant")
 
 LossFn = Callable[[torch.Tensor, PackedBatch], tuple[torch.Tensor, dict[str, float]]]

@@ -8,24 +8,10 @@ same function.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from rlpipe.training.loss_choice import PolicyLoss
 from rlpipe.training.losses import LossFn, nll_loss
 from rlpipe.training.off_policy import with_sequence_mask
-from rlpipe.training.rl_loss import RLLossOptions, rl_loss_fn
-
-
-@dataclass(frozen=True)
-class PolicyLoss:
-    """The RL loss of a run: the policy loss's options and what wraps it for async RL."""
-
-    options: RLLossOptions
-    """The policy loss (rl.loss; an async run's truncated importance weights included)."""
-    sequence_mask: float = 0.0
-    """Mask whole sequences whose mean log-ratio exceeds this (rl.off_policy.sequence_mask; 0 = off)."""
-    off_policy: bool = False
-    """Batches may be sampled by older weights (rl.off_policy.max_steps >= 1): the loss reports
-    the engine/trainer mismatch (training/off_policy.py)."""
+from rlpipe.training.rl_loss import rl_loss_fn
 
 
 def policy_loss_fn(loss: PolicyLoss) -> LossFn:

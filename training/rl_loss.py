@@ -59,78 +59,22 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from rlpipe.training.batch import PackedBatch
-from rlpipe.training.kl import KL_ESTIMATORS, kl_estimate
-from rlpipe.training.losses import LossFn, Normaliser, loss_token_mask, sequence_index
+from rlpipe.training.kl import kl_estimate
+from rlpipe.training.loss_choice import (  # noqa: F401 - named here too, where the losses are
+    LOSS_NAMES,
+    LOSS_RULES,
+    LossRules,
+    RLLossOptions,
+    check_loss_choice,
+    loss_normaliser,
+)
+from rlpipe.training.losses import LossFn, loss_token_mask, sequence_index
 
 _MAX_LOG_RATIO = 20.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class RLLossOptions:
-    """Options of the policy loss (rl.loss.type, rl.loss.epsilon_low, ... in a run config)."""
-
-    name: str = "reinforce"
-    """Which loss (a key of `LOSSES`)."""
-    epsilon_low: float = 0.2
-    """ppo_clip, gspo, dr_grpo: the ratio is clipped below at 1 − epsilon_low."""
-    epsilon_high: float = 0.28
-    """ppo_clip, gspo, dr_grpo: the ratio is clipped above at 1 + epsilon_high ('clip-higher')."""
-    tis_cap: float = 0.0
-    """Truncated importance weight cap C for engine/trainer mismatch (0 = off)."""
-    cispo_cap: float = 5.0
-    """cispo: the importance weight is truncated at this value (ε_max)."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy (0 = off, no reference needed)."""
-    kl_estimator: str = "k3"
-    """Per-token KL estimator (training/kl.py)."""
-
-    def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"unknown RL loss {self.name!r}; known: {', '.join(LOSSES)}")
-        if not 0 <= self.epsilon_low < 1:
-            raise ValueError(f"epsilon_low must be in [0, 1), got {self.epsilon_low}")
-        if self.epsilon_high < 0:
-            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
-        if self.tis_cap < 0:
-            raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
-        if self.tis_cap > 0 and LOSSES[self.name].tis == "never":
-            with_tis = " and ".join(name for name, kind in LOSSES.items() if kind.tis != "never")
-            raise ValueError(f"rl.loss.tis_cap is for {with_tis}; rl.loss.type = {self.name!r} weights tokens by its "
-                             "own importance ratio")
-        if not self.cispo_cap > 0:
-            raise ValueError(f"cispo_cap must be > 0, got {self.cispo_cap}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
-
-
-def check_loss_choice(options: RLLossOptions, *, normalize_std: bool, normaliser: Normaliser | None) -> None:
-    """Raise ValueError for what a run may not combine with its loss: truncated importance weights
-    a run's ratio already covers, std-scaled advantages the loss removes, and a configured
-    normaliser (`normaliser`, None when the config leaves it unset) other than the loss's own."""
-    kind = LOSSES[options.name]
-    if options.tis_cap > 0 and kind.tis == "with_old_logprobs":
-        raise ValueError(f"rl.loss.tis_cap with rl.loss.type = {options.name!r} is not supported: the PPO ratio "
-                         "against the engine's log-probs already absorbs the mismatch")
-    if normalize_std and not kind.std_scaling:
-        raise ValueError(f"rl.loss.type = {options.name!r} removes the std normalisation: set rl.advantages.normalize_std = false")
-    if kind.normaliser and normaliser is not None and normaliser != kind.normaliser:
-        raise ValueError(f"rl.loss.type = {options.name!r} is normalised per {kind.normaliser}; rl.optim.normaliser = "
-                         f"{normaliser!r} contradicts it (leave it unset)")
-
-
-def loss_normaliser(name: str, configured: Normaliser | None, sequences_per_step: int,
-                    max_new_tokens: int) -> tuple[Normaliser, float]:
-    """(normaliser, constant) for loss `name`: its own (gspo: per sequence; dr_grpo: the constant
-    sequences_per_step × max_new_tokens), else `configured`, else 'token'. The constant also serves a
-    configured 'constant' normaliser: the most completion tokens a step can hold."""
-    mode = LOSSES[name].normaliser or configured or "token"
-    return mode, float(sequences_per_step * max_new_tokens)
 
 
 def _loss_mask(batch: PackedBatch, device: torch.device) -> torch.Tensor:
@@ -314,30 +258,19 @@ def dr_grpo_loss(
 
 
 @dataclass(frozen=True, kw_only=True)
-class LossKind:
-    """One policy loss of the registry: everything that choosing it decides."""
+class LossKind(LossRules):
+    """One policy loss of the registry: its rules (training/loss_choice.py) and its function."""
 
     policy_loss: Callable[..., tuple[torch.Tensor, dict[str, float]]]
     """fn(logprobs [T], batch, *, config: RLLossOptions, old_logprobs=None) -> (per_token [T], metrics)."""
-    normaliser: Normaliser | None = None
-    """The normaliser its objective is defined with; None: it follows rl.optim.normaliser."""
-    tis: Literal["engine", "with_old_logprobs", "never"] = "never"
-    """Truncated importance weights (tis_cap): against the engine's log-probs; only with the trainer's
-    old log-probs (which a run does not bind: its ratio against the engine covers the mismatch); never
-    (the loss weights tokens by its own importance ratio)."""
-    std_scaling: bool = True
-    """Whether the group's advantages may be divided by their std (rl.advantages.normalize_std)."""
 
 
+_FUNCTIONS = {"reinforce": reinforce_loss, "ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss,
+              "dr_grpo": dr_grpo_loss}
 LOSSES: dict[str, LossKind] = {
-    "reinforce": LossKind(policy_loss=reinforce_loss, tis="engine"),
-    "ppo_clip": LossKind(policy_loss=ppo_clip_loss, tis="with_old_logprobs"),
-    "gspo": LossKind(policy_loss=gspo_loss, normaliser="sequence"),
-    "cispo": LossKind(policy_loss=cispo_loss),
-    "dr_grpo": LossKind(policy_loss=dr_grpo_loss, normaliser="constant", std_scaling=False),
+    name: LossKind(policy_loss=_FUNCTIONS[name], **vars(rules)) for name, rules in LOSS_RULES.items()
 }
 """The policy losses by name, in the order `rl.loss.type` lists them."""
-LOSS_NAMES = tuple(LOSSES)
 
 
 def build_rl_loss(name: str = "reinforce", **options: Any) -> LossFn:

@@ -223,6 +223,67 @@ def test_sigterm_a_locked_run_and_a_corrupt_partition_on_resume(tmp_path, prefec
     assert rows(run_dir, "train_steps") == 4
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return state.exists() and state.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_ctrl_c_stops_a_run_in_seconds_with_one_line(tmp_path):
+    """Ctrl-C is SIGINT to the terminal's whole foreground process group: the run and, unless it
+    runs in a session of its own, the embedded Prefect API server under it (no PREFECT_API_URL
+    here). Afterwards: the run stopped within seconds with exit 130, its last line says it was
+    interrupted and how to resume, no retries of a dead API; the server did not outlive it."""
+    runs, env = tmp_path / "runs", env_for(tmp_path)
+    run_dir = runs / "ctrlc"
+    log = tmp_path / "ctrlc.log"
+    process = subprocess.Popen(cli(*run_args(runs, "ctrlc")), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                               stderr=log.open("w"), start_new_session=True)
+    try:
+        trigger = partition(run_dir, ("sft", "train_steps", 2))
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert process.poll() is None, log.read_text()[-3000:]
+        servers = children_of(process.pid)
+        signalled = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
+        code = process.wait(timeout=120)
+        took = time.monotonic() - signalled
+        stderr = log.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    assert code == 130, stderr[-3000:]
+    assert took < 20, (took, stderr[-3000:])
+    last = stderr.strip().splitlines()[-1]
+    assert last == f"rlpipe: interrupted (Ctrl-C); `rlpipe resume {run_dir}` continues", stderr[-3000:]
+    assert "ConnectError" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert servers, "the run started no embedded Prefect server"
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in servers), "the embedded Prefect server outlived the run"
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+
+
 def test_a_served_engine_killed_mid_sync(tmp_path):
     """Afterwards: the sync fails within its timeout and retries (no hang), its `syncs` row says
     not ok with an error naming the server, the step's raise_failed names it too; a server

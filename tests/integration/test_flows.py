@@ -111,6 +111,32 @@ def test_best_alias_follows_the_best_checkpointed_sft_eval_and_latest_is_the_new
     assert resolve_model_version(client, "models:/best-test-sft@latest").tags["step"] == "30"
 
 
+def test_an_rl_run_that_trains_nothing_warns_each_step_and_registers_nothing(prefect_api, tmp_path, monkeypatch,
+                                                                           capfd):
+    """A fresh preset never answers right, and the reward gives nothing for the format: every group
+    has zero variance and partial batches train on none. Each step prints a warning line, the
+    progress line says 0 of N, the result says nothing trained, and no checkpoint is registered."""
+    from mlflow import MlflowClient
+    from rlpipe.flows.rl import rl_flow
+    from rlpipe.storage.stage_tables import load_rows
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLPIPE_PROGRESS", "1")  # the tests' default hides progress bars
+    config = tiny_config(tmp_path, flow="rl", run_name="untrained", tracking__registered_model="untrained",
+                         rl__steps=2, rl__eval_every=2, rl__checkpoint_every=1,
+                         rl__buffer={"oversample_factor": 1.0, "max_attempts": 1, "partial_batches": True})
+    result = rl_flow(config=config)
+    assert result["trained"] is False
+    err = capfd.readouterr().err
+    for step in (1, 2):
+        assert f"rlpipe: warning: RL step {step} trained on no sample, its weights are unchanged" in err
+    assert "trained=0% of 32" in err  # the progress line: 4 groups of 8, none trained
+    assert MlflowClient().search_model_versions("name='untrained'") == []
+    run_dir = tmp_path / "runs" / "untrained"
+    assert [load_rows(run_dir, "checkpoints", s)[0]["mlflow_model_version"] for s in (1, 2)] == [None, None]
+
+
 def test_stages_are_named_task_runs_unless_turned_off(prefect_api, tmp_path):
     import asyncio
 

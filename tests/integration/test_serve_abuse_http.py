@@ -24,6 +24,7 @@ from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.checkpoint_io import save_checkpoint
 
 from tests import warm_cli
+from tests.serve_sockets import closed_within, read_answer
 
 pytestmark = pytest.mark.slow
 
@@ -46,39 +47,6 @@ def wait_ready(url: str, limit_s: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-
-
-def read_answer(sock: socket.socket, limit_s: float) -> bytes:
-    """An HTTP answer read whole (headers, then content-length bytes of body)."""
-    sock.settimeout(limit_s)
-    data = b""
-    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _content_length(data: bytes) -> int:
-    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return int(line.split(b":", 1)[1])
-    return 0
-
-
-def closed_within(sock: socket.socket, limit_s: float) -> float | None:
-    """Seconds until the server closes `sock` (reads return b""), None if still open at limit_s."""
-    sock.settimeout(limit_s)
-    start = time.perf_counter()
-    try:
-        while sock.recv(4096):
-            pass
-    except TimeoutError:
-        return None
-    except ConnectionResetError:
-        pass
-    return time.perf_counter() - start
 
 
 def test_half_sent_requests_are_cut_off(checkpoint):

@@ -370,3 +370,22 @@ def test_stop_token_sampled_at_the_last_step_is_a_stop():
             assert after[0].tokens == before[0].tokens[:cut] and after[0].finish_reason == "stop"
         else:
             assert after[0].tokens == before[0].tokens and after[0].finish_reason == "length"
+
+
+def test_a_cancelled_generation_stops_between_decode_steps():
+    from rlpipe.engines.decode_loop import GenerationCancelled
+
+    engine = TorchEngine(dense_model())
+    params = SamplingParams(n=2, max_new_tokens=50, seed=1)
+    asked: list[int] = []
+
+    def cancelled() -> bool:  # True from the fourth decode step on
+        asked.append(1)
+        return len(asked) > 3
+
+    with pytest.raises(GenerationCancelled, match="after 3 of 50 tokens"):
+        engine.generate([[1, 2, 3]], params, cancelled=cancelled)
+    assert len(asked) == 4
+    # never cancelled: the same completions as without the hook, and the engine still serves
+    plain = engine.generate([[1, 2, 3]], params)
+    assert engine.generate([[1, 2, 3]], params, cancelled=lambda: False) == plain

@@ -103,3 +103,18 @@ def test_best_moves_only_to_a_version_of_this_runs_model():
     assert tracker.aliases == [("copy", "best", "2")]
     assert promote_best(tracker, "copy", own, 0.6, 0.75) == 0.75  # not better: nothing moves
     assert tracker.aliases == [("copy", "best", "2")]
+
+
+def test_a_checkpoint_left_unregistered_stays_unregistered(run_dir, tracker):
+    """A checkpoint saved before any step trained (its row names no registered model: rl.py leaves
+    untrained weights unregistered) is not registered by a resume; one of a run that trained
+    nothing before it (no row yet, options without a model name) gets a row and no version."""
+    from rlpipe.storage.stage_tables import persist_now
+    from rlpipe.tasks.checkpoint import checkpoint_row
+
+    path = run_dir / "checkpoints" / "step_000002"
+    persist_now(run_dir, "checkpoints", 2, [checkpoint_row("demo/rl", 2, 2, path, None, None)], "demo/rl")
+    assert complete_registrations(run_dir=run_dir, run_id="demo/rl", tracker=tracker,
+                                  options=RegisterOptions("demo-rl")) == [4]
+    assert versions(tracker, "demo-rl") == [("4", "1")]
+    assert load_rows(run_dir, "checkpoints", 2)[0]["mlflow_model_version"] is None

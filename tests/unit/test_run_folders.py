@@ -88,8 +88,8 @@ def test_resume_needs_the_same_config_wherever_the_folder_lies(tmp_path):
     assert config_differences(config.model_dump(mode="json"), elsewhere.model_dump(mode="json")) == []
     ddp = config_for(tmp_path, train={"parallel": "ddp"})  # resumed over ranks: --nproc-per-node
     assert config_differences(config.model_dump(mode="json"), ddp.model_dump(mode="json")) == []
-    other = config_for(tmp_path, rl={"steps": 5})
-    with pytest.raises(ValueError, match=r"another config \(rl.steps differ"):
+    other = config_for(tmp_path, rl={"steps": 3, "group_size": 4})
+    with pytest.raises(ValueError, match=r"another config \(rl.group_size differ"):
         with run_folder(other, resume=True):
             pass
     with pytest.raises(ValueError, match="nothing to resume"):
@@ -268,3 +268,36 @@ def test_rlpipe_resume_leaves_a_finished_run_as_it_is(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == f"rlpipe resume: {moved.resolve()} already finished; left as it is"
     assert {p.name: p.read_bytes() for p in moved.iterdir()} == before
     assert not config.run_dir.exists()
+
+
+def test_a_resume_may_change_only_the_settings_that_are_safe_mid_run(tmp_path):
+    """`rlpipe resume --set`: a fill, filter, retry or step-count setting is applied and is no
+    difference from the saved config; any other key is refused in one line naming it."""
+    from rlpipe.core.config import ConfigError
+    from rlpipe.flows.run_folders import config_differences, resumed_with
+    from rlpipe.tasks.config import validate_config
+
+    config = validate_config({"runs_root": str(tmp_path), "run_name": "r", "flow": "rl"})
+    changed = resumed_with(config, ["rl.buffer.max_attempts=9", "rl.buffer.partial_batches=true", "rl.steps=80"])
+    assert (changed.rl.buffer.max_attempts, changed.rl.buffer.partial_batches, changed.rl.steps) == (9, True, 80)
+    assert config_differences(config.model_dump(mode="json"), changed.model_dump(mode="json")) == []
+    with pytest.raises(ConfigError) as refused:
+        resumed_with(config, ["rl.steps=80", "rl.optim.lr=1e-5"])
+    assert str(refused.value).startswith("--set rl.optim.lr: a resume keeps the run's settings, except ")
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"rl\.buffer\.max_attempts"):
+        resumed_with(config, ["rl.buffer.max_attempts=0"])
+
+
+def test_rlpipe_resume_refuses_another_setting_before_anything_runs(tmp_path, capsys):
+    import json
+
+    from rlpipe.flows.runner import main_resume
+    from rlpipe.tasks.config import validate_config
+
+    config = validate_config({"runs_root": str(tmp_path), "run_name": "r", "flow": "rl"})
+    config.run_dir.mkdir(parents=True)
+    (config.run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    assert main_resume([str(config.run_dir), "--set", "model.preset=tiny-moe"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlpipe resume: --set model.preset: a resume keeps the run's settings") and err.count("\n") == 1

@@ -29,3 +29,15 @@ def test_the_summary_prints_the_run_folder_size(tmp_path):
     (config.run_dir / "checkpoints" / "step_000001" / "model.safetensors").write_bytes(b"x" * 2048)
     lines = summary_lines(config, {}, 1.0)
     assert "  run folder 2 KiB: tables 0 B, checkpoints 2 KiB, other 0 B" in lines
+
+
+def test_the_summary_says_when_rl_lost_accuracy(tmp_path):
+    from rlpipe.flows.runner import summary_lines
+    from rlpipe.tasks.config import validate_config
+
+    config = validate_config({"runs_root": str(tmp_path), "run_name": "worse", "flow": "pipeline"})
+    phases = lambda sft, rl: {"sft": {"eval": {"eval/accuracy": sft}}, "rl": {"eval": {"eval/accuracy": rl}}}  # noqa: E731
+    worse = summary_lines(config, phases(0.15, 0.0), 1.0)
+    assert "  warning: RL lowered held-out accuracy from 15.0% to 0.0%; the RL phase made the model worse " \
+           "(see its reward_by_step and zero_variance_by_step below)" in worse
+    assert not any("warning" in line for line in summary_lines(config, phases(0.15, 0.15), 1.0))

@@ -204,7 +204,7 @@ class ScriptedReplies:
         self.model, self.tokenizer, self.reply = model, tokenizer, reply
         self.policy_version = 0
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, on_token=None, cancelled=None):
         out = []
         for prompt in prompts:
             text = self.reply(self.tokenizer.decode(prompt, skip_special_tokens=False)) + "<|im_end|>"

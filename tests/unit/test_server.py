@@ -340,24 +340,16 @@ def test_a_request_past_its_deadline_gets_504_and_its_remaining_parts_are_droppe
 def test_a_client_that_goes_away_stops_its_request(run_dir):
     # a real uvicorn on a loopback port (in a thread): a client timing out closes its connection,
     # and the server stops generating for it instead of computing all 100 parts for nobody
-    import socket
     import time
 
-    import uvicorn
+    from tests.serve_sockets import serving
 
     app = build_app(ckpt(run_dir, 0), batch_window_ms=0, limits=ServeLimits(chunk_sequences=2))
     stats = app.state.rlpipe.batcher.stats
     engine = GatedEngine(app)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
+    with serving(app) as (host, port):
         deadline = time.monotonic() + 60
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+        url = f"http://{host}:{port}/v1/completions"
         # its first part held: the client's timeout passes mid-request, and it hangs up
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url, json={"prompt": [PROMPTS[0]] * 200, "max_tokens": 16}, timeout=1)
@@ -370,7 +362,3 @@ def test_a_client_that_goes_away_stops_its_request(run_dir):
         assert httpx.post(url, json={"prompt": PROMPTS[0], "max_tokens": 1}, timeout=60).status_code == 200
         # dropped: nothing more generated for it, far from its 100 parts
         assert engine.calls.count(16) == held and held < 50, engine.calls
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()

@@ -40,6 +40,34 @@ def test_requests_over_a_cap_get_a_4xx_naming_it(capped, body, status, words, mo
     assert words in response.json()["error"]["message"]
 
 
+ROUTE_BODIES = {  # the same short prompt on both generating routes
+    "/v1/completions": {"prompt": "12+7="},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "12+7="}]},
+}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTE_BODIES))
+@pytest.mark.parametrize("extra, words", [
+    ({"max_tokens": 4097}, "max_tokens=4096 (--max-tokens)"),
+    ({"max_tokens": 10_000_000}, "max_tokens=4096 (--max-tokens)"),
+    ({"max_tokens": 4096}, "over the model's context of 4096"),
+    ({"n": 1000}, "(--max-n)"),
+])
+def test_every_route_refuses_what_the_caps_refuse(client, route, extra, words):  # noqa: F811
+    # the default --max-tokens equals the tiny model's context (4096), as in a default `rlpipe serve`
+    response = client.post(route, json={**ROUTE_BODIES[route], **extra})
+    assert response.status_code == 400, response.text
+    assert words in response.json()["error"]["message"]
+
+
+def test_a_chat_request_without_max_tokens_gets_what_the_context_leaves(client, monkeypatch):  # noqa: F811
+    model = client.app.state.rlpipe.slot.current.engine.model
+    monkeypatch.setattr(model.config, "max_position_embeddings", 40)
+    body = {**ROUTE_BODIES["/v1/chat/completions"], "ignore_eos": True}
+    answer = client.post("/v1/chat/completions", json=body).json()
+    assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == 40, answer["usage"]
+
+
 @pytest.mark.parametrize(
     "content, headers, status, words",
     [

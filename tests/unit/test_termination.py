@@ -89,3 +89,39 @@ def test_a_sigterm_that_surfaces_as_another_error_still_exits_143(tmp_path, monk
     monkeypatch.setattr(runner, "start", lambda config, resume=False: (_ for _ in ()).throw(ValueError("bad")))
     assert runner._execute_flow(config, overwrite=False) == 1  # a new run starts with the flag cleared
     assert "run failed: ValueError: bad" in capsys.readouterr().err
+
+
+def test_a_swallowed_ctrl_c_stops_the_next_stage_and_a_second_is_ignored():
+    with sigterm_stops_the_run():
+        with sigterm_is_sticky(), stage_task_runs(False):
+            class Resource:
+                pass
+
+            resource = Resource()
+            keep = weakref.ref(resource, lambda _ref: signal.raise_signal(signal.SIGINT))
+            del resource  # KeyboardInterrupt raised inside the callback is lost...
+            assert keep() is None
+            with pytest.raises(KeyboardInterrupt):
+                noop_stage()  # ...and the next stage stops the run
+            signal.raise_signal(signal.SIGINT)  # a second Ctrl-C while it cleans up: ignored
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_ends_the_run_with_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    from rlpipe.flows import runner
+    from rlpipe.tasks.config import RunConfig
+
+    def start(config, resume=False):
+        (config.run_dir / "run.json").write_text("{}")
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise ValueError("Task run is not set") from None  # surfacing as another error
+
+    monkeypatch.setattr(runner, "start", start)
+    config = RunConfig.model_validate({"runs_root": str(tmp_path), "run_name": "r"})
+    config.run_dir.mkdir(parents=True)
+    assert runner._execute_flow(config, overwrite=False) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rlpipe: interrupted (Ctrl-C) (surfacing as ValueError: Task run is not set); "
+                   f"`rlpipe resume {config.run_dir}` continues"]

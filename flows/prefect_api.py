@@ -1,0 +1,35 @@
+"""The embedded Prefect API server that a run without PREFECT_API_URL starts, kept out of the
+terminal's process group.
+
+Prefect starts that server (a uvicorn child) in the run's own process group, so Ctrl-C in the
+terminal reaches it as well as the run: the server died at once, and the run, interrupted, then
+spent about a minute per request retrying it (Prefect's client backs off 2, 4, 8, 16, 32 s) before
+ending on "ConnectError: Connection refused", or, where the run missed the signal, trained on and
+retried for minutes. Started in a session of its own, the server never sees the terminal's
+signals; the run stops it on the way out (Prefect's atexit hook, which terminates it and kills
+it after 5 s), so it does not outlive the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from typing import Any
+
+
+class _OwnSession:
+    """The `subprocess` module as Prefect's server module sees it: the same, except that Popen
+    starts the child in a new session (its own process group, no controlling terminal)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    Popen = functools.partial(subprocess.Popen, start_new_session=True)
+
+
+def embedded_server_in_own_session() -> None:
+    """Make Prefect start its embedded API server in a session of its own (idempotent)."""
+    from prefect.server.api import server
+
+    if not isinstance(server.subprocess, _OwnSession):
+        server.subprocess = _OwnSession()  # type: ignore[assignment]

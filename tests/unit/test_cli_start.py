@@ -1,0 +1,64 @@
+"""What a user meets first: a config error, and `--help-config`, come back in a fraction of a
+second, before torch, transformers, Prefect or MLflow is imported (the config sections validate
+against training/loss_choice.py, which needs none of them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+HEAVY = ("torch", "transformers", "prefect", "mlflow")
+PROBE = """
+import json, sys
+from rlpipe.flows.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"heavy": sorted(m for m in HEAVY if m in sys.modules)}))
+sys.exit(code)
+""".replace("HEAVY", repr(HEAVY))
+
+
+def cli_in_fresh_process(*args: str) -> tuple[int, str, str, float]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout, done.stderr, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("args, code", [
+    (["run", "{config}"], 2),
+    (["run", "{config}", "--set", "rl.stepz=3"], 2),
+    (["run", "--help-config"], 0),
+])
+def test_config_errors_and_help_come_before_any_heavy_import(tmp_path, args, code):
+    config = tmp_path / "typo.toml"
+    config.write_text('flow = "rl"\n[rl]\nsteps = 3\n' + ('' if "--set" in args else 'stepz = 3\n'))
+    returncode, out, err, seconds = cli_in_fresh_process(*(a.format(config=config) for a in args))
+    assert returncode == code, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"heavy": []}
+    if code == 2:
+        assert err.strip().endswith("rl.stepz: unknown key"), err
+        assert len(err.strip().splitlines()) == 1, err
+    assert seconds < 10, seconds  # about 1 s; the bound leaves room for a loaded machine
+
+
+def test_a_run_says_what_it_is_doing_at_once(tmp_path):
+    # the first line comes after validation, before pre-flight imports torch (seconds) and
+    # long before the Prefect API and the model are up; the process is stopped there
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "rlpipe.flows.cli", "run", str(config), "--set",
+                                f"runs_root={tmp_path}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, cwd=tmp_path)
+    try:
+        first = process.stdout.readline()
+        seconds = time.perf_counter() - start
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert first.startswith(f"rlpipe: pipeline run → {tmp_path / 'tiny'}: checking the model"), first
+    assert seconds < 10, seconds  # about 1 s; the bound leaves room for a loaded machine
