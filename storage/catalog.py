@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow.parquet as pq
-from rlpipe.storage.compaction import compacted_files, fresh_files, fresh_wins_sql, stored_steps
+from rlpipe.core.files import atomic_write
+from rlpipe.storage.compaction import compacted_files, fresh_files, snapshot_sql, stored_steps, table_snapshot
 from rlpipe.storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,
@@ -132,23 +133,20 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _source(patterns: list[str], union_by_name: bool) -> str:
-    """The rows of the tables whose folders `patterns` name (`<folder>/**/*.parquet`, one per run),
-    each run's step from its fresh partition where one exists, else from its compacted file
-    (storage/compaction.py `fresh_wins_sql`), as a subquery."""
+def _source(run_dir: Path, table: str, union_by_name: bool, as_of_step: int | None = None) -> str | None:
+    """A SELECT over exactly the files of one run's `table` snapshot, resolved now
+    (storage/snapshots.py; storage/compaction.py `snapshot_sql`), through `as_of_step` when
+    given; None when the table has neither a schema file nor data."""
+    home = _table_home(run_dir, table)
+    snapshot = table_snapshot(home, table)
+    schema = schema_file(home, table)
+    last = float("inf") if as_of_step is None else as_of_step
+    fresh = [file for step, file in fresh_files(home, table, snapshot) if step <= last]
+    merged = [file for file in compacted_files(home, table, snapshot)
+              if min(snapshot.merged[file.relative_to(schema.parent).as_posix()], default=0) <= last]
     options = f"union_by_name={str(union_by_name).lower()}, hive_partitioning=false"
-    selects = [fresh_wins_sql(pattern.removesuffix("/**/*.parquet"), options, _quote) for pattern in patterns]
-    return "(" + " UNION ALL BY NAME ".join(selects) + ")"
-
-
-def _run_pattern(run_dir: Path, table: str) -> str | None:
-    """A glob for one run's files of `table` that matches at least one file, or None."""
-    run_dir = _table_home(run_dir, table)
-    if schema_file(run_dir, table).is_file():
-        return str(tables_root(run_dir) / table / "**" / "*.parquet")
-    if stored_steps(run_dir, table):
-        return str(tables_root(run_dir) / table / "**" / "*.parquet")
-    return None
+    sql = snapshot_sql(schema if schema.is_file() else None, fresh, merged, snapshot.shadowed(), options, _quote)
+    return sql if sql is None or as_of_step is None else f"SELECT * FROM ({sql}) WHERE step <= {int(as_of_step)}"
 
 
 def ensure_catalog(
@@ -206,15 +204,20 @@ def refresh_if_moved(run_dir: str | os.PathLike) -> None:
 
 
 def _create_views(path: Path, run_dir: Path, union_by_name: bool) -> None:
-    con = duckdb.connect(str(path))
-    try:
-        for name, home, table in _views(run_dir):
-            source = _source([str(tables_root(home) / table / "**" / "*.parquet")], union_by_name)
-            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM {source}')
-        for name, select in VIEWS.items():
-            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {select}')
-    finally:
-        con.close()
+    """Build the catalog under a temporary name and rename it over `path`: a reader that has the
+    old file open keeps reading its snapshot, and a writer never waits for a reader's lock."""
+    def build(tmp: Path) -> None:
+        con = duckdb.connect(str(tmp))
+        try:
+            for name, home, table in _views(run_dir):
+                source = _source(home, table, union_by_name)  # ensure_catalog wrote every schema file
+                con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {source}')
+            for name, select in VIEWS.items():
+                con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {select}')
+        finally:
+            con.close()
+
+    atomic_write(path, build, durable=False)
 
 
 def _views(run_dir: Path) -> list[tuple[str, Path, str]]:
@@ -234,11 +237,14 @@ def has_data(run_dirs: RunDirs, table: str) -> bool:
 
 def connect(
     run_dirs: RunDirs, con: duckdb.DuckDBPyConnection | None = None, *, union_by_name: bool = False,
-    labels: Mapping[Path, str] | None = None,
+    labels: Mapping[Path, str] | None = None, as_of_step: int | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection (new, in-memory, unless given) with one view per table over all runs.
 
     Each view is the union by column name of the runs' partitions; `run_id` tells rows apart.
+    Each run's tables are resolved once, here, to the files of their snapshots
+    (storage/snapshots.py): the views read the tables as of this call, however long they are used.
+    as_of_step: only rows of steps <= it (the tables as the run had them after that step).
     A table with no data in any run is an empty view with the table's columns.
     labels: a name per run folder (`discover_runs`): every view then has a `run` column after
     `run_id`. Rescore folders among the runs also get `original_<table>` views (their source's).
@@ -253,9 +259,9 @@ def connect(
         homes = {run: src for run, (src, tables) in sources.items() if table in tables}
         views.append((f"original_{table}", table, homes))
     for name, table, homes in views:
-        parts = [(run, pattern) for run, home in homes.items() if (pattern := _run_pattern(home, table))]
+        parts = [(run, sql) for run, home in homes.items() if (sql := _source(home, table, union_by_name, as_of_step))]
         if parts:
-            select = _select(parts, union_by_name, labels)
+            select = _select(parts, labels)
         else:
             con.register(f"_empty_{table}", schema_for(table).empty_table())
             select = f'SELECT {_columns(None, labels)} FROM "_empty_{table}"'
@@ -276,14 +282,10 @@ def _columns(label: str | None, labels: Mapping[Path, str] | None) -> str:
     return f"run_id, {value} AS run, * EXCLUDE (run_id)"
 
 
-def _select(parts: list[tuple[Path, str]], union_by_name: bool, labels: Mapping[Path, str] | None) -> str:
-    """One SELECT over the runs' files; with labels, one per run tagged with its `run` name."""
-    if labels is None:
-        return f"SELECT * FROM {_source([pattern for _, pattern in parts], union_by_name)}"
+def _select(parts: list[tuple[Path, str]], labels: Mapping[Path, str] | None) -> str:
+    """One SELECT over the runs' snapshots; with labels, each tagged with its run's `run` name."""
     return " UNION ALL BY NAME ".join(
-        f"SELECT {_columns(labels[run], labels)} FROM {_source([pattern], union_by_name)}"
-        for run, pattern in parts
-    )
+        f"SELECT {_columns(None if labels is None else labels[run], labels)} FROM ({sql})" for run, sql in parts)
 
 
 def relation(
@@ -306,9 +308,10 @@ def lazy_frame(run_dirs: RunDirs, table: str) -> pl.LazyFrame:
 
     frames = []
     for run in run_dirs_list(run_dirs):  # each step from its fresh file where one exists (compaction.py)
-        fresh = fresh_files(run, table)
+        snapshot = table_snapshot(run, table)  # resolved once: the frame reads these files
+        fresh = fresh_files(run, table, snapshot)
         if fresh:
             frames.append(scan([path for _, path in fresh]))
-        if compacted := compacted_files(run, table):
-            frames.append(scan(compacted).filter(~pl.col("step").is_in([step for step, _ in fresh])))
+        if compacted := compacted_files(run, table, snapshot):
+            frames.append(scan(compacted).filter(~pl.col("step").is_in(sorted(snapshot.shadowed()))))
     return pl.concat(frames) if frames else pl.LazyFrame(schema=schema)
