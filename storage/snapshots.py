@@ -73,11 +73,13 @@ def snapshot_file(folder: Path) -> Path:
 
 def resolve(folder: Path) -> TableSnapshot:
     """The table's snapshot now: its snapshot file, else a listing (a table written before
-    snapshots; an absent folder is an empty table)."""
+    snapshots; an absent folder is an empty table). A snapshot file that a power cut left torn
+    (it is fsynced at every durable drain, not at each write) is read as a listing too: fresh
+    files win over merged copies, so the rows are the same."""
     path = snapshot_file(folder)
     try:
         return _parse(json.loads(path.read_text()))
-    except FileNotFoundError:
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return listed(Path(folder))
 
 

@@ -192,3 +192,21 @@ def test_a_mixtures_rollouts_split_by_environment_stay_fresh_while_its_other_tab
     rows = read_table(tmp_path, "rollouts")
     assert rows.num_rows == 12 * 3 * 4 and set(rows.column("env").to_pylist()) == {"add", "count"}
     assert pc.all(pc.equal(read_table(tmp_path, "rollouts", 7).column("step"), 7)).as_py()
+
+
+def test_a_run_written_before_snapshots_reads_as_it_is_and_becomes_one_at_its_next_write(tmp_path):
+    """A table folder without `_snapshot.json` (today's layout before snapshots, or a torn one)
+    is read from its files by the fresh-wins rule; its next write or pass commits a snapshot."""
+    make_run(tmp_path)
+    compact_run(tmp_path, closed=21, width=10)
+    before = snapshot(tmp_path)
+    for table in TABLES:  # as an earlier rlpipe left it: the snapshot files gone, the data files kept
+        (tmp_path / "tables" / table / "_snapshot.json").unlink()
+    (tmp_path / "tables" / "groups" / "step=3" / "part-0.parquet").unlink(missing_ok=True)  # merged away before
+    assert snapshot(tmp_path) == before
+    (tmp_path / "tables" / "scores" / "_snapshot.json").write_text('{"format": 1, "vers')  # torn by a power cut
+    assert snapshot(tmp_path) == before
+    write_table(tmp_path, "scores", 26, synthetic_step(26, run_id="r", n_groups=3, group_size=4, n_token_rows=2)["scores"],
+                run_id="r")
+    assert stored_steps(tmp_path, "scores") == list(range(1, 27))
+    assert (tmp_path / "tables" / "scores" / "_snapshot.json").read_text().startswith('{"format":1')
