@@ -7,13 +7,15 @@
     lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
 
 `<run_dir>/catalog.duckdb` holds the same views for a single run, so
-`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Its views read a table's fresh
-partitions, `read_parquet('<abs run_dir>/tables/<t>/**/[p_]*.parquet', union_by_name=false,
-hive_partitioning=false)`, and, by name, its compacted files (`**/[m_]*.parquet`, merged.parquet)
-less the steps a fresh partition holds (storage/compaction.py `fresh_wins_sql`): the globs pick up
-new partitions and compactions by themselves, and the zero-row `_schema.parquet` of each table,
-which both match, keeps them valid before any data exists. `step` is read from the files (hive
-partitioning off: the schema file sits outside the `step=` folders).
+`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Every view reads the files of its
+table's snapshot, spelled out (storage/snapshots.py; storage/compaction.py `snapshot_sql`):
+`read_parquet([<abs>/tables/<t>/_schema.parquet, <fresh files>], union_by_name=false,
+hive_partitioning=false)` and, by name, the merged files less the steps a fresh file holds. The
+zero-row schema file comes first in each scan: it gives the current columns and keeps a scan of
+no data file valid. `connect` resolves the snapshots when it is called; the on-disk catalog is
+rebuilt under a temporary name and renamed into place (`ensure_catalog`) by the run's background
+writer while it writes (storage/background_writer.py), so a reader holding the old file keeps
+reading its snapshot and a writer never waits for a reader's lock. Nothing globs the data files.
 
 union_by_name is off by default: it makes DuckDB read every file's footer when binding a view,
 ~0.2 s per 500 partitions and per table, and the writer gives all files of a table one schema.
@@ -27,8 +29,8 @@ A moved or copied run folder's catalog therefore still names the old folder unti
 every resume rebuild it from the folder actually opened (`refresh_if_moved`). A rescore folder
 inside its run names the run relatively (`rescore.json`), so it moves with it.
 
-Connections to catalog.duckdb are held only for the few milliseconds it takes to create views;
-readers here use in-memory connections, so a run that is writing never conflicts with them.
+Readers here use in-memory connections, and the catalog is replaced, never opened for writing
+in place, so a run that is writing never conflicts with a reader.
 """
 
 from __future__ import annotations

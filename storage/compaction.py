@@ -1,26 +1,25 @@
 """Compaction: a closed step range's per-step partitions merged into one file, so that a long run
-stays fast to query (DuckDB's time follows the number of files, not rows).
+stays fast to query (DuckDB's time follows the number of files, not rows); and the readers'
+view of a table's files, fresh and compacted, through its snapshot (storage/snapshots.py).
 
-    <table>/.../step=<k>/part-0.parquet            fresh: one file per (table, step), storage/layout.py
-    <table>/.../steps=<a>-<b>/merged.parquet       compacted: the rows of steps a..b, sorted by step;
-                                                   its footer lists the steps it holds (`rlpipe.steps`)
+    <table>/.../step=<k>/part-0.parquet              fresh: one file per (table, step), storage/layout.py
+    <table>/.../steps=<a>-<b>/merged-<n>.parquet     compacted: the rows of steps a..b, sorted by step;
+                                                     its footer lists the steps it holds (`rlpipe.steps`)
 
 Ranges are aligned (`a` a multiple of `width`, b = a + width - 1) and merged once all of them is
 closed: every step of the range is at or before the newest checkpoint, so nothing rewrites it (the
 background writer runs a pass after each checkpoint: storage/writer.py `compact_table`).
 A step rewritten after its range was merged (the `origins` row a resume rewrites, a `checkpoints`
-row a resume completes) is merged again at the next pass. Compaction knows no partition key but
-`step`: it merges the `step=<k>` folders that share a parent folder (other hive keys, if a table
-has them, sit above `step=`), and writes the merged file beside them. A step split into its
-environments' parts (`step=<k>/env=<name>/`, a mixture's rollouts: storage/layout.py) stays fresh:
-its files could not be removed at once, and a reader in between would take the step from the
-parts left (fresh wins) and miss the others' rows.
+row a resume completes) is merged again at the next pass, into a new file of the range (`<n>`,
+the snapshot's version: a file a snapshot names never changes). Compaction knows no partition key
+but `step`: it merges the `step=<k>` folders that share a parent folder, and writes the merged
+file beside them. A step split into its environments' parts (`step=<k>/env=<name>/`, a mixture's
+rollouts: storage/layout.py) stays fresh.
 
-Readers never see a row twice or miss one: a fresh file wins over a compacted file for its step.
-The pass writes the merged file (atomically, fsynced) before it deletes the fresh files it holds;
-until each is deleted, readers take that step's rows from the fresh file (`fresh_wins` in SQL,
-`read_table` in Python). A kill at any point leaves fresh files, a compacted file, or both, and
-the next pass finishes.
+Readers never see a row twice or miss one: they read the files of one snapshot (`table_snapshot`,
+`fresh_files`, `compacted_files`, `snapshot_sql`), where a fresh file wins over a merged copy of
+its step. A pass commits its merged file to the snapshot and retires the fresh files it holds;
+they are deleted a grace period later. A kill at any point leaves the old snapshot or the new.
 """
 
 from __future__ import annotations

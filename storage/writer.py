@@ -4,14 +4,16 @@
     is_complete(run_dir, "scores", 3)                   # True: a resumed flow skips the stage
     read_table(run_dir, "scores")                       # every step, as one pa.Table
 
-A (table, step) partition is one zstd Parquet file, replaced atomically: writing the same
-(table, step) again replaces it, so a resumed stage never duplicates rows. Data is checked
+A (table, step) partition is one zstd Parquet file, replaced atomically, then named in the table's
+snapshot (storage/snapshots.py: the one file every reader resolves): writing the same (table,
+step) again replaces it, so a resumed stage never duplicates rows. Data is checked
 against the table's schema (storage.schemas; the check is storage.conform) before anything
 touches the disk; a mismatch is a ValueError naming the table and the column. `run_id` and
 `step` are filled in when missing.
 
 `compact_run` is a compaction pass: closed step ranges merged into one file each
-(storage/compaction.py). Readers here read fresh and compacted partitions alike. The same writes
+(storage/compaction.py). Readers here read fresh and compacted partitions alike, each call as of
+one snapshot of the table. The same writes
 and passes on a background thread: storage/background_writer.py.
 """
 
