@@ -15,12 +15,14 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 from rlpipe.core.files import fsync_written
+from rlpipe.storage.catalog import ensure_catalog
 from rlpipe.storage.compaction import COMPACT_STEPS
 from rlpipe.storage.conform import TableData
 from rlpipe.storage.layout import check_step
@@ -51,6 +53,9 @@ class _Job:
 
 
 _COMPACTION = "*compaction*"  # the table name of a compaction job's key
+CATALOG_REFRESH_SECONDS = 1.0
+"""How often, at most, the writer rebuilds a run's catalog.duckdb while it writes (when its queue
+runs empty); it always does after a compaction pass and when drained durably or closed."""
 
 
 class BackgroundWriter:
@@ -81,6 +86,8 @@ class BackgroundWriter:
         self._prepared: set[tuple[str, str]] = set()
         self._keys: dict[tuple[str, str, int], int] = {}  # (run_dir, table, step) -> queued writes
         self._unsynced: dict[str, list[Path]] = {}  # run_dir -> files written without fsync
+        self._stale: set[str] = set()  # runs written since their catalog.duckdb was rebuilt
+        self._rebuilt: dict[str, float] = {}  # run_dir -> when its catalog.duckdb was last rebuilt
         self.busy_seconds = 0.0  # time spent writing, for benchmarks
         self.compacted = 0  # fresh partition files merged by compaction passes
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -135,6 +142,23 @@ class BackgroundWriter:
         self._raise_error()
         for run_dir, files in unsynced.items():
             fsync_written(files, Path(run_dir))
+        if durable:
+            self._refresh_catalogs(force=True)
+
+    def _refresh_catalogs(self, force: bool) -> None:
+        """Rebuild the catalog.duckdb of each run written since its last rebuild (storage/catalog.py:
+        its views name the files of the tables' snapshots), at most every CATALOG_REFRESH_SECONDS
+        unless `force`."""
+        with self._done:
+            clock = time.monotonic()
+            due = [run for run in self._stale if force or clock - self._rebuilt.get(run, -1e9) >= CATALOG_REFRESH_SECONDS]
+            self._stale.difference_update(due)
+            self._rebuilt.update({run: clock for run in due})
+        for run in due:
+            try:
+                ensure_catalog(run, quiet_if_busy=True)
+            except Exception as error:  # noqa: BLE001 - a derived file: the tables are written
+                warnings.warn(f"catalog of {run} not rebuilt: {type(error).__name__}: {error}", stacklevel=2)
 
     def close(self, raise_errors: bool = True) -> None:
         """Drain, then stop the thread. raise_errors=False: keep a write error quiet (the caller
@@ -183,6 +207,12 @@ class BackgroundWriter:
                     if not job.durable:
                         with self._done:
                             self._unsynced.setdefault(str(job.run_dir), []).extend(written)
+                    with self._done:
+                        self._stale.add(str(job.run_dir))
+                        if job.compact_width:  # a pass's new files: its catalog is rebuilt at once
+                            self._rebuilt.pop(str(job.run_dir), None)
+                    if self._jobs.empty():
+                        self._refresh_catalogs(force=False)
                 except BaseException as error:  # noqa: BLE001 - surfaced at the next submit/drain
                     failed = True
                     skipped = self._jobs.qsize()

@@ -7,13 +7,15 @@
     lazy_frame(["runs/a", "runs/b"], "scores")  # polars LazyFrame
 
 `<run_dir>/catalog.duckdb` holds the same views for a single run, so
-`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Its views read a table's fresh
-partitions, `read_parquet('<abs run_dir>/tables/<t>/**/[p_]*.parquet', union_by_name=false,
-hive_partitioning=false)`, and, by name, its compacted files (`**/[m_]*.parquet`, merged.parquet)
-less the steps a fresh partition holds (storage/compaction.py `fresh_wins_sql`): the globs pick up
-new partitions and compactions by themselves, and the zero-row `_schema.parquet` of each table,
-which both match, keeps them valid before any data exists. `step` is read from the files (hive
-partitioning off: the schema file sits outside the `step=` folders).
+`duckdb runs/x/catalog.duckdb "select ..."` works without Python. Every view reads the files of its
+table's snapshot, spelled out (storage/snapshots.py; storage/compaction.py `snapshot_sql`):
+`read_parquet([<abs>/tables/<t>/_schema.parquet, <fresh files>], union_by_name=false,
+hive_partitioning=false)` and, by name, the merged files less the steps a fresh file holds. The
+zero-row schema file comes first in each scan: it gives the current columns and keeps a scan of
+no data file valid. `connect` resolves the snapshots when it is called; the on-disk catalog is
+rebuilt under a temporary name and renamed into place (`ensure_catalog`) by the run's background
+writer while it writes (storage/background_writer.py), so a reader holding the old file keeps
+reading its snapshot and a writer never waits for a reader's lock. Nothing globs the data files.
 
 union_by_name is off by default: it makes DuckDB read every file's footer when binding a view,
 ~0.2 s per 500 partitions and per table, and the writer gives all files of a table one schema.
@@ -27,8 +29,8 @@ A moved or copied run folder's catalog therefore still names the old folder unti
 every resume rebuild it from the folder actually opened (`refresh_if_moved`). A rescore folder
 inside its run names the run relatively (`rescore.json`), so it moves with it.
 
-Connections to catalog.duckdb are held only for the few milliseconds it takes to create views;
-readers here use in-memory connections, so a run that is writing never conflicts with them.
+Readers here use in-memory connections, and the catalog is replaced, never opened for writing
+in place, so a run that is writing never conflicts with a reader.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow.parquet as pq
-from rlpipe.storage.compaction import compacted_files, fresh_files, fresh_wins_sql, stored_steps
+from rlpipe.core.files import atomic_write
+from rlpipe.storage.compaction import compacted_files, fresh_files, snapshot_sql, stored_steps, table_snapshot
 from rlpipe.storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,
@@ -132,23 +135,20 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _source(patterns: list[str], union_by_name: bool) -> str:
-    """The rows of the tables whose folders `patterns` name (`<folder>/**/*.parquet`, one per run),
-    each run's step from its fresh partition where one exists, else from its compacted file
-    (storage/compaction.py `fresh_wins_sql`), as a subquery."""
+def _source(run_dir: Path, table: str, union_by_name: bool, as_of_step: int | None = None) -> str | None:
+    """A SELECT over exactly the files of one run's `table` snapshot, resolved now
+    (storage/snapshots.py; storage/compaction.py `snapshot_sql`), through `as_of_step` when
+    given; None when the table has neither a schema file nor data."""
+    home = _table_home(run_dir, table)
+    snapshot = table_snapshot(home, table)
+    schema = schema_file(home, table)
+    last = float("inf") if as_of_step is None else as_of_step
+    fresh = [file for step, file in fresh_files(home, table, snapshot) if step <= last]
+    merged = [file for file in compacted_files(home, table, snapshot)
+              if min(snapshot.merged[file.relative_to(schema.parent).as_posix()], default=0) <= last]
     options = f"union_by_name={str(union_by_name).lower()}, hive_partitioning=false"
-    selects = [fresh_wins_sql(pattern.removesuffix("/**/*.parquet"), options, _quote) for pattern in patterns]
-    return "(" + " UNION ALL BY NAME ".join(selects) + ")"
-
-
-def _run_pattern(run_dir: Path, table: str) -> str | None:
-    """A glob for one run's files of `table` that matches at least one file, or None."""
-    run_dir = _table_home(run_dir, table)
-    if schema_file(run_dir, table).is_file():
-        return str(tables_root(run_dir) / table / "**" / "*.parquet")
-    if stored_steps(run_dir, table):
-        return str(tables_root(run_dir) / table / "**" / "*.parquet")
-    return None
+    sql = snapshot_sql(schema if schema.is_file() else None, fresh, merged, snapshot.shadowed(), options, _quote)
+    return sql if sql is None or as_of_step is None else f"SELECT * FROM ({sql}) WHERE step <= {int(as_of_step)}"
 
 
 def ensure_catalog(
@@ -206,15 +206,20 @@ def refresh_if_moved(run_dir: str | os.PathLike) -> None:
 
 
 def _create_views(path: Path, run_dir: Path, union_by_name: bool) -> None:
-    con = duckdb.connect(str(path))
-    try:
-        for name, home, table in _views(run_dir):
-            source = _source([str(tables_root(home) / table / "**" / "*.parquet")], union_by_name)
-            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * FROM {source}')
-        for name, select in VIEWS.items():
-            con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {select}')
-    finally:
-        con.close()
+    """Build the catalog under a temporary name and rename it over `path`: a reader that has the
+    old file open keeps reading its snapshot, and a writer never waits for a reader's lock."""
+    def build(tmp: Path) -> None:
+        con = duckdb.connect(str(tmp))
+        try:
+            for name, home, table in _views(run_dir):
+                source = _source(home, table, union_by_name)  # ensure_catalog wrote every schema file
+                con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {source}')
+            for name, select in VIEWS.items():
+                con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {select}')
+        finally:
+            con.close()
+
+    atomic_write(path, build, durable=False)
 
 
 def _views(run_dir: Path) -> list[tuple[str, Path, str]]:
@@ -234,11 +239,14 @@ def has_data(run_dirs: RunDirs, table: str) -> bool:
 
 def connect(
     run_dirs: RunDirs, con: duckdb.DuckDBPyConnection | None = None, *, union_by_name: bool = False,
-    labels: Mapping[Path, str] | None = None,
+    labels: Mapping[Path, str] | None = None, as_of_step: int | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection (new, in-memory, unless given) with one view per table over all runs.
 
     Each view is the union by column name of the runs' partitions; `run_id` tells rows apart.
+    Each run's tables are resolved once, here, to the files of their snapshots
+    (storage/snapshots.py): the views read the tables as of this call, however long they are used.
+    as_of_step: only rows of steps <= it (the tables as the run had them after that step).
     A table with no data in any run is an empty view with the table's columns.
     labels: a name per run folder (`discover_runs`): every view then has a `run` column after
     `run_id`. Rescore folders among the runs also get `original_<table>` views (their source's).
@@ -253,9 +261,9 @@ def connect(
         homes = {run: src for run, (src, tables) in sources.items() if table in tables}
         views.append((f"original_{table}", table, homes))
     for name, table, homes in views:
-        parts = [(run, pattern) for run, home in homes.items() if (pattern := _run_pattern(home, table))]
+        parts = [(run, sql) for run, home in homes.items() if (sql := _source(home, table, union_by_name, as_of_step))]
         if parts:
-            select = _select(parts, union_by_name, labels)
+            select = _select(parts, labels)
         else:
             con.register(f"_empty_{table}", schema_for(table).empty_table())
             select = f'SELECT {_columns(None, labels)} FROM "_empty_{table}"'
@@ -276,14 +284,10 @@ def _columns(label: str | None, labels: Mapping[Path, str] | None) -> str:
     return f"run_id, {value} AS run, * EXCLUDE (run_id)"
 
 
-def _select(parts: list[tuple[Path, str]], union_by_name: bool, labels: Mapping[Path, str] | None) -> str:
-    """One SELECT over the runs' files; with labels, one per run tagged with its `run` name."""
-    if labels is None:
-        return f"SELECT * FROM {_source([pattern for _, pattern in parts], union_by_name)}"
+def _select(parts: list[tuple[Path, str]], labels: Mapping[Path, str] | None) -> str:
+    """One SELECT over the runs' snapshots; with labels, each tagged with its run's `run` name."""
     return " UNION ALL BY NAME ".join(
-        f"SELECT {_columns(labels[run], labels)} FROM {_source([pattern], union_by_name)}"
-        for run, pattern in parts
-    )
+        f"SELECT {_columns(None if labels is None else labels[run], labels)} FROM ({sql})" for run, sql in parts)
 
 
 def relation(
@@ -306,9 +310,10 @@ def lazy_frame(run_dirs: RunDirs, table: str) -> pl.LazyFrame:
 
     frames = []
     for run in run_dirs_list(run_dirs):  # each step from its fresh file where one exists (compaction.py)
-        fresh = fresh_files(run, table)
+        snapshot = table_snapshot(run, table)  # resolved once: the frame reads these files
+        fresh = fresh_files(run, table, snapshot)
         if fresh:
             frames.append(scan([path for _, path in fresh]))
-        if compacted := compacted_files(run, table):
-            frames.append(scan(compacted).filter(~pl.col("step").is_in([step for step, _ in fresh])))
+        if compacted := compacted_files(run, table, snapshot):
+            frames.append(scan(compacted).filter(~pl.col("step").is_in(sorted(snapshot.shadowed()))))
     return pl.concat(frames) if frames else pl.LazyFrame(schema=schema)

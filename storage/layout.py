@@ -1,9 +1,10 @@
 """Where a run's tables live on disk, and how a partition is written atomically.
 
     <run_dir>/tables/<table>/step=<k>/part-0.parquet   one file per (table, step) partition
-    <run_dir>/tables/<table>/steps=<a>-<b>/merged.parquet   closed steps a..b compacted (storage/compaction.py)
+    <run_dir>/tables/<table>/steps=<a>-<b>/merged-<n>.parquet   closed steps a..b compacted (storage/compaction.py)
+    <run_dir>/tables/<table>/_snapshot.json            the files that make up the table now (storage/snapshots.py)
     <run_dir>/tables/<table>/_schema.parquet           zero rows: the table's current schema
-    <run_dir>/catalog.duckdb                           DuckDB views over the above
+    <run_dir>/catalog.duckdb                           DuckDB views over the tables' snapshots
 
 A mixture of environments (`[[task.envs]]`) partitions its `rollouts` by environment inside the
 step: `tables/rollouts/step=<k>/env=<name>/part-0.parquet`, one file per environment of the step
@@ -11,7 +12,8 @@ step: `tables/rollouts/step=<k>/env=<name>/part-0.parquet`, one file per environ
 run starts. Step first, env second: the step stays the one unit that stages write and replace,
 that resume, replay, rescore, fates and lineage read, and that a run closes; the env folders
 split a step's file by the `env` column the rows already carry (views read files, not folder
-names, so every query is unchanged). `step_files` lists a step's files either way; rows of
+names, so every query is unchanged). `step_files` lists a step's files on disk either way (readers ask the snapshot:
+storage/writer.py `step_files`); rows of
 several files read back in their write order (`ENV_PARTITIONED` names the ordering columns).
 
 A partition is a single file replaced atomically (core/files.py), so a reader — or a writer

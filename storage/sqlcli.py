@@ -4,6 +4,7 @@
     rlpipe sql runs/a runs/b --query reward_by_step --format csv
     rlpipe sql runs/a --query samples_by_step --format parquet --out samples.parquet
     rlpipe sql runs "select run, step, avg(reward) from scores group by all"   # every run under runs/
+    rlpipe sql runs/demo/rl --as-of-step 40 --query reward_by_step      # the tables as after step 40
     rlpipe sql --list
 
 Each table name is the union over the given runs, with a `run_id` column. A folder that is not a
@@ -12,6 +13,11 @@ views get a `run` column after run_id, the run's path relative to the root (e.g.
 the terminal, or csv / json (an array of objects) / parquet on stdout or in --out. Nested values
 (token lists, reward components) become JSON text in csv. Exit status 2, with a one-line message
 on stderr, for a bad run folder, an unknown query name, and any SQL error (DuckDB's message).
+
+Every table is read as of one snapshot, resolved when the command starts (storage/snapshots.py):
+a run writing and compacting meanwhile changes nothing it reads. `--as-of-step N` reads each
+table's rows of steps <= N only: the run as it stood after step N (a step rewritten later, by a
+resume, reads as rewritten).
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-rows", type=int, default=100, help="rows shown by --format table (default 100)"
     )
+    parser.add_argument(
+        "--as-of-step", type=int, metavar="N",
+        help="the tables as the run had them after step N: every table's rows of steps <= N",
+    )
     return parser
 
 
@@ -78,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         runs, labels = expand_runs(run_dirs)
         if args.format == "parquet" and not args.out:
             raise ValueError("--format parquet needs --out FILE")
+        if args.as_of_step is not None and args.as_of_step < 0:
+            raise ValueError(f"--as-of-step must be >= 0, got {args.as_of_step}")
     except ValueError as error:
         return fail(PROG, str(error))
-    con = connect(runs, labels=labels)
+    con = connect(runs, labels=labels, as_of_step=args.as_of_step)
     try:
         result = con.sql(sql)
         table = pa.table({}) if result is None else result.to_arrow_table()

@@ -31,11 +31,11 @@ from typing import Any
 from rlpipe.core.stage_runs import run_stage
 from rlpipe.core.termination import raise_if_terminated
 from rlpipe.storage.background_writer import BackgroundWriter
-from rlpipe.storage.layout import step_files
 from rlpipe.storage.writer import (
     is_complete,
     read_partition,
     read_table,
+    step_files,
     write_table,
 )
 

@@ -220,7 +220,7 @@ def replay_start(run_dir: Path, step: int) -> tuple[int, list[str]]:
     usable = [s for s in checkpoint_steps(run_dir) if s < step and not optimizer_dropped(checkpoint_dir(run_dir, s))]
     from_step = max(usable, default=0)
     notes = []
-    for row in _checkpoint_rows(run_dir):
+    for row in _checkpoint_rows(run_dir, step):
         if from_step < row["step"] < step:
             folder = checkpoint_dir(run_dir, row["step"])
             why = "was removed" if not folder.is_dir() else "holds no optimizer state"
@@ -229,10 +229,11 @@ def replay_start(run_dir: Path, step: int) -> tuple[int, list[str]]:
     return from_step, notes
 
 
-def _checkpoint_rows(run_dir: Path) -> list[dict]:
-    """The run's `checkpoints` rows, one per step (none without the table)."""
+def _checkpoint_rows(run_dir: Path, step: int) -> list[dict]:
+    """The run's `checkpoints` rows through `step` (the tables as of the replayed step), one per
+    step (none without the table)."""
     try:
-        rows = read_table(run_dir, "checkpoints").to_pylist()
+        rows = read_table(run_dir, "checkpoints", as_of_step=step).to_pylist()
     except (FileNotFoundError, ValueError):
         return []
     return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])

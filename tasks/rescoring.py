@@ -221,14 +221,15 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
         counts["rollouts"] += len(rollouts)
         counts["errors"] += sum(s.error is not None for s in scores)
         tick(len(rollouts))
-    original = read_table(run_dir, "groups").to_pylist()
+    last = steps[-1]  # the run as of its last step re-scored here (a running run writes on)
+    original = read_table(run_dir, "groups", as_of_step=last).to_pylist()
     emptied = {row["group_id"] for rows in drops.values() for row in rows} - set(groups)
     run_id = _run_id(original, run_dir)
     tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, options, emptied),
                       strict=True))
     tables["decisions"] += [{"run_id": run_id, "step": step, **row} for step, rows in drops.items() for row in rows]
     by_step = {table: _by_step(rows) for table, rows in tables.items()}
-    for step in sorted(set(stored_steps(run_dir, "groups")) | set(drops)):
+    for step in sorted({s for s in stored_steps(run_dir, "groups") if s <= last} | set(drops)):
         for table, rows in by_step.items():
             write_table(out_dir, table, step, rows.get(step, []), run_id=run_id, durable=False)
     ensure_catalog(out_dir)

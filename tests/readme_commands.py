@@ -45,6 +45,12 @@ COMMANDS: dict[str, str] = {
     "python -c \"import duckdb; duckdb.connect('runs/demo/rl/catalog.duckdb', read_only=True)"
     ".sql('select * from groups where zero_variance limit 5').show()\"": RUN,
     'rlpipe sql runs/demo/rl "select step, status, count(*) from fates group by all"': RUN,
+    "python -c \"import duckdb; print(duckdb.connect('runs/demo/rl/catalog.duckdb', read_only=True)"
+    ".sql('select * from scores').pl())\"": RUN,
+    "python -c \"from rlpipe.storage.catalog import lazy_frame; print(lazy_frame(['runs/demo/rl'], "
+    "'scores').collect())\"": RUN,
+    'rlpipe sql runs/demo/rl "select * from scores" --format parquet --out scores.parquet': RUN,
+    "rlpipe sql runs/demo/rl --as-of-step 40 --query reward_by_step": RUN,
     "rlpipe replay runs/demo/rl --step 60": RUN,
     "rlpipe report runs/demo/rl runs/demo/sft": RUN,
     "rlpipe serve runs/demo/rl/checkpoints/step_000100 --port 8000":

@@ -105,8 +105,10 @@ def test_keeps_the_newest_and_the_best_and_retires_the_rest(run):
 
     steps = connect([rl_dir]).sql("select step, count(*) from train_steps group by 1 order by 1").fetchall()
     assert steps == [(1, 1), (2, 1), (3, 1), (4, 1)]
-    assert (rl_dir / "tables" / "rollouts" / "steps=2-3" / "merged.parquet").is_file()
-    assert (rl_dir / "tables" / "rollouts" / "step=4" / "part-0.parquet").is_file()
+    from rlpipe.storage.compaction import compacted_files, fresh_files
+
+    assert "steps=2-3" in [p.parent.name for p in compacted_files(rl_dir, "rollouts")]
+    assert [step for step, _ in fresh_files(rl_dir, "rollouts")] == [4]
     # every sampled completion once, with its fate, merged steps and fresh alike; the report reads them
     fates = connect([rl_dir]).sql("select count(*), count(distinct sample_id) from fates").fetchall()[0]
     assert fates[0] == fates[1] == connect([rl_dir]).sql("select count(*) from rollouts").fetchall()[0][0]

@@ -25,6 +25,7 @@ from rlpipe.storage.writer import (
 from tests.synthetic_runs import synthetic_step
 
 HOOKS = Path(__file__).resolve().parents[1] / "fault_hooks"
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 25
 TABLES = ("rollouts", "scores", "groups")
 
@@ -86,31 +87,69 @@ def test_a_fresh_file_wins_over_its_compacted_copy_and_is_merged_next(tmp_path):
     assert lazy_frame([tmp_path], "scores").collect().filter(step=3).height == 1
     assert compact_run(tmp_path, closed=10, width=5) == {"scores": 1}
     assert connect([tmp_path]).sql("select count(*), max(reward) from scores where step = 3").fetchall() == [(1, 42.0)]
+    assert 3 not in [step for step, _ in fresh_files(tmp_path, "scores")]
+    # the merged-away file stays on disk for readers that resolved an older snapshot, then goes
+    assert (tmp_path / "tables" / "scores" / "step=3" / "part-0.parquet").is_file()
+    compact_run(tmp_path, closed=10, width=5, grace=0)
     assert not (tmp_path / "tables" / "scores" / "step=3").exists()
+    assert connect([tmp_path]).sql("select count(*), max(reward) from scores where step = 3").fetchall() == [(1, 42.0)]
 
 
 CHILD = """
 import sys
 from rlpipe.storage.writer import compact_run
-compact_run(sys.argv[1], closed=21, width=10)
+compact_run(sys.argv[1], closed=21, width=10, grace=float(sys.argv[2]))
 """
 
 
 @pytest.mark.parametrize("point", [
-    "after:*/scores/steps=10-19/merged.parquet",  # merged file in place, no fresh file deleted yet
-    "before:*/groups/steps=0-9/merged.parquet",   # rollouts and scores done, groups not begun
+    "after:*/scores/steps=10-19/merged-*.parquet",  # merged file in place, the snapshot not yet naming it
+    "after:*/scores/_snapshot.json",  # the first range's commit done, the second not begun
+    "before:*/groups/steps=0-9/merged-*.parquet",   # rollouts and scores done, groups not begun
+    "after:*/rollouts/steps=10-19/merged-*.parquet+sweep",  # a pass that deletes retired files, killed
 ])
 def test_a_kill_during_a_pass_loses_nothing_and_doubles_nothing(tmp_path, point):
+    point, sweep = point.removesuffix("+sweep"), point.endswith("+sweep")
     make_run(tmp_path)
     before = snapshot(tmp_path)
+    if sweep:  # files retired by an earlier pass (steps 1-9) are due for deletion in the killed one
+        compact_run(tmp_path, closed=9, width=10)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
            "RLPIPE_TEST_KILL": point}
-    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), "0" if sweep else "600"], env=env,
+                           capture_output=True, timeout=120)
     assert child.returncode == -9, child.stderr.decode()[-2000:]
     assert snapshot(tmp_path) == before
     compact_run(tmp_path, closed=21, width=10)  # the next pass finishes
     assert snapshot(tmp_path) == before
     assert all(len(fresh_files(tmp_path, table)) == 6 for table in TABLES)
+    compact_run(tmp_path, closed=21, width=10, grace=0)  # retired files (and a killed pass's) go
+    assert snapshot(tmp_path) == before
+    left = {p.relative_to(tmp_path / "tables").parts[:2] for p in (tmp_path / "tables").rglob("*.parquet")}
+    assert all(part.startswith(("steps=", "step=2", "_schema")) for _, part in left), sorted(left)
+
+
+WRITER = """
+import sys
+from tests.synthetic_runs import synthetic_step
+from rlpipe.storage.writer import write_table
+write_table(sys.argv[1], "scores", 13, synthetic_step(13, run_id="r", n_groups=1, group_size=4, n_token_rows=0)["scores"],
+            run_id="r")
+"""
+
+
+def test_a_write_killed_between_its_file_and_its_snapshot_is_not_read_and_is_written_again(tmp_path):
+    make_run(tmp_path, steps=12)
+    before = snapshot(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "RLPIPE_TEST_KILL": "after:*/scores/step=13/part-0.parquet"}
+    child = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    assert (tmp_path / "tables" / "scores" / "step=3" / "part-0.parquet").is_file()
+    assert snapshot(tmp_path) == before and not is_complete(tmp_path, "scores", 13)  # a resume writes it again
+    write_table(tmp_path, "scores", 13, synthetic_step(13, run_id="r", n_groups=1, group_size=4, n_token_rows=0)["scores"],
+                run_id="r")
+    assert stored_steps(tmp_path, "scores") == list(range(1, 14)) and read_table(tmp_path, "scores", 13).num_rows == 4
 
 
 def test_the_background_writer_compacts_after_the_writes_queued_before(tmp_path):
@@ -153,3 +192,21 @@ def test_a_mixtures_rollouts_split_by_environment_stay_fresh_while_its_other_tab
     rows = read_table(tmp_path, "rollouts")
     assert rows.num_rows == 12 * 3 * 4 and set(rows.column("env").to_pylist()) == {"add", "count"}
     assert pc.all(pc.equal(read_table(tmp_path, "rollouts", 7).column("step"), 7)).as_py()
+
+
+def test_a_run_written_before_snapshots_reads_as_it_is_and_becomes_one_at_its_next_write(tmp_path):
+    """A table folder without `_snapshot.json` (today's layout before snapshots, or a torn one)
+    is read from its files by the fresh-wins rule; its next write or pass commits a snapshot."""
+    make_run(tmp_path)
+    compact_run(tmp_path, closed=21, width=10)
+    before = snapshot(tmp_path)
+    for table in TABLES:  # as an earlier rlpipe left it: the snapshot files gone, the data files kept
+        (tmp_path / "tables" / table / "_snapshot.json").unlink()
+    (tmp_path / "tables" / "groups" / "step=3" / "part-0.parquet").unlink(missing_ok=True)  # merged away before
+    assert snapshot(tmp_path) == before
+    (tmp_path / "tables" / "scores" / "_snapshot.json").write_text('{"format": 1, "vers')  # torn by a power cut
+    assert snapshot(tmp_path) == before
+    write_table(tmp_path, "scores", 26, synthetic_step(26, run_id="r", n_groups=3, group_size=4, n_token_rows=2)["scores"],
+                run_id="r")
+    assert stored_steps(tmp_path, "scores") == list(range(1, 27))
+    assert (tmp_path / "tables" / "scores" / "_snapshot.json").read_text().startswith('{"format":1')

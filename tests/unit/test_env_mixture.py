@@ -143,9 +143,9 @@ def _round_rows(attempt: int, envs: list[str]) -> list[dict]:
 def test_a_mixture_writes_one_file_per_env_inside_the_step_and_reads_them_back_in_write_order(tmp_path):
     from rlpipe.storage.catalog import connect
     from rlpipe.storage.compaction import fresh_files
-    from rlpipe.storage.layout import mark_env_partitioned, step_files
+    from rlpipe.storage.layout import mark_env_partitioned
     from rlpipe.storage.stage_tables import load_rows_beyond
-    from rlpipe.storage.writer import is_complete, read_table, write_table
+    from rlpipe.storage.writer import compact_run, is_complete, read_table, step_files, write_table
 
     mark_env_partitioned(tmp_path)
     first = _round_rows(1, ["b", "a", "b"])
@@ -164,11 +164,15 @@ def test_a_mixture_writes_one_file_per_env_inside_the_step_and_reads_them_back_i
     con = connect([tmp_path])
     assert dict(con.sql("select env, count(*) from rollouts group by env").fetchall()) == {"a": 4, "b": 6, "c": 2}
     # a rewrite with fewer environments, and an empty one, leave no file of the old write behind
+    # (once a pass has deleted the files retired from the table's snapshot)
     write_table(tmp_path, "rollouts", 3, _round_rows(1, ["a"]))
     assert [p.parent.name for p in step_files(tmp_path, "rollouts", 3)] == ["env=a"]
+    assert read_table(tmp_path, "rollouts").num_rows == 2
+    compact_run(tmp_path, closed=0, grace=0)
     assert not (step / "env=b").exists()
     write_table(tmp_path, "rollouts", 3, [])
     assert step_files(tmp_path, "rollouts", 3) == [step / "part-0.parquet"]
+    compact_run(tmp_path, closed=0, grace=0)
     assert not list(step.glob("env=*/*.parquet"))
     # the other tables, and runs that are no mixture, keep one file per step
     write_table(tmp_path, "groups", 3, [])

@@ -363,3 +363,19 @@ def test_canned_queries_are_found_from_any_working_folder(tmp_path):
     out = warm_cli.run([sys.executable, "-m", "rlpipe.flows.cli", "sql", "--list"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "reward_by_step" in out.stdout and "rescore_compare" in out.stdout, out.stderr
+
+
+def test_as_of_step_reads_every_table_and_view_as_the_run_stood_after_that_step(runs, capsys):
+    run_dirs, _ = runs
+    first, last = STEPS[0], STEPS[-1]
+    dirs = [str(run) for run in run_dirs]
+    assert sql_main([*dirs, "--as-of-step", str(first), "--format", "json",
+                     "select (select max(step) from rollouts) r, (select max(step) from scores) s, "
+                     "(select max(step) from fates) f, (select count(distinct step) from groups) g"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"r": first, "s": first, "f": first, "g": 1}]
+    assert sql_main([*dirs, "--as-of-step", str(last), "--query", "reward_by_step", "--format", "csv"]) == 0
+    whole = capsys.readouterr().out
+    assert sql_main([*dirs, "--query", "reward_by_step", "--format", "csv"]) == 0
+    assert capsys.readouterr().out == whole  # as of the last step: the same answer, byte for byte
+    assert sql_main([*dirs, "--as-of-step", "-1", "select 1"]) == 2
+    assert "--as-of-step must be >= 0" in capsys.readouterr().err
