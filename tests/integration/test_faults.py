@@ -253,8 +253,8 @@ def test_ctrl_c_stops_a_run_in_seconds_with_one_line(tmp_path):
     runs, env = tmp_path / "runs", env_for(tmp_path)
     run_dir = runs / "ctrlc"
     log = tmp_path / "ctrlc.log"
-    process = subprocess.Popen(cli(*run_args(runs, "ctrlc")), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=log.open("w"), start_new_session=True)
+    process = warm_cli.Popen(cli(*run_args(runs, "ctrlc")), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=log.open("w"), start_new_session=True)
     try:
         trigger = partition(run_dir, ("sft", "train_steps", 2))
         deadline = time.monotonic() + STEP_TIMEOUT_S

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("RLPIPE_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 TOLERANCE = 1e-4  # float32 on both sides: measured 5e-7 to 1e-6
 # the trainer in float32 too: on a CPU with AVX512-BF16 the default trains under bf16 autocast
-# (a gap of 3e-3 to 8e-3 against vLLM's float32 sampling, measured on an AMD EPYC)
+# (a gap of 3e-3 to 8e-3 against vLLM's float32 sampling, measured on a CPU with AVX512-BF16)
 FLOAT32 = ["--set", "model.bf16_autocast=false"]
 MOE_LAYERS = 2  # tiny-moe: every one of its 2 layers is sparse
 
