@@ -12,7 +12,9 @@ settings are fixed when it is imported), not MLflow (it starts threads at import
 rlpipe. A command whose environment differs from the zygote's in any variable that a library may
 read at import (anything but PREFECT_*, RLPIPE_*, PYTEST_* and the MLflow store URIs: HF_HOME,
 OMP_NUM_THREADS, ... ) runs as an ordinary subprocess, as does any other command. So do all
-commands when RLPIPE_TEST_COLD_CLI=1.
+commands when RLPIPE_TEST_COLD_CLI=1. The one difference allowed in PYTHONPATH is folders put
+before it that hold a sitecustomize.py (the fault hooks): the child runs each first, where a cold
+interpreter would have run it at start-up.
 
 `run` and `Popen` take the arguments of their `subprocess` namesakes that the tests use.
 """
@@ -37,8 +39,28 @@ LAZY_NAMES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 CLI_MODULE = "rlpipe.flows.cli"
 
 
+# the disk-full hooks replace library functions (safetensors' save_file, ...) that transformers
+# binds when it is imported: a command that arms them runs cold
+COLD_NAMES = ("RLPIPE_TEST_ENOSPC",)
+
+
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if not k.startswith(LAZY_PREFIXES) and k not in LAZY_NAMES}
+    return {k: v for k, v in env.items()
+            if k in COLD_NAMES or not (k.startswith(LAZY_PREFIXES) or k in LAZY_NAMES)}
+
+
+def hook_dirs(env: dict[str, str], base: dict[str, str]) -> list[str] | None:
+    """The folders that `env`'s PYTHONPATH puts before `base`'s, if each holds a sitecustomize.py
+    (tests/fault_hooks: a cold interpreter runs it at start-up, the warm child runs it first);
+    None if PYTHONPATH differs in any other way."""
+    given, known = env.get("PYTHONPATH", ""), base.get("PYTHONPATH", "")
+    if given == known:
+        return []
+    if known and not given.endswith(os.pathsep + known):
+        return None
+    extra = (given[: -len(known) - 1] if known else given).split(os.pathsep)
+    extra = [d for d in extra if d]
+    return extra if all(os.path.isfile(os.path.join(d, "sitecustomize.py")) for d in extra) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,6 +81,10 @@ def become(request: dict, fds: list[int]) -> None:
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
     sys.argv = [CLI_MODULE, *request["args"]]
     import runpy
+
+    for position, folder in enumerate(request["hooks"], start=1):  # as PYTHONPATH places them
+        sys.path.insert(position, folder)
+        runpy.run_path(os.path.join(folder, "sitecustomize.py"), run_name="sitecustomize")
 
     runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
     raise SystemExit(0)
@@ -149,8 +175,9 @@ class Zygote:
                     self.cpu_s[message["ended"]] = message["cpu_s"]
                     self.ended.notify_all()
 
-    def start(self, args: list[str], env: dict[str, str], cwd: str, fds: list[int], new_session: bool) -> int:
-        request = {"args": args, "env": env, "cwd": cwd, "new_session": new_session}
+    def start(self, args: list[str], env: dict[str, str], hooks: list[str], cwd: str, fds: list[int],
+              new_session: bool) -> int:
+        request = {"args": args, "env": env, "hooks": hooks, "cwd": cwd, "new_session": new_session}
         with self.lock:
             socket.send_fds(self.channel, [json.dumps(request).encode() + b"\n"], fds)
             return self.started.get(timeout=60)
@@ -180,7 +207,9 @@ def warm_args(args, env) -> list[str] | None:
     args = [str(a) for a in args]
     if args[:3] != [sys.executable, "-m", CLI_MODULE]:
         return None
-    if import_time_env(dict(os.environ if env is None else env)) != import_time_env(zygote().env):
+    env, base = dict(os.environ if env is None else env), zygote().env
+    hooks = hook_dirs(env, base)
+    if hooks is None or {**import_time_env(env), "PYTHONPATH": ""} != {**import_time_env(base), "PYTHONPATH": ""}:
         return None
     return args[3:]
 
@@ -209,9 +238,10 @@ class WarmProcess:
         if merged:
             os.close(fds[2])
             fds = (fds[0], fds[1], fds[1])
+        env = dict(os.environ if env is None else env)
         try:
-            self.pid = zygote().start(warm_args(args, env), dict(os.environ if env is None else env),
-                                      str(cwd or os.getcwd()), list(fds), start_new_session)
+            self.pid = zygote().start(warm_args(args, env), env, hook_dirs(env, zygote().env), str(cwd or os.getcwd()),
+                                      list(fds), start_new_session)
         finally:
             for fd in set(fds):
                 os.close(fd)

@@ -1,0 +1,81 @@
+"""tests/warm_cli.py: a CLI command forked from the warm zygote behaves as the process a cold
+`python -m rlpipe.flows.cli` would be: its own pid and session, the environment, working folder
+and streams it was given, a sitecustomize put before PYTHONPATH run first, its exit status and
+the signal that killed it; anything else runs cold."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import warm_cli
+
+pytestmark = pytest.mark.slow
+
+HOOK = """\
+import json, os, sys, time
+with open(os.environ["WARM_MARK"], "w") as f:
+    json.dump({"pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(), "path0": sys.path[0],
+               "torch_loaded": "torch" in sys.modules, "marker": os.environ.get("RLPIPE_WARM_MARKER")}, f)
+if os.environ.get("RLPIPE_WARM_SLEEP"):
+    time.sleep(120)
+"""
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlpipe.flows.cli", *args]
+
+
+def test_a_warm_child_is_a_process_of_its_own_with_what_it_was_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLPIPE_TEST_COLD_CLI", raising=False)
+    hooks, work = tmp_path / "hooks", tmp_path / "work"
+    hooks.mkdir(), work.mkdir()
+    (hooks / "sitecustomize.py").write_text(HOOK)
+    mark = tmp_path / "mark.json"
+    base = dict(os.environ)
+    env = {**base, "WARM_MARK": str(mark), "RLPIPE_WARM_MARKER": "given",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), base.get("PYTHONPATH")]))}
+    # WARM_MARK is not a variable the zygote may ignore: with it, the command runs cold
+    assert warm_cli.warm_args(cli("--help"), env) is None
+    env.pop("WARM_MARK")
+    env["RLPIPE_WARM_MARK"] = str(mark)  # RLPIPE_* may differ: read when used
+    (hooks / "sitecustomize.py").write_text(HOOK.replace('"WARM_MARK"', '"RLPIPE_WARM_MARK"'))
+    assert warm_cli.warm_args(cli("--help"), env) == ["--help"]
+
+    # a config file that is not there: one line on stderr, exit 2
+    done = warm_cli.run(cli("run", "missing.toml"), env=env, cwd=work, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "missing.toml" in done.stderr
+    seen = json.loads(mark.read_text())
+    assert seen["pid"] != os.getpid() and seen["cwd"] == str(work) and seen["path0"] == str(work)
+    assert seen["marker"] == "given" and seen["torch_loaded"]  # warm: torch came from the zygote
+
+    # killed in its own session, as the fault tests kill a run
+    mark.unlink()
+    process = warm_cli.Popen(cli("run", "missing.toml"), env={**env, "RLPIPE_WARM_SLEEP": "1"}, cwd=work,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = json.loads(mark.read_text())
+    assert seen["pid"] == process.pid and seen["sid"] == process.pid and process.poll() is None
+    os.killpg(process.pid, signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm_cli.run(cli("run", "missing.toml"), env={**env, "RLPIPE_WARM_SLEEP": "1"}, cwd=work, timeout=2)
+
+
+def test_other_commands_and_a_cold_request_run_as_plain_subprocesses(monkeypatch):
+    assert warm_cli.warm_args([sys.executable, "-c", "pass"], None) is None
+    assert warm_cli.warm_args(cli("run", b"a\xffb"), None) is None  # bytes: only exec passes them as they are
+    assert warm_cli.warm_args(cli("--help"), {**os.environ, "HF_HOME": "/elsewhere"}) is None
+    monkeypatch.setenv("RLPIPE_TEST_COLD_CLI", "1")
+    assert warm_cli.warm_args(cli("--help"), None) is None
+    done = warm_cli.run([sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert isinstance(done, subprocess.CompletedProcess) and done.returncode == 3
