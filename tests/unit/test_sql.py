@@ -363,3 +363,12 @@ def test_canned_queries_are_found_from_any_working_folder(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlpipe.flows.cli", "sql", "--list"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "reward_by_step" in out.stdout and "rescore_compare" in out.stdout, out.stderr
+
+
+def test_a_wide_table_is_printed_whole_not_cut_at_80_columns(runs, capsys):
+    run_dirs, _ = runs
+    columns = ", ".join(f"'value_of_column_{i}_in_full' as column_name_number_{i}" for i in range(6))
+    assert sql_main([str(run_dirs[0]), f"select {columns} from scores limit 1"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert all(f"column_name_number_{i}" in out and f"value_of_column_{i}_in_full" in out for i in range(6))
