@@ -11,6 +11,7 @@ moved to another place is refused naming that place (`moved_key_errors`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import tomllib
@@ -104,19 +105,62 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def format_validation_error(error: ValidationError, source: str) -> str:
-    """One line per problem of a failed validation, each naming its dotted key."""
-    problems = []
-    for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(root)"
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key"
-        problems.append(f"{key}: {message}")
+def format_validation_error(error: ValidationError, source: str, model: type[BaseModel] | None = None) -> str:
+    """One line per problem of a failed validation, each naming its dotted key, in our words (an
+    unknown key of `model` with the closest known one: "did you mean ...?")."""
+    problems = [_problem(item, model) for item in error.errors()]
     where = f"invalid config {source}".rstrip()
     if len(problems) == 1:  # the usual case: one line
         return f"{where}: {problems[0]}"
     return "\n".join([f"{where}:", *(f"  {problem}" for problem in problems)])
+
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+           "less_than": ("lt", "<")}
+
+
+def _problem(item: dict, model: type[BaseModel] | None) -> str:
+    """`key: what is wrong` for one pydantic error; a model validator's own message as it is (it
+    names its keys)."""
+    loc = item["loc"]
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    kind, message = item["type"], item["msg"]
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(str(loc[-1]), _fields_at(model, loc[:-1]), n=1)
+        parent = key[: len(key) - len(str(loc[-1]))]
+        return f"{key}: unknown key" + (f"; did you mean {parent}{close[0]}?" if close else "")
+    if kind == "missing":
+        return f"{key}: required, but not given"
+    if kind == "value_error":  # our validators: ValueError("rl.x (..) must ...") naming the key
+        message = str(item.get("ctx", {}).get("error", message.removeprefix("Value error, ")))
+        return message if not key or message.startswith(key.split("[")[0]) else f"{key}: {message}"
+    if kind in _BOUNDS:
+        bound, sign = _BOUNDS[kind]
+        message = f"must be {sign} {item['ctx'][bound]}"
+    else:
+        message = message.replace("Input should be", "must be").replace("Assertion failed, ", "")
+    given = item.get("input")
+    shown = "" if isinstance(given, dict | list) or given is None else f", got {given!r}"
+    return f"{key or '(config)'}: {message}{shown}"
+
+
+def _fields_at(model: type[BaseModel] | None, loc: tuple) -> list[str]:
+    """The field names of the section of `model` at `loc` ([] when unknown)."""
+    for part in loc:
+        if model is None:
+            return []
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        model = _section_type(field.annotation) if field is not None else None
+    return list(model.model_fields) if model is not None else []
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds: itself, or the item of a list or an optional."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((found for arg in typing.get_args(annotation) if (found := _section_type(arg))), None)
 
 
 def describe_fields(model: type[BaseModel], prefix: str = "") -> list[str]:

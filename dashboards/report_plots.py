@@ -65,10 +65,18 @@ def present(plots: Iterable[dict | None]) -> list[dict]:
     return [item for item in plots if item is not None]
 
 
+def _within(value, low, high):
+    """`value` clipped to [low, high]; None stays None."""
+    if value is None or low is None or high is None:
+        return value
+    return min(max(value, low), high)
+
+
 def reward_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
     rows = r["reward_by_step"]
-    band = (lambda row: _minus(row["reward_mean"], row["reward_std"]),
-            lambda row: _plus(row["reward_mean"], row["reward_std"]))
+    # ±1 std, kept within the rewards the step saw (a 0/1 reward's band stays in [0, 1])
+    band = (lambda row: _within(_minus(row["reward_mean"], row["reward_std"]), row["reward_min"], row["reward_max"]),
+            lambda row: _within(_plus(row["reward_mean"], row["reward_std"]), row["reward_min"], row["reward_max"]))
     return present([
         plot("reward", "Reward", "reward_by_step",
              series(rows, order, "reward_mean", bands=[band]) + series(rows, order, "reward_min", style="dotted")
@@ -76,7 +84,8 @@ def reward_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
              y_label="reward", subtitle="mean; band ±1 std; dotted: min and max"),
         plot("reward_errors", "Reward function errors", "reward_by_step",
              series(rows, order, lambda row: row["n_errors"] / row["n"] if row["n"] else None),
-             y_label="share of completions", percent=True, optional=not any(row["n_errors"] for row in rows)),
+             y_label="share of completions", y_range=(0, 1), percent=True,
+             optional=not any(row["n_errors"] for row in rows)),
     ])
 
 

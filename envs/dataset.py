@@ -151,6 +151,8 @@ def _hub_rows(spec: str, split: str, revision: str) -> list[dict[str, Any]]:
     name, _, config = spec.removeprefix(HUB_PREFIX).partition(":")
     if not name:
         raise ValueError(f"dataset {spec!r}: want hf:NAME or hf:NAME:CONFIG")
+    if (cached := _unreachable_hub_snapshot(spec, name, revision)) is not None:
+        return _load_with_datasets(lambda: datasets.load_dataset(cached, config or None, split=split), spec).to_list()
     try:
         loaded = datasets.load_dataset(name, config or None, split=split, revision=revision or None)
     except ConnectionError as offline:
@@ -164,6 +166,33 @@ def _hub_rows(spec: str, split: str, revision: str) -> list[dict[str, Any]]:
     except (ValueError, FileNotFoundError, OSError) as error:
         raise ValueError(f"dataset {spec!r} (split {split!r}): {_first_line(error)}") from None
     return loaded.to_list()
+
+
+class HubUnreachable(ConnectionError, ValueError):
+    """A hub dataset neither cached nor reachable: nothing in the options to fix (a ValueError
+    like every other dataset problem, a ConnectionError for what is at fault)."""
+
+
+def _unreachable_hub_snapshot(spec: str, name: str, revision: str) -> str | None:
+    """None when the hub answers for dataset `name` (one request, no retries); when it cannot be
+    reached (no network, HF_HUB_OFFLINE=1), the dataset's snapshot in the hub cache, or
+    HubUnreachable in one line: `datasets` would retry a dead hub for half a minute first."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi().dataset_info(name, revision=revision or None, timeout=10)
+        return None
+    except HfHubHTTPError:
+        return None  # reached: load_dataset names what is wrong (no such repo, gated, revision)
+    except Exception:  # noqa: BLE001 - a transport error of whichever HTTP client the hub library uses
+        pass
+    try:
+        return snapshot_download(name, repo_type="dataset", revision=revision or None, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached
+        raise HubUnreachable(f"hub dataset {spec!r} is not in the Hugging Face cache and the hub cannot be reached "
+                              "(no network, or HF_HUB_OFFLINE=1): download it once online, or give a local file "
+                              "or folder") from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -266,7 +295,9 @@ class DatasetEnv(SingleTurnEnv):
     def _load(self, path: str, split: str, source: str) -> list[Example]:
         cfg = self.config
         rows = read_dataset(path, split, cfg.revision)
-        columns = {} if cfg.prompt_template else {"prompt_column": cfg.prompt_column}
+        # with a template the prompt column is unused, but one the config names must still exist
+        named = not cfg.prompt_template or cfg.prompt_column != DatasetConfig.prompt_column
+        columns = {"prompt_column": cfg.prompt_column} if named else {}
         columns["answer_column"] = cfg.answer_column
         if cfg.id_column:
             columns["id_column"] = cfg.id_column

@@ -207,14 +207,17 @@ def _nested_as_json(table: pa.Table) -> pa.Table:
 
 def _render(table: pa.Table, max_rows: int, out: str | None) -> None:
     from rich.console import Console  # rich only for this format
+    from rich.measure import Measurement
     from rich.table import Table
 
     view = Table(show_header=True, header_style="bold")
-    for name in table.column_names:
-        view.add_column(name)
+    for name in table.column_names:  # a cell too wide for the screen wraps, never ends in '…'
+        view.add_column(name, overflow="fold", min_width=min(len(name), 24))
     for row in table.slice(0, max_rows).to_pylist():
         view.add_row(*(_cell(value) for value in row.values()))
-    console = Console(file=io.StringIO(), width=200) if out else Console()
+    console = Console(file=io.StringIO()) if out else Console()
+    if out or not console.is_terminal:  # a file or a pipe: every table at its full width
+        console.width = max(console.width, Measurement.get(console, console.options.update_width(10**5), view).maximum)
     console.print(view)
     shown = min(max_rows, table.num_rows)
     console.print(

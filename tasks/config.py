@@ -137,7 +137,7 @@ def validate_config(data: dict, source: str = "") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error, source)) from None
+        raise ConfigError(format_validation_error(error, source, RunConfig)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
@@ -151,7 +151,15 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"config {path} is not UTF-8 text: {error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config {path} is not valid TOML: {error}") from None
-    return validate_config(apply_overrides(data, list(overrides)), str(path))
+    try:
+        return validate_config(apply_overrides(data, list(overrides)), str(path))
+    except ConfigError:
+        if not overrides:
+            raise
+        validate_config(data, str(path))  # the file alone is wrong: said against the file
+        # else only the overrides made it wrong: said against them
+        given = " ".join(overrides).encode("utf-8", "backslashreplace").decode("utf-8")  # printable as given
+        return validate_config(apply_overrides(data, list(overrides)), f"(--set {given})")
 
 
 def read_run_config(data: dict, source: str = "") -> RunConfig:

@@ -36,6 +36,9 @@ def _check(key: str, fix: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except ConfigError:
         raise
+    except ConnectionError as error:  # what it needs cannot be fetched: nothing to fix in the config
+        message = _one_line(error)
+        raise ConfigError(message if message.startswith(key) else f"{key}: {message}") from None
     except Exception as error:  # noqa: BLE001 - whatever the component raises, named by its key
         message = _one_line(error)
         named = message if message.startswith(key) else f"{key}: {message}"

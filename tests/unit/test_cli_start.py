@@ -39,7 +39,8 @@ def test_config_errors_and_help_come_before_any_heavy_import(tmp_path, args, cod
     assert returncode == code, err
     assert json.loads(out.strip().splitlines()[-1]) == {"heavy": []}
     if code == 2:
-        assert err.strip().endswith("rl.stepz: unknown key"), err
+        assert err.strip().endswith("rl.stepz: unknown key; did you mean rl.steps?"), err
+        assert ("(--set rl.stepz=3)" in err) == ("--set" in args), err  # said against what made it
         assert len(err.strip().splitlines()) == 1, err
     assert seconds < 10, seconds  # about 1 s; the bound leaves room for a loaded machine
 

@@ -28,7 +28,7 @@ def test_bad_value_is_named(tmp_path):
         load_config(write(tmp_path, "[rl]\ngroup_size = 0\n"))
     with pytest.raises(ConfigError, match=r"flow"):
         load_config(write(tmp_path, 'flow = "dpo"\n'))
-    with pytest.raises(ConfigError, match=r"^invalid config .*: checkpoint\.keep_last: Input should be greater"):
+    with pytest.raises(ConfigError, match=r"^invalid config .*: checkpoint\.keep_last: must be >= 0, got -1$"):
         load_config(write(tmp_path, "[checkpoint]\nkeep_last = -1\n"))
     assert load_config(write(tmp_path, "[checkpoint]\nkeep_last = 3\n")).checkpoint.keep_last == 3
 
@@ -86,7 +86,7 @@ def test_non_finite_numbers_are_refused_by_name(key, value):
 
 def test_non_finite_strings_are_refused_too():
     # config.json read back by `rlpipe resume` could carry "inf" as a string
-    with pytest.raises(ConfigError, match=r"rl\.optim\.lr: Input should be a finite number"):
+    with pytest.raises(ConfigError, match=r"rl\.optim\.lr: must be a finite number"):
         validate_config({"rl": {"optim": {"lr": "inf"}}})
 
 
@@ -110,7 +110,7 @@ def test_an_inline_api_token_is_refused_with_where_to_put_it():
 ])
 def test_a_loss_combination_is_refused_at_validation(rl, message):
     # the loss registry (training/rl_loss.py) decides; the config refuses before a run starts
-    with pytest.raises(ConfigError, match=r"rl: Value error, " + re.escape(message)):
+    with pytest.raises(ConfigError, match=r"^invalid config: " + re.escape(message)):
         validate_config({"rl": rl})
 
 
@@ -184,3 +184,31 @@ def test_lora_and_kl_are_accepted_under_data_parallelism(parallel):
     config = load_config(ROOT / "configs" / "tiny.toml",
                          [f"train.parallel={parallel}", "model.lora.rank=4", "rl.loss.kl_coef=0.05"])
     assert (config.train.parallel, config.model.lora.rank, config.rl.loss.kl_coef) == (parallel, 4, 0.05)
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"rl": {"buffer": {"max_atempts": 3}}}, "rl.buffer.max_atempts: unknown key; did you mean rl.buffer.max_attempts?"),
+    ({"task": {"envs": [{"env": "arithmetic", "name": "a", "wieght": 2}]}},
+     "task.envs[0].wieght: unknown key; did you mean task.envs[0].weight?"),
+    ({"rl": {"scoring": {"overlong_buffer": 99}, "sampling": {"max_new_tokens": 4}}},
+     "rl.scoring.overlong_buffer (99) exceeds rl.sampling.max_new_tokens (4)"),
+    ({"rl": {"steps": -1}}, "rl.steps: must be >= 0, got -1"),
+    ({"task": {"envs": [{"env": "arithmetic"}]}}, "task.envs[0].name: required, but not given"),
+])
+def test_config_errors_are_in_our_words(data, says):
+    with pytest.raises(ConfigError) as error:
+        validate_config(data)
+    message = str(error.value)
+    assert message == f"invalid config: {says}"
+    for pydantic in ("Extra inputs", "Value error", "(root)", "Input should", "Field required"):
+        assert pydantic not in message
+
+
+def test_a_set_typo_is_said_against_the_set_and_a_file_typo_against_the_file(tmp_path):
+    with pytest.raises(ConfigError) as typo:
+        load_config(ROOT / "configs" / "tiny.toml", ["rl.stepz=3"])
+    assert str(typo.value) == "invalid config (--set rl.stepz=3): rl.stepz: unknown key; did you mean rl.steps?"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[rl]\nstepz = 3\n')
+    with pytest.raises(ConfigError, match=rf"^invalid config {re.escape(str(bad))}: rl\.stepz: unknown key"):
+        load_config(bad, ["rl.steps=3"])

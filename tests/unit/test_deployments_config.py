@@ -38,3 +38,10 @@ def test_the_pipeline_deployment_shows_its_stages_as_task_runs():
     (pipeline,) = [d for d in DEPLOYMENTS if d["name"] == "pipeline"]
     config = load_config(ROOT / pipeline["parameters"]["config_path"], pipeline["parameters"]["overrides"])
     assert config.tracking.prefect_task_runs
+
+
+def test_prefect_yaml_pins_the_installed_prefect_or_none():
+    import prefect
+
+    pinned = yaml.safe_load((ROOT / "prefect.yaml").read_text()).get("prefect-version")
+    assert pinned in (None, prefect.__version__), f"prefect.yaml pins {pinned}, {prefect.__version__} is installed"

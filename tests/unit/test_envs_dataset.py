@@ -208,3 +208,44 @@ def test_a_hub_dataset_at_a_pinned_revision_and_literal_braces_in_the_template(t
     with pytest.raises(ValueError, match="hf:openai/gsm8k:main"):
         build_env("dataset", path="hf:openai/gsm8k:main", revision="0" * 40, prompt_column="question",
                   answer_column="answer")
+
+
+def test_a_hub_dataset_out_of_reach_fails_at_once_in_one_line(tmp_path, monkeypatch, capfd):
+    """No network (a hub endpoint that refuses connections) and no cached copy: one line saying
+    so, after one request, with no retry lines (`datasets` alone retried for half a minute);
+    pre-flight names it without asking to change the options. A cached copy still loads."""
+    import time
+
+    import datasets
+    from huggingface_hub import constants
+    from rlpipe.core.config import ConfigError
+    from rlpipe.tasks.preflight import _check
+
+    from tests.hub_cache import tiny_hub_gsm8k, use_hub_cache
+
+    use_hub_cache(monkeypatch, tmp_path / "hf")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", "http://127.0.0.1:9")
+    began = time.perf_counter()
+    with pytest.raises(ConfigError) as error:
+        _check("task.options", "give task.options that environment 'dataset' accepts",
+               lambda: build_env("dataset", path="hf:nobody/nothing", prompt_column="question"))
+    assert time.perf_counter() - began < 5
+    assert str(error.value) == ("task.options: hub dataset 'hf:nobody/nothing' is not in the Hugging Face cache and "
+                                "the hub cannot be reached (no network, or HF_HUB_OFFLINE=1): download it once online, "
+                                "or give a local file or folder")
+    assert "Retrying" not in capfd.readouterr().err
+    tiny_hub_gsm8k(tmp_path / "hf", train=4, test=2)
+    env = build_env("dataset", path="hf:openai/gsm8k:main", prompt_column="question", eval_split="test")
+    assert len(env.examples("train")) == 4
+
+
+def test_a_prompt_column_that_is_not_there_is_refused_with_a_template_too(tmp_path):
+    path = _write_jsonl(tmp_path / "t.jsonl", ROWS)
+    with pytest.raises(ValueError, match=r"column 'questoin' \(prompt_column\) missing.*question"):
+        build_env("dataset", path=str(path), prompt_column="questoin", prompt_template="Q: {question}",
+                  answer_column="solution")
+    env = build_env("dataset", path=str(path), prompt_template="Q: {question}", answer_column="solution")
+    assert env.reset(env.examples("train")[0])[-1]["content"].startswith("Q: ")

@@ -255,12 +255,12 @@ def test_starting_fails_in_one_line_naming_the_server(server_script, http_url, t
 
 
 @pytest.mark.parametrize(("entry", "message"), [
-    ('name = "a"', "task.mcp_servers.0: Value error, MCP server 'a': give exactly one of command (stdio) or url"),
+    ('name = "a"', "task.mcp_servers[0]: MCP server 'a': give exactly one of command (stdio) or url"),
     ('name = "a"\ncommand = "x"\nurl = "http://h/mcp"', "give exactly one of command (stdio) or url"),
     ('name = "a"\nurl = "ftp://h/mcp"', "url must start with http:// or https://, got 'ftp://h/mcp'"),
     ('name = "a"\ncommand = "x"\nheaders = { k = "v" }', "headers and headers_env apply to url servers only"),
     ('name = "a"\nurl = "http://h/mcp"\npass_env = ["K"]', "args, env, pass_env and cwd apply to command servers only"),
-    ('name = "a"\ncommand = "x"\ncall_timeout_s = 0', "task.mcp_servers.0.call_timeout_s: Input should be greater than 0"),
+    ('name = "a"\ncommand = "x"\ncall_timeout_s = 0', "task.mcp_servers[0].call_timeout_s: must be > 0"),
     ('name = "a"\ncommand = "x"\n[[task.mcp_servers]]\nname = "a"\nurl = "http://h/mcp"',
      "server names must be unique, repeated: a"),
     ('name = "a"\ncommand = "x"\n[task]\ntool_call_parser = "nope"', "unknown parser 'nope'; known: calculator, hermes"),

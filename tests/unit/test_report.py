@@ -71,8 +71,13 @@ def test_rl_run_plots_are_the_canned_query_results(runs):
     assert line["x"] == list(RL_STEPS)
     assert line["y"] == pytest.approx([row["reward_mean"] for row in rows], rel=1e-5)
     band = line["bands"][0]
-    assert band["lo"] == pytest.approx([row["reward_mean"] - row["reward_std"] for row in rows], rel=1e-4, abs=1e-6)
-    assert band["hi"] == pytest.approx([row["reward_mean"] + row["reward_std"] for row in rows], rel=1e-4)
+    # ±1 std within the step's [min, max]: a 0/1 reward's band never leaves [0, 1]
+    assert band["lo"] == pytest.approx([max(row["reward_mean"] - row["reward_std"], row["reward_min"]) for row in rows],
+                                       rel=1e-4, abs=1e-6)
+    assert band["hi"] == pytest.approx([min(row["reward_mean"] + row["reward_std"], row["reward_max"]) for row in rows],
+                                       rel=1e-4, abs=1e-6)
+    assert all(0 <= lo <= hi <= 1 for lo, hi in zip(band["lo"], band["hi"], strict=True))
+    assert reward["reward_errors"]["y_range"] == (0, 1)  # a share: 0-100%, never below 0
     dotted = [line["y"] for line in reward["reward"]["series"] if line["style"] == "dotted"]
     assert dotted == [[row["reward_min"] for row in rows], [row["reward_max"] for row in rows]]
 

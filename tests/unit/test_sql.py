@@ -379,3 +379,12 @@ def test_as_of_step_reads_every_table_and_view_as_the_run_stood_after_that_step(
     assert capsys.readouterr().out == whole  # as of the last step: the same answer, byte for byte
     assert sql_main([*dirs, "--as-of-step", "-1", "select 1"]) == 2
     assert "--as-of-step must be >= 0" in capsys.readouterr().err
+
+
+def test_a_wide_table_is_printed_whole_not_cut_at_80_columns(runs, capsys):
+    run_dirs, _ = runs
+    columns = ", ".join(f"'value_of_column_{i}_in_full' as column_name_number_{i}" for i in range(6))
+    assert sql_main([str(run_dirs[0]), f"select {columns} from scores limit 1"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert all(f"column_name_number_{i}" in out and f"value_of_column_{i}_in_full" in out for i in range(6))
