@@ -111,8 +111,8 @@ def test_config_builds_a_mixture_and_the_single_form_stays_one_env():
 
 @pytest.mark.parametrize(("task", "message"), [
     ({"envs": [{"name": "a"}, {"name": "a"}]}, "names must be unique, a given more than once"),
-    ({"envs": [{"name": "a/b"}]}, r"task\.envs\.0\.name"),
-    ({"envs": [{"name": "a", "weight": 0}]}, r"task\.envs\.0\.weight"),
+    ({"envs": [{"name": "a/b"}]}, r"task\.envs\[0\]\.name"),
+    ({"envs": [{"name": "a", "weight": 0}]}, r"task\.envs\[0\]\.weight"),
     ({"env": "countdown", "envs": [{"name": "a"}]}, "leave task.env unset"),
 ])
 def test_bad_mixtures_are_one_line_naming_the_field(task, message):

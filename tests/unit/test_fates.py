@@ -171,9 +171,11 @@ def test_the_rl_flow_logs_a_failed_steps_fate_counters_before_stopping():
             raise error
 
     tracker = NullTracker()
-    with pytest.raises(BatchFillError, match="step 3"):
-        _step_batch(FailingSource(), 3, tracker)
+    with pytest.raises(BatchFillError, match="step 3") as error:
+        _step_batch(FailingSource(), 3, tracker, RLConfig(buffer={"max_attempts": 3}).buffer)
     assert tracker.metrics == [(3, {"rollout/fate_over_cap": 24.0, "rollout/fate_zero_variance": 40.0})]
+    # what the run's last line tells a resume to change: twice the rounds, partial batches
+    assert error.value.resume_settings == ["rl.buffer.max_attempts=6", "rl.buffer.partial_batches=true"]
 
 
 def test_the_groups_rows_and_the_decisions_rows_read_one_decision():
