@@ -95,8 +95,11 @@ class TrainConfig(Section):
     fused: Literal["auto", "liger", "none"] = "auto"
     """Fused kernels of the trained model (training/fused.py): "liger" patches Qwen3's RMSNorm,
     rotary and SwiGLU with Liger Kernel's Triton kernels (needs CUDA and the `liger` extra:
-    pip install 'rlpipe[liger]'; an error where either is missing); "auto" does so where both are
-    present and the model is a Qwen3, else runs the model as is; "none" never patches. The
+    pip install 'rlpipe[liger]'; an error where either is missing); "auto" does so only where both
+    are present, the model is a Qwen3 and its layers are not compiled: under train.compile (the
+    CUDA default) Liger measured 36% slower per H100 step than compile alone (0.547 against
+    0.403 s, docs/BENCHMARKS_GPU.md), so "auto" leaves a compiled model to the compiler; "none"
+    never patches. The
     log-probs over the vocabulary always run rlpipe's chunked linear + log-softmax
     (training/logprobs.py), which never holds the [tokens, vocab] logits."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
