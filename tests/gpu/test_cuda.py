@@ -256,11 +256,12 @@ def test_liger_kernels_give_the_unpatched_log_probs_and_gradients(preset):
     pytest.importorskip("liger_kernel", reason="train.fused = 'liger' needs liger-kernel (pip install 'rlpipe[liger]')")
     from rlpipe.training.fused import apply_fused_kernels
 
-    (batch,) = pack(_sequences(6, seed=3, high=120), token_budget=4096)
+    (packed,) = pack(_sequences(6, seed=3, high=120), token_budget=4096)
 
     def logprobs_and_grads(model):
+        batch = packed.to(next(model.parameters()).device)  # every tensor where the model is
         logprobs, aux = token_logprobs(model, batch, temperature=0.8)
-        loss = -(batch.token_weights.cuda() * logprobs).sum() + (aux if aux is not None else 0.0)
+        loss = -(batch.token_weights * logprobs).sum() + (aux if aux is not None else 0.0)
         loss.backward()
         return logprobs.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
