@@ -110,6 +110,11 @@ def rlpipe_side(args, checkpoint: Path, compile: bool, zero_copy: bool = False) 
 
 
 def trl_side(args, checkpoint: Path, workdir: Path) -> dict:
+    from rlpipe.engines.vllm_lifecycle import use_sampler_without_flashinfer
+
+    # TRL builds its own vLLM: without FlashInfer, vLLM's GPU sampler fails to start unless it takes
+    # its PyTorch path, which rlpipe's engine chooses there; the same decision, before vLLM loads
+    use_sampler_without_flashinfer()
     import trl
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer

@@ -116,6 +116,47 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "head_dim": 128,
     },
+    # Qwen3-1.7B, -4B and -8B shapes (their public config.json: hidden, intermediate, layers, heads,
+    # kv heads, head_dim, rope theta, tied embeddings), randomly initialised, so benchmarks can
+    # measure memory and speed per GPU without the hub. At Qwen3's 151,936-token vocabulary:
+    # 1.72B (1.41B without embeddings), 4.02B (3.63B), 8.19B (6.95B), as Qwen publishes.
+    "qwen3-1.7b": {
+        "model_type": "qwen3",
+        **_COMMON,
+        "max_position_embeddings": 40_960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    "qwen3-4b": {
+        "model_type": "qwen3",
+        **_COMMON,
+        "max_position_embeddings": 40_960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        **_COMMON,
+        "max_position_embeddings": 40_960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "tie_word_embeddings": False,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
 }
 
 _CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}

@@ -167,7 +167,7 @@ def rl_plan(config) -> TrainerPlan:
     rl = config.rl
     normaliser, constant = rl.loss_normaliser()
     step = StepOptions(normaliser=normaliser, constant=constant, autocast=config.model.bf16_autocast,
-                       temperature=rl.sampling.temperature, entropy=True)
+                       temperature=rl.sampling.temperature, entropy=True, head=config.train.logprobs)
     options = options_from(TrainOptions, rl.optim, step=step, epochs=rl.loss.ppo_epochs)
     return TrainerPlan(optim=rl.optim, total_steps=rl.steps * rl.loss.ppo_epochs, loss=rl.policy_loss(), options=options,
                        reference=rl.loss.kl_coef > 0, engines="rollout")
@@ -176,7 +176,8 @@ def rl_plan(config) -> TrainerPlan:
 def supervised_plan(config, phase: str) -> TrainerPlan:
     """The pretrain or SFT phase's trainer: its optim section, next-token NLL, an eval engine."""
     section = getattr(config, phase)
-    step = StepOptions(normaliser=section.optim.normaliser or "token", autocast=config.model.bf16_autocast, entropy=True)
+    step = StepOptions(normaliser=section.optim.normaliser or "token", autocast=config.model.bf16_autocast, entropy=True,
+                       head=config.train.logprobs)
     options = options_from(TrainOptions, section.optim, step=step)
     return TrainerPlan(optim=section.optim, total_steps=section.steps, loss=None, options=options,
                        engines="eval")

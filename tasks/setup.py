@@ -102,7 +102,7 @@ def place_model(model, device: str, weights_dtype: str = "float32",
     if fused != "none":
         from rlpipe.training.fused import apply_fused_kernels
 
-        apply_fused_kernels(model, fused)
+        apply_fused_kernels(model, fused, compiled=compile)
     if activation_checkpointing:
         # non-reentrant: works with the packed-attention keyword arguments and no-grad inputs;
         # transformers >= 5.2x renamed the switch (the old name still works but warns)

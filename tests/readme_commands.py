@@ -124,6 +124,7 @@ COMMANDS: dict[str, str] = {
         "tests/integration/test_gsm8k_run.py runs this config with --set overrides from a hub-layout cache",
     "pip install -e '.[vllm]'": INSTALL,
     "pip install -e '.[liger]'": "installs liger-kernel, whose Triton kernels need CUDA: " + GPU,
+    "pip install -e '.[cce]'": "installs cut-cross-entropy, which imports Triton and runs on CUDA only: " + GPU,
     "rlpipe rescore RUN --reward mypkg.rewards:strict_math": PLACEHOLDER,
     "rlpipe replay": PLACEHOLDER,
     "rlpipe rescore": PLACEHOLDER,

@@ -95,10 +95,20 @@ class TrainConfig(Section):
     fused: Literal["auto", "liger", "none"] = "auto"
     """Fused kernels of the trained model (training/fused.py): "liger" patches Qwen3's RMSNorm,
     rotary and SwiGLU with Liger Kernel's Triton kernels (needs CUDA and the `liger` extra:
-    pip install 'rlpipe[liger]'; an error where either is missing); "auto" does so where both are
-    present and the model is a Qwen3, else runs the model as is; "none" never patches. The
-    log-probs over the vocabulary always run rlpipe's chunked linear + log-softmax
-    (training/logprobs.py), which never holds the [tokens, vocab] logits."""
+    pip install 'rlpipe[liger]'; an error where either is missing); "auto" does so only where both
+    are present, the model is a Qwen3 and its layers are not compiled: under train.compile (the
+    CUDA default) Liger measured 36% slower per H100 step than compile alone (0.547 against
+    0.403 s, docs/BENCHMARKS_GPU.md), so "auto" leaves a compiled model to the compiler; "none"
+    never patches. The vocabulary head is `logprobs`'s, never Liger's."""
+    logprobs: Literal["auto", "fused", "chunked"] = "auto"
+    """The LM head's log-prob path (training/fused_head.py): "chunked" is rlpipe's chunked linear +
+    log-softmax (training/logprobs.py), which never holds the [tokens, vocab] logits but writes and
+    re-reads [chunk, vocab] float32 blocks; "fused" is Apple's Cut Cross-Entropy (the `cce` extra:
+    pip install 'rlpipe[cce]'), which never writes logits at all, with exact gradients (its
+    gradient filter off); where it cannot run (no CUDA, not installed, an LM head with a bias) the
+    chunked path runs and one log line says why. "auto" is the chunked path until a GPU has
+    measured the fused head against it in a train step (benchmarks/bench_gpu.py). Entropy metrics
+    always use the chunked path, without gradient."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient

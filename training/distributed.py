@@ -45,12 +45,14 @@ class PackedPolicy(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: PackedBatch, temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = False):
+    def forward(self, batch: PackedBatch, temperature: float = 1.0, chunk_size: int = 1024, entropy: bool = False,
+                head: str = "chunked"):
         """(logprobs [T], aux loss or None), plus the entropy [T] (no gradient) with `entropy`:
         inside the forward, where FSDP2 has gathered the LM head."""
         if entropy:
-            return token_logprobs_and_entropy(self.model, batch, temperature=temperature, chunk_size=chunk_size)
-        return token_logprobs(self.model, batch, temperature=temperature, chunk_size=chunk_size)
+            return token_logprobs_and_entropy(self.model, batch, temperature=temperature, chunk_size=chunk_size,
+                                              head=head)
+        return token_logprobs(self.model, batch, temperature=temperature, chunk_size=chunk_size, head=head)
 
 
 @dataclass(frozen=True)
@@ -121,10 +123,11 @@ class DataParallel:
         return dict.fromkeys(counts, 0) if is_filler(batch) else counts
 
     def forward(self, model: nn.Module, batch: PackedBatch, *, temperature: float, chunk_size: int,
-                entropy: bool):
+                entropy: bool, head: str = "chunked"):
         """The wrapped policy's (log-probs, aux loss or None, entropy or None) of `batch`: through
         the DDP/FSDP2 module's forward (`model` is the module it wraps)."""
-        logprobs, aux, *rest = self.module(batch, temperature=temperature, chunk_size=chunk_size, entropy=entropy)
+        logprobs, aux, *rest = self.module(batch, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
+                                           head=head)
         return logprobs, aux, rest[0] if rest else None
 
     def reduce(self, loss_sum: float, aux_sum: float, fn_sums: dict[str, float], fn_weights: dict[str, float]):

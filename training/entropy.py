@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from rlpipe.models.attention import model_hidden_states
-from rlpipe.training.logprobs import _chunk_logits, _compute_dtype, selective_log_softmax
+from rlpipe.training.logprobs import _chunk_logits, _compute_dtype, head_logprobs
 
 
 @torch.no_grad()
@@ -48,14 +48,13 @@ def chunked_entropy(
 
 
 def token_logprobs_and_entropy(
-    model: torch.nn.Module, batch, temperature: float = 1.0, chunk_size: int = 1024
+    model: torch.nn.Module, batch, temperature: float = 1.0, chunk_size: int = 1024, head: str = "chunked"
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`training.logprobs.token_logprobs` plus the per-token entropy [T] (no gradient), from one
-    decoder pass: (logprobs float32 [T], router aux loss or None, entropy float32 [T])."""
+    """`training.logprobs.token_logprobs` plus the per-token entropy [T] (no gradient, always the
+    chunked head), from one decoder pass: (logprobs float32 [T], router aux loss or None, entropy
+    float32 [T])."""
     hidden, aux_loss = model_hidden_states(model, batch)
-    head = model.get_output_embeddings()
-    bias = getattr(head, "bias", None)
-    logprobs = selective_log_softmax(hidden, head.weight, batch.labels.to(hidden.device),
-                                     chunk_size=chunk_size, temperature=temperature, lm_head_bias=bias)
-    entropy = chunked_entropy(hidden, head.weight, chunk_size, temperature, bias)
+    lm_head = model.get_output_embeddings()
+    logprobs = head_logprobs(model, hidden, batch.labels, temperature, chunk_size, "eager", head)
+    entropy = chunked_entropy(hidden, lm_head.weight, chunk_size, temperature, getattr(lm_head, "bias", None))
     return logprobs, aux_loss, entropy

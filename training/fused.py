@@ -1,13 +1,22 @@
 """Fused kernels of the trained model: `train.fused` = "auto" | "liger" | "none".
 
-    used = apply_fused_kernels(model, "auto")    # "liger" or "none": what the model now runs
+    used = apply_fused_kernels(model, "auto", compiled=False)    # "liger" or "none": what it now runs
 
 "liger" patches a Qwen3 (dense or MoE) in place with Liger Kernel's Triton kernels for RMSNorm,
 rotary embeddings and SwiGLU (`apply_liger_kernel_to_qwen3[_moe](model=...)`): the elementwise
 work that held an eager H100 train step at 13% MFU (docs/BENCHMARKS_GPU.md). Triton kernels need
-CUDA, and Liger is an optional extra (`pip install 'rlpipe[liger]'`), so "auto" patches only where
-both are present and the model is one Liger knows; "liger" asks for it and is an error of one line
-where it cannot be had; "none" leaves the model as built.
+CUDA, and Liger is an optional extra (`pip install 'rlpipe[liger]'`); "liger" asks for it and is
+an error of one line where it cannot be had; "none" leaves the model as built.
+
+"auto" is chosen by measurement, not by presence (docs/BENCHMARKS_GPU.md, the note "fused
+kernels under torch.compile"): on an H100, qwen3-0.6b, fp32 master + bf16 autocast, a compiled
+train step took 0.403 s and the same step with Liger patched in 0.547 s (36% slower, MFU 31.1%
+-> 22.9%): inductor cannot analyse Liger's RMSNorm Triton kernel and treats its inputs as
+mutated, and compile already fuses what Liger fuses. So "auto" never patches a model whose
+layers are compiled (`train.compile`, the CUDA default). It patches an eager Qwen3 on CUDA with
+Liger installed: there the profile of the eager step (same note list, "where the train step's
+GPU time goes") put about 60% of it in the unfused elementwise work Liger's kernels replace.
+"liger" with compile is honoured (the user asked), though it measured slower.
 
 The vocabulary projection is never Liger's: Liger's fused linear + cross-entropy computes its
 gradient inside the forward for a loss reduced to one number, while every rlpipe loss weights
@@ -34,26 +43,32 @@ FUSED = ("auto", "liger", "none")
 LIGER_PATCHES = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
 
 
-def liger_unavailable_reason(device_type: str, model_type: str | None = None) -> str | None:
+def liger_unavailable_reason(device_type: str, model_type: str | None = None,
+                             installed: bool | None = None) -> str | None:
     """None if Liger's kernels can patch a `model_type` model (None: any it knows) on
-    `device_type`; else why not."""
+    `device_type`; else why not. installed: whether liger-kernel is importable (None: look)."""
     if device_type != "cuda":
         return f"Liger Kernel's Triton kernels need CUDA; the model trains on {device_type}"
     if model_type is not None and model_type not in LIGER_PATCHES:
         return f"rlpipe patches only {', '.join(sorted(LIGER_PATCHES))} models with Liger; this one is {model_type!r}"
-    if importlib.util.find_spec("liger_kernel") is None:
+    if installed is None:
+        installed = importlib.util.find_spec("liger_kernel") is not None
+    if not installed:
         return "liger-kernel is not installed (pip install 'rlpipe[liger]')"
     return None
 
 
-def resolve_fused(setting: str, device_type: str, model_type: str) -> str:
-    """What `train.fused` = setting comes to here: "liger" or "none". "liger" where Liger cannot
-    run is a ValueError naming why."""
+def resolve_fused(setting: str, device_type: str, model_type: str, compiled: bool = False,
+                  liger_installed: bool | None = None) -> str:
+    """What `train.fused` = setting comes to here: "liger" or "none". "auto" never picks Liger for
+    a model whose layers will be compiled (`train.compile`): measured 36% slower per step on an
+    H100 (see the module docstring). "liger" where Liger cannot run is a ValueError naming why.
+    liger_installed: whether liger-kernel is importable (None: look)."""
     if setting not in FUSED:
         raise ValueError(f"train.fused must be one of {FUSED}; got {setting!r}")
-    if setting == "none":
+    if setting == "none" or (setting == "auto" and compiled):
         return "none"
-    reason = liger_unavailable_reason(device_type, model_type)
+    reason = liger_unavailable_reason(device_type, model_type, liger_installed)
     if reason is None:
         return "liger"
     if setting == "liger":
@@ -61,12 +76,12 @@ def resolve_fused(setting: str, device_type: str, model_type: str) -> str:
     return "none"
 
 
-def apply_fused_kernels(model: nn.Module, setting: str) -> str:
+def apply_fused_kernels(model: nn.Module, setting: str, compiled: bool = False) -> str:
     """Patch `model` in place as `train.fused` = setting asks (see the module docstring); returns
-    what it now runs: "liger" or "none"."""
+    what it now runs: "liger" or "none". compiled: its layers will be compiled next (patch first)."""
     device_type = next(model.parameters()).device.type
     model_type = getattr(getattr(model, "config", None), "model_type", "")
-    used = resolve_fused(setting, device_type, model_type)
+    used = resolve_fused(setting, device_type, model_type, compiled)
     if used == "liger":
         import liger_kernel.transformers as liger
 

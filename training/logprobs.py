@@ -26,6 +26,7 @@ import torch
 from rlpipe.models.attention import model_hidden_states
 from rlpipe.models.compile import is_compiled
 from rlpipe.training import logprob_kernels as K
+from rlpipe.training.fused_head import fused_logprobs, resolve_logprobs
 
 IGNORE_INDEX = -100
 KERNELS = ("auto", "compiled", "eager")
@@ -160,28 +161,32 @@ def selective_log_softmax(
     )
 
 
+def head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                  chunk_size: int = 1024, kernels: str = "auto", head: str = "chunked") -> torch.Tensor:
+    """The labels' log-probs [T] from the decoder's hidden states [T, H] through the model's LM
+    head: `head` is `train.logprobs` ("auto" | "fused" | "chunked", training/fused_head.py), the
+    chunked path wherever the fused one cannot run."""
+    lm_head = model.get_output_embeddings()
+    bias = getattr(lm_head, "bias", None)
+    labels = labels.to(hidden.device)
+    if resolve_logprobs(head, hidden.device.type, bias is not None) == "fused":
+        return fused_logprobs(hidden, lm_head.weight, labels, temperature, IGNORE_INDEX)
+    if kernels == "auto" and use_fused_kernels(kernels, hidden.device, hidden.is_cuda and is_compiled(model)):
+        kernels = "compiled"
+    return selective_log_softmax(hidden, lm_head.weight, labels, chunk_size=chunk_size, temperature=temperature,
+                                 lm_head_bias=bias, kernels=kernels)
+
+
 def token_logprobs(
-    model: torch.nn.Module, batch, temperature: float = 1.0, chunk_size: int = 1024, kernels: str = "auto"
+    model: torch.nn.Module, batch, temperature: float = 1.0, chunk_size: int = 1024, kernels: str = "auto",
+    head: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every label of a PackedBatch under `model`.
 
-    Runs the decoder on the packed tokens (varlen attention), then the chunked selective
-    log-softmax against the LM head (tied or not, bias if any).
+    Runs the decoder on the packed tokens (varlen attention), then the LM head (tied or not, bias
+    if any): the chunked selective log-softmax, or the fused head where `head` asks and it can run.
     Returns (logprobs float32 [T], 0 at labels == -100; MoE router aux loss or None).
     kernels "auto": compiled on CUDA when the model's layers are (`train.compile`), else eager.
     """
     hidden, aux_loss = model_hidden_states(model, batch)
-    if kernels == "auto" and use_fused_kernels(kernels, hidden.device, hidden.is_cuda and is_compiled(model)):
-        kernels = "compiled"
-    head = model.get_output_embeddings()
-    labels = batch.labels.to(hidden.device)
-    logprobs = selective_log_softmax(
-        hidden,
-        head.weight,
-        labels,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        lm_head_bias=getattr(head, "bias", None),
-        kernels=kernels,
-    )
-    return logprobs, aux_loss
+    return head_logprobs(model, hidden, batch.labels, temperature, chunk_size, kernels, head), aux_loss

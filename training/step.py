@@ -53,6 +53,8 @@ class StepOptions:
     """Tokens per chunk of the LM-head log-prob computation."""
     entropy: bool = False
     """Also report the policy's mean entropy over the loss tokens (training/entropy.py)."""
+    head: str = "auto"
+    """`train.logprobs`: the LM head's log-prob path, "auto" | "fused" | "chunked" (training/fused_head.py)."""
 
 
 def _non_finite(loss: torch.Tensor, what: str, index: int, batch: PackedBatch) -> FloatingPointError:
@@ -84,9 +86,10 @@ class SingleProcess:
         return contextlib.nullcontext()
 
     def forward(self, model: torch.nn.Module, batch: PackedBatch, *, temperature: float, chunk_size: int,
-                entropy: bool):
+                entropy: bool, head: str = "chunked"):
         """(per-token log-probs, router aux loss or None, per-token entropy or None)."""
-        return policy_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size, entropy=entropy)
+        return policy_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
+                               head=head)
 
     def reduce(self, loss_sum: float, aux_sum: float, fn_sums: dict[str, float], fn_weights: dict[str, float]):
         """The step's figures as reported: this process's own."""
@@ -97,11 +100,11 @@ SINGLE_PROCESS = SingleProcess()
 
 
 def policy_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
-                    chunk_size: int = 1024, entropy: bool = False):
+                    chunk_size: int = 1024, entropy: bool = False, head: str = "chunked"):
     """(log-probs [T], aux loss or None, entropy [T] without gradient, or None without `entropy`)."""
     if entropy:
-        return token_logprobs_and_entropy(model, batch, temperature=temperature, chunk_size=chunk_size)
-    logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+        return token_logprobs_and_entropy(model, batch, temperature=temperature, chunk_size=chunk_size, head=head)
+    logprobs, aux = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size, head=head)
     return logprobs, aux, None
 
 
@@ -146,7 +149,7 @@ def forward_backward(
             with autocast_context(device, options.autocast):
                 logprobs, aux, token_entropy = ranks.forward(model, batch, temperature=options.temperature,
                                                              chunk_size=options.chunk_size,
-                                                             entropy=options.entropy)
+                                                             entropy=options.entropy, head=options.head)
                 per_token, fn_metrics = loss_fn(logprobs, batch)
                 if token_entropy is not None:
                     mask = loss_token_mask(batch).to(token_entropy.device)

@@ -82,6 +82,22 @@ def test_fused_resolves_to_liger_only_where_it_can_run():
         resolve_fused("triton", "cpu", "qwen3")
 
 
+@pytest.mark.parametrize("installed", [True, False])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_auto_picks_liger_only_for_an_eager_model_with_liger_installed(compiled, installed):
+    """Measured on an H100: compile + Liger 36% slower per step than compile alone, so "auto"
+    never patches a compiled model; an eager one gets Liger where it is installed."""
+    used = resolve_fused("auto", "cuda", "qwen3", compiled=compiled, liger_installed=installed)
+    assert used == ("liger" if installed and not compiled else "none")
+    assert resolve_fused("auto", "cpu", "qwen3", compiled=compiled, liger_installed=installed) == "none"
+
+
+def test_liger_asked_for_is_honoured_under_compile_and_refused_where_missing():
+    assert resolve_fused("liger", "cuda", "qwen3_moe", compiled=True, liger_installed=True) == "liger"
+    with pytest.raises(ValueError, match="liger-kernel is not installed"):
+        resolve_fused("liger", "cuda", "qwen3", compiled=False, liger_installed=False)
+
+
 def test_fused_is_a_checked_config_field():
     assert validate_config({}).train.fused == "auto"
     with pytest.raises(ConfigError, match=r"train\.fused"):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.gpu_report import render
-from benchmarks.gpu_vllm import render_rl_vs_trl_vllm, sync_seconds, time_calls
+from benchmarks.gpu_vllm import render_rl_vs_trl_vllm, sync_seconds, time_calls, trl_side
 
 
 def fake_vllm(wake_s: float, load_s: float, wake_inside_load: bool):
@@ -55,3 +55,36 @@ def test_the_comparison_renders_ratios_and_a_failed_side():
     assert "failed:" in text and "CUDA out of memory" in text
     assert "## One RL step: rlpipe vs TRL GRPOTrainer, both with vLLM colocated" in render(
         {"device": "H100", "rl_vs_trl_vllm": result})
+
+
+def test_the_trl_side_takes_vllms_torch_sampler_before_trl_loads_where_flashinfer_is_missing(monkeypatch):
+    """TRL's own vLLM gets the engine's FlashInfer decision (engines/vllm_lifecycle.py): the variable
+    is set when `import trl` starts (stopped there: no TRL run on the CPU)."""
+    import importlib.util
+    import os
+    import sys
+
+    from rlpipe.engines import vllm_lifecycle
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
+    monkeypatch.setattr(vllm_lifecycle, "_said", {vllm_lifecycle.FLASHINFER_SAMPLER})
+    monkeypatch.delenv(vllm_lifecycle.FLASHINFER_SAMPLER, raising=False)
+    monkeypatch.delitem(sys.modules, "trl", raising=False)
+    seen = []
+
+    class StopAtTrl:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "trl":
+                seen.append(os.environ.get(vllm_lifecycle.FLASHINFER_SAMPLER))
+                raise ImportError("stopped at import trl")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [StopAtTrl, *sys.meta_path])
+    try:
+        trl_side(None, None, None)
+    except ImportError as stopped:
+        assert "stopped at import trl" in str(stopped)
+    assert seen == ["0"]

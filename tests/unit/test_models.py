@@ -23,6 +23,29 @@ def test_every_preset_builds_with_varlen_attention_and_no_cache():
         assert config.num_attention_heads % config.num_key_value_heads == 0  # GQA
 
 
+# Qwen's published sizes at the 151,936-token vocabulary: (total, without embeddings), billions
+QWEN3_PUBLISHED = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6),
+                   "qwen3-8b": (8.2, 6.95)}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_PUBLISHED))
+def test_qwen3_shaped_presets_have_the_published_parameter_counts(name):
+    """Built on the meta device (no memory, no init): the counts Qwen publishes for each shape."""
+    from transformers import Qwen3ForCausalLM
+
+    config = build_config(name, 151_936)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied head is the embedding: counted once
+    heads = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    embeddings = sum(w.numel() for w in heads.values())
+    want_total, want_body = QWEN3_PUBLISHED[name]
+    assert total / 1e9 == pytest.approx(want_total, abs=0.05), total
+    assert (total - embeddings) / 1e9 == pytest.approx(want_body, abs=0.01 if name == "qwen3-8b" else 0.05)
+    assert config.tie_word_embeddings is (name != "qwen3-8b")
+    assert config.rope_parameters["rope_theta"] == 1_000_000.0
+
+
 def test_moe_preset_is_qwen3_moe_shaped():
     config = build_config("tiny-moe", VOCAB)
     assert config.model_type == "qwen3_moe"
