@@ -20,9 +20,11 @@ batch is recorded as a task run.
 
 from __future__ import annotations
 
+import contextvars
 from contextlib import nullcontext
 from typing import Any
 
+import prefect.context
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from rlpipe.envs.base import Environment, Example, RewardResult
@@ -46,10 +48,14 @@ class ScoreBatch:
         self.env, self.examples, self.rollouts = env, examples, rollouts
 
 
-@task(name="score-batch", cache_policy=NO_CACHE, persist_result=False, log_prints=False)
-def score_batch(batch: ScoreBatch) -> list[RewardResult]:
+def score_batch_fn(batch: ScoreBatch) -> list[RewardResult]:
     """One batch's rewards, on a worker."""
     return batch_rewards(batch.env, batch.examples, batch.rollouts)
+
+
+score_batch = task(score_batch_fn, name="score-batch", cache_policy=NO_CACHE, persist_result=False, log_prints=False)
+"""The task run of a batch; its function keeps its own module-level name, so workers import it
+by name instead of receiving a pickled copy of it and the module globals it reads."""
 
 
 def task_runner(cluster: ClusterConfig):
@@ -81,15 +87,23 @@ class ClusterScoring:
 
     def __call__(self, env: Environment, batches: list[tuple[dict[str, Example], list[Rollout]]],
                  ) -> list[list[RewardResult]]:
-        with self._annotated():
-            futures = [self.runner.submit(score_batch, {"batch": ScoreBatch(env, examples, rollouts)})
-                       for examples, rollouts in batches]
+        futures = contextvars.Context().run(self._submit, [ScoreBatch(env, ex, rs) for ex, rs in batches],
+                                            prefect.context.get_settings_context())
         try:
             return [self._result(future, index, len(batches), len(batches[index][1]))
                     for index, future in enumerate(futures)]
         finally:
             for future in futures:  # after a failure, the batches still queued are not run for nothing
                 _cancel(future)
+
+    def _submit(self, batches: list[ScoreBatch], settings: Any) -> list[Any]:
+        """Each batch a task run, submitted outside the flow's and the stage's run contexts (run in
+        an empty contextvars context): Prefect ships the contexts it finds with each task, and a
+        flow run's holds what cannot be pickled. The settings (the API the workers report to) go
+        along."""
+        with prefect.context.SettingsContext(profile=settings.profile, settings=settings.settings), \
+                self._annotated():
+            return [self.runner.submit(score_batch, {"batch": batch}) for batch in batches]
 
     def _annotated(self):
         if self.kind != "dask" or not self.resources:

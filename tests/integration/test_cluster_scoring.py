@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from prefect import flow, task
 from rlpipe.envs.arithmetic import ArithmeticEnv
 from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 from rlpipe.tasks.cluster import ClusterError, open_cluster
@@ -58,7 +59,13 @@ def test_cluster_scores_equal_local_scores_in_order(cluster, tmp_path):
     examples, rollouts = round_of(env)
     penalty = lambda n: -0.1 * n  # noqa: E731 - applied where the rows are built, in the flow's process
     local = score_rollouts(env, examples, rollouts, ScoreOptions(0.0, penalty))
-    remote = score_rollouts(env, examples, rollouts, ScoreOptions(0.0, penalty, remote=cluster))
+    stage = task(score_rollouts, name="score")  # as a flow's score stage sends its batches
+
+    @flow
+    def scoring():
+        return stage(env, examples, rollouts, ScoreOptions(0.0, penalty, remote=cluster))
+
+    remote = scoring()
     assert [r.row() for r in remote] == [r.row() for r in local]
     assert [r.sample_id for r in remote] == [r.sample_id for r in rollouts]
     assert len({r.reward for r in local}) > 1  # right and wrong answers both present
