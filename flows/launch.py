@@ -123,11 +123,26 @@ def launch(args: argparse.Namespace, rank_argv: list[str], run_dir: Path) -> int
         elastic_launch(launch_config(args), sys.executable)("-u", "-m", "rlpipe.flows.cli", *rank_argv)
     except ChildFailedError as error:
         mark_failed(run_dir)
-        print(f"rlpipe: data-parallel run failed: {failure_message(error)}\n"
-              f"  `rlpipe resume {run_dir} --nproc-per-node {args.nproc_per_node}` continues from the last "
-              "checkpoint", file=sys.stderr)
+        print(f"rlpipe: data-parallel run failed: {failure_message(error)}\n  {resume_hint(args, run_dir)}",
+              file=sys.stderr)
         return 1
     return 0
+
+
+def resume_hint(args: argparse.Namespace, run_dir: Path) -> str:
+    """The resume command of a failed launch, with the node flags of a multi-node one."""
+    flags = f"--nproc-per-node {args.nproc_per_node}"
+    if args.nnodes == 1:
+        return f"`rlpipe resume {run_dir} {flags}` continues from the last checkpoint"
+    flags += f" --nnodes {args.nnodes}" + (" --node-rank R" if args.node_rank is not None else f" --rdzv-id {args.rdzv_id}")
+    return (f"`rlpipe resume {run_dir} {flags} --rdzv-endpoint {args.rdzv_endpoint}` on every node "
+            "(R: the node's rank) continues from the last checkpoint")
+
+
+def other_node(args: argparse.Namespace) -> bool:
+    """Whether this launcher is a node other than node 0 of a multi-node run: the run folder
+    (shared by every node) is node 0's to create, so this one neither checks nor touches it."""
+    return args.nnodes > 1 and args.node_rank is not None and args.node_rank > 0
 
 
 def mark_failed(run_dir: Path) -> None:

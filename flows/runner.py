@@ -36,6 +36,7 @@ from rlpipe.flows.launch import (
     check_launch_arguments,
     launch,
     launched_rank,
+    other_node,
     strip_launch_flags,
 )
 from rlpipe.flows.prefect_api import embedded_server_in_own_session
@@ -152,7 +153,7 @@ def main_run(argv: list[str]) -> int:
         return 2
     if launched_rank() is not None and launched_rank()[0] > 0:
         return _execute(config)  # a training rank: rank 0 owns the run directory
-    if (config.run_dir / "run.json").exists() and not args.overwrite:
+    if (config.run_dir / "run.json").exists() and not args.overwrite and not other_node(args):
         print(f"rlpipe run: {config.run_dir} already holds a run; `rlpipe resume {config.run_dir}` "
               "continues it, --overwrite starts over", file=sys.stderr)
         return 2

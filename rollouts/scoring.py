@@ -2,6 +2,10 @@
 
 A reward function that raises is recorded in `scores.error` with reward 0; once more than
 `ScoreOptions.max_error_fraction` of a step's completions raised, the step fails with the first traceback.
+
+The reward calls run in this process, or, with `ScoreOptions.remote` (tasks/cluster.py, the
+`[cluster]` section), in batches of consecutive rollouts on a cluster's workers; either way the
+rows are built here, in the rollouts' order, so the `scores` table is the same.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rlpipe.envs.base import Environment, Example, RewardResult
 from rlpipe.envs.multiturn import transcript_of, with_turn_rewards
@@ -26,6 +31,17 @@ def reward_of(env: Environment, example: Example, transcript: str | list[dict]) 
         return RewardResult(0.0, {}, format_traceback(exc))
 
 
+class RemoteScoring(Protocol):
+    """Runs `batch_rewards(env, examples, rollouts)` of each batch elsewhere (tasks/cluster.py):
+    one list of results per batch, in the batches' order; raises if a batch is lost."""
+
+    batch_size: int
+    """Rollouts per batch."""
+
+    def __call__(self, env: Environment, batches: list[tuple[dict[str, Example], list[Rollout]]],
+                 ) -> list[list[RewardResult]]: ...
+
+
 @dataclass(frozen=True)
 class ScoreOptions:
     """How a run scores its rollouts (built once per run)."""
@@ -34,6 +50,8 @@ class ScoreOptions:
     """The share of a round's reward calls that may raise before the step fails."""
     length_penalty: Callable[[int], float] | None = None
     """DAPO's overlong penalty on the reward, of the completion's tokens (rl.scoring.overlong_buffer), or None."""
+    remote: RemoteScoring | None = None
+    """Where the reward calls run in batches ([cluster]), or None: in this process."""
 
 
 def score_rollouts(
@@ -43,7 +61,7 @@ def score_rollouts(
     tokens)` is added to the reward and kept as the `overlong_penalty` component (DAPO)."""
     max_error_fraction, length_penalty = options.max_error_fraction, options.length_penalty
     rows, errors = [], []
-    for rollout, result in zip(rollouts, _rewards(env, examples, rollouts), strict=True):
+    for rollout, result in zip(rollouts, round_rewards(env, examples, rollouts, options.remote), strict=True):
         if result.error is not None:
             errors.append((rollout.sample_id, result.error))
         components = {k: float(v) for k, v in result.components.items()}
@@ -62,7 +80,23 @@ def score_rollouts(
     return rows
 
 
-def _rewards(env: Environment, examples: dict[str, Example], rollouts: list[Rollout]) -> list[RewardResult]:
+def round_rewards(env: Environment, examples: dict[str, Example], rollouts: list[Rollout],
+                  remote: RemoteScoring | None) -> list[RewardResult]:
+    """One result per rollout, in order: `batch_rewards` of the whole round here, or of batches of
+    `remote.batch_size` consecutive rollouts on the cluster, put back together in order."""
+    if remote is None or not rollouts:
+        return batch_rewards(env, examples, rollouts)
+    size = remote.batch_size
+    batches = [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
+    parts = remote(env, [({r.example_id: examples[r.example_id] for r in b}, b) for b in batches])
+    for index, (batch, part) in enumerate(zip(batches, parts, strict=True)):
+        if len(part) != len(batch):
+            raise RuntimeError(f"score batch {index + 1} of {len(batches)} came back with {len(part)} results "
+                               f"for {len(batch)} rollouts")
+    return [result for part in parts for result in part]
+
+
+def batch_rewards(env: Environment, examples: dict[str, Example], rollouts: list[Rollout]) -> list[RewardResult]:
     """One result per rollout: batched where the env scores batches (model rewards,
     envs/reward_models.py), else one reward_of each; per-turn rewards of episodes added."""
     batch = [examples[r.example_id] for r in rollouts]

@@ -28,7 +28,7 @@ from rlpipe.rollouts.curriculum import (
 from rlpipe.rollouts.generation import GenerateOptions, thinking_budget
 from rlpipe.rollouts.group_buffer import GroupBuffer
 from rlpipe.rollouts.options import curriculum_options, rollout_options
-from rlpipe.rollouts.scoring import ScoreOptions
+from rlpipe.rollouts.scoring import RemoteScoring, ScoreOptions
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.rollouts.stages import RunStages
 
@@ -48,6 +48,8 @@ class SourceInputs:
     seed: int = 0
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """model.chat_template_kwargs (prompts render as the chat template is told)."""
+    remote_scoring: RemoteScoring | None = None
+    """Where the reward calls run in batches ([cluster], tasks/cluster.py), or None: in process."""
 
 
 def overlong_penalty_fn(scoring: ScoringConfig, max_new_tokens: int) -> Callable[[int], float] | None:
@@ -95,7 +97,8 @@ def open_source(rl: RLConfig, inputs: SourceInputs, *, start_step: int, publishe
                        generating=GenerateOptions(params, max_context=inputs.max_context, seed=inputs.seed,
                                                   template_kwargs=inputs.template_kwargs),
                        scoring=ScoreOptions(rl.scoring.max_reward_error_fraction,
-                                            overlong_penalty_fn(rl.scoring, rl.sampling.max_new_tokens)),
+                                            overlong_penalty_fn(rl.scoring, rl.sampling.max_new_tokens),
+                                            inputs.remote_scoring),
                        run_dir=inputs.run_dir, run_id=inputs.run_id)
     curriculum = open_curriculum(curriculum_options(rl, inputs.seed), inputs.run_dir, start_step,
                                  train_pool(inputs.env, inputs.seed, rl.prompt_pool))

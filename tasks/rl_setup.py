@@ -18,6 +18,7 @@ from rlpipe.rollouts.source import RolloutSource
 from rlpipe.rollouts.source_setup import SourceInputs, open_source
 from rlpipe.storage.layout import mark_env_partitioned
 from rlpipe.tasks.build import build, rl_plan, start_point
+from rlpipe.tasks.cluster import ClusterScoring, open_cluster
 from rlpipe.tasks.evaluate import eval_step
 from rlpipe.tasks.setup import max_context, stop_token_ids, task_env
 from rlpipe.tasks.sync import sync_task
@@ -46,6 +47,8 @@ class RLRun:
     """model.chat_template_kwargs (evals render prompts as rollouts do)."""
     max_thinking_tokens: int = 0
     """rl.sampling.max_thinking_tokens (evals keep the rollouts' thinking budget)."""
+    cluster: ClusterScoring | None = None
+    """The cluster the score stage sends its reward calls to ([cluster]), or None."""
 
     @property
     def model(self):
@@ -65,21 +68,30 @@ class RLRun:
         return any(e.syncs_from_checkpoint for e in self.engines)
 
     def close(self) -> None:
-        """Close every engine once, then the environment (its MCP servers, if any)."""
+        """Close every engine once, then the cluster (a local one is stopped), then the
+        environment (its MCP servers, if any)."""
         try:
             for engine in self.closing:
                 engine.close()
         finally:
-            close_env(self.env)
+            try:
+                if self.cluster is not None:
+                    self.cluster.close()
+            finally:
+                close_env(self.env)
 
 
 def open_rl(config, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     """Build (tasks/build.py; or restore, from the run's newest checkpoint) everything the RL loop
     needs. The environment's MCP servers (task.mcp_servers) start first; `RLRun.close` stops them."""
     env = task_env(config.task, config.model.chat_template_kwargs, tools=True)
+    cluster = None
     try:
-        return _open_rl(config, env, run_dir, run_id, start_checkpoint)
+        cluster = open_cluster(config.cluster)
+        return _open_rl(config, env, cluster, run_dir, run_id, start_checkpoint)
     except BaseException:
+        if cluster is not None:
+            cluster.close()
         close_env(env)
         raise
 
@@ -92,7 +104,7 @@ def close_env(env) -> None:
         close()
 
 
-def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
+def _open_rl(config, env, cluster: ClusterScoring | None, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
     start = start_point(config, run_dir, start_checkpoint)
@@ -109,7 +121,7 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
     stops, context = stop_token_ids(built.tokenizer), max_context(built.model)
     inputs = SourceInputs(env=env, engines=built.engines, tokenizer=built.tokenizer, stop_token_ids=stops,
                           max_context=context, run_dir=run_dir, run_id=run_id, seed=config.seed,
-                          template_kwargs=chat_kwargs)
+                          template_kwargs=chat_kwargs, remote_scoring=cluster)
     source = open_source(rl, inputs, start_step=built.start_step, published_version=version,
                          data_state=built.data_state if start.resume is not None else {})
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,
@@ -117,4 +129,4 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=built.start_step, stop_token_ids=stops, max_context=context,
                  max_new_tokens=rl.sampling.max_new_tokens, closing=built.closing, template_kwargs=chat_kwargs,
-                 max_thinking_tokens=rl.sampling.max_thinking_tokens)
+                 max_thinking_tokens=rl.sampling.max_thinking_tokens, cluster=cluster)

@@ -107,3 +107,21 @@ def straight_tiny_run(tmp_path_factory, prefect_api_url) -> Path:
         assert done.returncode == 0, log.read_text()[-3000:]
 
     return build_once(tmp_path_factory, "straight-tiny-run", build)
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory) -> Path:
+    """`runs/straight` of an uninterrupted `rlpipe run configs/tiny.toml --nproc-per-node 2`
+    (test_distributed_run.command): what the 2-rank and the two-node tests compare with. Run once
+    per session, then only read."""
+    from test_distributed_run import TIMEOUT_S, command
+    from test_resume import env_for
+
+    def build(folder: Path) -> None:
+        done = warm_cli.run(command(folder / "runs", "straight"), env=env_for(folder), cwd=folder,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "training with ddp" in done.stderr  # train.parallel 'none' + --nproc-per-node
+
+    return build_once(tmp_path_factory, "two-rank-run", build) / "runs" / "straight"
+

@@ -37,14 +37,9 @@ def command(runs: Path, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    """An uninterrupted 2-rank run."""
-    tmp = tmp_path_factory.mktemp("straight")
-    done = warm_cli.run(command(tmp / "runs", "straight"), env=env_for(tmp), cwd=tmp, capture_output=True,
-                        text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "training with ddp" in done.stderr  # train.parallel 'none' + --nproc-per-node
-    return tmp / "runs" / "straight"
+def straight(two_rank_run) -> Path:
+    """An uninterrupted 2-rank run (conftest.py, shared with the two-node test)."""
+    return two_rank_run
 
 
 def test_tiny_pipeline_completes_on_two_ranks(straight):
