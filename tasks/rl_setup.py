@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core.config import options_from
 from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
 from rlpipe.rollouts.source import RolloutSource
 from rlpipe.rollouts.source_setup import SourceInputs, open_source
 from rlpipe.storage.layout import mark_env_partitioned
 from rlpipe.tasks.build import build, rl_plan, start_point
-from rlpipe.tasks.evaluate import eval_step
+from rlpipe.tasks.evaluate import EvalOptions, eval_step
 from rlpipe.tasks.setup import max_context, stop_token_ids, task_env
 from rlpipe.tasks.sync import sync_task
 from rlpipe.training.trainer import Trainer
@@ -44,6 +45,8 @@ class RLRun:
     closing: list[Engine] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """model.chat_template_kwargs (evals render prompts as rollouts do)."""
+    sampled: EvalOptions = EvalOptions()
+    """`[eval]`: sampled evals beside the greedy one (pass@k)."""
     max_thinking_tokens: int = 0
     """rl.sampling.max_thinking_tokens (evals keep the rollouts' thinking budget)."""
 
@@ -57,7 +60,8 @@ class RLRun:
         return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
                          run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
                          stop_token_ids=self.stop_token_ids, max_context=self.max_context,
-                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens).metrics
+                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens,
+                         sampled=self.sampled).metrics
 
     @property
     def needs_checkpoint_to_sync(self) -> bool:
@@ -117,4 +121,5 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=built.start_step, stop_token_ids=stops, max_context=context,
                  max_new_tokens=rl.sampling.max_new_tokens, closing=built.closing, template_kwargs=chat_kwargs,
-                 max_thinking_tokens=rl.sampling.max_thinking_tokens)
+                 max_thinking_tokens=rl.sampling.max_thinking_tokens,
+                 sampled=options_from(EvalOptions, config.eval))

@@ -143,6 +143,8 @@ EXAMPLE_ROWS: dict[str, dict] = {
         correct=True,
         prompt_text="2+2=",
         completion_text="4",
+        sample=2,
+        answer="4",
     ),
     "origins": dict(
         parent_checkpoint="/runs/demo/sft/checkpoints/step_000040",
