@@ -48,6 +48,8 @@ class SourceInputs:
     seed: int = 0
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """model.chat_template_kwargs (prompts render as the chat template is told)."""
+    teacher: Any = None
+    """On-policy distillation: the teacher that scores every sampled token (rollouts/distill.py)."""
 
 
 def overlong_penalty_fn(scoring: ScoringConfig, max_new_tokens: int) -> Callable[[int], float] | None:
@@ -93,7 +95,7 @@ def open_source(rl: RLConfig, inputs: SourceInputs, *, start_step: int, publishe
     params = sampling_params(rl.sampling, rl.group_size, inputs.tokenizer, inputs.stop_token_ids)
     stages = RunStages(engines=inputs.engines, tokenizer=inputs.tokenizer, env=inputs.env,
                        generating=GenerateOptions(params, max_context=inputs.max_context, seed=inputs.seed,
-                                                  template_kwargs=inputs.template_kwargs),
+                                                  template_kwargs=inputs.template_kwargs, teacher=inputs.teacher),
                        scoring=ScoreOptions(rl.scoring.max_reward_error_fraction,
                                             overlong_penalty_fn(rl.scoring, rl.sampling.max_new_tokens)),
                        run_dir=inputs.run_dir, run_id=inputs.run_id)

@@ -78,6 +78,8 @@ _FIELDS: dict[str, list[pa.Field]] = {
         # with rl.off_policy.partial_rollouts); policy_version <= first_policy_version <= last_policy_version
         _opt("first_policy_version", pa.int32()),
         _opt("last_policy_version", pa.int32()),
+        # on-policy distillation (rl.teacher): the teacher's log-prob of each completion token
+        _opt("teacher_logprobs", _LOGPROBS),
     ],
     # one row per completion (score)
     "scores": _KEY

@@ -96,6 +96,15 @@ def close_env(env) -> None:
         close()
 
 
+def _teacher(config, model):
+    """The in-process teacher of on-policy distillation (rl.teacher) beside the student, or None."""
+    if not config.rl.teacher:
+        return None
+    from rlpipe.tasks.teacher import load_teacher
+
+    return load_teacher(config.rl.teacher, config.runs_root, next(model.parameters()).device)
+
+
 def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
@@ -113,7 +122,7 @@ def _open_rl(config, env, run_dir: Path, run_id: str, start_checkpoint: str | No
     stops, context = stop_token_ids(built.tokenizer), max_context(built.model)
     inputs = SourceInputs(env=env, engines=built.engines, tokenizer=built.tokenizer, stop_token_ids=stops,
                           max_context=context, run_dir=run_dir, run_id=run_id, seed=config.seed,
-                          template_kwargs=chat_kwargs)
+                          template_kwargs=chat_kwargs, teacher=_teacher(config, built.model))
     source = open_source(rl, inputs, start_step=built.start_step, published_version=version,
                          data_state=built.data_state if start.resume is not None else {})
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,

@@ -49,6 +49,7 @@ EXAMPLE_ROWS: dict[str, dict] = {
         answer_text="3",
         first_policy_version=2,
         last_policy_version=3,
+        teacher_logprobs=[-0.5, -1.5, -0.25],
     ),
     "scores": dict(
         sample_id="g1-0",
