@@ -28,6 +28,18 @@ CURRICULUM_RETESTED = "rollout/curriculum_retested"  # resting prompts sampled a
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_REWARD = "eval/reward_mean"
 
+
+def pass_at(k: int) -> str:
+    """eval/pass_at_<k>: unbiased pass@k of the sampled evals (`eval.samples`; MLflow refuses '@'
+    in a metric name, so pass@k is spelled pass_at_k)."""
+    return f"eval/pass_at_{k}"
+
+
+def maj_at(k: int) -> str:
+    """eval/maj_at_<k>: share of held-out prompts whose majority answer over k samples is correct."""
+    return f"eval/maj_at_{k}"
+
+
 # perf/*
 TOKENS_PER_SECOND = "perf/tokens_per_second"
 SECONDS_TOTAL = "perf/seconds_total"

@@ -1,5 +1,5 @@
 -- Eval results per run, step and environment: mean reward and accuracy.
--- source: evals. One row per (run_id, step, env), ordered by run_id, step, env. Step 0 = starting weights.
+-- source: evals, the greedy rows (`sample` null; sampled evals: pass_at_k_by_step). One row per (run_id, step, env), ordered by run_id, step, env. Step 0 = starting weights.
 -- columns:
 --   run_id       VARCHAR  run
 --   step         BIGINT   step whose weights were evaluated
@@ -14,6 +14,7 @@ SELECT
     count(*) AS n,
     avg(reward) AS reward_mean,
     avg(CAST(correct AS DOUBLE)) AS accuracy
-FROM evals
+FROM (SELECT * FROM evals UNION ALL BY NAME SELECT NULL::INTEGER AS sample WHERE false)
+WHERE sample IS NULL
 GROUP BY run_id, step, env
 ORDER BY run_id, step, env

@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 QUERIES = (
     "reward_by_step", "zero_variance_by_step", "completion_length_by_step", "length_vs_reward",
     "loss_by_step", "throughput_by_step", "eval_by_step", "samples_by_step", "hardest_prompts",
-    "fates_by_step", "rollout_browser", "thinking_by_step", "env_by_step",
+    "fates_by_step", "rollout_browser", "thinking_by_step", "env_by_step", "pass_at_k_by_step",
 )
 # queries of columns runs of older rlpipe versions lack: no rows there instead of an error
 NEWER_COLUMNS = ("thinking_by_step",)

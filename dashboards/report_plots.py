@@ -178,7 +178,24 @@ def eval_plots(r: dict[str, Rows], order: list[str]) -> list[dict]:
         else:  # an environment without a notion of correct: its mean reward
             plots.append(plot(f"eval_{env}", f"Eval reward: {env}", "eval_by_step",
                               series(env_rows, order, "reward_mean"), y_label="mean reward"))
-    return present(plots)
+    return present(plots + pass_at_k_plots(r.get("pass_at_k_by_step", []), order))
+
+
+def pass_at_k_plots(rows: Rows, order: list[str]) -> list[dict | None]:
+    """Per environment with sampled evals (eval.samples): pass@1, pass@K and maj@K over steps."""
+    plots = []
+    for env in sorted({row["env"] for row in rows}):
+        mine = [row for row in rows if row["env"] == env]
+        first = [row for row in mine if row["k"] == 1]
+        last = [row for row in mine if row["k"] == row["samples"]]
+        top = max(row["samples"] for row in mine)
+        plots.append(plot(f"pass_at_k_{env}", f"Sampled evals: {env}", "pass_at_k_by_step",
+                          series(first, order, "pass_at_k") + series(last, order, "pass_at_k", style="dashed")
+                          + series(last, order, "maj_at_k", style="dotted"),
+                          y_label="share of prompts", y_range=(0, 1), percent=True, optional=True,
+                          subtitle=f"solid: pass@1; dashed: pass@{top}; dotted: maj@{top} "
+                                   "(unbiased estimator over each prompt's samples)"))
+    return plots
 
 
 def pooled(rows: Rows) -> Rows:

@@ -219,6 +219,14 @@ class ArithmeticEnv(SingleTurnEnv):
             return format_answer(carry_blind_sum(*operands), self.config.reverse_digits)
         return str(example.meta["target_text"])
 
+    def answer_key(self, example: Example, text: str) -> str | None:
+        """The integer a completion states, as text (maj@k of sampled evals votes on it); None
+        when it states none."""
+        try:
+            return str(parse_answer(text, self.config.reverse_digits))
+        except ValueError:
+            return None
+
     def _correct(self, text: str, answer: Any, example: Example) -> float:
         return float(text.strip() == format_answer(int(answer), self.config.reverse_digits))
 

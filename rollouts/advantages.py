@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rlpipe.rollouts.distill import DistillOptions
+
 ESTIMATORS = ("grpo", "rloo")
 ZERO_VARIANCE_EPS = 1e-6
 """A group whose reward std is at most this carries no signal; also the std normaliser's epsilon."""
@@ -179,6 +181,8 @@ class AdvantageOptions:
     estimator: str
     normalize_std: bool
     positive_only: bool
+    distill: DistillOptions = DistillOptions()
+    """On-policy distillation ([rl.distill]): the teacher's per-token term (rollouts/distill.py)."""
 
 
 def group_advantages(groups: Iterable[Group], options: AdvantageOptions) -> dict[str, float]:

@@ -183,6 +183,17 @@ class OffPolicyConfig(Section):
     them) exceeds this in absolute value (0 = off; training/off_policy.py)."""
 
 
+class DistillConfig(Section):
+    """`[rl.distill]`: on-policy distillation from `rl.teacher` (rollouts/distill.py)."""
+
+    type: Literal["none", "advantage", "reward"] = "none"
+    """none | advantage: the teacher's per-token reverse KL, log p_teacher − log p_student, is the
+    whole advantage (pure distillation) | reward: it is added, times `weight`, to each token's
+    advantage from the verifier's reward."""
+    weight: float = Field(1.0, gt=0)
+    """With type = "reward": the weight of the teacher's per-token term."""
+
+
 MOVED: dict[str, str] = {
     # keys that became tables first: their old value is the new table's `type`
     "rl.loss": "rl.loss.type",
@@ -239,6 +250,12 @@ class RLConfig(Section):
     """The policy loss ([rl.loss])."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=5))
     """Optimizer and batching ([rl.optim])."""
+    teacher: str = ""
+    """On-policy distillation: the teacher that scores every sampled token, a checkpoint folder, a
+    registered version `models:/NAME@alias` (or `models:/NAME/VERSION`) or a hub id ORG/NAME[@REVISION];
+    its tokenizer must be the student's. It runs on an engine of its own, in process. "": none."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """How the teacher's signal enters the advantage ([rl.distill])."""
 
     def loss_options(self) -> RLLossOptions:
         """The policy loss's options (training/rl_loss.py; building them validates them). Async RL
@@ -276,6 +293,12 @@ class RLConfig(Section):
         if self.buffer.sampling == "reservoir" and not self.filter.drop_zero_variance:
             raise ValueError("rl.buffer.sampling = 'reservoir' holds groups with non-zero advantages: it needs "
                              "rl.filter.drop_zero_variance = true")
+        if bool(self.teacher) != (self.distill.type != "none"):
+            raise ValueError("on-policy distillation needs both rl.teacher and rl.distill.type (advantage | reward); "
+                             f"got teacher = {self.teacher!r}, distill.type = {self.distill.type!r}")
+        if self.distill.type == "advantage" and self.filter.drop_zero_variance:
+            raise ValueError("rl.distill.type = 'advantage' trains every group, whatever its rewards: it needs "
+                             "rl.filter.drop_zero_variance = false")
         if self.off_policy.partial_rollouts and self.off_policy.max_steps == 0:
             raise ValueError("rl.off_policy.partial_rollouts needs rl.off_policy.max_steps >= 1 (synchronous RL "
                              "samples nothing while the weights change)")

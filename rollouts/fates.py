@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from rlpipe.core import metric_names as m
 from rlpipe.core.user_code import import_user_object
 from rlpipe.rollouts.advantages import AdvantageOptions, group_advantages
+from rlpipe.rollouts.distill import DistillOptions, token_advantages
 from rlpipe.rollouts.records import TrainSample
 
 if TYPE_CHECKING:
@@ -166,9 +167,19 @@ def select_step(fill: Fill, rows: Mapping[str, Rollout], options: AdvantageOptio
     `rows` holds the rollout row of every completion in the batch."""
     fates = decide_groups(fill.batch, fill.decisions, step=step)
     advantages = group_advantages(fill.batch, options)
-    samples = [TrainSample(rows[sid], reward, advantages[sid]) for g in fill.batch
+    samples = [distilled(TrainSample(rows[sid], reward, advantages[sid]), options.distill) for g in fill.batch
                for sid, reward in zip(g.sample_ids, g.rewards, strict=True)]
     return Selection(fates=fates, decisions=drop_rows(fill.drops) + fate_rows(fates), samples=samples)
+
+
+def distilled(sample: TrainSample, options: DistillOptions) -> TrainSample:
+    """The sample with its per-token advantages under on-policy distillation (rollouts/distill.py);
+    its `advantage` (the `advantages` row) becomes their mean. Unchanged without distillation."""
+    per_token = token_advantages(sample.advantage, sample.rollout, options)
+    if per_token is None:
+        return sample
+    mean = sum(per_token) / len(per_token) if per_token else 0.0
+    return TrainSample(sample.rollout, sample.reward, mean, per_token)
 
 
 def fate_metrics(rows: list[dict], pending: Iterable[Group]) -> dict[str, float]:

@@ -20,6 +20,7 @@ from rlpipe.models.chat import (
     template_ids,
     think_tags,
 )
+from rlpipe.rollouts.distill import with_teacher
 from rlpipe.rollouts.records import Rollout
 from rlpipe.storage.stage_tables import StageTable, stage
 
@@ -60,6 +61,8 @@ class GenerateOptions:
     """The run's seed; each sampling round's seed derives from it (`for_round`)."""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """model.chat_template_kwargs: given to every rendering of a prompt."""
+    teacher: Any = None
+    """On-policy distillation (rl.teacher): scores every sampled token (rollouts/distill.py `Teacher`)."""
 
     def for_round(self, step: int, attempt: int) -> GenerateOptions:
         """These options with the sampling seed of one round (`sample_seed`)."""
@@ -244,7 +247,9 @@ def generate_stage(
 ) -> list[Rollout]:
     """Rollouts of one sampling round; the table holds every round of the step so far.
 
-    A round already in the table (a resumed step) is read back, not sampled again.
+    A round already in the table (a resumed step) is read back, not sampled again. With a
+    teacher, each row holds its log-prob of every completion token (`teacher_logprobs`).
     """
-    return generate_rollouts(engines, tokenizer, env, examples, options.for_round(step, attempt),
+    rows = generate_rollouts(engines, tokenizer, env, examples, options.for_round(step, attempt),
                              SampleRound(run_id, step, attempt, policy_version))
+    return rows if options.teacher is None else with_teacher(rows, options.teacher)

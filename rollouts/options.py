@@ -20,6 +20,7 @@ from rlpipe.rollouts.advantages import AdvantageOptions
 from rlpipe.rollouts.batch_makers import BatchMakerOptions
 from rlpipe.rollouts.config import RLConfig
 from rlpipe.rollouts.curriculum import CurriculumOptions
+from rlpipe.rollouts.distill import DistillOptions
 from rlpipe.rollouts.fates import DropOptions
 from rlpipe.rollouts.group_buffer import BufferOptions
 
@@ -48,7 +49,7 @@ def rollout_options(rl: RLConfig, *, seed: int = 0) -> RolloutOptions:
         buffer=options_from(BufferOptions, rl.buffer, rl.filter, rl, maker=maker,
                             max_off_policy_steps=rl.off_policy.max_steps),
         drops=options_from(DropOptions, rl.filter, rl.sampling),
-        advantages=options_from(AdvantageOptions, rl.advantages),
+        advantages=options_from(AdvantageOptions, rl.advantages, distill=options_from(DistillOptions, rl.distill)),
         partial_rollouts=rl.off_policy.partial_rollouts,
     )
 

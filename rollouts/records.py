@@ -68,6 +68,8 @@ class Rollout(_Row):
     """Version of its oldest token (>= policy_version, the version its round started from)."""
     last_policy_version: int | None = None
     """Version of its newest token."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation (rl.teacher): the teacher's log-prob of each completion token."""
 
     def __post_init__(self) -> None:
         for name in ("first_policy_version", "last_policy_version"):
@@ -97,6 +99,8 @@ class TrainSample:
     rollout: Rollout
     reward: float
     advantage: float
+    token_advantages: list[float] | None = None
+    """Per completion token, where they differ (on-policy distillation); None: `advantage` on each."""
 
     @property
     def sample_id(self) -> str:

@@ -50,6 +50,8 @@ class SourceInputs:
     """model.chat_template_kwargs (prompts render as the chat template is told)."""
     remote_scoring: RemoteScoring | None = None
     """Where the reward calls run in batches ([cluster], tasks/cluster.py), or None: in process."""
+    teacher: Any = None
+    """On-policy distillation: the teacher that scores every sampled token (rollouts/distill.py)."""
 
 
 def overlong_penalty_fn(scoring: ScoringConfig, max_new_tokens: int) -> Callable[[int], float] | None:
@@ -95,7 +97,7 @@ def open_source(rl: RLConfig, inputs: SourceInputs, *, start_step: int, publishe
     params = sampling_params(rl.sampling, rl.group_size, inputs.tokenizer, inputs.stop_token_ids)
     stages = RunStages(engines=inputs.engines, tokenizer=inputs.tokenizer, env=inputs.env,
                        generating=GenerateOptions(params, max_context=inputs.max_context, seed=inputs.seed,
-                                                  template_kwargs=inputs.template_kwargs),
+                                                  template_kwargs=inputs.template_kwargs, teacher=inputs.teacher),
                        scoring=ScoreOptions(rl.scoring.max_reward_error_fraction,
                                             overlong_penalty_fn(rl.scoring, rl.sampling.max_new_tokens),
                                             inputs.remote_scoring),

@@ -78,6 +78,8 @@ _FIELDS: dict[str, list[pa.Field]] = {
         # with rl.off_policy.partial_rollouts); policy_version <= first_policy_version <= last_policy_version
         _opt("first_policy_version", pa.int32()),
         _opt("last_policy_version", pa.int32()),
+        # on-policy distillation (rl.teacher): the teacher's log-prob of each completion token
+        _opt("teacher_logprobs", _LOGPROBS),
     ],
     # one row per completion (score)
     "scores": _KEY
@@ -166,6 +168,10 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("correct", pa.bool_()),
         _opt("prompt_text", pa.string()),
         _opt("completion_text", pa.string()),
+        # null: the greedy completion (every row of runs before sampled evals); 0..k-1: the
+        # prompt's sampled completions of eval.samples = k (pass@k, maj@k)
+        _opt("sample", pa.int32()),
+        _opt("answer", pa.string()),  # the comparable answer maj@k votes on; null where the env has none
     ],
     # one row per completion and step that decided its fate (rollouts/fates.py); a carried
     # completion gets a later row, so its newest row is its fate (the `fates` view)

@@ -42,6 +42,17 @@ from rlpipe.training.config import (
 )
 
 
+class EvalConfig(Section):
+    """`[eval]`: what the held-out eval measures besides its greedy completions (tasks/evaluate.py)."""
+
+    samples: int = Field(0, ge=0, le=1024)
+    """Sampled completions per held-out prompt, each an `evals` row beside the greedy one; they give
+    eval/pass_at_1 .. eval/pass_at_<samples> (the unbiased pass@k) and, where the environment
+    states a comparable answer, eval/maj_at_<samples>. 0: the greedy eval only."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the sampled evals."""
+
+
 class RunConfig(Section):
     """A whole run: top-level keys and every section; holds the checks that span sections."""
 
@@ -79,6 +90,8 @@ class RunConfig(Section):
     """Checkpoint retention."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Where the score stage's reward calls run: in process, or on a Dask or Ray cluster."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evals: sampled completions beside the greedy ones (pass@k)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -1,8 +1,8 @@
 """Stage `pack`: the step's selected rollouts and advantages → PackedBatch micro-batches
 and the `batches` table.
 
-RL token weights: the sequence's advantage on completion tokens, 0 on prompt tokens and on the
-environment's tokens of a multi-turn episode (its `turns` spans, envs/multiturn.py); the
+RL token weights: the sequence's advantage (on-policy distillation: each token's own) on completion
+tokens, 0 on prompt tokens and on the environment's tokens of a multi-turn episode (its `turns` spans, envs/multiturn.py); the
 generator's log-probs ride along for ratio-based losses. The prompt is declared a shared prefix,
 so a group's completions carry it once per micro-batch (training.batch, "Shared prefixes").
 """
@@ -26,6 +26,7 @@ def rollout_sequences(sample: TrainSample) -> list[Sequence]:
     context was re-rendered by the chat template (envs/multiturn.py); segments after the first
     carry the sample_id `<sample_id>#<k>`."""
     rollout, advantage = sample.rollout, sample.advantage
+    per_token = sample.token_advantages or [float(advantage)] * len(rollout.completion_tokens)
     prompt, completion = list(rollout.prompt_tokens), list(rollout.completion_tokens)
     logprobs = [float(x) for x in rollout.completion_logprobs]
     # multi-turn: only the sampled spans are trained; environment tokens carry weight 0
@@ -38,7 +39,7 @@ def rollout_sequences(sample: TrainSample) -> list[Sequence]:
         shared = len(head) if k == 0 else next((i for i, m in enumerate(mask) if m), len(mask))
         out.append(Sequence(
             tokens=head + completion[start:end],
-            weights=[0.0] * len(head) + [float(advantage) if m else 0.0 for m in mask],
+            weights=[0.0] * len(head) + [a if m else 0.0 for a, m in zip(per_token[start:end], mask, strict=True)],
             logprobs=[0.0] * len(head) + logprobs[start:end],
             reward=sample.reward,
             sample_id=rollout.sample_id if k == 0 else f"{rollout.sample_id}#{k}",

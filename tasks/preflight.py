@@ -91,6 +91,26 @@ def _check_model(config) -> None:
            lambda: build_config(model.preset, vocab_size=len(tokenizer), **model.overrides))
 
 
+def _check_teacher(config) -> None:
+    """rl.teacher (on-policy distillation) can be read, and its tokenizer and vocabulary are the student's."""
+    if not config.rl.teacher or "rl" not in _phases(config.flow):
+        return
+    from rlpipe.models.loading import resolve_model_path
+    from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
+    from rlpipe.tasks.teacher import check_teacher, model_vocab_size, teacher_folder
+
+    fix = "rl.teacher must share the student's tokenizer and vocabulary"
+    if config.model.path:
+        folder = resolve_model_path(config.model.path)
+        tokenizer, vocab = load_tokenizer(folder), model_vocab_size(folder)
+    else:
+        tokenizer = build_tokenizer()
+        vocab = config.model.overrides.get("vocab_size", len(tokenizer))
+    teacher = _check("rl.teacher", "give a checkpoint folder, models:/NAME@alias or a hub id ORG/NAME",
+                     lambda: teacher_folder(config.rl.teacher, config.runs_root))
+    _check("rl.teacher", fix, lambda: check_teacher(teacher, tokenizer, vocab))
+
+
 def _check_env(config) -> None:
     from rlpipe.envs.registry import ENV_NAMES, build_env
 
@@ -167,6 +187,7 @@ def preflight(config) -> None:
         return
     _check_placement(config)
     _check_model(config)
+    _check_teacher(config)
     _check_env(config)
     _check_data(config)
     _check_user_code(config)

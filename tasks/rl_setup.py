@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core.config import options_from
 from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
 from rlpipe.rollouts.source import RolloutSource
@@ -19,7 +20,7 @@ from rlpipe.rollouts.source_setup import SourceInputs, open_source
 from rlpipe.storage.layout import mark_env_partitioned
 from rlpipe.tasks.build import build, rl_plan, start_point
 from rlpipe.tasks.cluster import ClusterScoring, open_cluster
-from rlpipe.tasks.evaluate import eval_step
+from rlpipe.tasks.evaluate import EvalOptions, eval_step
 from rlpipe.tasks.setup import max_context, stop_token_ids, task_env
 from rlpipe.tasks.sync import sync_task
 from rlpipe.training.trainer import Trainer
@@ -45,6 +46,8 @@ class RLRun:
     closing: list[Engine] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """model.chat_template_kwargs (evals render prompts as rollouts do)."""
+    sampled: EvalOptions = EvalOptions()
+    """`[eval]`: sampled evals beside the greedy one (pass@k)."""
     max_thinking_tokens: int = 0
     """rl.sampling.max_thinking_tokens (evals keep the rollouts' thinking budget)."""
     cluster: ClusterScoring | None = None
@@ -60,7 +63,8 @@ class RLRun:
         return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
                          run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
                          stop_token_ids=self.stop_token_ids, max_context=self.max_context,
-                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens).metrics
+                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens,
+                         sampled=self.sampled).metrics
 
     @property
     def needs_checkpoint_to_sync(self) -> bool:
@@ -104,6 +108,15 @@ def close_env(env) -> None:
         close()
 
 
+def _teacher(config, model):
+    """The in-process teacher of on-policy distillation (rl.teacher) beside the student, or None."""
+    if not config.rl.teacher:
+        return None
+    from rlpipe.tasks.teacher import load_teacher
+
+    return load_teacher(config.rl.teacher, config.runs_root, next(model.parameters()).device)
+
+
 def _open_rl(config, env, cluster: ClusterScoring | None, run_dir: Path, run_id: str, start_checkpoint: str | None) -> RLRun:
     rl = config.rl
     chat_kwargs = config.model.chat_template_kwargs
@@ -121,7 +134,8 @@ def _open_rl(config, env, cluster: ClusterScoring | None, run_dir: Path, run_id:
     stops, context = stop_token_ids(built.tokenizer), max_context(built.model)
     inputs = SourceInputs(env=env, engines=built.engines, tokenizer=built.tokenizer, stop_token_ids=stops,
                           max_context=context, run_dir=run_dir, run_id=run_id, seed=config.seed,
-                          template_kwargs=chat_kwargs, remote_scoring=cluster)
+                          template_kwargs=chat_kwargs, remote_scoring=cluster,
+                          teacher=_teacher(config, built.model))
     source = open_source(rl, inputs, start_step=built.start_step, published_version=version,
                          data_state=built.data_state if start.resume is not None else {})
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,
@@ -129,4 +143,5 @@ def _open_rl(config, env, cluster: ClusterScoring | None, run_dir: Path, run_id:
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=built.start_step, stop_token_ids=stops, max_context=context,
                  max_new_tokens=rl.sampling.max_new_tokens, closing=built.closing, template_kwargs=chat_kwargs,
-                 max_thinking_tokens=rl.sampling.max_thinking_tokens, cluster=cluster)
+                 max_thinking_tokens=rl.sampling.max_thinking_tokens, cluster=cluster,
+                 sampled=options_from(EvalOptions, config.eval))

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlpipe.core.config import options_from
 from rlpipe.engines.base import Engine
 from rlpipe.envs.base import Environment, Example
 from rlpipe.tasks.build import build, start_point, supervised_plan
-from rlpipe.tasks.evaluate import StepEvals, eval_step
+from rlpipe.tasks.evaluate import EvalOptions, StepEvals, eval_step
 from rlpipe.tasks.setup import max_context, pretrain_data, sft_data, stop_token_ids, task_env
 from rlpipe.training.batch import Sequence
 from rlpipe.training.trainer import Trainer
@@ -35,6 +36,8 @@ class SupervisedRun:
     max_new_tokens: int
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """model.chat_template_kwargs (evals render prompts as RL does)."""
+    sampled: EvalOptions = EvalOptions()
+    """`[eval]`: sampled evals beside the greedy one (pass@k)."""
     max_thinking_tokens: int = 0
     """rl.sampling.max_thinking_tokens (evals keep RL's thinking budget)."""
 
@@ -49,7 +52,8 @@ class SupervisedRun:
         return eval_step(self.eval_engine, self.tokenizer, self.env, self.eval_examples, run_dir=run_dir,
                          run_id=run_id, step=step, max_new_tokens=self.max_new_tokens,
                          stop_token_ids=stop_token_ids(self.tokenizer), max_context=max_context(self.model),
-                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens)
+                         template_kwargs=self.template_kwargs, max_thinking_tokens=self.max_thinking_tokens,
+                         sampled=self.sampled)
 
 
 def open_supervised(config, phase: str, run_dir: Path, start_checkpoint: str | None) -> SupervisedRun:
@@ -68,4 +72,5 @@ def open_supervised(config, phase: str, run_dir: Path, start_checkpoint: str | N
                          sequences=sequences, eval_engine=built.eval_engine,
                          eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                          start_step=built.start_step, max_new_tokens=config.rl.sampling.max_new_tokens,
-                         template_kwargs=chat_kwargs, max_thinking_tokens=config.rl.sampling.max_thinking_tokens)
+                         template_kwargs=chat_kwargs, max_thinking_tokens=config.rl.sampling.max_thinking_tokens,
+                         sampled=options_from(EvalOptions, config.eval))

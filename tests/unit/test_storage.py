@@ -49,6 +49,7 @@ EXAMPLE_ROWS: dict[str, dict] = {
         answer_text="3",
         first_policy_version=2,
         last_policy_version=3,
+        teacher_logprobs=[-0.5, -1.5, -0.25],
     ),
     "scores": dict(
         sample_id="g1-0",
@@ -143,6 +144,8 @@ EXAMPLE_ROWS: dict[str, dict] = {
         correct=True,
         prompt_text="2+2=",
         completion_text="4",
+        sample=2,
+        answer="4",
     ),
     "origins": dict(
         parent_checkpoint="/runs/demo/sft/checkpoints/step_000040",

@@ -1,0 +1,73 @@
+"""The teacher of on-policy distillation (`rl.teacher`): where its files are, whether it can teach
+this student, and the in-process engine that scores every sampled token (rollouts/distill.py).
+
+    folder = teacher_folder(spec, runs_root)              # a folder, models:/NAME@alias, a hub id
+    check_teacher(folder, student_tokenizer, vocab_size)  # ValueError, one line, when it cannot
+    teacher = load_teacher(spec, runs_root, device)       # rollouts.distill.ModelTeacher
+
+Not a stage: pre-flight (tasks/preflight.py) checks it before a run writes anything, and the RL
+setup (tasks/rl_setup.py) loads it once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def registry_uri(runs_root: str | os.PathLike) -> str:
+    """The MLflow registry a `models:/` teacher is read from: $MLFLOW_TRACKING_URI, else the runs
+    root's own database (which must exist: nothing is created to look)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    database = Path(runs_root).resolve() / "mlflow.db"
+    if not database.is_file():
+        raise ValueError(f"no MLflow registry at {database} to read a models:/ teacher from "
+                         "(set MLFLOW_TRACKING_URI, or give a checkpoint folder)")
+    return f"sqlite:///{database}"
+
+
+def teacher_folder(spec: str, runs_root: str | os.PathLike) -> Path:
+    """The local folder of the teacher `spec` names: a checkpoint folder, a registered version
+    (`models:/NAME@alias`, `models:/NAME/VERSION`) or a hub id ORG/NAME[@REVISION]."""
+    from rlpipe.models.loading import resolve_model_path
+
+    if spec.startswith("models:/"):
+        from rlpipe.storage.tracking import download_model
+
+        return download_model(registry_uri(runs_root), spec)
+    return resolve_model_path(spec)
+
+
+def model_vocab_size(folder: Path) -> int | None:
+    """The vocab_size of a model folder's config.json (its output layer's width), None if unstated."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+
+
+def check_teacher(folder: Path, student_tokenizer: Any, student_vocab: int) -> None:
+    """ValueError in one line when the teacher in `folder` cannot teach a student with this
+    tokenizer and output vocabulary: its tokens must be the student's, id for id, and its logits
+    as wide, or its log-prob of a sampled token would be another token's."""
+    from rlpipe.models.loading import check_model
+    from rlpipe.models.tokenizer import load_tokenizer
+
+    check_model(folder)
+    ours, theirs = student_tokenizer.get_vocab(), load_tokenizer(folder).get_vocab()
+    if ours != theirs:
+        moved = sum(theirs.get(token) != index for token, index in ours.items())
+        raise ValueError(f"the teacher's tokenizer is not the student's ({len(theirs)} tokens against "
+                         f"{len(ours)}, {moved} of the student's map to another id or are missing)")
+    vocab = model_vocab_size(folder)
+    if vocab is not None and vocab != student_vocab:
+        raise ValueError(f"the teacher's vocabulary has {vocab} entries, the student's {student_vocab}")
+
+
+def load_teacher(spec: str, runs_root: str | os.PathLike, device: Any):
+    """The teacher `spec` names on `device`, frozen, as an in-process scorer (rollouts/distill.py)."""
+    from rlpipe.models.loading import load_model
+    from rlpipe.rollouts.distill import ModelTeacher
+
+    return ModelTeacher(load_model(teacher_folder(spec, runs_root)).to(device))
