@@ -46,7 +46,13 @@ from typing import TYPE_CHECKING
 import duckdb
 import pyarrow.parquet as pq
 from rlpipe.core.files import atomic_write
-from rlpipe.storage.compaction import compacted_files, fresh_files, snapshot_sql, stored_steps, table_snapshot
+from rlpipe.storage.compaction import (
+    compacted_files,
+    fresh_files,
+    snapshot_sql,
+    stored_steps,
+    table_snapshot,
+)
 from rlpipe.storage.layout import (
     CATALOG_NAME,
     atomic_write_parquet,

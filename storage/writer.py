@@ -258,12 +258,16 @@ def compact_table(run_dir: str | os.PathLike, table: str, closed: int, width: in
             name = (parent / range_folder(first, last)).relative_to(folder) / f"{MERGED_PREFIX}{snapshot.version + 1}.parquet"
             held = () if earlier is None else snapshot.merged[earlier]
             steps = _merge(folder / name, table, dict(files), None if earlier is None else (folder / earlier, held))
-            commit(folder, lambda current: with_merge(current, name.as_posix(), steps, earlier,
-                                                      [step for step, _ in files], now()), durable=True)
+            commit(folder, _merge_change(name.as_posix(), steps, earlier, [step for step, _ in files]), durable=True)
             snapshot = table_snapshot(run_dir, table)
             merged += len(files)
         _sweep(folder, grace)
     return merged
+
+
+def _merge_change(merged: str, steps: list[int], earlier: str | None, fresh: list[int]):
+    """The snapshot change that puts one range's merged file in (storage/snapshots.py with_merge)."""
+    return lambda current: with_merge(current, merged, steps, earlier, fresh, now())
 
 
 def _range_file(merged: dict, folder: Path) -> str | None:

@@ -77,6 +77,8 @@ def synthetic_step(
             # one policy version sampled each completion
             "first_policy_version": policy_version,
             "last_policy_version": policy_version,
+            # no teacher (on-policy distillation)
+            "teacher_logprobs": [None] * n,
         },
         schema=schema_for("rollouts"),
     )
