@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import os
 import pwd
@@ -468,14 +469,18 @@ def _run(source: str, python: str, bwrap: str | None, *, timeout_s: float, memor
 @contextlib.contextmanager
 def _memory_file(name: str, data: bytes) -> Iterator[int]:
     """A descriptor of an anonymous memory file holding `data`, at offset 0, closed on exit.
-    Nothing on disk, and no path but `/memfd:rlpipe-NAME (deleted)`. (rlpipe's own process may
-    make these: the seccomp filter binds only the sandbox.)"""
-    fd = os.memfd_create(f"rlpipe-{name}")
+    Nothing on disk, and no path but `/memfd:rlpipe-NAME (deleted)`. Sealed: no one, the program
+    it is handed to included, can write, grow or shrink it (stdin is one: a writable memfd would
+    be memory outside every limit). (rlpipe's own process may make these: the seccomp filter
+    binds only the sandbox.)"""
+    fd = os.memfd_create(f"rlpipe-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
         os.lseek(fd, 0, os.SEEK_SET)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
         yield fd
     finally:
         os.close(fd)

@@ -362,6 +362,8 @@ tried("syslog", raw("syslog", 10, 0, 0))
 tried("kcmp", raw("kcmp", 1, 1, 0, 0, 0))
 for path in ("/scratch/ok", "/tmp/ok", "/dev/shm/x", "/dev/x", "/x", "/sandbox/x", "/proc/x"):
     tried("write " + path, lambda: open(path, "w").write("x"))
+tried("write stdin", lambda: os.write(0, b"x" * (1 << 20)))
+tried("grow stdin", lambda: os.ftruncate(0, 1 << 30))
 tried("fork", lambda: os.waitpid(os.fork() or os._exit(0), 0)[0])
 thread = threading.Thread(target=lambda: None)
 tried("thread", thread.start)
@@ -398,6 +400,7 @@ def _check_kernel_probe(result, hidden: list[str]) -> None:
     assert (out["fork"], out["thread"], out["write /scratch/ok"], out["write /tmp/ok"]) == ("allowed",) * 4
     for path in ("/dev/shm/x", "/dev/x", "/x", "/sandbox/x", "/proc/x"):
         assert out["write " + path] != "allowed", path
+    assert out["write stdin"] != "allowed" and out["grow stdin"] != "allowed"  # a sealed memory file
     for path in hidden:
         assert path not in out["seen"], f"{path} visible inside: {out['seen']}"
 
