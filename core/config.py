@@ -55,6 +55,19 @@ def non_finite_keys(data: Any, prefix: str = "") -> list[str]:
             for key in non_finite_keys(value, f"{prefix}.{name}" if prefix else str(name))]
 
 
+def check_shares(weights: list[float], names: list[str], key: str) -> None:
+    """Mixture weights that each give a share: their sum finite, and no weight a share of 0 of it
+    (each weight may be finite and the sum not: two of 1e308). ValueError naming `key`."""
+    total = sum(weights)
+    if not math.isfinite(total):
+        raise ValueError(f"{key}: the weights sum to {total} ({', '.join(f'{w:g}' for w in weights)}); give "
+                         "weights whose sum is a finite number (shares are weight / sum)")
+    for weight, name in zip(weights, names, strict=True):
+        if weight / total == 0.0:
+            raise ValueError(f"{key}: weight {weight:g} of entry {name!r} is 0 of the sum {total:g}, so it would "
+                             "never be drawn; give weights within a sane ratio (or remove the entry)")
+
+
 def non_utf8_keys(data: Any, prefix: str = "") -> list[str]:
     """Dotted keys of every string in a nested dict/list that is not valid UTF-8 text (a `--set`
     value from non-UTF-8 bytes arrives with surrogate escapes, which no file or MLflow can hold)."""

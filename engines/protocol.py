@@ -12,6 +12,7 @@ overflow, an unknown field, are all 4xx naming the field.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -189,11 +190,14 @@ class ReloadRequest(BaseModel):
 
 
 def weight_version(text: str | None) -> int | None:
-    """`weight_version` as a policy version; RequestError for text that is not a whole number >= 0."""
+    """`weight_version` as a policy version; RequestError (a 400) for text that is not a whole
+    number >= 0 in ASCII digits, at most 18 of them ("²" passes str.isdigit and a 5,000-digit
+    number int's limit: both were a 500)."""
     if text is None:
         return None
-    if not text.strip().isdigit():
-        raise RequestError(f"weight_version must be a whole number >= 0, got {text!r}")
+    if not re.fullmatch(r"[0-9]{1,18}", text.strip()):
+        shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+        raise RequestError(f"weight_version must be a whole number >= 0 of at most 18 digits, got {shown!r}")
     return int(text)
 
 

@@ -21,13 +21,21 @@ hermes` serves it the same way):
 The tool runs the model's code in the sandbox with the same limits as the tests; the hidden tests
 are never shown. Turns beyond `max_turns` end the episode, its last turn judged as the answer.
 
-How the tests are judged: one sandboxed run per completion executes the code, then calls `f` on
-each test's arguments and prints, after a per-run random nonce, whether the result equals the
-expected value (same type, equal value). A test that raises, a run that times out before a test
-reports, or code that does not define `f`, fails those tests. The nonce stops a solution from
-passing by printing lines that look like results; the code runs in the same interpreter as the
-checks, so this is a verifier for honest mistakes and ordinary reward hacking, not for code that
-inspects its checker.
+How the tests are judged (the checker's contract): one sandboxed run per completion receives the
+tests' arguments, never their expected values; it runs the code, calls `f` on each test's
+arguments and reports what came back as one JSON record per test (`{"test": i, "value": v}`, or
+`"raised"` with the exception's name). The expected values stay in rlpipe's process, which
+compares each reported value with the expected one there (`judge_results`): the value must be
+plain JSON (null, bool, int, float, str, list, dict with string keys) that parses strictly (no
+NaN or Infinity, no int over 4,300 digits, no duplicate keys), of the expected type at every level
+(`True` is not `1`, `3.0` is not `3`, a tuple is not a list), equal to it, and reported exactly
+once. Nothing the sandbox prints or its exit status decides a test, and there is nothing secret in
+the sandbox to find: code that reads its checker, forges result lines, patches builtins or `==`,
+returns an object equal to everything, or exits early gains nothing, because the most it can
+report is a value, and only the right value passes. A test that raises, a run that times out
+before a test reports, or code that does not define `f`, fails those tests. The components
+other than `passed` (`defined`, `timed_out`) come from the sandbox's own report and are for
+diagnosis only.
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import secrets
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,29 +71,52 @@ TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"source": {"type": "string"}}, "required": ["source"]}}}
 SANDBOXES = ("bwrap", "auto")
 
-# Runs in the sandbox: reads the tests and the solution from stdin, defines the solution, reports
-# each test after the nonce. Nothing of it is secret but the nonce, which arrives on stdin.
+# Runs in the sandbox: reads the function's name and the tests' arguments (one JSON line) and the
+# solution from stdin, runs the solution with its prints sent to stderr, and reports each call's
+# result as a JSON record on the saved stdout. It holds nothing secret: the expected values never
+# leave rlpipe's process, so whatever the solution does to this harness it can only report values.
 _HARNESS = """\
-import json, sys
-_spec = json.loads(sys.stdin.readline())
+import json, os, sys
+_report = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+_calls = json.loads(sys.stdin.readline())
 _source = sys.stdin.read()
-_nonce, _write, _flush = _spec["nonce"], sys.stdout.write, sys.stdout.flush
+_type, _str, _list, _dict, _float, _int, _bool = type, str, list, dict, float, int, bool
+
+def _plain(value, depth=0):
+    kind = _type(value)
+    if depth > 100:
+        raise ValueError("nested too deep")
+    if value is None or kind is _bool or kind is _int or kind is _str:
+        return value
+    if kind is _float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("not a finite float")
+        return value
+    if kind is _list:
+        return [_plain(item, depth + 1) for item in value]
+    if kind is _dict and all(_type(key) is _str for key in value):
+        return {key: _plain(item, depth + 1) for key, item in value.items()}
+    raise TypeError(f"a {kind.__name__} is not a JSON value")
+
+def _send(line):
+    _report.write("\\n" + line + "\\n")
+    _report.flush()
+
 _namespace = {"__name__": "solution"}
 try:
     exec(compile(_source, "solution.py", "exec"), _namespace)
-    _fn = _namespace[_spec["function"]]
+    _fn = _namespace[_calls["function"]]
 except BaseException as _error:
-    _write(f"\\n{_nonce} error {type(_error).__name__}\\n")
-    _flush()
+    _send(json.dumps({"error": _type(_error).__name__}))
     raise SystemExit(0)
-for _i, (_args, _expected) in enumerate(_spec["tests"]):
+_send(json.dumps({"defined": True}))
+for _i, _args in enumerate(_calls["arguments"]):
     try:
-        _got = _fn(*_args)
-        _ok = type(_got) is type(_expected) and _got == _expected
-    except BaseException:
-        _ok = False
-    _write(f"\\n{_nonce} {_i} {int(_ok)}\\n")
-    _flush()
+        _line = json.dumps({"test": _i, "value": _plain(_fn(*_args))}, allow_nan=False)
+    except BaseException as _error:
+        _line = json.dumps({"test": _i, "raised": _type(_error).__name__})
+    _send(_line)
 """
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -157,20 +187,74 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def harness_input(nonce: str, tests: Sequence[tuple[list, Any]], code: str) -> str:
-    """The harness's stdin: the tests as one JSON line, then the solution."""
-    spec = {"nonce": nonce, "function": FUNCTION, "tests": [[list(a), e] for a, e in tests]}
-    return json.dumps(spec) + "\n" + code
+def harness_input(arguments: Sequence[Sequence[Any]], code: str) -> str:
+    """The harness's stdin: the function's name and each test's arguments as one JSON line, then
+    the solution. The expected values are not in it."""
+    calls = {"function": FUNCTION, "arguments": [list(a) for a in arguments]}
+    return json.dumps(calls) + "\n" + code
 
 
-def passed_tests(stdout: str, nonce: str, n_tests: int) -> list[bool]:
-    """Per test, whether the harness reported it passed (unreported: failed)."""
-    passed = [False] * n_tests
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value here")
+
+
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate key")
+    return dict(pairs)
+
+
+_STRICT = json.JSONDecoder(parse_constant=_refuse_constant, object_pairs_hook=_strict_object)
+
+
+def parse_record(line: str) -> Any:
+    """One line of the sandbox's report as plain JSON, or None where it is not strict JSON (NaN,
+    Infinity, duplicate keys, an int too long to parse)."""
+    try:
+        return _STRICT.decode(line)
+    except (ValueError, RecursionError):
+        return None
+
+
+def same_value(got: Any, expected: Any) -> bool:
+    """Whether a reported value is the expected one: the same JSON type at every level (a bool
+    is not an int, a float not an int) and equal. Both sides are plain values parsed or built by
+    rlpipe, so no object's own `__eq__` takes part."""
+    if type(got) is not type(expected):
+        return False
+    if isinstance(expected, list):
+        return len(got) == len(expected) and all(same_value(g, e) for g, e in zip(got, expected, strict=True))
+    if isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(same_value(got[k], expected[k]) for k in expected)
+    return got == expected
+
+
+_NO_VALUE = object()  # a record about a test that carries no value (it raised, or has other keys)
+
+
+def judge_results(stdout: str, expected: Sequence[Any]) -> list[bool]:
+    """Per test, whether the sandbox reported exactly one value for it and that value is the
+    expected one (`same_value`). Records that do not parse strictly, tests reported more than
+    once, raised or unreported, fail; everything else the sandbox printed is ignored."""
+    values: dict[int, list[Any]] = {}
     for line in stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and int(parts[1]) < n_tests:
-            passed[int(parts[1])] = parts[2] == "1"
-    return passed
+        record = parse_record(line) if line.startswith("{") else None
+        if not isinstance(record, dict) or type(record.get("test")) is not int:
+            continue
+        index = record["test"]
+        if 0 <= index < len(expected):
+            is_value = record.keys() == {"test", "value"}
+            values.setdefault(index, []).append(record["value"] if is_value else _NO_VALUE)
+    return [len(got := values.get(i, [])) == 1 and got[0] is not _NO_VALUE and same_value(got[0], e)
+            for i, e in enumerate(expected)]
+
+
+def defined_reported(stdout: str) -> bool:
+    """Whether the sandbox said the solution defined `f` (diagnosis only: the sandbox can lie)."""
+    records = [parse_record(line) for line in stdout.splitlines() if line.startswith("{")]
+    return any(r == {"defined": True} for r in records) and not any(
+        isinstance(r, dict) and "error" in r for r in records)
 
 
 def tool_reply(result: SandboxResult, max_chars: int) -> str:
@@ -256,15 +340,13 @@ class CodeEnv:
             assistant = [str(m.get("content", "")) for m in transcript if m.get("role") == "assistant"]
             answer = assistant[-1] if assistant else ""
             calls = sum(bool(PARSER.parse(a).calls) for a in assistant[:-1])
-        tests = [(list(args), expected) for args, expected in example.answer]
-        nonce = secrets.token_hex(16)
-        result = self._run(_HARNESS, harness_input(nonce, tests, extract_code(answer)))
-        passed = passed_tests(result.stdout, nonce, len(tests))
-        share = sum(passed) / len(tests)
-        defined = float(any(line.startswith(f"{nonce} ") and " error " not in line
-                            for line in result.stdout.splitlines()))
-        return RewardResult(share, {"passed": share, "defined": defined, "timed_out": float(result.timed_out),
-                                    "tool_calls": float(calls)})
+        arguments = [list(args) for args, _ in example.answer]
+        expected = [value for _, value in example.answer]
+        result = self._run(_HARNESS, harness_input(arguments, extract_code(answer)))
+        passed = judge_results(result.stdout, expected)
+        share = sum(passed) / len(expected)
+        return RewardResult(share, {"passed": share, "defined": float(defined_reported(result.stdout)),
+                                    "timed_out": float(result.timed_out), "tool_calls": float(calls)})
 
     def _run(self, source: str, stdin: str) -> SandboxResult:
         return run_python(source, timeout_s=self.config.timeout_s, memory_mb=self.config.memory_mb,

@@ -7,11 +7,12 @@ Typed, documented, strict (core/config.py `Section`); tasks/config.py composes i
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from rlpipe.core.config import Section
+from rlpipe.core.config import Section, check_shares
 from rlpipe.models.tool_calls import PARSERS
 
 ENV_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -161,6 +162,11 @@ class TaskConfig(Section):
             twice = sorted({name for name in names if names.count(name) > 1})
             if twice:
                 raise ValueError(f"task.envs: names must be unique, {', '.join(twice)} given more than once")
+            check_shares([entry.weight for entry in self.envs], names, "task.envs")
+        weights = [self.env_reward_weight, *(model.weight for model in self.reward_models)]
+        if not math.isfinite(sum(abs(w) for w in weights)):
+            raise ValueError(f"task.env_reward_weight and task.reward_models weights ({', '.join(f'{w:g}' for w in weights)}) "
+                             "add up past the largest float: rewards would be inf")
         return self
 
     def entries(self) -> list[EnvEntryConfig]:

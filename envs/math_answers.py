@@ -8,12 +8,30 @@ neither is taken whole (`\\frac{1}{\\sqrt{2}}`). Comparison, cheapest first:
 
 1. both are plain numbers (`1,234`, `-3.5`, `7/2`, `1e3`, a trailing `.` or `%` or a leading `$`
    dropped; `\\frac{1}{2}`, `\\dfrac12` read as fractions): exact, or within 1e-6 relative;
-2. otherwise math-verify (the `math-verify` package: LaTeX and expressions parsed with sympy, e.g.
-   `\\frac{\\sqrt{2}}{2}` equals `\\frac{1}{\\sqrt{2}}`), in one worker process per scoring process
-   (math-verify's own `MATH_VERIFY_TIMEOUT_S` alarm inside it; a worker that overruns twice that
-   is killed and the answer counts as wrong, so no input can hang a scorer);
-3. without math-verify installed, or for answers longer than `MAX_ANSWER_CHARS`: the two answers
+2. both are lists of plain numbers (`3,5`, `1, 2, 3`): equal as sets, each element by value;
+3. an answer the pre-check refuses (`too_costly`) is wrong, and is never parsed;
+4. otherwise math-verify (the `math-verify` package: LaTeX and expressions parsed with sympy, e.g.
+   `\\frac{\\sqrt{2}}{2}` equals `\\frac{1}{\\sqrt{2}}`), in a pool of worker processes (see below);
+5. without math-verify installed, or for answers longer than `MAX_ANSWER_CHARS`: the two answers
    as text, whitespace and `$` dropped.
+
+Numbers are read as the GSM8K and MATH graders read them (GSM8K strips thousands separators;
+math-verify, the MATH grader, reads a comma list as a set): a comma is a thousands separator only
+in `1,234` or `12,345,678` (groups of three digits after the first), so `1,234` is 1234; `3,5` and
+`1,2,3` are lists ({3, 5} and {1, 2, 3}), never 35 or 123, and never a decimal comma. Relative
+tolerance 1e-6 applies to non-zero values only: `\\boxed{1e-300}` is not 0 (a zero matches only
+zero), as exact comparison says.
+
+Each answer's time is its own: math-verify runs in up to `MATH_VERIFY_WORKERS` worker processes at
+once, each answer on a worker of its own, timed from when that worker takes it (math-verify's own
+`MATH_VERIFY_TIMEOUT_S` alarm inside; a worker that overruns twice that is killed, the answer
+counts as wrong, and a replacement starts at once, in the background). A spare warm worker is kept
+ready, so an innocent answer scored while another runs long gets a worker without waiting for it
+(the reward of one answer never depends on its neighbours, `task.reward_timeout_s` included).
+Before any of that, a cheap pre-check (`too_costly`) refuses what no worker could evaluate in
+time: a numeric power tower or power whose value has more than `MAX_DIGITS` digits
+(`9^{9^{9^{9}}}`, `2^{10^{6}}`), a factorial of more than `MAX_DIGITS` digits (`10000!`) or of a
+factorial (`(5!)!!`), a binomial of such size, and braces nested past 50 levels.
 
 components: `format` = a final answer was found in the completion, `correct` = it matches.
 """
@@ -21,20 +39,27 @@ components: `format` = a final answer was found in the completion, `correct` = i
 from __future__ import annotations
 
 import atexit
+import math
+import os
 import re
 import threading
 from fractions import Fraction
 from typing import Any
 
-from rlpipe.envs.rewards import _numbers_equal, parse_number, register_reward
+from rlpipe.envs.rewards import parse_number, register_reward
 
 MATH_VERIFY_TIMEOUT_S = 5
 """Seconds math-verify may spend parsing and comparing one answer pair."""
 MAX_ANSWER_CHARS = 200
 """Longer final answers are compared as text, never parsed (a bound on what sympy is given)."""
+MAX_DIGITS = 10_000
+"""The pre-check refuses numeric powers and factorials whose value has more digits than this."""
+MATH_VERIFY_WORKERS = max(2, min(4, os.cpu_count() or 2))
+"""Worker processes comparing answers at once (each answer on one of its own)."""
 
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _FRAC = re.compile(r"(-?)\\[dt]?frac\s*(?:\{\s*(-?\d+)\s*\}|(\d))\s*(?:\{\s*(-?\d+)\s*\}|(\d))")
 
 
@@ -78,7 +103,10 @@ def plain_number(answer: str) -> Fraction | None:
     period, `\\frac{a}{b}` and `a/b` allowed); None otherwise."""
     text = answer.strip().strip("$").strip()
     text = re.sub(r"\\[,!;: ]|\\text\{[^}]*\}|\\%|%|\\\$", "", text).strip().rstrip(".").strip()
-    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+    if "," in text:
+        if not _THOUSANDS.fullmatch(text):  # "3,5", "1,2,3": a list, not a number
+            return None
+        text = text.replace(",", "")
     frac = _FRAC.fullmatch(text)
     if frac:
         sign, num, den = frac[1], frac[2] or frac[3], frac[4] or frac[5]
@@ -98,51 +126,269 @@ def _verify_in_worker(prediction: str, reference: str, timeout_s: int) -> bool:
     return bool(gold and guess and verify(gold, guess, timeout_seconds=timeout_s))
 
 
-_WORKER: Any = None
-_WORKER_LOCK = threading.Lock()
+def _serve(connection: Any) -> None:
+    """A worker process: import math-verify, say ready, then answer (prediction, reference,
+    timeout) requests with a verdict (None: math-verify could not parse or compare)."""
+    import math_verify  # noqa: F401 - imported before "ready": a request's time is its own
+
+    connection.send("ready")
+    while True:
+        try:
+            prediction, reference, timeout_s = connection.recv()
+        except EOFError:
+            return
+        try:
+            connection.send(_verify_in_worker(prediction, reference, timeout_s))
+        except Exception:  # noqa: BLE001 - a parse math-verify cannot do: not equal
+            connection.send(False)
+
+
+class _Worker:
+    """One worker process and its end of the pipe."""
+
+    def __init__(self, serve: Any = _serve) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.connection, theirs = context.Pipe()
+        self.process = context.Process(target=serve, args=(theirs,), daemon=True, name="rlpipe-math-verify")
+        self.process.start()
+        theirs.close()
+
+    def ready(self, timeout_s: float) -> bool:
+        return self.connection.poll(timeout_s) and self.connection.recv() == "ready"
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.connection.close()
+
+
+class _VerifierPool:
+    """Up to `size` warm math-verify workers; an answer takes an idle one (or starts one, or waits
+    for one to come back), and one that overruns is killed and replaced in the background."""
+
+    def __init__(self, size: int, serve: Any = _serve) -> None:
+        self.size, self.serve = size, serve
+        self.idle: list[_Worker] = []
+        self.live = 0  # workers started and not killed: idle, busy or starting
+        self.changed = threading.Condition()
+        atexit.register(self.close)
+
+    def _start_spare(self) -> None:
+        """Start workers in the background up to `size` (under `changed`): the pool is kept full
+        and warm, so an answer finds an idle worker unless `size` answers run at once."""
+        while self.live < self.size:
+            self.live += 1
+            threading.Thread(target=self._warm, name="rlpipe-math-verify-start", daemon=True).start()
+
+    def _warm(self) -> None:
+        worker = None
+        try:
+            worker = _Worker(self.serve)
+            ok = worker.ready(_WORKER_START_S)
+        except Exception:  # noqa: BLE001 - a worker that cannot start: room for another
+            ok = False
+        with self.changed:
+            if ok:
+                self.idle.append(worker)
+            else:
+                self.live -= 1
+                if worker is not None:
+                    worker.kill()
+            self.changed.notify_all()
+
+    def compare(self, prediction: str, reference: str, timeout_s: int) -> bool:
+        with self.changed:
+            self._start_spare()
+            while not self.idle:
+                if not self.changed.wait(_WORKER_START_S) and not self.idle and self.live == 0:
+                    return False  # no worker could start
+                self._start_spare()
+            worker = self.idle.pop()
+            self._start_spare()  # a warm spare for the next answer while this one runs
+        try:
+            worker.connection.send((prediction, reference, timeout_s))
+            if worker.connection.poll(2 * timeout_s):
+                verdict = bool(worker.connection.recv())
+                with self.changed:
+                    self.idle.append(worker)
+                    self.changed.notify_all()
+                return verdict
+        except (OSError, EOFError):
+            pass
+        worker.kill()  # overran (sympy can hold it for minutes on `9^{9^{9^{9}}}`) or died
+        with self.changed:
+            self.live -= 1
+            self._start_spare()
+            self.changed.notify_all()
+        return False
+
+    def close(self) -> None:
+        with self.changed:
+            workers, self.idle = self.idle, []
+        for worker in workers:
+            worker.kill()
+
+
+_POOL: _VerifierPool | None = None
+_POOL_LOCK = threading.Lock()
 _WORKER_START_S = 60.0  # a fresh worker imports sympy and math-verify first
 
 
 def _math_verify_equal(prediction: str, reference: str, timeout_s: int) -> bool | None:
-    """math-verify's verdict from a worker process, False when it overruns (the worker is then
-    killed: sympy can hold the interpreter for minutes on `9^{9^{9^{9}}}`, which neither an alarm
-    nor an abandoned thread would stop); None when math-verify is not installed."""
-    global _WORKER
+    """math-verify's verdict from a pool worker, False when it overruns (the worker is then
+    killed and replaced: neither an alarm nor an abandoned thread stops sympy); None when
+    math-verify is not installed."""
+    global _POOL
     import importlib.util
 
     if importlib.util.find_spec("math_verify") is None:
         return None
-    import multiprocessing
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = _VerifierPool(MATH_VERIFY_WORKERS)
+    return _POOL.compare(prediction, reference, timeout_s)
 
-    with _WORKER_LOCK:  # one comparison at a time: the worker is one process
-        fresh = _WORKER is None
-        if fresh:
-            _WORKER = multiprocessing.get_context("spawn").Pool(1)
-            atexit.register(_WORKER.terminate)  # before interpreter teardown, which a late __del__ trips on
-        pending = _WORKER.apply_async(_verify_in_worker, (prediction, reference, timeout_s))
-        try:
-            return bool(pending.get(2 * timeout_s + (_WORKER_START_S if fresh else 0.0)))
-        except multiprocessing.TimeoutError:
-            _WORKER.terminate()
-            atexit.unregister(_WORKER.terminate)
-            _WORKER = None
-            return False
-        except Exception:  # noqa: BLE001 - a parse math-verify cannot do: not equal
-            return False
+
+_POWER_BASE = re.compile(r"\d+(?:\.\d+)?")
+_FACTORIAL = re.compile(r"(\d+)\s*!")
+_PAREN_NUMBER = re.compile(r"[({]\s*(\d+(?:\.\d+)?)\s*[)}]")
+_GROUP_FACTORIAL = re.compile(r"[)}\]]\s*!")
+_BINOM = re.compile(r"\\[dt]?binom\s*\{?\s*(\d+)")
+
+
+def _group_before(text: str, close: int) -> str:
+    """The inside of the bracket group whose closing bracket is at `close`."""
+    depth = 0
+    for index in range(close, -1, -1):
+        depth += (text[index] in ")}]") - (text[index] in "({[")
+        if depth == 0:
+            return text[index + 1:close]
+    return text[:close]
+
+
+def _group(text: str, start: int) -> int:
+    """Index after the brace group opening at `start` (or len(text) when unclosed)."""
+    depth = 0
+    for index in range(start, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return len(text)
+
+
+def _tower_digits(text: str, start: int) -> tuple[float, int]:
+    """log10 of |value| of the numeric power tower starting with the number at `start`
+    (`9^{9^9}`, `2^10^3`, right-associative), and the index after it; inf past float range."""
+    number = _POWER_BASE.match(text, start)
+    scale = _log10(number.group())  # |log10 of the base|: how fast its powers grow
+    end = number.end()
+    rest = text[end:].lstrip()
+    if not rest.startswith("^") and not rest.startswith("**"):
+        return scale, end
+    at = end + (len(text[end:]) - len(rest)) + (1 if rest.startswith("^") else 2)
+    while at < len(text) and text[at] == " ":
+        at += 1
+    if at < len(text) and text[at] == "{":
+        close = _group(text, at)
+        inner = text[at + 1:close - 1].strip().lstrip("-").strip()
+        after = close
+        if not inner or not _POWER_BASE.match(inner):
+            return 0.0, after
+        exponent_digits, used = _tower_digits(inner, 0)
+        if inner[used:].strip():  # not a pure tower: take the larger of its parts' towers
+            exponent_digits = max_power_digits(inner)
+    elif at < len(text) and _POWER_BASE.match(text, at):
+        exponent_digits, after = _tower_digits(text, at)
+    else:
+        return 0.0, at
+    if scale == 0.0:
+        return 0.0, after
+    if exponent_digits > 300:
+        return math.inf, after
+    return 10 ** exponent_digits * scale, after
+
+
+def _log10(number: str) -> float:
+    """|log10| of a non-negative decimal literal, without overflowing on a long one (0 for 0 and 1)."""
+    whole = number.split(".")[0].lstrip("0")
+    if len(whole) > 300:
+        return float(len(whole))
+    value = float(number)
+    return abs(math.log10(value)) if value > 0 else 0.0
+
+
+def max_power_digits(text: str) -> float:
+    """The most digits (log10 of |value|) of any numeric power or power tower in `text` (a
+    number without an exponent counts 0: sympy reads long literals quickly)."""
+    most, at = 0.0, 0
+    while (number := _POWER_BASE.search(text, at)) is not None:
+        digits, end = _tower_digits(text, number.start())
+        if end > number.end():  # it had an exponent
+            most = max(most, digits)
+        at = max(end, number.end())
+    return most
+
+
+def too_costly(answer: str) -> bool:
+    """Whether `answer` holds what math-verify could not evaluate in time (see the module
+    docstring): the cheap pre-check, linear in the answer's length."""
+    text = _PAREN_NUMBER.sub(r"\1", answer.replace("\\left", "").replace("\\right", ""))
+    depth = most = 0
+    for char in text:
+        depth += (char == "{") - (char == "}")
+        most = max(most, depth)
+    if most > 50:
+        return True
+    if max_power_digits(text) > MAX_DIGITS:
+        return True
+    for match in _FACTORIAL.finditer(text):
+        if math.lgamma(int(match.group(1)) + 1) / math.log(10) > MAX_DIGITS:
+            return True
+    for match in _GROUP_FACTORIAL.finditer(text):  # (10^{10})!, (5!)!: the group's size bounds n
+        inside = _group_before(text, match.start())
+        literal = max((_log10(n) for n in _POWER_BASE.findall(inside)), default=0.0)
+        digits = max(max_power_digits(inside), literal)
+        if "!" in inside or digits > 300 or math.lgamma(10 ** digits + 1) / math.log(10) > MAX_DIGITS:
+            return True
+    return any(int(m.group(1)) * math.log10(2) > MAX_DIGITS for m in _BINOM.finditer(text))
 
 
 def _as_text(answer: str) -> str:
     return re.sub(r"\s+|\$", "", answer)
 
 
+def _same_number(a: Fraction, b: Fraction) -> bool:
+    """Exact, or within 1e-6 relative, computed exactly; so a zero equals only zero (1e-300 is not 0)."""
+    return a == b or abs(a - b) * 1_000_000 <= max(abs(a), abs(b))
+
+
+def number_list(answer: str) -> list[Fraction] | None:
+    """`answer` as a comma list of plain numbers (`3,5`, `1, 2, 3`, `\\{1,2\\}`), or None."""
+    text = answer.strip().strip("$").strip()
+    text = re.sub(r"^\\\{(.*)\\\}$|^\{(.*)\}$", lambda m: m.group(1) or m.group(2) or "", text).strip()
+    if "," not in text or _THOUSANDS.fullmatch(text):
+        return None
+    values = [plain_number(part) for part in text.split(",")]
+    return None if any(v is None for v in values) else values  # type: ignore[return-value]
+
+
 def answers_equal(prediction: str, reference: str, timeout_s: int = MATH_VERIFY_TIMEOUT_S) -> bool:
     """Whether two final answers are the same value (see the module docstring for the order)."""
     a, b = plain_number(prediction), plain_number(reference)
     if a is not None and b is not None:
-        return _numbers_equal(a, b)
+        return _same_number(a, b)
+    listed_a, listed_b = number_list(prediction), number_list(reference)
+    if listed_a is not None and listed_b is not None:  # sets, as math-verify compares them
+        return (all(any(_same_number(x, y) for y in listed_b) for x in listed_a)
+                and all(any(_same_number(x, y) for x in listed_a) for y in listed_b))
     if _as_text(prediction) == _as_text(reference):
         return True
-    if max(len(prediction), len(reference)) > MAX_ANSWER_CHARS:
+    if max(len(prediction), len(reference)) > MAX_ANSWER_CHARS or too_costly(prediction) or too_costly(reference):
         return False
     verdict = _math_verify_equal(prediction, reference, timeout_s)
     return bool(verdict)

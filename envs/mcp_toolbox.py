@@ -22,6 +22,17 @@ answered as `bad_call` by envs/mcp_tools.py). A server that died stays dead for 
 calls to it are answered at once. Only starting fails the run: a server that does not start,
 connect and list its tools within `connect_timeout_s`, a `tools` name it does not list, or two
 servers listing the same tool name raise one line naming the server.
+
+A stdio server's process is started in a process group of its own (the SDK's
+`start_new_session`); `close()` ends that whole group, so a helper the server started (a
+subprocess, a worker) does not outlive it even when the server itself exits at once. Its stdout
+is read through a cap (`_CappedStdout`): a tool reply whose line passes `_line_cap(max_output_chars)`
+bytes is cut as it streams in, answered at once with its first `max_output_chars` characters and
+a note, and the rest of that line is discarded as it arrives, never held; a call to a server still
+sending the rest of a cut reply a second later is refused in one line (a server that hangs in the
+middle of a reply cannot hold up the calls after it). Replies over HTTP are cut after they arrive.
+(The SDK spawns the process in `mcp.client.stdio._create_platform_compatible_process`; this
+module wraps that function once, for the servers it starts.)
 """
 
 from __future__ import annotations
@@ -29,8 +40,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import json
 import os
+import re
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -141,6 +155,132 @@ async def _transport(server: McpServerConfig, stack: contextlib.AsyncExitStack) 
     return streamable_http_client(server.url, http_client=http)
 
 
+CUT_META = "rlpipe/cut_bytes"
+"""`_meta` key of a reply cut as it streamed in: the bytes its line had when it was cut."""
+_BUSY_WAIT_S = 1.0  # how long a call waits for the rest of a cut reply to be discarded
+
+
+def _line_cap(max_output_chars: int) -> int:
+    """Bytes of one stdout line past which a tool reply is cut: room for `max_output_chars`
+    characters escaped (up to 12 bytes each) twice (content and structured content) and 64 KiB."""
+    return 24 * max_output_chars + (64 << 10)
+
+
+_ID = re.compile(rb'"id"\s*:\s*(-?\d+|"(?:[^"\\]|\\.)*")')
+_CALL_RESULT = re.compile(rb'"result"\s*:\s*\{\s*"content"')
+_TEXT = re.compile(rb'"text"\s*:\s*"')
+
+
+def _cut_reply(head: bytes, max_chars: int) -> bytes | None:
+    """A JSON-RPC reply standing in for a tool reply cut after its first bytes `head`: its id,
+    the first `max_chars` characters of its text, `_meta` saying it was cut (and `isError`, so the
+    SDK does not check it against the tool's output schema). None when `head` is not a tool reply
+    whose id it can read (such a line is passed on whole)."""
+    start = head[:512]
+    ident = _ID.search(start)
+    if ident is None or not _CALL_RESULT.search(start):
+        return None
+    text = ""
+    if (found := _TEXT.search(head)) is not None:
+        raw = head[found.end():found.end() + 12 * max_chars + 16]
+        end = re.search(rb'(?<!\\)(?:\\\\)*"', raw)
+        raw = raw[:end.start() + len(end.group()) - 1] if end else raw
+        for trim in range(0, 16):  # a cut escape or UTF-8 sequence at the end: drop it
+            try:
+                text = json.loads(b'"' + raw[:len(raw) - trim] + b'"')
+                break
+            except ValueError:
+                continue
+    reply = {"jsonrpc": "2.0", "id": json.loads(ident.group(1)),
+             "result": {"_meta": {CUT_META: len(head)}, "content": [{"type": "text", "text": text[:max_chars]}],
+                        "isError": True}}
+    return json.dumps(reply).encode()
+
+
+class _CappedStdout:
+    """A server's stdout as the SDK reads it, one line at a time held back until its newline:
+    a line past `cap` bytes that is a tool reply is replaced by `_cut_reply` at once and the rest
+    of it discarded as it arrives (see the module docstring)."""
+
+    def __init__(self, inner: Any, cap: int, max_chars: int) -> None:
+        self.inner, self.cap, self.max_chars = inner, cap, max_chars
+        self.line = bytearray()
+        self.passing = False  # a long line that is not a tool reply: passed on as it comes
+        self.discarding = 0  # bytes of a cut line discarded so far (0: not discarding)
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        while True:
+            data = await self.inner.receive(max_bytes)
+            out = bytearray()
+            for piece in re.split(b"(\n)", data):
+                if piece == b"\n":
+                    if self.discarding:
+                        self.discarding = 0
+                    else:
+                        out += self.line + b"\n"
+                    self.line.clear()
+                    self.passing = False
+                elif self.discarding:
+                    self.discarding += len(piece)
+                elif self.passing:
+                    out += piece
+                else:
+                    self.line += piece
+                    if len(self.line) > self.cap:
+                        cut = _cut_reply(bytes(self.line), self.max_chars)
+                        if cut is None:
+                            out += self.line
+                            self.passing = True
+                        else:
+                            out += cut + b"\n"
+                            self.discarding = len(self.line)
+                        self.line.clear()
+            if out:
+                return bytes(out)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+_SPAWNING: contextvars.ContextVar[Any] = contextvars.ContextVar("rlpipe_mcp_spawning", default=None)
+_HOOKED = threading.Lock()
+
+
+def _hook_spawn() -> None:
+    """Wrap the SDK's stdio process spawn (once): a server `_Server.run` is starting records its
+    process (for the group kill) and reads its stdout through `_CappedStdout`."""
+    import mcp.client.stdio as sdk
+
+    with _HOOKED:
+        spawn = getattr(sdk, "_create_platform_compatible_process", None)
+        if spawn is None or getattr(spawn, "_rlpipe", False):
+            return
+
+        async def spawn_recorded(*args: Any, **kwargs: Any) -> Any:
+            process = await spawn(*args, **kwargs)
+            server = _SPAWNING.get()
+            if server is not None and getattr(process, "_stdout", None) is not None:
+                server.pid = process.pid
+                server.stdout = _CappedStdout(process._stdout, _line_cap(server.config.max_output_chars),
+                                              server.config.max_output_chars)
+                process._stdout = server.stdout  # anyio's Process keeps its streams in these fields
+            return process
+
+        spawn_recorded._rlpipe = True  # type: ignore[attr-defined]
+        sdk._create_platform_compatible_process = spawn_recorded
+
+
+def _end_group(pgid: int | None) -> None:
+    """SIGKILL what is left of a stdio server's process group (its leader's pid: a new session)."""
+    if pgid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def _describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
@@ -156,11 +296,16 @@ class _Server:
         self.dead: str | None = None
         self.queue: asyncio.Queue | None = None
         self.pending: set[concurrent.futures.Future] = set()
+        self.pid: int | None = None  # a stdio server's process (its group's id)
+        self.stdout: _CappedStdout | None = None
 
     async def run(self, ready: concurrent.futures.Future) -> None:
         from mcp import Client
 
         self.queue = asyncio.Queue()
+        if self.config.command:
+            _hook_spawn()
+            _SPAWNING.set(self)  # this task's context: the spawn in _transport records it
         try:
             async with contextlib.AsyncExitStack() as stack:
                 async with asyncio.timeout(self.config.connect_timeout_s):
@@ -177,6 +322,7 @@ class _Server:
                 raise
         finally:
             self.dead = self.dead or "closed"
+            _end_group(self.pid)  # helpers the server left in its group go with it
             for future in list(self.pending):
                 if not future.done():
                     future.set_exception(ConnectionError(self.dead))
@@ -290,6 +436,13 @@ class McpToolbox:
         if server.dead is not None or self._closed:
             return outcome(label, f"error: MCP server {label!r} is not running ({server.dead or 'closed'})",
                            "server_error")
+        deadline = time.monotonic() + _BUSY_WAIT_S
+        while server.stdout is not None and server.stdout.discarding and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if server.stdout is not None and server.stdout.discarding:
+            return outcome(label, f"error: MCP server {label!r} is still sending the rest of a reply cut at "
+                                  f"max_output_chars ({server.stdout.discarding} bytes so far); call it again later",
+                           "server_error")
         future: concurrent.futures.Future = concurrent.futures.Future()
         server.pending.add(future)
         try:
@@ -304,6 +457,11 @@ class McpToolbox:
                            "server_error")
         finally:
             server.pending.discard(future)
+        cut = (getattr(result, "meta", None) or {}).get(CUT_META)
+        if cut is not None:
+            text = result_text(result, server.config.max_output_chars)
+            return outcome(label, f"{text}\n[... reply cut at max_output_chars as it streamed in, after "
+                                  f"{cut} bytes]", None)
         text = result_text(result, server.config.max_output_chars)
         if result.is_error:
             return outcome(label, f"error: {text}", "tool_error")

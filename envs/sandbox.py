@@ -6,32 +6,61 @@
 What the code sees (bubblewrap, `bwrap`, the OS package; `make setup` installs it where missing):
 
 - a fresh, empty, writable scratch folder (`/scratch`, a size-capped tmpfs, its working folder and
-  HOME) and a private `/tmp` of the same size; the program itself read-only at `/sandbox/main.py`;
+  HOME) and a private `/tmp` of the same size; the program itself read-only at `/sandbox/main.py`
+  (copied in from a memory file, so no host folder is named anywhere); `/` and `/dev` read-only;
 - read-only `/usr` (and `/bin`, `/lib*` as the host has them) and the interpreter's own prefix,
-  nothing else of the host: no home, no run folders, no `/etc`, no `/work`;
+  nothing else of the host: no home, no run folders, no `/etc`, no `/work`. No host path shows
+  in /proc either: bubblewrap reads its options from a descriptor (`--args`), so
+  `/proc/1/cmdline` is `bwrap --args N` and the interpreter's command, and stdin is a memory file. The interpreter's prefix is
+  the one host path the program can learn (it is mounted at its own path, as its compiled-in paths
+  need);
 - no network (a network namespace of its own with nothing in it, so not even the host's
   127.0.0.1), its own pid, IPC and UTS namespaces, an empty environment, a new session (no
-  terminal to write to), and it dies with its parent.
+  terminal to write to), and it dies with its parent;
+- a seccomp filter (envs/seccomp.py) that refuses, with EPERM, new namespaces (`unshare`,
+  `setns`, `clone` with CLONE_NEW*), memory the address-space limit would not count
+  (`memfd_create`, System V shared memory and queues, POSIX queues, `userfaultfd`), mounting,
+  `ptrace` and the other calls a test program never needs; run as another user than root,
+  bubblewrap's `--disable-userns` too where it has it.
 
 Limits, set inside the sandbox before the program starts (`SandboxLimits`): CPU seconds, address
 space (`memory_mb`), processes (RLIMIT_NPROC; run as root, the sandbox runs as `nobody` so the
-limit holds), file size, no core dumps; stdout and stderr together are read up to
-`output_bytes` (more ends the run, `output_truncated`); `timeout_s` of wall clock ends it
-(`timed_out`). Ending a run kills the sandbox's init, which takes every process of its pid
+limit holds), file size, open files, no locked memory, no core dumps; stdout and stderr together
+are read up to `output_bytes` (more ends the run, `output_truncated`); `timeout_s` of wall clock
+ends it (`timed_out`). Ending a run kills the sandbox's init, which takes every process of its pid
 namespace with it: nothing is left behind when `run_python` returns.
 
+Memory, bounded for real:
+
+- with a cgroup v2 memory controller this process may use (`memory_cgroup()`: the folder named by
+  `RLPIPE_SANDBOX_CGROUP`, else this process's own cgroup where it delegates `memory`, else, as
+  root, `rlpipe-sandbox` under the cgroup2 root where that delegates it), each run gets a cgroup of
+  its own: `memory.max` = `memory_mb` + 2 x `scratch_mb` for everything it holds together (its
+  processes, its tmpfs files, kernel buffers), no swap, the whole sandbox killed when it is
+  exceeded (`memory.oom.group`), and `pids.max` = `processes` where the pids controller is there;
+- without one (this fallback is stated by `memory_bound()`), the bound is the sum of limits the
+  kernel enforces per process: each process's address space is at most `memory_mb`, at most
+  `processes` of them, files only in the two tmpfs of `scratch_mb` each (`/` and `/dev` are
+  read-only), no memfd, System V or POSIX shared memory (the seccomp filter), at most 64 open
+  files a process: at most `processes` x `memory_mb` + 2 x `scratch_mb` and the kernel buffers of
+  those descriptors.
+
 Not isolated: CPU and memory bandwidth the code shares with the host, the kernel itself (a kernel
-bug is out of scope), and the reward: a program can print whatever it likes, so a verifier must
-not trust what it cannot check (envs/code.py reads results behind a per-run nonce).
+bug is out of scope), and the meaning of what the program prints: a verifier must keep its secrets
+out of the sandbox and judge values outside it (envs/code.py's checker does).
 
 Where bubblewrap is missing or cannot create namespaces, `run_python` raises `SandboxUnavailable`
 with one line saying why, unless `allow_unisolated=True`: then the program runs as a plain child
-process with the same CPU, memory and file-size limits, timeout and output cap, and none of the
-isolation (`SandboxResult.isolated` is False).
+process with the same CPU, memory, file-size and open-file limits, the same seccomp filter
+(loaded with prctl), timeout and output cap, and none of the isolation (`SandboxResult.isolated`
+is False).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import functools
 import os
 import pwd
@@ -42,8 +71,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlpipe.envs.seccomp import SeccompUnsupported, deny_filter
 
 SANDBOX_MAIN = "/sandbox/main.py"
 SCRATCH = "/scratch"
@@ -51,29 +84,49 @@ NOBODY = "nobody"
 _UNISOLATED = '(allow_unisolated=True; the code environment: sandbox = "auto")'
 
 # Runs first inside the sandbox: sets the limits on itself (and drops root), then runs the program
-# as __main__ in the same interpreter. Limits are
-# set here rather than before bwrap so that the process limit counts the sandbox's own processes
-# (per user namespace), not every process of the calling user.
+# as __main__ in the same interpreter. Limits are set here rather than before bwrap so that the
+# process limit counts the sandbox's own processes (per user namespace), not every process of the
+# calling user. An unisolated run also loads the seccomp filter here (its hex is the last limit).
 _LAUNCHER = """\
 import os, resource, sys
-cpu, memory, processes, file_size, uid, gid = (int(v) for v in sys.argv[1:7])
+cpu, memory, processes, file_size, files, uid, gid = (int(v) for v in sys.argv[1:8])
+seccomp = sys.argv[8]
 def cap(kind, value):
+    hard = resource.getrlimit(kind)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
     resource.setrlimit(kind, (value, value))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 cap(resource.RLIMIT_AS, memory)
 if processes > 0:
     cap(resource.RLIMIT_NPROC, processes)
 cap(resource.RLIMIT_FSIZE, file_size)
+cap(resource.RLIMIT_NOFILE, files)
+cap(resource.RLIMIT_MEMLOCK, 0)
+cap(resource.RLIMIT_MSGQUEUE, 0)
 cap(resource.RLIMIT_CORE, 0)
 if uid >= 0:
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
-sys.argv = sys.argv[7:]
-del os, resource, cpu, memory, processes, file_size, uid, gid, cap
+if seccomp:
+    import ctypes
+    program = bytes.fromhex(seccomp)
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    buffer = ctypes.create_string_buffer(program, len(program))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(Program(len(program) // 8,
+                                                                            ctypes.addressof(buffer))), 0, 0):
+        raise SystemExit(f"rlpipe sandbox: seccomp filter refused: {os.strerror(ctypes.get_errno())}")
+    del ctypes, program, Program, buffer, libc
+sys.argv = sys.argv[9:]
+del os, resource, cpu, memory, processes, file_size, files, uid, gid, cap, seccomp
 import runpy
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+CGROUP_ENV = "RLPIPE_SANDBOX_CGROUP"
+OPEN_FILES = 64
+_CGROUP_JOIN = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
 
 
 class SandboxUnavailable(RuntimeError):
@@ -110,6 +163,7 @@ class SandboxResult:
     timed_out:        the wall-clock timeout ended it
     output_truncated: stdout + stderr passed SandboxLimits.output_bytes, which ended it
     isolated:         it ran under bubblewrap (False only with allow_unisolated)
+    memory_cgroup:    its memory was bounded by a cgroup of its own (see the module docstring)
     """
 
     stdout: str
@@ -118,6 +172,7 @@ class SandboxResult:
     timed_out: bool
     output_truncated: bool = False
     isolated: bool = True
+    memory_cgroup: bool = False
 
 
 def interpreter() -> str:
@@ -149,15 +204,29 @@ def _host_links() -> list[str]:
     return args
 
 
-def _bwrap_args(bwrap: str, python: str, main: Path, as_root: bool, scratch_mb: int) -> list[str]:
-    """bubblewrap's command line up to the program: namespaces, read-only system, fresh scratch.
+@functools.cache
+def _bwrap_has(option: str, bwrap: str) -> bool:
+    """Whether this bubblewrap knows `option` (its --help lists it)."""
+    try:
+        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return option in out.stdout + out.stderr
+
+
+def _bwrap_args(bwrap: str, python: str, as_root: bool, scratch_mb: int, program_fd: int,
+                seccomp_fd: int) -> list[str]:
+    """bubblewrap's arguments up to the program: namespaces, read-only system, fresh scratch, the
+    seccomp filter from `seccomp_fd` and the program copied from `program_fd`.
 
     As root, bubblewrap sets up the sandbox with its own privileges (no user namespace) and the
-    launcher drops to `nobody`; otherwise a user namespace maps the caller's user."""
+    launcher drops to `nobody`; otherwise a user namespace maps the caller's user, and nested user
+    namespaces are disabled where this bubblewrap can."""
     prefix = str(Path(python).parent.parent)  # the interpreter's install prefix
-    args = [bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", *([] if as_root else ["--unshare-user"]),
-            "--die-with-parent", "--new-session",
+    user = [] if as_root else ["--unshare-user", *(["--disable-userns"] if _bwrap_has("--disable-userns", bwrap)
+                                                   else [])]
+    args = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", *user, "--die-with-parent", "--new-session",
             "--clearenv", "--setenv", "HOME", SCRATCH, "--setenv", "PATH", "/usr/bin:/bin",
             "--setenv", "LANG", "C.UTF-8",
             "--ro-bind", "/usr", "/usr", *_host_links()]
@@ -169,19 +238,39 @@ def _bwrap_args(bwrap: str, python: str, main: Path, as_root: bool, scratch_mb: 
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
              "--perms", "0777", "--size", size, "--tmpfs", SCRATCH,
              "--perms", "0755", "--dir", str(Path(SANDBOX_MAIN).parent),
-             "--ro-bind", str(main), SANDBOX_MAIN, "--chdir", SCRATCH]
+             "--perms", "0444", "--ro-bind-data", str(program_fd), SANDBOX_MAIN,
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH,
+             "--seccomp", str(seccomp_fd)]
     return args
 
 
 @functools.cache
+def _seccomp_program() -> bytes | str:
+    """The filter's BPF program, or one line saying why there is none for this machine."""
+    try:
+        return deny_filter()
+    except SeccompUnsupported as error:
+        return str(error)
+
+
 def isolation_problem(python: str | None = None) -> str | None:
-    """None when bubblewrap can isolate here, else one line saying why not (checked once)."""
+    """None when bubblewrap can isolate here, else one line saying why not (checked once per
+    interpreter; `isolation_problem.cache_clear()` forgets)."""
+    return _isolation_problem(python or interpreter())
+
+
+@functools.cache
+def _isolation_problem(python: str) -> str | None:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return ("the code sandbox needs bubblewrap (`bwrap`), which is not installed: install it "
                 f"(`make setup`, or apt-get/dnf install bubblewrap) or allow unisolated runs {_UNISOLATED}")
+    if isinstance(program := _seccomp_program(), str):
+        return f"the code sandbox cannot filter system calls here ({program}): allow unisolated runs {_UNISOLATED}"
+    if (cgroup := _cgroup_problem()) is not None:
+        return cgroup
     try:
-        result = _run("import sys; sys.stdout.write('ok')", python or interpreter(), bwrap,
+        result = _run("import sys; sys.stdout.write('ok')", python, bwrap,
                       timeout_s=30, memory_mb=512, limits=SandboxLimits(), stdin="")
     except OSError as error:
         return f"bubblewrap cannot start ({error}): fix it or allow unisolated runs {_UNISOLATED}"
@@ -191,6 +280,9 @@ def isolation_problem(python: str | None = None) -> str | None:
                 "allowed (unprivileged user namespaces, or root with CAP_SYS_ADMIN) or allow "
                 f"unisolated runs {_UNISOLATED}")
     return None
+
+
+isolation_problem.cache_clear = _isolation_problem.cache_clear  # type: ignore[attr-defined]
 
 
 def run_python(source: str, *, timeout_s: float, memory_mb: int, stdin: str = "",
@@ -213,37 +305,185 @@ def run_python(source: str, *, timeout_s: float, memory_mb: int, stdin: str = ""
                 limits=limits or SandboxLimits(), stdin=stdin)
 
 
+# ---- cgroup v2 memory limits ---------------------------------------------------------------------
+
+def _cgroup2_mount() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or .../unified on a hybrid host)."""
+    try:
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split(" - ", 1)
+            if len(fields) == 2 and fields[1].split()[0] == "cgroup2":
+                return Path(fields[0].split()[4])
+    except OSError:
+        pass
+    return None
+
+
+def _own_cgroup(mount: Path) -> Path | None:
+    """This process's cgroup v2 folder under `mount` (the `0::` line of /proc/self/cgroup)."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return mount / line[3:].lstrip("/")
+    except OSError:
+        pass
+    return None
+
+
+def _delegates_memory(folder: Path) -> bool:
+    """Whether new cgroups under `folder` get a memory controller and this process may make them."""
+    try:
+        controllers = (folder / "cgroup.subtree_control").read_text().split()
+    except OSError:
+        return False
+    return "memory" in controllers and os.access(folder, os.W_OK)
+
+
+@functools.cache
+def memory_cgroup() -> Path | None:
+    """The cgroup v2 folder under which each run gets a memory-limited cgroup of its own, or None
+    (the stated fallback, `memory_bound()`). Checked once: `RLPIPE_SANDBOX_CGROUP` (which must
+    delegate memory: `_cgroup_problem` refuses it otherwise), else this process's own cgroup where
+    it delegates memory, else, run as root, `rlpipe-sandbox` under the cgroup2 root where the root
+    delegates memory (created, with memory and pids enabled for its children)."""
+    named = os.environ.get(CGROUP_ENV)
+    if named:
+        return Path(named) if _delegates_memory(Path(named)) else None
+    mount = _cgroup2_mount()
+    if mount is None:
+        return None
+    own = _own_cgroup(mount)
+    if own is not None and _delegates_memory(own):
+        return own
+    if os.geteuid() == 0 and _delegates_memory(mount):
+        ours = mount / "rlpipe-sandbox"
+        try:
+            ours.mkdir(exist_ok=True)
+            wanted = {"memory", "pids"} & set((mount / "cgroup.subtree_control").read_text().split())
+            (ours / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
+        except OSError:
+            return None
+        return ours if _delegates_memory(ours) else None
+    return None
+
+
+def _cgroup_problem() -> str | None:
+    """One line when `RLPIPE_SANDBOX_CGROUP` names a folder that cannot take the runs' cgroups."""
+    named = os.environ.get(CGROUP_ENV)
+    if named and memory_cgroup() is None:
+        return (f"{CGROUP_ENV}={named} is not a cgroup v2 folder this process may create cgroups in with "
+                "the memory controller (its cgroup.subtree_control must list memory): fix it or unset it")
+    return None
+
+
+def memory_bound(limits: SandboxLimits | None = None, memory_mb: int = 256) -> str:
+    """How a run's memory is bounded here, in one line."""
+    limits = limits or SandboxLimits()
+    folder = memory_cgroup()
+    if folder is not None:
+        return (f"cgroup v2 under {folder}: {memory_mb + 2 * limits.scratch_mb} MiB for everything a run holds "
+                "(memory_mb + 2 x scratch_mb), no swap")
+    return (f"no cgroup v2 memory controller to use (fallback): at most {limits.processes} processes of "
+            f"{memory_mb} MiB address space each, 2 x {limits.scratch_mb} MiB of tmpfs files, no memfd or "
+            f"shared memory, {OPEN_FILES} open files a process")
+
+
+class _RunCgroup:
+    """A run's own cgroup under `memory_cgroup()`, removed (its processes killed) on exit."""
+
+    def __init__(self, parent: Path, memory_bytes: int, processes: int) -> None:
+        self.path = parent / f"rlpipe-run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path.mkdir()
+        try:
+            (self.path / "memory.max").write_text(str(memory_bytes))
+            for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1"), ("pids.max", str(processes))):
+                if (self.path / name).exists():
+                    (self.path / name).write_text(value)
+        except OSError:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Kill what is left in it and remove it (a namespace's teardown may take a moment)."""
+        kill = self.path / "cgroup.kill"
+        for attempt in range(50):
+            try:
+                if kill.exists():
+                    kill.write_text("1")
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if attempt == 49:
+                    return  # an empty cgroup left behind is harmless; the next cleanup may take it
+                time.sleep(0.05)
+
+
 def _run(source: str, python: str, bwrap: str | None, *, timeout_s: float, memory_mb: int,
          limits: SandboxLimits, stdin: str) -> SandboxResult:
     """One run: under bubblewrap when `bwrap` is a path, else a plain limited child process."""
     drop = _drop_to() if bwrap else None
-    with tempfile.TemporaryDirectory(prefix="rlpipe-sandbox-") as folder:
-        home = Path(folder)
-        main, given = home / "main.py", home / "stdin"
-        main.write_text(source)
-        given.write_text(stdin)
-        main.chmod(0o644)
-        uid, gid = drop or (-1, -1)
-        launch = [str(limits.cpu_s), str(memory_mb << 20), str(limits.processes if bwrap else 0),
-                  str(limits.file_mb << 20), str(uid), str(gid)]
+    uid, gid = drop or (-1, -1)
+    program = _seccomp_program()
+    filter_hex = program.hex() if bwrap is None and isinstance(program, bytes) else ""
+    launch = [str(limits.cpu_s), str(memory_mb << 20), str(limits.processes if bwrap else 0),
+              str(limits.file_mb << 20), str(OPEN_FILES), str(uid), str(gid), filter_hex]
+    parent = memory_cgroup() if bwrap else None
+    with contextlib.ExitStack() as stack:
+        given = stack.enter_context(_memory_file("stdin", stdin.encode()))
         if bwrap is None:
-            cwd = home / "scratch"
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlpipe-sandbox-")))
+            cwd, main = folder / "scratch", folder / "main.py"
             cwd.mkdir()
-            argv = [python, "-I", "-B", "-c", _LAUNCHER, *launch, str(main)]
+            main.write_text(source)
+            argv, fds = [python, "-I", "-B", "-c", _LAUNCHER, *launch, str(main)], ()
         else:
-            cwd = Path("/")
-            argv = [*_bwrap_args(bwrap, python, main, drop is not None, limits.scratch_mb),
-                    python, "-I", "-B", "-c", _LAUNCHER, *launch, SANDBOX_MAIN]
-        with given.open("rb") as stdin_file:
-            proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=cwd, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                                    start_new_session=True)
+            code = stack.enter_context(_memory_file("program", source.encode()))
+            assert isinstance(program, bytes)
+            seccomp = stack.enter_context(_memory_file("seccomp", program))
+            options = _bwrap_args(bwrap, python, drop is not None, limits.scratch_mb, code, seccomp)
+            listed = stack.enter_context(_memory_file("args", b"".join(a.encode() + b"\0" for a in options)))
+            cwd, fds = Path("/"), (code, seccomp, listed)
+            argv = [bwrap, "--args", str(listed), python, "-I", "-B", "-c", _LAUNCHER, *launch, SANDBOX_MAIN]
+        cgroup = None
+        if parent is not None:
+            try:
+                cgroup = _RunCgroup(parent, (memory_mb + 2 * limits.scratch_mb) << 20, limits.processes)
+            except OSError as error:
+                raise SandboxUnavailable(f"cannot create the run's memory cgroup under {parent}: {error}") from None
+            stack.callback(cgroup.remove)
+            argv = ["/bin/sh", "-c", _CGROUP_JOIN, str(cgroup.path), *argv]
+        proc = subprocess.Popen(argv, stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, pass_fds=fds,
+                                start_new_session=True)
         try:
-            return _collect(proc, timeout_s, limits.output_bytes, isolated=bwrap is not None)
+            result = _collect(proc, timeout_s, limits.output_bytes, isolated=bwrap is not None)
         except BaseException:  # interrupted while reading: the sandbox goes with it
             _kill(proc)
             proc.wait()
             raise
+        return dataclasses.replace(result, memory_cgroup=cgroup is not None)
+
+
+@contextlib.contextmanager
+def _memory_file(name: str, data: bytes) -> Iterator[int]:
+    """A descriptor of an anonymous memory file holding `data`, at offset 0, closed on exit.
+    Nothing on disk, and no path but `/memfd:rlpipe-NAME (deleted)`. Sealed: no one, the program
+    it is handed to included, can write, grow or shrink it (stdin is one: a writable memfd would
+    be memory outside every limit). (rlpipe's own process may make these: the seccomp filter
+    binds only the sandbox.)"""
+    fd = os.memfd_create(f"rlpipe-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -41,6 +41,7 @@ from rlpipe.flows.launch import (
 )
 from rlpipe.flows.prefect_api import embedded_server_in_own_session
 from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite, resumed_with
+from rlpipe.rollouts.batch_makers import BatchMakerError
 from rlpipe.storage.layout import human_bytes, run_folder_bytes
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
 from rlpipe.tasks.config import RunConfig, load_config, read_run_config, validate_config
@@ -377,6 +378,12 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
         if (disk := io_error(error)) is not None:  # a full disk, an I/O error: the path and errno
             print(f"rlpipe: run failed: storage error: {disk}; once that is fixed (space freed), "
                   f"`rlpipe resume {config.run_dir}` continues from the last complete stage", file=sys.stderr)
+            return 1
+        if isinstance(error, BatchMakerError):  # the user's maker: resuming as it is repeats the error
+            print(f"rlpipe: run failed: {error}", file=sys.stderr)
+            if (config.run_dir / "run.json").exists():
+                print(f"  fix the batch maker (rl.buffer.batch_maker); then `rlpipe resume {config.run_dir}` "
+                      "continues from the last complete stage", file=sys.stderr)
             return 1
         print(f"rlpipe: run failed: {type(error).__name__}: {error}", file=sys.stderr)
         if (config.run_dir / "run.json").exists():  # resume advice only where a run was persisted

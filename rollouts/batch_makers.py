@@ -36,6 +36,11 @@ from rlpipe.core.user_code import import_user_object
 from rlpipe.rollouts.advantages import ZERO_VARIANCE_EPS, Group, GroupStats
 
 RETENTIONS = ("latest", "all", "max_age")
+
+
+class BatchMakerError(ValueError):
+    """A batch maker raised, or broke its contract (a group it was not given, one already trained,
+    changed or given twice, a value that is not a group): one line naming the maker."""
 SAMPLINGS = ("oldest", "reservoir")
 
 

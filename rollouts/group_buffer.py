@@ -10,6 +10,16 @@ each example is kept, batches are taken oldest first. After `max_attempts` round
 batch, `fill` raises `BatchFillError` (or, with `partial_batches`, returns what it found). Its
 state, the maker's included, is plain JSON (checkpoint data_state.json).
 
+The buffer does not trust a maker (a user's, rl.buffer.batch_maker) with the training contract.
+It keeps its own copy of every group it hands the maker, and a group the maker puts in a batch
+is trained only when it is one the buffer gave it and has not trained or dropped, unchanged (its
+digest of ids, versions and rewards equal to the copy's), and given once; the copy is what is
+trained. Anything else is refused: a value that is not a group, a decision about a group it was
+not given, or a maker that raises fails the step in one line naming the maker
+(`BatchMakerError`); a maker whose batches hold no usable group for `MAKER_STRIKES` calls in a
+row fails the step the same way, so no maker can make the buffer ask forever. Each sampling and
+batch round checks for SIGTERM (core/termination.py).
+
     buffer = GroupBuffer(options)                   # BufferOptions (rollouts/options.py builds them)
     decisions = buffer.fill(version, sample_round)  # sample_round(attempt, n_prompts) -> groups
     batch, metrics = buffer.take()
@@ -19,6 +29,8 @@ Plain Python (no torch), like rollouts/advantages.py whose `Group` records it ho
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,9 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpipe.core import metric_names as m
+from rlpipe.core.termination import raise_if_terminated
 from rlpipe.rollouts.advantages import ZERO_VARIANCE_EPS, Group
 from rlpipe.rollouts.batch_makers import (
     BatchMaker,
+    BatchMakerError,
     BatchMakerOptions,
     GroupDecision,
     build_batch_maker,
@@ -36,7 +50,11 @@ from rlpipe.rollouts.batch_makers import (
     valid,
 )
 
-__all__ = ["BatchFillError", "BufferOptions", "GroupBuffer", "GroupDecision", "staleness_limit"]
+__all__ = ["BatchFillError", "BatchMakerError", "BufferOptions", "GroupBuffer", "GroupDecision", "dry_run_maker",
+           "staleness_limit"]
+
+MAKER_STRIKES = 3
+"""create_batch calls in a row that give no usable group before the step fails, naming the maker."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,22 @@ def staleness_limit(options: BufferOptions) -> int:
 _COUNTERS = ("sampled_groups", "zero_var_groups", "valid_groups", "stale_dropped")
 
 
+def group_digest(group: Group) -> str:
+    """A group's identity and content (ids, example, versions, rewards): what a maker must not change."""
+    text = json.dumps([group.group_id, group.env, group.example_id, group.policy_version, group.attempt,
+                       list(group.sample_ids), [repr(float(r)) for r in group.rewards]])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _copy(group: Group) -> Group:
+    return Group.from_dict(group.to_dict())
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:60] + '...' if len(text) > 60 else text} (a {type(value).__name__})"
+
+
 @dataclass
 class GroupBuffer:
     """Valid groups waiting to be trained on, held by the batch maker, with the counters of the
@@ -86,10 +120,59 @@ class GroupBuffer:
     batch: list[Group] | None = None
     batch_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
     total_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    strikes: int = 0
+    """create_batch calls in a row that gave no usable group (MAKER_STRIKES fails the step)."""
 
     def __post_init__(self) -> None:
         if self.maker is None:
-            self.maker = build_batch_maker(self.options.maker)
+            self.maker = self._ask("its constructor", build_batch_maker, self.options.maker)
+
+    @property
+    def maker_name(self) -> str:
+        """How errors name the maker: rl.buffer.batch_maker's "module:Class", else its class."""
+        return self.options.maker.spec or type(self.maker).__name__
+
+    def _ask(self, call: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call the maker; an exception it raises becomes one line naming it (BatchMakerError)."""
+        try:
+            return fn(*args)
+        except BatchMakerError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a user's code: named, with its first line
+            detail = (str(error).strip().splitlines() or [""])[0]
+            name = self.options.maker.spec or (type(self.maker).__name__ if self.maker is not None else "?")
+            raise BatchMakerError(f"batch maker {name}: {call} raised {type(error).__name__}"
+                                  f"{': ' + detail if detail else ''}") from error
+
+    def _refuse(self, what: str) -> BatchMakerError:
+        return BatchMakerError(f"batch maker {self.maker_name}: {what}")
+
+    def _checked_decisions(self, answer: Any, call: str, given: Mapping[str, Group]) -> list[GroupDecision]:
+        """A maker's decisions, each about a group it was `given` now (kept or dropped) or one it
+        holds (dropped), unchanged, and none after the group's drop; rebuilt on the buffer's own
+        copies."""
+        if answer is None:
+            return []
+        if isinstance(answer, (str, bytes, Mapping)) or not isinstance(answer, Iterable):
+            raise self._refuse(f"{call} returned {_describe(answer)}; it returns GroupDecisions or None")
+        out, dropped = [], set()
+        for d in answer:
+            if not isinstance(d, GroupDecision) or not isinstance(d.group, Group):
+                raise self._refuse(f"{call} returned {_describe(d)} among its decisions; it returns "
+                                   "GroupDecisions (batch_makers.valid(g) / stale(g, reason)) or None")
+            gid = d.group.group_id
+            ours = given.get(gid) if gid in given else self.held.get(gid)
+            problem = ("it was not given" if ours is None else "decided again after it was dropped" if gid in dropped
+                       else "changed" if group_digest(d.group) != group_digest(ours)
+                       else f"status {d.status!r} (valid or stale)" if d.status not in ("valid", "stale")
+                       else "kept, though it was given in an earlier round" if d.status == "valid" and gid not in given
+                       else None)
+            if problem is not None:
+                raise self._refuse(f"{call} returned a decision about group {gid!r}: {problem}")
+            if d.status == "stale":
+                dropped.add(gid)
+            out.append(GroupDecision(ours, ours.stats(ZERO_VARIANCE_EPS), d.status, str(d.reason)))
+        return out
 
     @property
     def pending(self) -> list[Group]:
@@ -118,7 +201,10 @@ class GroupBuffer:
         self.batch = None
         self.batch_counts = dict.fromkeys(_COUNTERS, 0)
         evict = getattr(self.maker, "start_batch", None)
-        return self._record(evict(policy_version) if evict is not None else [])
+        if evict is None:
+            return []
+        answer = self._ask(f"start_batch({policy_version})", evict, policy_version)
+        return self._record(self._checked_decisions(answer, f"start_batch({policy_version})", {}))
 
     def need(self) -> int:
         """Valid groups still missing for a full batch."""
@@ -157,9 +243,10 @@ class GroupBuffer:
 
         def flush() -> None:  # hand the valid groups met so far to the maker, in order
             if kept:
-                answer = list(self.maker.add(list(kept)) or [])
+                given = {g.group_id: _copy(g) for g in kept}  # ours: the maker gets the round's objects
+                answer = self._checked_decisions(self._ask("add", self.maker.add, list(kept)), "add", given)
                 decided = {d.group.group_id for d in answer}  # a group it did not decide: kept
-                decisions.extend(self._record(answer + [valid(g) for g in kept if g.group_id not in decided]))
+                decisions.extend(self._record(answer + [valid(g) for g in given.values() if g.group_id not in decided]))
                 kept.clear()
 
         for g in groups:
@@ -183,15 +270,46 @@ class GroupBuffer:
 
     def _collect(self, size: int) -> list[GroupDecision] | None:
         """Ask the maker for `size` more groups of the batch: None when it cannot make them, else
-        the decisions of those it gave that lag more than the bound (dropped as stale)."""
-        got = self.maker.create_batch(size) if size > 0 else []
+        the decisions of those it gave that lag more than the bound (dropped as stale). Only
+        groups the buffer holds, unchanged, once, go in the batch (the buffer's copies); the rest
+        are refused, and MAKER_STRIKES calls in a row with nothing usable fail the step."""
+        raise_if_terminated()
+        got = self._ask(f"create_batch({size})", self.maker.create_batch, size) if size > 0 else []
         if got is None:
             return None
+        if isinstance(got, (str, bytes, Mapping, Group)) or not isinstance(got, Iterable):
+            raise self._refuse(f"create_batch({size}) returned {_describe(got)}; it returns a list of the "
+                               "Group objects add gave it, or None")
+        got = list(got)
+        if (odd := next((g for g in got if not isinstance(g, Group)), None)) is not None:
+            raise self._refuse(f"create_batch({size}) returned {_describe(odd)} among its groups; it returns "
+                               "the Group objects add gave it, or None")
         if len(got) != size:
-            raise ValueError(f"batch maker {type(self.maker).__name__}: create_batch({size}) returned {len(got)} "
-                             f"groups; it returns exactly {size}, or None when it cannot make that many yet")
-        limit, late = self._bound(), []
+            raise self._refuse(f"create_batch({size}) returned {len(got)} groups; it returns exactly {size}, "
+                               "or None when it cannot make that many yet")
+        usable, changed, refused = [], [], []
         for g in got:
+            ours = self.held.get(g.group_id)
+            if ours is None or any(u is ours for u in usable + changed):
+                refused.append(f"group {g.group_id!r} is not one it holds (never given, already trained or "
+                               "dropped, or given twice)")
+            elif group_digest(g) != group_digest(ours):
+                refused.append(f"group {g.group_id!r} was changed (its ids or rewards differ from what add gave it)")
+                changed.append(ours)
+            else:
+                usable.append(ours)
+        late = []
+        for ours in changed:  # out of the maker, never trained: dropped, with the reason as its fate
+            self.held.pop(ours.group_id, None)
+            self._count("stale_dropped")
+            late.append(stale(ours, f"batch maker {self.maker_name} returned it changed (its ids or rewards "
+                                    "differ from the scored group): not trained"))
+        self.strikes = 0 if usable else self.strikes + 1
+        if self.strikes >= MAKER_STRIKES:
+            raise self._refuse(f"{self.strikes} create_batch calls in a row gave no group it may train ({refused[0]}); "
+                               "a batch holds groups add gave it, not yet trained, unchanged, each once")
+        limit = self._bound()
+        for g in usable:
             self.held.pop(g.group_id, None)
             if self.policy_version - g.policy_version > limit:
                 self._count("stale_dropped")
@@ -219,7 +337,9 @@ class GroupBuffer:
         `partial_batches`, stops after max_attempts rounds instead of raising BatchFillError."""
         decisions = self.start_batch(policy_version)
         self.batch = []
+        self.strikes = 0
         while self._missing() > 0:
+            raise_if_terminated()
             late = self._collect(self._missing())
             if late is not None:  # made (less any groups too old for the bound: then ask again)
                 decisions += late
@@ -233,6 +353,7 @@ class GroupBuffer:
                 error.decisions = decisions  # the fate of what the failed rounds sampled
                 raise
             decisions += self.add(sample_round(attempt, self.prompts_to_sample()))
+            raise_if_terminated()
         return decisions
 
     def take(self) -> tuple[list[Group], dict[str, float]]:
@@ -259,9 +380,12 @@ class GroupBuffer:
         """The maker's metadata of `batch` as rollout/batch_<name> metrics; TypeError naming a value
         that is not a number."""
         out = {}
-        for name, value in (self.maker.metadata(batch) or {}).items():
-            if not isinstance(value, numbers.Real):
-                raise TypeError(f"batch maker {type(self.maker).__name__}: metadata {name!r} is {value!r}; its "
+        answer = self._ask("metadata", self.maker.metadata, batch) or {}
+        if not isinstance(answer, Mapping):
+            raise self._refuse(f"metadata returned {_describe(answer)}; it returns {{name: number}}")
+        for name, value in answer.items():
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"batch maker {self.maker_name}: metadata {name!r} is {value!r}; its "
                                 "values must be numbers (logged as rollout/batch_<name>)")
             out[m.batch(name)] = float(value)
         return out
@@ -270,7 +394,7 @@ class GroupBuffer:
         """Plain JSON: pending groups, the maker's state, policy version, counters (the config excluded)."""
         return {
             "pending": [g.to_dict() for g in self.held.values()],
-            "maker": self.maker.state_dict(),
+            "maker": self._ask("state_dict", self.maker.state_dict),
             "policy_version": self.policy_version,
             "attempts": self.attempts,
             "batch_counts": dict(self.batch_counts),
@@ -282,9 +406,40 @@ class GroupBuffer:
         its pending groups oldest first, which is the built-in maker's state)."""
         pending = [Group.from_dict(d) for d in state["pending"]]
         self.held = {g.group_id: g for g in pending}
-        self.maker.load_state_dict(state.get("maker", {"groups": state["pending"]}))
+        self._ask("load_state_dict", self.maker.load_state_dict, state.get("maker", {"groups": state["pending"]}))
         self.policy_version = int(state["policy_version"])
         self.attempts = int(state["attempts"])
         self.batch = None
         self.batch_counts = {k: int(state["batch_counts"].get(k, 0)) for k in _COUNTERS}
         self.total_counts = {k: int(state["total_counts"].get(k, 0)) for k in _COUNTERS}
+
+
+def dry_run_maker(options: BufferOptions) -> None:
+    """Pre-flight for a user's batch maker (tasks/preflight.py): build it, run the sampling rounds
+    of one batch on synthetic groups (two rewards, 0 and 1), take the batch, and round-trip its
+    state through JSON into a second instance. BatchMakerError (one line naming it) where any of
+    that breaks the contract; a maker that does not make a batch from these groups is not refused
+    (its rule may need real ones)."""
+    buffer = GroupBuffer(options)
+    counter = iter(range(1_000_000))
+
+    def synthetic(attempt: int, n: int) -> list[Group]:
+        out = []
+        for _ in range(n):
+            i = next(counter)
+            out.append(Group(f"preflight-{i}", "preflight", f"preflight-{i}", 0, [f"preflight-{i}:0", f"preflight-{i}:1"],
+                             [0.0, 1.0], attempt))
+        return out
+
+    try:
+        buffer.fill(0, synthetic)
+        buffer.take()
+    except BatchFillError:
+        pass
+    state = buffer.state_dict()
+    try:
+        text = json.dumps(state["maker"], allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise buffer._refuse(f"state_dict is not plain JSON ({error})") from None
+    GroupBuffer(options)._ask("load_state_dict", buffer.maker.__class__(options.maker).load_state_dict,
+                              json.loads(text))

@@ -16,10 +16,18 @@ Why not `mlflow.register_model("runs:/<id>/dir")`: in MLflow 3 it fails for a pl
 folder (and leaves an empty registered model). A checkpoint is logged as run artifacts and its
 folder becomes a model version with `create_model_version(source=<run artifact uri>/<dir>)`.
 The alias `latest` is reserved by MLflow: `models:/NAME@latest` already means the newest version.
+
+Several runs may start at once on one SQLite store (a sweep, `rlpipe run` started three times):
+MLflow creates a store's tables and runs its migrations on the first use of each of its two
+stores (tracking, model registry), and two processes doing that together fail ("table ...
+already exists", "duplicate column name"). `tracking_client(uri)` makes both stores under an
+exclusive lock on `<database>.lock` beside the database (fcntl.flock: the kernel drops it when
+its holder dies), so the first process migrates and the others wait, then find the store made.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from collections.abc import Mapping
@@ -39,6 +47,27 @@ def default_tracking_uri(runs_root: str | os.PathLike) -> str:
     root = Path(runs_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def tracking_client(tracking_uri: str) -> Any:
+    """An MlflowClient on `tracking_uri` (tracking and registry) whose stores exist: on a SQLite
+    URI, they are made (tables, migrations) under an exclusive file lock, so processes starting
+    together do not migrate one database at once (see the module docstring)."""
+    from mlflow import MlflowClient  # imported here: mlflow costs ~1 s to import
+
+    database = Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else None
+    if database is None or str(database) in ("", ":memory:"):
+        return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    database.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(database.with_name(database.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)  # the tracking store
+        client.search_experiments(max_results=1)  # (made lazily by other MLflow versions)
+        client.search_registered_models(max_results=1)  # the registry store
+    finally:
+        os.close(fd)  # closing drops the lock
+    return client
 
 
 def default_artifact_root(runs_root: str | os.PathLike) -> str | None:
@@ -169,11 +198,9 @@ class MlflowTracker(_EndOnExit):
 
     def __init__(self, tracking_uri: str, artifact_root: str | None = None) -> None:
         """artifact_root: where new experiments keep artifacts (a folder URI); None = MLflow's default."""
-        from mlflow import MlflowClient  # imported here: mlflow costs ~1 s to import
-
         self.tracking_uri = tracking_uri
         self.artifact_root = artifact_root
-        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.client = tracking_client(tracking_uri)
         self.run_id: str | None = None
         self._pending: list[Any] = []  # async log operations to wait for
         self.lineage_tags: dict[str, str] = {}  # given to every model version it registers
@@ -354,9 +381,8 @@ def download_model(
     `registry_uri` argument still reads the process-wide registry (MLflow 3.17).
     """
     import mlflow.artifacts
-    from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    client = tracking_client(tracking_uri)
     version = resolve_model_version(client, model_uri)
     if (removed := version.tags.get(WEIGHTS_REMOVED_TAG)) is not None:
         raise ValueError(f"{model_uri} (version {version.version}) has no weights: {removed}")

@@ -157,13 +157,29 @@ def _phases(flow: str) -> tuple[str, ...]:
 
 
 def _check_data(config) -> None:
+    """Local data files exist and hold something: `sft.data_path`'s conversations,
+    `pretrain.data_path`'s documents, each local `[[sft.data]]` source's conversations (read as
+    the run reads them; hub datasets are read by the run)."""
+    from rlpipe.tasks.setup import read_chat_jsonl, read_documents, source_chats
+
     for phase in _phases(config.flow):
         if phase == "rl":
             continue
-        data_path = getattr(config, phase).data_path
-        if data_path and not data_path.startswith("hf:") and not Path(data_path).exists():
-            raise ConfigError(f"{phase}.data_path: {data_path!r} does not exist (give an existing file, "
-                              "or leave it empty to build the data from the task's environment)")
+        section = getattr(config, phase)
+        data_path = section.data_path
+        if data_path and not data_path.startswith("hf:"):
+            if not Path(data_path).exists():
+                raise ConfigError(f"{phase}.data_path: {data_path!r} does not exist (give an existing file, "
+                                  "or leave it empty to build the data from the task's environment)")
+            if phase == "sft":
+                _check("sft.data_path", "a JSONL of {\"messages\": [...]} conversations",
+                       lambda path=Path(data_path): read_chat_jsonl(path))
+            elif not _check("pretrain.data_path", "", lambda path=Path(data_path): read_documents(path)):
+                raise ConfigError(f"pretrain.data_path: {data_path!r} holds no documents (give a text file with "
+                                  "a document a line, or a JSONL with a 'text' field)")
+        for source in getattr(section, "data", []) if phase == "sft" else []:
+            if not source.path.startswith("hf:"):
+                _check("sft.data", "", lambda source=source: source_chats(source))
 
 
 def _check_user_code(config) -> None:
@@ -177,6 +193,11 @@ def _check_user_code(config) -> None:
 
         _check("rl.buffer.batch_maker", "name a class 'module:Class' importable from the installed packages or the "
                "current folder", lambda: batch_maker_class(config.rl.buffer.batch_maker))
+        from rlpipe.rollouts.group_buffer import dry_run_maker
+        from rlpipe.rollouts.options import rollout_options
+
+        _check("rl.buffer.batch_maker", "refused in a dry run on synthetic groups before the run; docs/DESIGN.md, "
+               "Batch makers", lambda: dry_run_maker(rollout_options(config.rl, seed=config.seed).buffer))
 
 
 def preflight(config) -> None:

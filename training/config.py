@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from rlpipe.core.config import Section, options_from
+from rlpipe.core.config import Section, check_shares, options_from
 from rlpipe.training.loss_choice import DEFAULT_TARGETS, KL_ESTIMATORS, LOSS_NAMES, LoraOptions
 
 
@@ -208,6 +208,8 @@ class SupervisedConfig(Section):
     def _normaliser(self) -> SupervisedConfig:
         if self.data and self.data_path:
             raise ValueError("data_path and data (a mixture) are both set: put the file in data as one more source")
+        if self.data:
+            check_shares([source.weight for source in self.data], [source.path for source in self.data], "sft.data")
         if self.optim.normaliser == "constant":
             raise ValueError("optim.normaliser = 'constant' divides by the most completion tokens an RL step "
                              "holds, which a supervised phase does not have: use 'token' or 'sequence'")

@@ -9,7 +9,7 @@ import random
 import pytest
 from rlpipe.engines.base import SamplingParams
 from rlpipe.envs import sandbox
-from rlpipe.envs.code import CodeConfig, CodeEnv, extract_code, passed_tests
+from rlpipe.envs.code import CodeConfig, CodeEnv, extract_code, judge_results
 from rlpipe.envs.code_tasks import FAMILIES, make_task
 from rlpipe.envs.multiturn import episode_reward, run_episodes
 from rlpipe.envs.registry import build_env
@@ -74,7 +74,7 @@ def test_a_fenced_answer_is_judged_by_its_last_python_block(env):
     text = f"Here it is:\n```python\ndef f(*a):\n    return None\n```\nBetter:\n```python\n{example.meta['solution']}```\n"
     assert extract_code(text) == example.meta["solution"]
     assert env.reward(example, text).reward == 1.0
-    assert passed_tests("n 0 1\nabc 1 1\nabc 7 1\nabc 0 0", "abc", 2) == [False, True]
+    assert judge_results('{"test": 1, "value": 2}\n{"test": 7, "value": 1}\nabc 0 1', [1, 2]) == [False, True]
 
 
 def test_splits_are_fixed_disjoint_and_options_are_checked():

@@ -72,6 +72,34 @@ SERVER = textwrap.dedent('''
         """Ends the server's process."""
         os._exit(3)
 
+    @server.tool()
+    def helper() -> int:
+        """Starts a helper process in the server's process group; its pid."""
+        import subprocess
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]).pid
+
+    @server.tool()
+    def big(n: int) -> str:
+        """n characters."""
+        return "x" * n
+
+    @server.tool()
+    def stall() -> str:
+        """Writes most of a long reply line on the wire, then hangs in the middle of it."""
+        import fcntl
+        stderr = os.readlink("/proc/self/fd/2")
+        for fd in range(3, 64):  # the wire: the SDK moved it off fd 1 (a write-only pipe of its own)
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if (target.startswith("pipe:") and target != stderr
+                    and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY):
+                os.write(fd, b'{"jsonrpc":"2.0","id":999999,"result":{"content":[{"type":"text","text":"'
+                         + b"y" * (4 << 20))
+        time.sleep(300)
+        return "never"
+
     if sys.argv[1:2] == ["http"]:
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
     else:
@@ -88,11 +116,13 @@ TOOL_CALLS_SQL = """
 
 
 def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead; its parent, gone too, left it to init to reap)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return True
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +175,7 @@ def toolbox(server_script):
 
 
 def test_tools_are_listed_in_openai_shape_and_into_the_chat_template(toolbox):
-    assert toolbox.names == ["add", "slow", "boom", "shout", "pid", "getenv", "die"]
+    assert toolbox.names == ["add", "slow", "boom", "shout", "pid", "getenv", "die", "helper", "big", "stall"]
     add = toolbox.tools[0]
     assert add["type"] == "function" and add["function"]["name"] == "add"
     assert add["function"]["description"] == "Add two integers."
@@ -372,3 +402,39 @@ def test_a_call_of_the_wrapped_environments_own_tool_is_its_own_step(toolbox):
     assert own.messages_to_append == [{"role": "tool", "content": "from the environment"}]
     mcp = env.step(None, [], '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
     assert mcp.messages_to_append[0]["content"] == "3"
+
+
+# ---- hostile servers (issue 43, item 7) ----------------------------------------------------------
+
+def test_close_ends_the_servers_whole_process_group(server_script):
+    with McpToolbox([_stdio(server_script)]) as box:
+        server_pid = int(box.call("pid", {}).text)
+        helper = int(box.call("helper", {}).text)
+        assert not _gone(helper)
+    for _ in range(50):
+        if _gone(helper):
+            break
+        time.sleep(0.1)
+    assert _gone(server_pid) and _gone(helper)
+
+
+def test_a_huge_reply_comes_back_cut_as_it_streams_and_the_next_call_is_not_held_up(server_script):
+    with McpToolbox([_stdio(server_script, call_timeout_s=20.0, max_output_chars=50)]) as box:
+        started = time.monotonic()
+        huge = box.call("big", {"n": 32 << 20})
+        took = time.monotonic() - started
+        assert huge.error is None and huge.text.startswith("x" * 50 + "\n[... reply cut at max_output_chars")
+        assert took < 10, took  # not the call timeout: 20 s before
+        started = time.monotonic()
+        assert box.call("add", {"a": 2, "b": 3}).text == "5"
+        assert time.monotonic() - started < 5
+
+
+def test_a_server_stuck_in_the_middle_of_a_reply_is_refused_in_one_line(server_script):
+    with McpToolbox([_stdio(server_script, call_timeout_s=2.0, max_output_chars=50)]) as box:
+        assert box.call("stall", {}).error == "timeout"
+        started = time.monotonic()
+        refused = box.call("add", {"a": 2, "b": 3})
+        assert refused.error == "server_error" and "\n" not in refused.text
+        assert "is still sending the rest of a reply cut at max_output_chars" in refused.text
+        assert time.monotonic() - started < 3

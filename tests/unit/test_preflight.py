@@ -163,3 +163,88 @@ def test_resume_advice_only_where_the_run_folder_holds_a_run(where, capsys, monk
     (config.run_dir / "run.json").write_text("{}")
     runner._execute_flow(config, overwrite=False)
     assert f"`rlpipe resume {config.run_dir}` continues" in capsys.readouterr().err
+
+
+# ---- values refused too late before (issue 43, item 8) -------------------------------------------
+
+def given_config(where: Path, name: str, extra: str) -> Path:
+    """tiny.toml with `extra` TOML appended (its tables after tiny's own)."""
+    return given_file(where, name, (TINY.read_text() + "\n" + extra).encode())
+
+
+MIXTURE = """
+[[task.envs]]
+name = "a"
+weight = {a}
+env = "arithmetic"
+options = {{ max_digits = 1, eval_size = 5 }}
+
+[[task.envs]]
+name = "b"
+weight = {b}
+env = "arithmetic"
+options = {{ max_digits = 2, eval_size = 5 }}
+"""
+
+
+@pytest.mark.parametrize(("a", "b", "says"), [
+    ("1e308", "1e308", "task.envs: the weights sum to inf"),
+    ("inf", "1", "task.envs.0.weight must be a finite number"),
+    ("nan", "1", "task.envs.0.weight must be a finite number"),
+    ("1e-320", "1e300", "of entry 'a' is 0 of the sum 1e+300, so it would never be drawn"),
+])
+def test_mixture_weights_whose_shares_are_not_finite_are_refused(where, capsys, a, b, says):
+    tiny = TINY.read_text().replace('env = "arithmetic"\noptions = { min_digits = 1, max_digits = 1, '
+                                    'operators = "+", eval_size = 20 }\n', "")
+    path = given_file(where, "mix.toml", (tiny + MIXTURE.format(a=a, b=b)).encode())
+    line = refused(capsys, ["run", str(path), "--set", "runs_root=runs"])
+    assert says in line, line
+    assert nothing_written(where), sorted(p.name for p in where.iterdir())
+
+
+def test_sft_data_weights_that_overflow_and_empty_sources_are_refused(where, capsys):
+    chat = b'{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}\n'
+    full = given_file(where, "full.jsonl", chat)
+    empty = given_file(where, "empty.jsonl", b"")
+    blank = given_file(where, "blank.jsonl", b"\n\n")
+    for sources, says in [
+        ([(full, "1e308"), (full, "1e308")], "sft.data: the weights sum to inf"),
+        ([(full, "1"), (empty, "1")], f"sft.data: SFT data file {empty} holds no conversations"),
+        ([(blank, "1")], f"sft.data: SFT data file {blank} holds no conversations"),
+    ]:
+        extra = "".join(f'\n[[sft.data]]\npath = "{path}"\nweight = {weight}\n' for path, weight in sources)
+        line = refused(capsys, ["run", str(given_config(where, "sft.toml", extra)), "--set", "runs_root=runs"])
+        assert says in line, line
+    for setting in ("sft.data_path", "pretrain.data_path"):
+        flow = ["--set", "flow=pretrain", "--set", "pretrain.steps=1"] if setting.startswith("pretrain") else []
+        line = refused(capsys, ["run", str(TINY), "--set", "runs_root=runs", *flow, "--set", f"{setting}={empty}"])
+        assert line.startswith(f"rlpipe run: {setting}:") and "holds no" in line, line
+    assert nothing_written(where), sorted(p.name for p in where.iterdir())
+
+
+def test_reward_weights_must_be_finite(where, capsys):
+    line = refused(capsys, ["run", str(TINY), "--set", "runs_root=runs", "--set", "task.env_reward_weight=inf"])
+    assert "task.env_reward_weight" in line and "finite" in line
+    assert nothing_written(where)
+
+
+def test_a_batch_maker_that_fails_on_its_first_groups_is_refused_before_the_run(where, capsys, monkeypatch):
+    (where / "given_makers.py").write_text(
+        "class AddRaises:\n    def __init__(self, options): pass\n"
+        "    def add(self, groups): raise ValueError('no room')\n"
+        "    def create_batch(self, size): return None\n    def metadata(self, batch): return {}\n"
+        "    def state_dict(self): return {}\n    def load_state_dict(self, state): pass\n"
+        "class Ids(AddRaises):\n    held = []\n    def add(self, groups): self.held = list(groups)\n"
+        "    def create_batch(self, size): return [g.group_id for g in self.held[:size]] if len(self.held) >= size else None\n"
+        "class Unsaveable(Ids):\n    def create_batch(self, size): return None\n"
+        "    def state_dict(self): return {'groups': self.held}\n"
+        "class BadInit(AddRaises):\n    def __init__(self, options): raise RuntimeError('needs a GPU')\n")
+    monkeypatch.syspath_prepend(str(where))
+    for name, says in [("AddRaises", "batch maker given_makers:AddRaises: add raised ValueError: no room"),
+                       ("Ids", "batch maker given_makers:Ids: create_batch(4) returned 'preflight-0' (a str)"),
+                       ("Unsaveable", "state_dict is not plain JSON"),
+                       ("BadInit", "batch maker given_makers:BadInit: its constructor raised RuntimeError: needs a GPU")]:
+        line = refused(capsys, ["run", str(TINY), "--set", "runs_root=runs", "--set",
+                                f"rl.buffer.batch_maker=given_makers:{name}"])
+        assert line.startswith("rlpipe run: rl.buffer.batch_maker: ") and says in line, line
+    assert nothing_written(where), sorted(p.name for p in where.iterdir())

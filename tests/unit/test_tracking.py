@@ -138,3 +138,35 @@ def test_pinned_versions_and_a_retired_version(runs_root, tmp_path, monkeypatch)
     with pytest.raises(ValueError, match=r"models:/kept/2 \(version 2\) has no weights: removed by retention"):
         download_model(tracker.tracking_uri, "models:/kept/2", tmp_path / "gone")
     assert (download_model(tracker.tracking_uri, "models:/kept@best", tmp_path / "b") / "weights.txt").read_text() == "1"
+
+
+STORE_RACE = """
+import sys, time
+from rlpipe.storage.tracking import MlflowTracker
+root, start_at, name = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+while time.time() < start_at:  # every process imported MLflow: start together
+    time.sleep(0.001)
+tracker = MlflowTracker.for_runs_root(root)
+tracker.start(run_name=name, experiment="sweep")
+tracker.pinned_versions("sweep-model")
+tracker.end()
+"""
+
+
+@pytest.mark.slow
+def test_four_runs_starting_together_on_a_fresh_store_all_make_it(tmp_path, monkeypatch):
+    """Issue 43: runs started together on a fresh runs_root failed in MLflow's first migration
+    ("table ... already exists"); the store is made under a file lock."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    start_at = str(time.time() + 8)  # past every process's imports
+    procs = [subprocess.Popen([sys.executable, "-c", STORE_RACE, str(tmp_path / "runs"), start_at, f"r{i}"],
+                              stderr=subprocess.PIPE, text=True) for i in range(4)]
+    errors = [proc.communicate(timeout=180)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * 4, [e.strip().splitlines()[-1:] for e in errors]
+    client = MlflowTracker.for_runs_root(tmp_path / "runs").client
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["r0", "r1", "r2", "r3"]
