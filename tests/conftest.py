@@ -108,3 +108,14 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 REPOSITORY_BEFORE = pytest.StashKey[set[str] | None]()
+
+
+@pytest.fixture(autouse=True)
+def no_stop_signal_left_over():
+    """Each test starts as a fresh run does: no stop signal received (core/termination.py keeps
+    the one a run received, so that its stages stop; a test that raised SIGINT in this process
+    would otherwise stop the next test's stages with KeyboardInterrupt, ending the session)."""
+    yield
+    from rlpipe.core import termination
+
+    termination._RECEIVED.clear()

@@ -48,7 +48,7 @@ def test_plain_calls_outside_a_flow_task_runs_inside_the_block_and_restored_afte
 
 def _evals(step: int, reward: float) -> list[dict]:
     return [{"run_id": "r", "step": step, "env": "e", "example_id": "x", "reward": reward, "correct": True,
-             "prompt_text": "", "completion_text": ""}]
+             "prompt_text": "", "completion_text": "", "sample": None, "answer": None}]  # greedy
 
 
 def test_a_stage_writes_its_table_and_a_resumed_step_reads_it_back(tmp_path):
