@@ -192,7 +192,12 @@ _ZYGOTE: Zygote | None = None
 
 
 def zygote() -> Zygote:
+    """The zygote of this process's environment now: a test session that changed a variable read
+    at import since the zygote started (a fixture's HF_HOME, ...) gets a new one."""
     global _ZYGOTE
+    if _ZYGOTE is not None and import_time_env(_ZYGOTE.env) != import_time_env(dict(os.environ)):
+        _ZYGOTE.close()
+        _ZYGOTE = None
     if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
         _ZYGOTE = Zygote()
     return _ZYGOTE

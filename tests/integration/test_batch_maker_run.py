@@ -38,10 +38,10 @@ def test_a_reservoir_run_resumed_after_a_stop_trains_the_batches_of_a_straight_r
     stopped = validate_config(config_dict(tmp_path / "stopped", "res", RL))
     step_batch = rlpipe.flows.rl._step_batch
 
-    def stop_at_step_3(source, step, tracker):
+    def stop_at_step_3(source, step, tracker, buffer):
         if step == 3:
             raise RuntimeError("stopped before step 3")
-        return step_batch(source, step, tracker)
+        return step_batch(source, step, tracker, buffer)
 
     monkeypatch.setattr(rlpipe.flows.rl, "_step_batch", stop_at_step_3)
     with pytest.raises(RuntimeError, match="stopped before step 3"):

@@ -59,6 +59,7 @@ def assert_resume_replays(run_dir, copy_config: dict, checkpoint: str) -> None:
     skips and samples exactly what the uninterrupted run did."""
     from rlpipe.flows.rl import run_rl
     from rlpipe.storage.queries import run_sql
+    from rlpipe.storage.snapshots import commit, listed
     from rlpipe.tasks.config import validate_config
 
     copy = run_dir.parent / copy_config["run_name"]
@@ -68,9 +69,12 @@ def assert_resume_replays(run_dir, copy_config: dict, checkpoint: str) -> None:
     state = json.loads((copy_rl / "run.json").read_text())
     (copy_rl / "run.json").write_text(json.dumps({**state, "status": "running"}))
     for table in ("rollouts", "scores", "curriculum", "decisions"):
-        for part in (copy_rl / "tables" / table).glob("step=*"):
+        folder = copy_rl / "tables" / table
+        for part in folder.glob("step=*"):
             if int(part.name.split("=")[1]) > 2:
                 shutil.rmtree(part)
+        # the table's snapshot as it stood after step 2: what is left on disk (storage/snapshots.py)
+        commit(folder, lambda _current, folder=folder: listed(folder), durable=True)
     run_rl(validate_config(copy_config), start_checkpoint=checkpoint)
     query = "select step, attempt, example_id, status, reason from curriculum where step > 2 order by all"
     assert run_sql([copy_rl], query).to_pylist() == run_sql([run_dir / "rl"], query).to_pylist()

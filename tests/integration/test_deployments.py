@@ -137,9 +137,10 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         again = deployment_run({"overrides": overrides}, env)
         assert again.returncode == 0 and "Completed" in again.stdout, again.stdout[-3000:]
         assert len(list(runs.glob("tiny-*"))) == 2 and digest(run_dir) == first
-        # resume that run with new overrides: refused, nothing changes
+        # resume that run with another loss, which a resume may not change (flows/run_folders.py
+        # RESUME_SETTABLE): refused, nothing changes
         target = [*overrides, f"run_name={run_dir.name}"]
-        changed = deployment_run({"overrides": [*target, "rl.steps=6"], "resume": True}, env)
+        changed = deployment_run({"overrides": [*target, "rl.loss.type=cispo"], "resume": True}, env)
         assert changed.returncode != 0 or "Failed" in changed.stdout, changed.stdout[-3000:]
         assert digest(run_dir) == first
         # resume it as it was: it already finished, so Completed and left as it is

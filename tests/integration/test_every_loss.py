@@ -9,8 +9,10 @@ its config, read back above, and whether it uses the sampler's log-probs and whi
 one run, `dr_grpo` (log-prob ratios and its constant normaliser), is stopped by SIGTERM after its
 first checkpoint and continued by `rlpipe resume`.
 
-The run is RL from the seeded preset on tiny.toml's task with zero-variance groups kept, so every
-step fills its batch however the untrained policy answers.
+The run is RL on tiny.toml's task from its SFT result (the session's shared `sft_checkpoint`, which
+answers some prompts, so some groups' rewards differ and the run trains: a run that trains no
+sample ends with exit 1), with zero-variance groups kept, so every step fills its batch however the
+policy answers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pytest
 from rlpipe.training.rl_loss import LOSS_NAMES, LOSSES
 
 from tests import warm_cli
+from tests.integration.test_rl_loop_regression import sft_checkpoint  # noqa: F401 - fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -45,8 +48,9 @@ def env_for(tmp_path: Path, prefect_api_url: str) -> dict[str, str]:
     return env
 
 
-def overrides(runs: Path, loss: str) -> list[str]:
-    settings = [f"runs_root={runs}", "run_name=r", "flow=rl", f"rl.loss.type={loss}", f"rl.steps={STEPS}",
+def overrides(runs: Path, loss: str, start: str) -> list[str]:
+    settings = [f"runs_root={runs}", "run_name=r", "flow=rl", f"model.path={start}", f"rl.loss.type={loss}",
+                f"rl.steps={STEPS}",
                 "rl.checkpoint_every=1", "rl.eval_every=0", "rl.filter.drop_zero_variance=false",
                 "task.eval_examples=4", "rl.prompts_per_step=2", "rl.group_size=4", "threads=1"]
     return [part for setting in settings for part in ("--set", setting)]
@@ -66,12 +70,13 @@ def saved_loss(run_dir: Path, loss: str) -> None:
 
 
 @pytest.mark.parametrize("loss", LOSS_NAMES)
-def test_every_loss_runs_from_the_cli(tmp_path, prefect_api_url, loss):
+def test_every_loss_runs_from_the_cli(tmp_path, prefect_api_url, sft_checkpoint, loss):  # noqa: F811
     from rlpipe.storage.writer import read_table
 
     env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
     run_dir = runs / "r"
-    done = warm_cli.run(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)), cwd=tmp_path,
+    done = warm_cli.run(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss, sft_checkpoint)),
+                        cwd=tmp_path,
                         env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
@@ -79,14 +84,14 @@ def test_every_loss_runs_from_the_cli(tmp_path, prefect_api_url, loss):
     saved_loss(run_dir, loss)
 
 
-def test_a_run_stopped_by_sigterm_resumes_from_the_cli(tmp_path, prefect_api_url):
+def test_a_run_stopped_by_sigterm_resumes_from_the_cli(tmp_path, prefect_api_url, sft_checkpoint):  # noqa: F811
     from rlpipe.storage.writer import read_table
 
     loss = "dr_grpo"
     env, runs = env_for(tmp_path, prefect_api_url), tmp_path / "runs"
     run_dir = runs / "r"
     log = tmp_path / "run.log"
-    process = warm_cli.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss)),
+    process = warm_cli.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), *overrides(runs, loss, sft_checkpoint)),
                              cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
