@@ -71,15 +71,21 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpipe.envs.seccomp import SeccompUnsupported, deny_filter
+from rlpipe.envs.sandbox_bwrap import (
+    SANDBOX_MAIN,
+    _bwrap_args,
+    _seccomp_program,
+)
+from rlpipe.envs.sandbox_cgroup import (
+    _cgroup_problem,
+    _RunCgroup,
+    memory_cgroup,
+)
 
-SANDBOX_MAIN = "/sandbox/main.py"
-SCRATCH = "/scratch"
 NOBODY = "nobody"
 _UNISOLATED = '(allow_unisolated=True; the code environment: sandbox = "auto")'
 
@@ -124,7 +130,6 @@ del os, resource, cpu, memory, processes, file_size, files, uid, gid, cap, secco
 import runpy
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-CGROUP_ENV = "RLPIPE_SANDBOX_CGROUP"
 OPEN_FILES = 64
 _CGROUP_JOIN = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
 
@@ -192,67 +197,6 @@ def _drop_to() -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
-def _host_links() -> list[str]:
-    """/bin, /lib, /lib64, /sbin as the host has them: a symlink into /usr, or a read-only bind."""
-    args = []
-    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
-        path = Path(name)
-        if path.is_symlink():
-            args += ["--symlink", os.readlink(path), name]
-        elif path.is_dir():
-            args += ["--ro-bind", name, name]
-    return args
-
-
-@functools.cache
-def _bwrap_has(option: str, bwrap: str) -> bool:
-    """Whether this bubblewrap knows `option` (its --help lists it)."""
-    try:
-        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return option in out.stdout + out.stderr
-
-
-def _bwrap_args(bwrap: str, python: str, as_root: bool, scratch_mb: int, program_fd: int,
-                seccomp_fd: int) -> list[str]:
-    """bubblewrap's arguments up to the program: namespaces, read-only system, fresh scratch, the
-    seccomp filter from `seccomp_fd` and the program copied from `program_fd`.
-
-    As root, bubblewrap sets up the sandbox with its own privileges (no user namespace) and the
-    launcher drops to `nobody`; otherwise a user namespace maps the caller's user, and nested user
-    namespaces are disabled where this bubblewrap can."""
-    prefix = str(Path(python).parent.parent)  # the interpreter's install prefix
-    user = [] if as_root else ["--unshare-user", *(["--disable-userns"] if _bwrap_has("--disable-userns", bwrap)
-                                                   else [])]
-    args = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", *user, "--die-with-parent", "--new-session",
-            "--clearenv", "--setenv", "HOME", SCRATCH, "--setenv", "PATH", "/usr/bin:/bin",
-            "--setenv", "LANG", "C.UTF-8",
-            "--ro-bind", "/usr", "/usr", *_host_links()]
-    if not prefix.startswith("/usr/"):  # its parents readable by the dropped user, nothing else in them
-        for parent in reversed(Path(prefix).parents[:-1]):
-            args += ["--perms", "0755", "--dir", str(parent)]
-        args += ["--ro-bind", prefix, prefix]
-    size = str(scratch_mb << 20)
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
-             "--perms", "0777", "--size", size, "--tmpfs", SCRATCH,
-             "--perms", "0755", "--dir", str(Path(SANDBOX_MAIN).parent),
-             "--perms", "0444", "--ro-bind-data", str(program_fd), SANDBOX_MAIN,
-             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH,
-             "--seccomp", str(seccomp_fd)]
-    return args
-
-
-@functools.cache
-def _seccomp_program() -> bytes | str:
-    """The filter's BPF program, or one line saying why there is none for this machine."""
-    try:
-        return deny_filter()
-    except SeccompUnsupported as error:
-        return str(error)
-
-
 def isolation_problem(python: str | None = None) -> str | None:
     """None when bubblewrap can isolate here, else one line saying why not (checked once per
     interpreter; `isolation_problem.cache_clear()` forgets)."""
@@ -307,75 +251,6 @@ def run_python(source: str, *, timeout_s: float, memory_mb: int, stdin: str = ""
 
 # ---- cgroup v2 memory limits ---------------------------------------------------------------------
 
-def _cgroup2_mount() -> Path | None:
-    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or .../unified on a hybrid host)."""
-    try:
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            fields = line.split(" - ", 1)
-            if len(fields) == 2 and fields[1].split()[0] == "cgroup2":
-                return Path(fields[0].split()[4])
-    except OSError:
-        pass
-    return None
-
-
-def _own_cgroup(mount: Path) -> Path | None:
-    """This process's cgroup v2 folder under `mount` (the `0::` line of /proc/self/cgroup)."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                return mount / line[3:].lstrip("/")
-    except OSError:
-        pass
-    return None
-
-
-def _delegates_memory(folder: Path) -> bool:
-    """Whether new cgroups under `folder` get a memory controller and this process may make them."""
-    try:
-        controllers = (folder / "cgroup.subtree_control").read_text().split()
-    except OSError:
-        return False
-    return "memory" in controllers and os.access(folder, os.W_OK)
-
-
-@functools.cache
-def memory_cgroup() -> Path | None:
-    """The cgroup v2 folder under which each run gets a memory-limited cgroup of its own, or None
-    (the stated fallback, `memory_bound()`). Checked once: `RLPIPE_SANDBOX_CGROUP` (which must
-    delegate memory: `_cgroup_problem` refuses it otherwise), else this process's own cgroup where
-    it delegates memory, else, run as root, `rlpipe-sandbox` under the cgroup2 root where the root
-    delegates memory (created, with memory and pids enabled for its children)."""
-    named = os.environ.get(CGROUP_ENV)
-    if named:
-        return Path(named) if _delegates_memory(Path(named)) else None
-    mount = _cgroup2_mount()
-    if mount is None:
-        return None
-    own = _own_cgroup(mount)
-    if own is not None and _delegates_memory(own):
-        return own
-    if os.geteuid() == 0 and _delegates_memory(mount):
-        ours = mount / "rlpipe-sandbox"
-        try:
-            ours.mkdir(exist_ok=True)
-            wanted = {"memory", "pids"} & set((mount / "cgroup.subtree_control").read_text().split())
-            (ours / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
-        except OSError:
-            return None
-        return ours if _delegates_memory(ours) else None
-    return None
-
-
-def _cgroup_problem() -> str | None:
-    """One line when `RLPIPE_SANDBOX_CGROUP` names a folder that cannot take the runs' cgroups."""
-    named = os.environ.get(CGROUP_ENV)
-    if named and memory_cgroup() is None:
-        return (f"{CGROUP_ENV}={named} is not a cgroup v2 folder this process may create cgroups in with "
-                "the memory controller (its cgroup.subtree_control must list memory): fix it or unset it")
-    return None
-
-
 def memory_bound(limits: SandboxLimits | None = None, memory_mb: int = 256) -> str:
     """How a run's memory is bounded here, in one line."""
     limits = limits or SandboxLimits()
@@ -386,38 +261,6 @@ def memory_bound(limits: SandboxLimits | None = None, memory_mb: int = 256) -> s
     return (f"no cgroup v2 memory controller to use (fallback): at most {limits.processes} processes of "
             f"{memory_mb} MiB address space each, 2 x {limits.scratch_mb} MiB of tmpfs files, no memfd or "
             f"shared memory, {OPEN_FILES} open files a process")
-
-
-class _RunCgroup:
-    """A run's own cgroup under `memory_cgroup()`, removed (its processes killed) on exit."""
-
-    def __init__(self, parent: Path, memory_bytes: int, processes: int) -> None:
-        self.path = parent / f"rlpipe-run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.path.mkdir()
-        try:
-            (self.path / "memory.max").write_text(str(memory_bytes))
-            for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1"), ("pids.max", str(processes))):
-                if (self.path / name).exists():
-                    (self.path / name).write_text(value)
-        except OSError:
-            self.remove()
-            raise
-
-    def remove(self) -> None:
-        """Kill what is left in it and remove it (a namespace's teardown may take a moment)."""
-        kill = self.path / "cgroup.kill"
-        for attempt in range(50):
-            try:
-                if kill.exists():
-                    kill.write_text("1")
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                if attempt == 49:
-                    return  # an empty cgroup left behind is harmless; the next cleanup may take it
-                time.sleep(0.05)
 
 
 def _run(source: str, python: str, bwrap: str | None, *, timeout_s: float, memory_mb: int,

@@ -29,8 +29,6 @@ Plain Python (no torch), like rollouts/advantages.py whose `Group` records it ho
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -49,8 +47,9 @@ from rlpipe.rollouts.batch_makers import (
     stale,
     valid,
 )
+from rlpipe.rollouts.maker_checks import _copy, _describe, group_digest
 
-__all__ = ["BatchFillError", "BatchMakerError", "BufferOptions", "GroupBuffer", "GroupDecision", "dry_run_maker",
+__all__ = ["BatchFillError", "BatchMakerError", "BufferOptions", "GroupBuffer", "GroupDecision",
            "staleness_limit"]
 
 MAKER_STRIKES = 3
@@ -88,22 +87,6 @@ def staleness_limit(options: BufferOptions) -> int:
 
 
 _COUNTERS = ("sampled_groups", "zero_var_groups", "valid_groups", "stale_dropped")
-
-
-def group_digest(group: Group) -> str:
-    """A group's identity and content (ids, example, versions, rewards): what a maker must not change."""
-    text = json.dumps([group.group_id, group.env, group.example_id, group.policy_version, group.attempt,
-                       list(group.sample_ids), [repr(float(r)) for r in group.rewards]])
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _copy(group: Group) -> Group:
-    return Group.from_dict(group.to_dict())
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{text[:60] + '...' if len(text) > 60 else text} (a {type(value).__name__})"
 
 
 @dataclass
@@ -413,33 +396,3 @@ class GroupBuffer:
         self.batch_counts = {k: int(state["batch_counts"].get(k, 0)) for k in _COUNTERS}
         self.total_counts = {k: int(state["total_counts"].get(k, 0)) for k in _COUNTERS}
 
-
-def dry_run_maker(options: BufferOptions) -> None:
-    """Pre-flight for a user's batch maker (tasks/preflight.py): build it, run the sampling rounds
-    of one batch on synthetic groups (two rewards, 0 and 1), take the batch, and round-trip its
-    state through JSON into a second instance. BatchMakerError (one line naming it) where any of
-    that breaks the contract; a maker that does not make a batch from these groups is not refused
-    (its rule may need real ones)."""
-    buffer = GroupBuffer(options)
-    counter = iter(range(1_000_000))
-
-    def synthetic(attempt: int, n: int) -> list[Group]:
-        out = []
-        for _ in range(n):
-            i = next(counter)
-            out.append(Group(f"preflight-{i}", "preflight", f"preflight-{i}", 0, [f"preflight-{i}:0", f"preflight-{i}:1"],
-                             [0.0, 1.0], attempt))
-        return out
-
-    try:
-        buffer.fill(0, synthetic)
-        buffer.take()
-    except BatchFillError:
-        pass
-    state = buffer.state_dict()
-    try:
-        text = json.dumps(state["maker"], allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise buffer._refuse(f"state_dict is not plain JSON ({error})") from None
-    GroupBuffer(options)._ask("load_state_dict", buffer.maker.__class__(options.maker).load_state_dict,
-                              json.loads(text))

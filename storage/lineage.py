@@ -109,7 +109,8 @@ def _rows(result: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 def version_lineage(client: Any, model_uri: str, samples: int = 5) -> list[dict[str, Any]]:
     """The chain from `model_uri` up through the versions it started from, one dict per version:
     model, MLflow run, run dir and step, steps and samples trained, and the parent."""
-    from rlpipe.storage.tracking import WEIGHTS_REMOVED_TAG, resolve_model_version
+    from rlpipe.storage.model_versions import resolve_model_version
+    from rlpipe.storage.tracking import WEIGHTS_REMOVED_TAG
 
     chain: list[dict[str, Any]] = []
     while model_uri and len(chain) < _MAX_DEPTH:

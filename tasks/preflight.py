@@ -193,7 +193,7 @@ def _check_user_code(config) -> None:
 
         _check("rl.buffer.batch_maker", "name a class 'module:Class' importable from the installed packages or the "
                "current folder", lambda: batch_maker_class(config.rl.buffer.batch_maker))
-        from rlpipe.rollouts.group_buffer import dry_run_maker
+        from rlpipe.rollouts.maker_dry_run import dry_run_maker
         from rlpipe.rollouts.options import rollout_options
 
         _check("rl.buffer.batch_maker", "refused in a dry run on synthetic groups before the run; docs/DESIGN.md, "

@@ -35,7 +35,7 @@ def teacher_folder(spec: str, runs_root: str | os.PathLike) -> Path:
     from rlpipe.models.loading import resolve_model_path
 
     if spec.startswith("models:/"):
-        from rlpipe.storage.tracking import download_model
+        from rlpipe.storage.model_versions import download_model
 
         return download_model(registry_uri(runs_root), spec)
     return resolve_model_path(spec)

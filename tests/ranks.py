@@ -17,11 +17,10 @@ Nothing here waits forever: ranks still running after `timeout_s` are killed and
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import time
 from collections.abc import Callable
 from typing import Any
-
-import multiprocessing.forkserver
 
 import torch.multiprocessing as mp
 

@@ -92,7 +92,7 @@ def test_best_alias_follows_the_best_checkpointed_sft_eval_and_latest_is_the_new
     import duckdb
     from mlflow import MlflowClient
     from rlpipe.flows.sft import sft_flow
-    from rlpipe.storage.tracking import resolve_model_version
+    from rlpipe.storage.model_versions import resolve_model_version
     from rlpipe.storage.writer import read_table
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

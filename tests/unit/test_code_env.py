@@ -9,7 +9,8 @@ import random
 import pytest
 from rlpipe.engines.base import SamplingParams
 from rlpipe.envs import sandbox
-from rlpipe.envs.code import CodeConfig, CodeEnv, extract_code, judge_results
+from rlpipe.envs.code import CodeConfig, CodeEnv, extract_code
+from rlpipe.envs.code_results import judge_results
 from rlpipe.envs.code_tasks import FAMILIES, make_task
 from rlpipe.envs.multiturn import episode_reward, run_episodes
 from rlpipe.envs.registry import build_env

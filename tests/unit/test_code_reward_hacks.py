@@ -13,7 +13,8 @@ import math
 
 import pytest
 from rlpipe.envs import code, sandbox
-from rlpipe.envs.code import CodeConfig, CodeEnv, judge_results, same_value
+from rlpipe.envs.code import CodeConfig, CodeEnv
+from rlpipe.envs.code_results import judge_results, same_value
 
 PROBLEM = sandbox.isolation_problem()
 needs_bwrap = pytest.mark.skipif(PROBLEM is not None, reason=f"no isolation here: {PROBLEM}")

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from rlpipe.envs import sandbox, seccomp
+from rlpipe.envs import sandbox, sandbox_cgroup, seccomp
 from rlpipe.envs.sandbox import SandboxLimits, SandboxUnavailable, isolation_problem, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -520,7 +520,7 @@ def test_a_delegated_memory_cgroup_gets_one_cgroup_per_run(monkeypatch, tmp_path
     parent = tmp_path / "delegated"
     parent.mkdir()
     (parent / "cgroup.subtree_control").write_text("cpu memory pids\n")
-    monkeypatch.setenv(sandbox.CGROUP_ENV, str(parent))
+    monkeypatch.setenv(sandbox_cgroup.CGROUP_ENV, str(parent))
     removed = []
     monkeypatch.setattr(sandbox._RunCgroup, "remove", lambda self: removed.append(self.path))
     sandbox.memory_cgroup.cache_clear()
@@ -532,9 +532,9 @@ def test_a_delegated_memory_cgroup_gets_one_cgroup_per_run(monkeypatch, tmp_path
             (run,) = removed
             assert run.parent == parent and (run / "memory.max").read_text() == str(120 << 20)
             assert int((run / "cgroup.procs").read_text()) > 0  # the shell that became bwrap joined it
-        monkeypatch.setenv(sandbox.CGROUP_ENV, str(tmp_path / "missing"))
+        monkeypatch.setenv(sandbox_cgroup.CGROUP_ENV, str(tmp_path / "missing"))
         sandbox.memory_cgroup.cache_clear()
         problem = sandbox._cgroup_problem()
-        assert problem is not None and "\n" not in problem and sandbox.CGROUP_ENV in problem
+        assert problem is not None and "\n" not in problem and sandbox_cgroup.CGROUP_ENV in problem
     finally:
         sandbox.memory_cgroup.cache_clear()

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import mlflow.artifacts
 import pytest
+from rlpipe.storage.model_versions import download_model
 from rlpipe.storage.tracking import (
     MlflowTracker,
     NullTracker,
     default_artifact_root,
     default_tracking_uri,
-    download_model,
     flatten_params,
 )
 

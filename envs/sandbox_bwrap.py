@@ -1,0 +1,76 @@
+"""How the sandbox starts bubblewrap (envs/sandbox.py): its command line (a read-only root and
+/dev, size-capped tmpfs, no host path), and the seccomp program it loads."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+from rlpipe.envs.seccomp import SeccompUnsupported, deny_filter
+
+SANDBOX_MAIN = "/sandbox/main.py"
+SCRATCH = "/scratch"
+
+
+def _host_links() -> list[str]:
+    """/bin, /lib, /lib64, /sbin as the host has them: a symlink into /usr, or a read-only bind."""
+    args = []
+    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        path = Path(name)
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), name]
+        elif path.is_dir():
+            args += ["--ro-bind", name, name]
+    return args
+
+
+@functools.cache
+def _bwrap_has(option: str, bwrap: str) -> bool:
+    """Whether this bubblewrap knows `option` (its --help lists it)."""
+    try:
+        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return option in out.stdout + out.stderr
+
+
+def _bwrap_args(bwrap: str, python: str, as_root: bool, scratch_mb: int, program_fd: int,
+                seccomp_fd: int) -> list[str]:
+    """bubblewrap's arguments up to the program: namespaces, read-only system, fresh scratch, the
+    seccomp filter from `seccomp_fd` and the program copied from `program_fd`.
+
+    As root, bubblewrap sets up the sandbox with its own privileges (no user namespace) and the
+    launcher drops to `nobody`; otherwise a user namespace maps the caller's user, and nested user
+    namespaces are disabled where this bubblewrap can."""
+    prefix = str(Path(python).parent.parent)  # the interpreter's install prefix
+    user = [] if as_root else ["--unshare-user", *(["--disable-userns"] if _bwrap_has("--disable-userns", bwrap)
+                                                   else [])]
+    args = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", *user, "--die-with-parent", "--new-session",
+            "--clearenv", "--setenv", "HOME", SCRATCH, "--setenv", "PATH", "/usr/bin:/bin",
+            "--setenv", "LANG", "C.UTF-8",
+            "--ro-bind", "/usr", "/usr", *_host_links()]
+    if not prefix.startswith("/usr/"):  # its parents readable by the dropped user, nothing else in them
+        for parent in reversed(Path(prefix).parents[:-1]):
+            args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", prefix, prefix]
+    size = str(scratch_mb << 20)
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
+             "--perms", "0777", "--size", size, "--tmpfs", SCRATCH,
+             "--perms", "0755", "--dir", str(Path(SANDBOX_MAIN).parent),
+             "--perms", "0444", "--ro-bind-data", str(program_fd), SANDBOX_MAIN,
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH,
+             "--seccomp", str(seccomp_fd)]
+    return args
+
+
+@functools.cache
+def _seccomp_program() -> bytes | str:
+    """The filter's BPF program, or one line saying why there is none for this machine."""
+    try:
+        return deny_filter()
+    except SeccompUnsupported as error:
+        return str(error)
+
