@@ -237,6 +237,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's own default
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `rlpipe serve`; returns the exit status."""
     import uvicorn
@@ -291,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
     served = app.state.rlpipe.slot.current
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    # Listening before the ready line: a client that connects as soon as it reads the line is
+    # accepted (the kernel queues it until uvicorn's loop takes it), never refused.
+    sock.listen(LISTEN_BACKLOG)
     # The first stdout line names the address (tests and scripts read it when --port 0).
     print(
         f"rlpipe serve: listening on http://{host}:{port} (policy_version "

@@ -5,6 +5,7 @@ All traffic stays on 127.0.0.1; every wait is bounded; the servers are killed in
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,11 @@ def test_two_servers_generate_sync_and_fail_loudly(tmp_path):
     try:
         for _ in range(2):
             procs.append(start_serve(first, "--allow-root", str(allow), token="tok"))
-        urls = [serve_url(p, START_TIMEOUT_S) for p in procs]
+        urls = []
+        for proc in procs:  # the ready line comes once the port accepts: a connection at once succeeds
+            urls.append(serve_url(proc, START_TIMEOUT_S))
+            host, port = urls[-1].removeprefix("http://").rsplit(":", 1)
+            socket.create_connection((host, int(port)), timeout=5).close()
         assert all(url.startswith("http://127.0.0.1:") for url in urls), urls
         engines = [HttpEngine(u, HttpOptions(timeout_s=60, retries=2, api_token="tok", backoff_s=0.05)) for u in urls]
         assert [e.health()["policy_version"] for e in engines] == [0, 0]
