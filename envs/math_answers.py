@@ -45,9 +45,7 @@ import threading
 from fractions import Fraction
 from typing import Any
 
-from rlpipe.envs.math_precheck import (
-    too_costly,
-)
+from rlpipe.envs.math_precheck import matching_brace, too_costly
 from rlpipe.envs.rewards import parse_number, register_reward
 
 MATH_VERIFY_TIMEOUT_S = 5
@@ -74,15 +72,8 @@ def last_boxed(text: str) -> str | None:
     if not text.startswith("{", open_at):  # "\boxed 5"
         rest = text[open_at:].split()
         return rest[0].rstrip(".$") if rest else None
-    depth = 0
-    for index in range(open_at, len(text)):
-        if text[index] == "{":
-            depth += 1
-        elif text[index] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_at + 1:index]
-    return None
+    close = matching_brace(text, open_at)
+    return None if close is None else text[open_at + 1:close]
 
 
 def final_answer(text: Any) -> str | None:

@@ -33,8 +33,8 @@ def _group_before(text: str, close: int) -> str:
     return text[:close]
 
 
-def _group(text: str, start: int) -> int:
-    """Index after the brace group opening at `start` (or len(text) when unclosed)."""
+def matching_brace(text: str, start: int) -> int | None:
+    """Index of the `}` closing the brace group that opens at `start`; None when unclosed."""
     depth = 0
     for index in range(start, len(text)):
         if text[index] == "{":
@@ -42,8 +42,14 @@ def _group(text: str, start: int) -> int:
         elif text[index] == "}":
             depth -= 1
             if depth == 0:
-                return index + 1
-    return len(text)
+                return index
+    return None
+
+
+def _group(text: str, start: int) -> int:
+    """Index after the brace group opening at `start` (or len(text) when unclosed)."""
+    close = matching_brace(text, start)
+    return len(text) if close is None else close + 1
 
 
 def _tower_digits(text: str, start: int) -> tuple[float, int]:

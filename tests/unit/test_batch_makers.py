@@ -213,7 +213,20 @@ def test_a_user_makers_groups_older_than_the_bound_are_dropped_as_stale(tmp_path
     assert metrics["rollout/stale_dropped"] == 1
 
 
-class Sloppy:
+class Stateless:
+    """A batch maker's metadata and state methods, for makers that keep no state."""
+
+    def metadata(self, batch):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class Sloppy(Stateless):
     """A maker that decides only some of the groups it is given and makes batches of the wrong size."""
 
     def __init__(self, options):
@@ -225,15 +238,6 @@ class Sloppy:
 
     def create_batch(self, size):
         return list(self.groups) if self.groups else None
-
-    def metadata(self, batch):
-        return {}
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def test_groups_a_maker_leaves_undecided_are_held_and_a_wrong_batch_size_is_named():
@@ -250,7 +254,7 @@ def test_groups_a_maker_leaves_undecided_are_held_and_a_wrong_batch_size_is_name
 
 # ---- makers that break the training contract (issue 43, item 3) ----------------------------------
 
-class Replaying:
+class Replaying(Stateless):
     """A configurable bad maker: `mode` says how its batches break the contract."""
 
     def __init__(self, mode: str):
@@ -283,15 +287,6 @@ class Replaying:
         if self.mode == "returns a dict":
             return {g.group_id: g for g in batch}
         return batch
-
-    def metadata(self, batch):
-        return {}
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def bad_buffer(mode: str, **rl) -> GroupBuffer:

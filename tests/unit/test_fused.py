@@ -85,7 +85,7 @@ def test_fused_resolves_to_liger_only_where_it_can_run():
 @pytest.mark.parametrize("installed", [True, False])
 @pytest.mark.parametrize("compiled", [True, False])
 def test_auto_picks_liger_only_for_an_eager_model_with_liger_installed(compiled, installed):
-    """Measured on an H100: compile + Liger 36% slower per step than compile alone, so "auto"
+    """Measured on a GPU (docs/BENCHMARKS_GPU.md): compile + Liger 36% slower per step than compile alone, so "auto"
     never patches a compiled model; an eager one gets Liger where it is installed."""
     used = resolve_fused("auto", "cuda", "qwen3", compiled=compiled, liger_installed=installed)
     assert used == ("liger" if installed and not compiled else "none")
