@@ -24,6 +24,7 @@ Its parts, in one process on one GPU (rl_vs_trl_vllm starts one process per side
   (benchmarks/gpu_logprobs.py).
 
     python -m benchmarks.bench_gpu [--parts train engine rl_vs_trl rl_vs_trl_vllm logprobs] [--out runs/bench/gpu.json]
+    python -m benchmarks.bench_gpu --quick      # every GPU figure in one table (benchmarks/gpu_quick.py)
     python -m benchmarks.bench_gpu --render docs/BENCHMARKS_GPU.json     # -> docs/BENCHMARKS_GPU.md
 
 Every part runs in a process of its own and ends within its stated limit (PART_LIMITS_S, or
@@ -62,6 +63,7 @@ from rlpipe.training.losses import nll_loss
 from rlpipe.training.step import StepOptions, build_optimizer, forward_backward, optim_step
 
 from benchmarks.gpu_logprobs import bench_logprobs_gpu
+from benchmarks.gpu_quick import QUICK_LIMITS_S, QUICK_PARTS, quick_part, render_quick
 from benchmarks.gpu_report import render
 from benchmarks.gpu_steps import rlpipe_steps, trl_steps
 from benchmarks.gpu_vllm import add_vllm_arguments, bench_rl_vs_trl_vllm, vllm_installed
@@ -272,14 +274,26 @@ def run_limited(command: list[str], limit_s: float, out: Path) -> dict:
 
 
 def run_part_in_process(name: str, args: argparse.Namespace) -> dict:
-    """One part in a child process of this module (`--one-part`), within its limit."""
-    limit = args.part_timeout_s or PART_LIMITS_S[name]
+    """One part in a child process of this module (`--one-part`), within its limit (a `--quick`
+    part's own, gpu_quick.QUICK_LIMITS_S, unless --part-timeout-s)."""
+    limit = args.part_timeout_s or (QUICK_LIMITS_S if args.quick else PART_LIMITS_S)[name]
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{name}-") as folder:
         out = Path(folder) / "part.json"
         options = {k: v for k, v in vars(args).items() if k not in ("parts", "out", "render", "profile", "one_part")}
         command = [sys.executable, "-m", "benchmarks.bench_gpu", "--one-part", name, "--out", str(out),
                    "--options-json", json.dumps(options)]
         return run_limited(command, limit, out)
+
+
+def run_quick(args: argparse.Namespace, report: dict) -> dict:
+    """`--quick`: gpu_quick's parts, each in its own process within its limit; one table printed,
+    one JSON written (kept after each part)."""
+    for name in args.quick_parts:
+        print(f"bench_gpu --quick: {name} (limit {args.part_timeout_s or QUICK_LIMITS_S[name]:g} s)", flush=True)
+        report[name] = run_part_in_process(name, args)
+        write_results(args.out, report)
+    print("\n".join(render_quick(report)), flush=True)
+    return report
 
 
 def measured_on() -> str:
@@ -312,6 +326,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--render", metavar="JSON", help="only write the Markdown next to this JSON")
     parser.add_argument("--part-timeout-s", type=float, default=None,
                         help="seconds every part may run (default: each part's own, PART_LIMITS_S)")
+    parser.add_argument("--quick", action="store_true",
+                        help="every GPU figure in one table within about 5 minutes (benchmarks/gpu_quick.py)")
+    parser.add_argument("--quick-parts", nargs="+", choices=QUICK_PARTS, default=list(QUICK_PARTS),
+                        help="with --quick: only these parts")
     parser.add_argument("--one-part", help=argparse.SUPPRESS)  # the child process of one part
     parser.add_argument("--options-json", help=argparse.SUPPRESS)
     add_vllm_arguments(parser)
@@ -335,8 +353,10 @@ def main(argv: list[str] | None = None) -> dict:
              "rl_vs_trl_vllm": lambda: bench_rl_vs_trl_vllm(args),
              "logprobs": lambda: bench_logprobs_gpu(args.tokens_per_step, args.repeats)}
     if args.one_part:
-        write_results(args.out, parts[args.one_part]())
+        write_results(args.out, quick_part(args.one_part, args) if args.quick else parts[args.one_part]())
         return report
+    if args.quick:
+        return run_quick(args, report)
     for name in args.parts:
         report[name] = run_part_in_process(name, args)
         print(json.dumps({name: "error" if "error" in report[name] else "done"}), flush=True)

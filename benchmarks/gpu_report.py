@@ -10,6 +10,7 @@ import json
 import statistics
 
 from benchmarks.gpu_logprobs import render_logprobs
+from benchmarks.gpu_quick import render_quick
 from benchmarks.gpu_vllm import render_rl_vs_trl_vllm
 
 
@@ -25,6 +26,12 @@ PARTS = ("train", "engine", "rl_vs_trl", "rl_vs_trl_vllm", "logprobs")  # bench_
 
 
 def render(report: dict) -> str:
+    if "quick" not in report and "head" in report:  # a `--quick` JSON of its own
+        return "\n".join(["# GPU benchmarks, `--quick`", "", *render_quick(report)])
+    return _render_full(report)
+
+
+def _render_full(report: dict) -> str:
     """docs/BENCHMARKS_GPU.md from the JSON (a part that gave no result, past its time limit or
     failed, is named with its error instead of a table)."""
     failed = {name: part["error"] for name, part in report.items()
@@ -37,6 +44,13 @@ def render(report: dict) -> str:
              "installed beside rlpipe (README, \"On a GPU\").",
              "", *[f"- {note}" for note in report.get("notes", [])],
              *[f"- part `{name}` gave no result: {error[:300]}" for name, error in failed.items()], ""]
+    if "quick" in report:
+        lines += ["## Every GPU figure in one command", "",
+                  "From the repository root, with torch, transformers and (for their rows) cut-cross-entropy, "
+                  "Liger, vLLM and TRL installed:", "",
+                  "    python -m benchmarks.bench_gpu --quick --out runs/bench/gpu-quick.json",
+                  "    python -m benchmarks.bench_gpu --render runs/bench/gpu-quick.json   # -> runs/bench/gpu-quick.md",
+                  "", *render_quick(report["quick"])]
     if "train" in report:
         lines += ["## Train step, `qwen3-0.6b` at its 151,936-token vocabulary (0.60B parameters)", "",
                   f"One optimizer step over {report['train'][0]['tokens']:,} real tokens (RL-like packs of "

@@ -111,6 +111,7 @@ ON_A_GPU = [
     'The GPU figures (an H100: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in [BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py`; `make bench` on a machine without CUDA leaves them as they are. To measure them, from the repository root of a checkout on a machine with one NVIDIA GPU:',
     '',
     '    python -m pip install --no-deps --no-build-isolation -e .      # beside torch, transformers, vLLM, TRL',
+    '    python -m benchmarks.bench_gpu --quick                            # every GPU figure in one table, ~6 min',
     '    python -m pytest -m gpu                                           # tests/gpu: the CUDA paths, ~1 min',
     '    python -m benchmarks.bench_gpu --out runs/bench/gpu.json          # parts train engine rl_vs_trl logprobs',
     '    python -m benchmarks.bench_gpu --parts rl_vs_trl_vllm             # both sides on vLLM, colocated',

@@ -105,10 +105,11 @@ class TrainConfig(Section):
     log-softmax (training/logprobs.py), which never holds the [tokens, vocab] logits but writes and
     re-reads [chunk, vocab] float32 blocks; "fused" is Apple's Cut Cross-Entropy (the `cce` extra:
     pip install 'rlpipe[cce]'), which never writes logits at all, with exact gradients (its
-    gradient filter off); where it cannot run (no CUDA, not installed, an LM head with a bias) the
-    chunked path runs and one log line says why. "auto" is the chunked path until a GPU has
-    measured the fused head against it in a train step (benchmarks/bench_gpu.py). Entropy metrics
-    always use the chunked path, without gradient."""
+    gradient filter off); where it cannot run (no CUDA, not installed, an LM head with a bias, a
+    float32 head without bf16 autocast) the chunked path runs and one log line says why. "auto" is
+    the chunked path, by measurement: the fused head made a compiled qwen3-0.6b step 21% slower
+    (0.446 against 0.367 s, docs/BENCHMARKS_GPU.md) while holding less memory, so "fused" is a
+    memory option. Entropy metrics always use the chunked path, without gradient."""
     parallel: Literal["none", "ddp", "fsdp2"] = "none"
     """Data parallelism over the ranks of `rlpipe run --nproc-per-node N` (or torchrun): ddp
     replicates the model, fsdp2 shards it per transformer block (bf16 params, fp32 gradient

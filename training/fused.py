@@ -3,8 +3,12 @@
     used = apply_fused_kernels(model, "auto", compiled=False)    # "liger" or "none": what it now runs
 
 "liger" patches a Qwen3 (dense or MoE) in place with Liger Kernel's Triton kernels for RMSNorm,
-rotary embeddings and SwiGLU (`apply_liger_kernel_to_qwen3[_moe](model=...)`): the elementwise
-work that held an eager H100 train step at 13% MFU (docs/BENCHMARKS_GPU.md). Triton kernels need
+rotary embeddings and, in a dense Qwen3, SwiGLU (`apply_liger_kernel_to_qwen3[_moe](model=...)`):
+the elementwise work that held an eager H100 train step at 13% MFU (docs/BENCHMARKS_GPU.md). A
+Qwen3-MoE keeps transformers' experts: on transformers 5 Liger replaces them with its fused MoE
+kernel (matmuls and SwiGLU in one Triton kernel), which did not give the unpatched experts'
+log-probs and gradients within the fp32 bounds the dense patch meets (tests/gpu/test_cuda.py,
+on an H200), so rlpipe does not swap a model's expert matmuls for it. Triton kernels need
 CUDA, and Liger is an optional extra (`pip install 'rlpipe[liger]'`); "liger" asks for it and is
 an error of one line where it cannot be had; "none" leaves the model as built.
 
@@ -86,8 +90,8 @@ def apply_fused_kernels(model: nn.Module, setting: str, compiled: bool = False) 
         import liger_kernel.transformers as liger
 
         patch = getattr(liger, LIGER_PATCHES[model_type])
-        patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+        patch(rope=True, rms_norm=True, swiglu=model_type == "qwen3", cross_entropy=False,
               fused_linear_cross_entropy=False, model=model)
-        logging.getLogger(__name__).info("train.fused: Liger Kernel's RMSNorm, rotary and SwiGLU in %s",
-                                         type(model).__name__)
+        logging.getLogger(__name__).info("train.fused: Liger Kernel's RMSNorm, rotary%s in %s",
+                                         " and SwiGLU" if model_type == "qwen3" else "", type(model).__name__)
     return used

@@ -26,7 +26,7 @@ import torch
 from rlpipe.models.attention import model_hidden_states
 from rlpipe.models.compile import is_compiled
 from rlpipe.training import logprob_kernels as K
-from rlpipe.training.fused_head import fused_logprobs, resolve_logprobs
+from rlpipe.training.fused_head import fused_logprobs, head_matmul_dtype, resolve_logprobs
 
 IGNORE_INDEX = -100
 KERNELS = ("auto", "compiled", "eager")
@@ -169,7 +169,8 @@ def head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Te
     lm_head = model.get_output_embeddings()
     bias = getattr(lm_head, "bias", None)
     labels = labels.to(hidden.device)
-    if resolve_logprobs(head, hidden.device.type, bias is not None) == "fused":
+    dtype = head_matmul_dtype(hidden, lm_head.weight)
+    if resolve_logprobs(head, hidden.device.type, bias is not None, dtype=dtype) == "fused":
         return fused_logprobs(hidden, lm_head.weight, labels, temperature, IGNORE_INDEX)
     if kernels == "auto" and use_fused_kernels(kernels, hidden.device, hidden.is_cuda and is_compiled(model)):
         kernels = "compiled"

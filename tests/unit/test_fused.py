@@ -7,6 +7,8 @@ Liger's own kernels need CUDA: tests/gpu/test_cuda.py checks them against the un
 from __future__ import annotations
 
 import json
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from rlpipe.models.presets import build_model
 from rlpipe.tasks.config import load_config, validate_config
 from rlpipe.tasks.setup import place_model, placement, with_resolved_compile
 from rlpipe.tasks.step_rows import step_metrics
+from rlpipe.training import fused
 from rlpipe.training.batch import Sequence, pack
 from rlpipe.training.fused import apply_fused_kernels, resolve_fused
 from rlpipe.training.logprobs import token_logprobs
@@ -156,3 +159,21 @@ def test_chunked_logprob_loss_and_gradients_equal_the_unfused_path(tied):
     torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-6)
     for name, param in model.named_parameters():
         torch.testing.assert_close(chunked[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("preset, model_type, swiglu", [("tiny-dense", "qwen3", True), ("tiny-moe", "qwen3_moe", False)])
+def test_liger_patches_swiglu_in_a_dense_qwen3_and_leaves_moe_experts_to_transformers(monkeypatch, preset,
+                                                                                     model_type, swiglu):
+    """Liger's fused MoE experts did not match the unpatched ones on a GPU: a MoE keeps its experts."""
+    calls = []
+    liger = types.ModuleType("liger_kernel.transformers")
+    setattr(liger, fused.LIGER_PATCHES[model_type], lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", liger)
+    monkeypatch.setattr(fused, "resolve_fused", lambda *a, **k: "liger")
+    model = build_model(preset, vocab_size=32, seed=0)
+    assert model.config.model_type == model_type
+    assert fused.apply_fused_kernels(model, "liger") == "liger"
+    assert len(calls) == 1 and calls[0]["model"] is model
+    assert (calls[0]["swiglu"], calls[0]["rms_norm"], calls[0]["rope"]) == (swiglu, True, True)
+    assert not calls[0]["fused_linear_cross_entropy"] and not calls[0]["cross_entropy"]

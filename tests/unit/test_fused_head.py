@@ -22,7 +22,7 @@ from rlpipe.training.step import StepOptions, forward_backward
 
 @pytest.mark.parametrize("installed", [True, False])
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_auto_keeps_the_chunked_head_until_a_gpu_has_measured_the_fused_one(device, installed):
+def test_auto_is_the_chunked_head_which_measured_faster(device, installed):
     assert resolve_logprobs("auto", device, installed=installed) == "chunked"
     assert resolve_logprobs("chunked", device, installed=installed) == "chunked"
 
@@ -35,13 +35,24 @@ def test_fused_runs_where_it_can_and_else_the_chunked_head_says_why_once(monkeyp
         assert resolve_logprobs("fused", "cpu", installed=True) == "chunked"  # said once
         assert resolve_logprobs("fused", "cuda", installed=False) == "chunked"
         assert resolve_logprobs("fused", "cuda", has_bias=True, installed=True) == "chunked"
+        assert resolve_logprobs("fused", "cuda", installed=True, dtype=torch.float32) == "chunked"
+        assert resolve_logprobs("fused", "cuda", installed=True, dtype=torch.float16) == "fused"
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 3, said
+    assert len(said) == 4, said
     assert "Triton kernels need CUDA; the model trains on cpu" in said[0]
     assert "cut-cross-entropy is not installed (pip install 'rlpipe[cce]')" in said[1]
     assert "the LM head has a bias" in said[2]
+    assert "backward takes bf16 or fp16 only and this head computes in float32 (no bf16 autocast)" in said[3]
     with pytest.raises(ValueError, match="train.logprobs must be one of"):
         resolve_logprobs("cce", "cuda")
+
+
+def test_the_head_matmul_dtype_is_autocasts_where_autocast_is_on():
+    h, w = torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert fused_head.head_matmul_dtype(h, w) == torch.float32
+    assert fused_head.head_matmul_dtype(h.bfloat16(), w) == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_head.head_matmul_dtype(h, w.float()) == torch.bfloat16
 
 
 def test_logprobs_is_a_checked_config_field_that_reaches_every_phases_step():
@@ -77,7 +88,7 @@ def test_a_step_with_the_fused_head_takes_its_log_probs_from_it(monkeypatch, ent
 
     chunked, chunked_grads = step("fused")  # on the CPU "fused" resolves to the chunked head
     calls = []
-    monkeypatch.setattr(logprobs, "resolve_logprobs", lambda head, *a: "fused" if head == "fused" else "chunked")
+    monkeypatch.setattr(logprobs, "resolve_logprobs", lambda head, *a, **k: "fused" if head == "fused" else "chunked")
     monkeypatch.setattr(logprobs, "fused_logprobs", lambda *a: calls.append(a) or _full_logprobs(*a))
     fused, fused_grads = step("fused")
     assert len(calls) == len(batches) and calls[0][3] == 0.7  # temperature reaches the head

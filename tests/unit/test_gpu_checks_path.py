@@ -26,7 +26,7 @@ from tests.conftest import selects_gpu_only
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("prefect", "mlflow", "duckdb", "polars", "pydantic")
 # bench_gpu and the modules its parts use (the rl_vs_trl_vllm sides run gpu_vllm as a script)
-GPU_BENCHMARKS = ("bench_gpu", "gpu_steps", "gpu_vllm", "gpu_logprobs", "gpu_report",
+GPU_BENCHMARKS = ("bench_gpu", "gpu_quick", "gpu_steps", "gpu_vllm", "gpu_logprobs", "gpu_report",
                   "logprobs_baseline", "results", "timing")
 SITECUSTOMIZE = f"""import sys
 
