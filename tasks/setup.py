@@ -174,7 +174,7 @@ def engine_dtype(model, bf16_autocast: bool):
 
 def make_optimizer(model, optim, total_steps: int):
     """AdamW and its warmup-cosine schedule from an optim section, over `total_steps` steps."""
-    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay)
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, kind=optim.optimizer)
     scheduler = build_scheduler(optimizer, warmup_steps=optim.warmup_steps,
                                 total_steps=max(total_steps, 1), min_lr_ratio=optim.min_lr_ratio)
     return optimizer, scheduler

@@ -52,7 +52,8 @@ class ModelConfig(Section):
     fp32 master weights and optimizer state, bf16 matmuls. On CUDA the engine samples in bf16 too."""
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights and optimizer state. bfloat16 = pure bf16 (half the memory, no fp32
-    master copy; small updates can round away); float32 is the default (with bf16_autocast)."""
+    master copy; small updates round away unless a phase's `optim.optimizer` is "adamw_bf16_sr");
+    float32 is the default (with bf16_autocast)."""
     lora: LoraSection = Field(default_factory=LoraSection)
     """LoRA: train low-rank adapters only; checkpoints hold merged weights plus a PEFT adapter/."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -132,6 +133,12 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     """`optim` of a phase: the optimizer, its schedule and the micro-batch size."""
 
+    optimizer: Literal["adamw", "adamw_bf16_sr"] = "adamw"
+    """"adamw": torch's AdamW, its state in the weights' dtype. "adamw_bf16_sr": torchao's AdamW with
+    bf16 stochastic rounding (the `lean` extra: pip install 'rlpipe[lean]'), for
+    `model.weights_dtype = "bfloat16"`: updates below a weight's bf16 spacing still move it on
+    average, where plain bf16 AdamW rounds most of them away at RL learning rates, with no fp32
+    master copy (training/step.py `build_optimizer`)."""
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
