@@ -33,8 +33,7 @@ from rlpipe.models.device import model_device, synchronize
 from benchmarks.gpu_steps import rlpipe_steps, trl_steps
 from benchmarks.results import write_atomic
 
-SIDES = ("trl", "rlpipe", "rlpipe_compiled", "rlpipe_zero_copy")
-DEFAULT_SIDES = ("trl", "rlpipe", "rlpipe_compiled")  # rlpipe_zero_copy: `--sides` names it
+SIDES = ("trl", "rlpipe", "rlpipe_compiled")
 
 
 def vllm_installed() -> bool:
@@ -79,34 +78,26 @@ def summarise(side: dict, sync: dict[str, list[float]]) -> dict:
             "wake_s_median": statistics.median(later["wake_s"]) if later["wake_s"] else None}
 
 
-def rlpipe_side(args, checkpoint: Path, compile: bool, zero_copy: bool = False) -> dict:
-    """rlpipe's steps with its colocated vLLM engine. zero_copy: pure bf16 weights (so layouts
-    match), vLLM eager (its CUDA graphs would hold its own parameters' addresses) and
-    `engine.zero_copy`, with the count of tensors vLLM shares with the trainer."""
+def rlpipe_side(args, checkpoint: Path, compile: bool) -> dict:
+    """rlpipe's steps with its colocated vLLM engine."""
     from rlpipe.engines.vllm_engine import VllmEngine
     from rlpipe.models.loading import load_model
     from rlpipe.models.tokenizer import load_tokenizer
     from rlpipe.tasks.setup import place_model
 
     on_cuda = torch.cuda.is_available()
-    weights_dtype = "bfloat16" if zero_copy and on_cuda else "float32"
-    model = place_model(load_model(checkpoint), "cuda" if on_cuda else "cpu", weights_dtype, compile=compile)
+    model = place_model(load_model(checkpoint), "cuda" if on_cuda else "cpu", compile=compile)
     engine = VllmEngine(model, dtype="bfloat16" if on_cuda else "float32",
                         gpu_memory_utilization=args.vllm_memory, max_model_len=args.max_model_len,
-                        enforce_eager=not on_cuda or zero_copy, sleep_between_calls=True, zero_copy=zero_copy)
+                        enforce_eager=not on_cuda, sleep_between_calls=True)
     calls: list[dict] = []
     time_calls(engine, "_push_weights", model_device(model), calls)
     time_calls(engine._llm, "wake_up", model_device(model), calls)
     try:
         steps = rlpipe_steps(model, load_tokenizer(checkpoint), args, engine=engine)
-        shared = len(engine._rebound)
     finally:
         engine.close()
-    result = summarise(steps, sync_seconds(calls, "_push_weights"))
-    if zero_copy:
-        result["shared_tensors"] = shared
-        result["weights_dtype"] = weights_dtype
-    return result
+    return summarise(steps, sync_seconds(calls, "_push_weights"))
 
 
 def trl_side(args, checkpoint: Path, workdir: Path) -> dict:
@@ -189,8 +180,7 @@ def render_rl_vs_trl_vllm(r: dict) -> list[str]:
              "tensors into vLLM (load), and re-mapping vLLM's weight memory before it (wake).", "",
              "| side | s/step | tokens/s | weight load s | weight wake s | vs TRL |", "|---|---|---|---|---|---|"]
     names = {"trl": "TRL (`use_vllm`, colocate)", "rlpipe": "rlpipe (`engine.type = \"vllm\"`)",
-             "rlpipe_compiled": "rlpipe, `train.compile`",
-             "rlpipe_zero_copy": "rlpipe, `train.compile`, pure bf16, `engine.zero_copy` (vLLM eager)"}
+             "rlpipe_compiled": "rlpipe, `train.compile`"}
     for side, name in names.items():
         figures = r.get(side)
         if figures is None:
@@ -208,7 +198,7 @@ def render_rl_vs_trl_vllm(r: dict) -> list[str]:
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's share of GPU memory, both sides")
     parser.add_argument("--max-model-len", type=int, default=512, help="vLLM's longest prompt + completion")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES))
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--side-timeout-s", type=float, default=600)
 
 
@@ -231,8 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.side == "trl":
             result = trl_side(args, args.checkpoint, Path(workdir))
         else:
-            result = rlpipe_side(args, args.checkpoint, compile=args.side != "rlpipe",
-                                 zero_copy=args.side == "rlpipe_zero_copy")
+            result = rlpipe_side(args, args.checkpoint, compile=args.side != "rlpipe")
     write_atomic(args.out, json.dumps(result, indent=2))
 
 

@@ -120,8 +120,6 @@ ON_A_GPU = [
     'Both need only torch, transformers, vLLM and TRL in the GPU machine\'s Python (plus what a CUDA image carries: numpy, safetensors, tokenizers, pyarrow, peft, pytest); Prefect, MLflow, DuckDB, Polars and pydantic are never imported on that path (tests/unit/test_gpu_checks_path.py checks it with them blocked). Add `liger-kernel` for `train.fused = "liger"` (its test in tests/gpu skips, saying so, without it). Where FlashInfer is not installed the vLLM engine, and the TRL side of `rl_vs_trl_vllm` with it, sets `VLLM_USE_FLASHINFER_SAMPLER=0` itself.',
     '',
     'Each part runs in a process of its own and ends within its limit: train 900 s, engine 600 s, rl_vs_trl 1,200 s, rl_vs_trl_vllm 1,500 s (each vLLM side also within `--side-timeout-s`, 600 s), logprobs 600 s (`PART_LIMITS_S` in benchmarks/bench_gpu.py; `--part-timeout-s S` sets one limit for all). A part past its limit is killed with its process group and recorded as `{"error": "no result within N s"}`; the JSON is rewritten as each part ends, so a hung part costs its limit and nothing measured before it. `--profile` adds the train step\'s top kernels (eager and compiled).',
-    '',
-    'Where layouts match, `--parts rl_vs_trl_vllm --sides trl rlpipe rlpipe_zero_copy` adds rlpipe with `engine.zero_copy` (pure bf16 weights, vLLM eager): its weight load then copies only the tensors vLLM cannot share, and the JSON counts those it shares (`shared_tensors`).',
 ]
 
 

@@ -4,8 +4,9 @@ the finite-number check and the readable forms of errors and fields.
 The sections themselves live beside what they configure (training/config.py, rollouts/config.py,
 engines/config.py, envs/config.py, storage/config.py); tasks/config.py composes them into a run's
 `RunConfig`. A component whose frozen options are not its section itself gets them from
-`options_from`, the one function that copies fields by name (no hand copies), and a key that
-moved to another place is refused naming that place (`moved_key_errors`).
+`options_from`, the one function that copies fields by name (no hand copies), a key that
+moved to another place is refused naming that place (`moved_key_errors`), and a key that was
+removed is refused saying why (`removed_key_errors`).
 """
 
 from __future__ import annotations
@@ -259,3 +260,27 @@ def with_moved_keys(data: dict, moved: dict[str, str]) -> dict:
             target = target.setdefault(part, {})
         target[new_last] = value
     return data
+
+
+def removed_key_errors(data: Any, removed: dict[str, str]) -> list[str]:
+    """One line per key of the nested config dict `data` that `removed` (dotted key -> why it
+    went, in a few words) says no longer exists: `<key> was removed: <why>`."""
+    return [f"{key} was removed: {why}" for key, why in removed.items()
+            if key.rpartition(".")[2] in _parent_table(data, key)]
+
+
+def without_removed_keys(data: dict, removed: dict[str, str]) -> dict:
+    """A copy of the nested config dict `data` without the keys of `removed` (a stored run's
+    config.json, written while they existed, reads as today's config)."""
+    data = json.loads(json.dumps(data))
+    for key in removed:
+        _parent_table(data, key).pop(key.rpartition(".")[2], None)
+    return data
+
+
+def _parent_table(data: Any, dotted: str) -> dict:
+    """The table of `data` that holds the last part of `dotted` ({} where there is none)."""
+    node = data
+    for part in dotted.split(".")[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}

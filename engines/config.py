@@ -2,7 +2,8 @@
 and how often it receives the trainer's weights.
 
 Typed, documented, strict (core/config.py `Section`); tasks/config.py composes it into a run's
-`RunConfig`.
+`RunConfig`. A key that was removed is refused with why (`REMOVED`); a stored run's config.json
+that still holds it is read without it (tasks/config.py `read_run_config`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from rlpipe.core.config import Section
+
+# removed keys -> why, in a few words (core/config.py `removed_key_errors`)
+REMOVED: dict[str, str] = {
+    "engine.zero_copy": "vLLM sharing the trainer's tensors had to run without CUDA graphs (generation about 3x "
+                        "slower) to save memory no target needs; delete the line (docs/DESIGN.md, \"Why vLLM gets "
+                        "a copy of the weights\")",
+}
 
 
 class EngineConfig(Section):
@@ -64,12 +72,6 @@ class EngineConfig(Section):
     max_model_len: int = Field(0, ge=0)
     """vLLM engine: longest prompt + completion it plans its KV cache for; 0 = the model's
     max_position_embeddings (40,960 for Qwen3: lower it to leave memory to a smaller GPU)."""
-    zero_copy: bool = False
-    """vLLM engine on CUDA, colocated and synchronous: vLLM's parameters whose layout is the
-    trainer's become the trainer's tensors (no copy at a sync; the rest are still pushed). Layouts
-    match with model.weights_dtype = "bfloat16" (a float32 trainer under a bf16 engine matches
-    none). Ignored with LoRA, with rl.off_policy.max_steps > 0, with engine.cuda_graphs (vLLM's
-    graphs hold its own parameters' addresses) and on vLLM's CPU build (engines/vllm_engine.py). Off by default until a GPU run measures it."""
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -18,16 +18,8 @@ How it shares the GPU with training (colocated):
   and KV cache are released so the optimizer step has the memory. The next `generate` wakes the
   weights, loads the trainer's *current* weights into them, then wakes the KV cache
   (`wake_up(tags=...)`), so a sync after an optimizer step is free.
-- Zero-copy (`zero_copy=True`, `engine.zero_copy`): at the first push, each vLLM parameter whose
-  layout is the trainer's (same name, shape, strides, dtype, device) is pointed at the trainer's
-  tensor (`param.data = tensor`), its own memory freed; later pushes copy only the rest (vLLM's
-  fused qkv/gate-up and stacked expert tensors, a padded vocabulary, and everything when a
-  float32 trainer feeds a bf16 engine: weights_dtype = "bfloat16" is what makes layouts match).
-  The optimizer updates those tensors in place, so vLLM reads the current weights with no copy.
-  Only colocated and synchronous (sleep_between_calls, no LoRA: merged adapters are new tensors
-  at each push), eager (enforce_eager: CUDA graphs captured at build read vLLM's own addresses),
-  on CUDA (the CPU build repacks its linear weights); a checkpoint sync first gives
-  the rebound parameters their own copy back. Off by default until a GPU run measures it.
+- The push copies: vLLM keeps weights of its own, so the CUDA graphs it captured at build read
+  valid addresses (docs/DESIGN.md, "Why vLLM gets a copy of the weights").
 - Async RL (a producer thread generating while the trainer trains): `generate` and `sync` hold
   one lock, so a push never lands inside a generate, and the run builds the engine with
   `sleep_between_calls=False`: a push deferred to the next wake-up would read the trainer's
@@ -68,7 +60,6 @@ from rlpipe.engines.vllm_lifecycle import (
     use_sampler_without_flashinfer,
     vllm_unavailable_reason,
     write_vllm_config,
-    zero_copy_applies,
 )
 from rlpipe.engines.vllm_weights import (
     check_pushable_moe_backends,
@@ -77,9 +68,7 @@ from rlpipe.engines.vllm_weights import (
     load_weights_on_worker,
     moe_backend_kwargs,
     moe_backends_on_worker,
-    rebind_weights_on_worker,
     trainer_weights,
-    unbind_weights_on_worker,
     vllm_on_cpu,
 )
 from torch import nn
@@ -108,7 +97,6 @@ class VllmEngine:
         sleep_between_calls: bool = True,
         policy_version: int = 0,
         seed: int = 0,
-        zero_copy: bool = False,
     ) -> None:
         use_sampler_without_flashinfer()  # before vLLM is imported
         reason = vllm_unavailable_reason()
@@ -125,9 +113,6 @@ class VllmEngine:
         self.model = model
         # vLLM's sleep mode lives in its CUDA allocator; on its CPU build nothing is released
         self.sleep_between_calls = sleep_between_calls and not on_cpu
-        self.zero_copy = zero_copy_applies(zero_copy, on_cpu=on_cpu, sleep_between_calls=sleep_between_calls,
-                                           enforce_eager=enforce_eager, model=model)
-        self._rebound: list[str] = []  # vLLM parameters that are the trainer's tensors (zero_copy)
         self._policy_version = policy_version
         self._asleep = False
         self._closed = False
@@ -204,7 +189,6 @@ class VllmEngine:
                 # read here and pushed like the trainer's tensors: vLLM's own reload from disk
                 # needs a load-format switch and a model_config update that breaks in vLLM 0.32
                 self.wake_up(push=False)
-                self._unbind()  # the checkpoint must not be written into the trainer's tensors
                 self._push(checkpoint_weights(Path(checkpoint_path)))
             self._policy_version = policy_version
 
@@ -251,21 +235,7 @@ class VllmEngine:
                         "this process will fail to load its weights", left)
 
     def _push_weights(self) -> None:
-        weights = trainer_weights(self.model)
-        if self.zero_copy:
-            if not self._rebound:
-                self._rebound = [name for names in self._llm.collective_rpc(rebind_weights_on_worker, args=(weights,))
-                                 for name in names]
-                logging.getLogger(__name__).info("vLLM shares %d of %d weight tensors with the trainer; "
-                                                 "the rest are copied at each push", len(self._rebound), len(weights))
-            shared = set(self._rebound)
-            weights = [(name, tensor) for name, tensor in weights if name not in shared]
-        self._push(weights)
-
-    def _unbind(self) -> None:
-        if self._rebound:
-            self._llm.collective_rpc(unbind_weights_on_worker, args=(self._rebound,))
-            self._rebound = []
+        self._push(trainer_weights(self.model))
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._llm.collective_rpc(load_weights_on_worker, args=(weights,))

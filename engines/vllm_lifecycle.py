@@ -1,8 +1,8 @@
 """What surrounds the in-process vLLM of the `vllm` engine (engines/vllm_engine.py), apart from
 its weights (engines/vllm_weights.py): whether one can be built here, what vLLM reads when it is
 built (the FlashInfer sampler switch, a portable config.json, its logging level, without the
-warnings expected of an engine fed token ids), whether zero-copy applies, and what frees vLLM at
-close (its engine core, its sleep-mode memory pool).
+warnings expected of an engine fed token ids), and what frees vLLM at close (its engine core,
+its sleep-mode memory pool).
 
 vLLM itself is imported only inside these functions, never at module import.
 """
@@ -120,16 +120,6 @@ def quiet_vllm_logging() -> None:
 def _keep_vllm_record(record: logging.LogRecord) -> bool:
     expected = _EXPECTED_VLLM_WARNINGS.get(record.name, ())
     return not (expected and record.getMessage().startswith(expected))
-
-
-def zero_copy_applies(asked: bool, *, on_cpu: bool, sleep_between_calls: bool, enforce_eager: bool,
-                      model: nn.Module) -> bool:
-    """Whether a VllmEngine asked for zero_copy shares tensors (engines/vllm_engine.py's
-    docstring): on CUDA, colocated and synchronous (sleep_between_calls), eager (CUDA graphs
-    captured at build hold the addresses of vLLM's own parameters), without LoRA adapters."""
-    from rlpipe.training.lora import has_lora
-
-    return asked and not on_cpu and sleep_between_calls and enforce_eager and not has_lora(model)
 
 
 def shutdown_llm(llm: Any, asleep: bool) -> None:

@@ -1,8 +1,7 @@
 """How tensors get into vLLM for the `vllm` engine (engines/vllm_engine.py): the trainer's or a
 checkpoint's weights under the Hugging Face names, the worker-side copy (in place on CUDA, the
-runner's reload on vLLM's CPU build, whose MoE experts are then repacked), the zero-copy rebind
-of the parameters whose layout is the trainer's, and the MoE kernel choice that keeps pushed
-expert tensors readable.
+runner's reload on vLLM's CPU build, whose MoE experts are then repacked), and the MoE kernel
+choice that keeps pushed expert tensors readable.
 
 Functions whose names end in `_on_worker` run inside vLLM's worker (`LLM.collective_rpc`).
 """
@@ -145,43 +144,3 @@ def checkpoint_weights(path: Path) -> list[tuple[str, torch.Tensor]]:
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return list(weights.items())
-
-
-
-def same_layout(param: torch.Tensor, tensor: torch.Tensor) -> bool:
-    """Whether vLLM's `param` can be the trainer's `tensor` itself: same shape, strides, dtype
-    and device. vLLM's fused parameters (qkv_proj, gate_up_proj, stacked experts) and padded
-    vocabularies differ in shape, and a float32 trainer under a bf16 engine in dtype: those
-    keep their own memory and are copied at each push."""
-    return (param.shape == tensor.shape and param.stride() == tensor.stride()
-            and param.dtype == tensor.dtype and param.device == tensor.device)
-
-
-def rebind_parameters(model: nn.Module, weights: list[tuple[str, torch.Tensor]],
-                      only: set[str] | None = None) -> list[str]:
-    """Point each parameter of `model` (vLLM's) named like a trainer tensor of the same layout at
-    that tensor (`param.data = tensor`: no copy, its own memory freed), restricted to the names
-    in `only` if given; returns the names rebound, in `weights` order."""
-    params = dict(model.named_parameters())
-    rebound = []
-    for name, tensor in weights:
-        param = params.get(name)
-        if param is not None and (only is None or name in only) and same_layout(param, tensor):
-            param.data = tensor
-            rebound.append(name)
-    return rebound
-
-
-def rebind_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]],
-                             only: set[str] | None = None) -> list[str]:
-    """Runs inside vLLM's worker: `rebind_parameters` on its model (see there)."""
-    return rebind_parameters(worker.model_runner.get_model(), weights, only)
-
-
-def unbind_weights_on_worker(worker: Any, names: list[str]) -> None:
-    """Runs inside vLLM's worker: give the named parameters memory of their own again (a copy of
-    the trainer's values), before a checkpoint's weights are loaded into them: loading into a
-    rebound parameter would write into the trainer's tensors."""
-    params = dict(worker.model_runner.get_model().named_parameters())
-    for name in names:
-        params[name].data = params[name].data.clone()

@@ -145,8 +145,7 @@ def make_engines(config, model) -> list[Engine]:
                            gpu_memory_utilization=config.engine.gpu_memory_utilization,
                            max_model_len=config.engine.max_model_len or None,
                            enforce_eager=not config.engine.cuda_graphs,
-                           sleep_between_calls=config.rl.off_policy.max_steps == 0,
-                           zero_copy=config.engine.zero_copy)]
+                           sleep_between_calls=config.rl.off_policy.max_steps == 0)]
     if config.rl.off_policy.max_steps > 0 and config.engine.producer == "process":
         from rlpipe.engines.process_engine import ProcessEngine
 

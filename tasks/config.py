@@ -6,8 +6,8 @@ written to `<run_dir>/config.json` and logged to MLflow as params.
 
 Each `[section]` lives beside what it configures (training/config.py, rollouts/config.py,
 engines/config.py, envs/config.py, storage/config.py) and checks its own keys; a key that moved is
-refused with its new place, and a stored run's config.json is read with its moved keys in place
-(`read_run_config`); `RunConfig` composes them and holds
+refused with its new place, one that was removed with why, and a stored run's config.json is read
+with its moved keys in place and its removed keys dropped (`read_run_config`); `RunConfig` composes them and holds
 the checks that span sections. What sections share is core/config.py.
 """
 
@@ -27,9 +27,11 @@ from rlpipe.core.config import (
     moved_key_errors,
     non_finite_keys,
     non_utf8_keys,
+    removed_key_errors,
     with_moved_keys,
+    without_removed_keys,
 )
-from rlpipe.engines.config import EngineConfig
+from rlpipe.engines.config import REMOVED, EngineConfig
 from rlpipe.envs.config import TaskConfig
 from rlpipe.rollouts.config import MOVED, RLConfig
 from rlpipe.storage.config import TrackingConfig
@@ -150,6 +152,9 @@ def validate_config(data: dict, source: str = "") -> RunConfig:
     if moved:  # one line: the first moved key and where it goes now
         raise ConfigError(f"invalid config {source}".rstrip() + f": {moved[0]}"
                           + (f" (and {len(moved) - 1} more moved key(s) of [rl])" if len(moved) > 1 else ""))
+    removed = removed_key_errors(data, REMOVED)
+    if removed:  # one line: the key and why it went
+        raise ConfigError(f"invalid config {source}".rstrip() + f": {removed[0]}")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
@@ -180,11 +185,12 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
 
 def read_run_config(data: dict, source: str = "") -> RunConfig:
     """The `RunConfig` of a run's stored config.json: written by an earlier version, its moved
-    keys are read at their new place (a run resumes, replays and rescores as it was meant)."""
-    return validate_config(with_moved_keys(data, MOVED), source)
+    keys are read at their new place and its removed keys dropped (a run resumes, replays and
+    rescores as it was meant)."""
+    return validate_config(stored_config_data(data), source)
 
 
 def stored_config_data(data: dict) -> dict:
-    """A stored config.json's dict with its moved keys at their new place (to compare with a
-    config of today's layout)."""
-    return with_moved_keys(data, MOVED)
+    """A stored config.json's dict with its moved keys at their new place and its removed keys
+    dropped (to compare with a config of today's layout)."""
+    return without_removed_keys(with_moved_keys(data, MOVED), REMOVED)

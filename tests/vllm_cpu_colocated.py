@@ -14,7 +14,6 @@ import torch
 from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.vllm_engine import VllmEngine
 from rlpipe.engines.vllm_lifecycle import vllm_unavailable_reason
-from rlpipe.engines.vllm_weights import rebind_weights_on_worker, trainer_weights
 from rlpipe.models.loading import load_model
 from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
@@ -74,7 +73,6 @@ def main() -> None:
         result["gap_to_trainer_after_disk_sync"] = gap(model, prompts[0], after, 1.0)
     result["policy_version"] = engine.policy_version
     result.update(close_and_rebuild(engine, model, prompts[0], greedy))
-    result.update(zero_copy_norms(tok, prompts[0], greedy))
     result.update(moe_gaps(tok, prompts[0], greedy))
     print(json.dumps(result))
 
@@ -95,31 +93,6 @@ def close_and_rebuild(engine: VllmEngine, model, prompt: list[int], greedy: Samp
     rebuilt = VllmEngine(model, dtype="float32", max_model_len=256)
     result["rebuilt_gap"] = gap(model, prompt, rebuilt.generate([prompt], greedy)[0][0], 1.0)
     rebuilt.close()
-    return result
-
-
-def zero_copy_norms(tok, prompt: list[int], greedy: SamplingParams) -> dict:
-    """vLLM's parameters rebound to the trainer's tensors (VllmEngine zero_copy's mechanism; the
-    engine uses it on CUDA only, where linear weights are read as stored: the CPU build repacks
-    them, so here only the RMSNorm weights are shared). An in-place change of the trainer's norms,
-    with no sync, is what vLLM samples from next."""
-    import copy
-
-    model = build_model("tiny-dense", vocab_size=len(tok), seed=5).eval()
-    before = copy.deepcopy(model)
-    engine = VllmEngine(model, dtype="float32", max_model_len=256)
-    weights = trainer_weights(model)
-    norms = {name for name, _ in weights if name.endswith("norm.weight")}
-    (rebound,) = engine._llm.collective_rpc(rebind_weights_on_worker, args=(weights, norms))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name in norms:
-                param.mul_(torch.linspace(0.2, 1.8, param.numel()).reshape(param.shape))
-    after = engine.generate([prompt], greedy)[0][0]
-    result = {"zero_copy_rebound": sorted(rebound), "zero_copy_norms": sorted(norms),
-              "zero_copy_gap": gap(model, prompt, after, 1.0),
-              "zero_copy_gap_to_unchanged": gap(before, prompt, after, 1.0)}
-    engine.close()
     return result
 
 

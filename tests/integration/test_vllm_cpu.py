@@ -144,10 +144,6 @@ def test_colocated_vllm_engine_follows_the_trainer_and_checkpoints(tmp_path):
     assert measured["closed_llm_collected"] and measured["generate_after_close"] == "VllmEngine is closed"
     assert measured["rebuilt_gap"] < TOLERANCE
     assert measured["flashinfer_sampler"] == "0"  # no FlashInfer in the CPU build: vLLM's other sampler
-    # zero-copy: vLLM's norm weights are the trainer's tensors; the trainer changes them in place,
-    # with no sync, and vLLM's log-probs are the changed model's, not the unchanged one's
-    assert measured["zero_copy_rebound"] == measured["zero_copy_norms"] and measured["zero_copy_norms"]
-    assert measured["zero_copy_gap"] < TOLERANCE and measured["zero_copy_gap_to_unchanged"] > 0.01
     # MoE: vLLM 0.32's CPU build left reloaded experts unpacked for its kernel (gap 0.05 before)
     assert measured["moe_gap"] < TOLERANCE and measured["moe_gap_after_push"] < TOLERANCE
     # the layer walk behind the build's expert-layout check finds every MoE layer of real vLLM

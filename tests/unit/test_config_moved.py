@@ -1,6 +1,7 @@
 """The keys of the flat `[rl]` of earlier versions: refused in a config with their new place in
 one line (`rlpipe run` exits before it writes anything), read at their new place from a stored
-run's config.json; and `options_from`, which fills a component's options from its sections."""
+run's config.json; a removed key refused in one line saying why, dropped from a stored
+config.json; and `options_from`, which fills a component's options from its sections."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 from rlpipe.core.config import ConfigError, options_from
+from rlpipe.engines.config import REMOVED
 from rlpipe.rollouts.config import MOVED
-from rlpipe.tasks.config import read_run_config, stored_config_data, validate_config
+from rlpipe.tasks.config import load_config, read_run_config, stored_config_data, validate_config
 from rlpipe.training.config import LossConfig
 from rlpipe.training.rl_loss import RLLossOptions
 
@@ -151,6 +153,32 @@ def test_a_stored_config_with_the_old_keys_reads_as_the_new_layout():
     # a config.json of today's layout reads as itself
     dumped = new.model_dump(mode="json")
     assert read_run_config(dumped) == new and stored_config_data(dumped) == dumped
+
+
+def test_a_removed_key_is_refused_in_one_line_saying_why_and_a_stored_config_reads_without_it(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        validate_config({"engine": {"type": "vllm", "zero_copy": True}}, "c.toml")
+    message = str(error.value)
+    assert "\n" not in message, message
+    assert message.startswith("invalid config c.toml: engine.zero_copy was removed: "), message
+    assert "CUDA graphs" in message and "delete the line" in message
+    # the doc section the line names exists
+    section = message.split('docs/DESIGN.md, "')[1].split('"')[0]
+    assert f"### {section}\n" in (ROOT / "docs" / "DESIGN.md").read_text()
+    # given by --set, the same line, said against the override
+    path = tmp_path / "c.toml"
+    path.write_text('[engine]\ntype = "vllm"\n')
+    with pytest.raises(ConfigError, match=r"^invalid config \(--set engine\.zero_copy=false\): "
+                                          r"engine\.zero_copy was removed: "):
+        load_config(path, ["engine.zero_copy=false"])
+    # a run's config.json written while the key existed (every field dumped) reads as today's config
+    today = validate_config({"flow": "rl", "run_name": "r", "engine": {"type": "vllm"}})
+    stored = today.model_dump(mode="json")
+    stored["engine"]["zero_copy"] = False
+    assert read_run_config(stored) == today
+    assert stored_config_data(stored) == today.model_dump(mode="json")
+    assert stored["engine"]["zero_copy"] is False  # read from a copy
+    assert set(REMOVED) == {"engine.zero_copy"} and "zero_copy" not in type(today.engine).model_fields
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,18 +46,17 @@ def test_config_keys_reach_the_vllm_engine(monkeypatch):
     model = build_model("tiny-dense", vocab_size=len(build_tokenizer()))
     config = RunConfig.model_validate(
         {"device": "cpu", "engine": {"type": "vllm", "gpu_memory_utilization": 0.55, "max_model_len": 2048,
-                                     "cuda_graphs": True, "zero_copy": True}})
+                                     "cuda_graphs": True}})
     make_engines(config, model)
     make_engines(RunConfig.model_validate({"device": "cpu", "engine": {"type": "vllm"}}), model)
     # async RL: vLLM stays awake (a wake-up would push the trainer's tensors mid-step)
     make_engines(RunConfig.model_validate(
         {"device": "cpu", "engine": {"type": "vllm"}, "rl": {"off_policy": {"max_steps": 1}}}), model)
     # a CPU model samples in its own float32; on CUDA with bf16 autocast it is "bfloat16"
-    common = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "enforce_eager": True,
-              "zero_copy": False}
+    common = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_model_len": None, "enforce_eager": True}
     assert built == [
         {**common, "gpu_memory_utilization": 0.55, "max_model_len": 2048, "enforce_eager": False,
-         "sleep_between_calls": True, "zero_copy": True},
+         "sleep_between_calls": True},
         {**common, "sleep_between_calls": True},
         {**common, "sleep_between_calls": False},
     ]
@@ -241,9 +240,9 @@ def test_the_vllm_engine_sets_the_sampler_before_vllm_is_imported():
     assert out.stdout.strip() == "0"
 
 
-# zero-copy weight sharing (engines/vllm_weights.py rebind_parameters, VllmEngine(zero_copy=True)),
-# with a stand-in for vLLM's worker: its model is a copy of the trainer's in which one projection
-# has another shape (as vLLM's fused qkv_proj) and the lm_head another dtype (a bf16 engine)
+# the weight push, with a stand-in for vLLM's worker: its model is a copy of the trainer's in which
+# one projection has another shape (as vLLM's fused qkv_proj) and the lm_head another dtype (a bf16
+# engine)
 
 
 def _vllm_side(model):
@@ -268,40 +267,7 @@ def _vllm_side(model):
     return vllm_model, worker, loaded
 
 
-def test_parameters_of_the_trainers_layout_become_its_tensors():
-    from rlpipe.engines.vllm_weights import rebind_parameters, trainer_weights
-
-    model = build_model("tiny-dense", vocab_size=40, seed=0, tie_word_embeddings=False)
-    vllm_model, _, _ = _vllm_side(model)
-    weights = trainer_weights(model)
-    rebound = rebind_parameters(vllm_model, weights)
-    differing = {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight"}
-    assert set(rebound) == {name for name, _ in weights} - differing
-    ours, theirs = dict(model.named_parameters()), dict(vllm_model.named_parameters())
-    for name in rebound:
-        assert theirs[name].data_ptr() == ours[name].data_ptr() and isinstance(theirs[name], torch.nn.Parameter)
-    for name in differing:
-        assert theirs[name].data_ptr() != ours[name].data_ptr()
-    with torch.no_grad():  # an optimizer step writes the trainer's tensors in place: vLLM reads it
-        ours["model.norm.weight"].add_(1.0)
-    assert torch.equal(theirs["model.norm.weight"], ours["model.norm.weight"])
-
-
-def test_zero_copy_applies_only_to_a_synchronous_eager_cuda_engine_without_lora():
-    from rlpipe.engines.vllm_lifecycle import zero_copy_applies
-    from rlpipe.training.lora import LoraOptions, add_lora
-
-    model = build_model("tiny-dense", vocab_size=40, seed=0)
-    ok = {"on_cpu": False, "sleep_between_calls": True, "enforce_eager": True, "model": model}
-    assert zero_copy_applies(True, **ok)
-    assert not zero_copy_applies(False, **ok)
-    for key, value in (("on_cpu", True), ("sleep_between_calls", False), ("enforce_eager", False)):
-        assert not zero_copy_applies(True, **{**ok, key: value}), key
-    adapted = add_lora(build_model("tiny-dense", vocab_size=40, seed=0), LoraOptions(rank=2, alpha=4.0))
-    assert not zero_copy_applies(True, **{**ok, "model": adapted})
-
-
-def test_a_zero_copy_engine_pushes_the_rest_and_a_checkpoint_never_lands_in_the_trainer(monkeypatch, tmp_path):
+def test_the_engine_pushes_every_weight_and_a_checkpoint_never_lands_in_the_trainer(monkeypatch, tmp_path):
     import threading
     import types
 
@@ -313,15 +279,21 @@ def test_a_zero_copy_engine_pushes_the_rest_and_a_checkpoint_never_lands_in_the_
     monkeypatch.setattr(vllm_engine, "load_weights_on_worker",
                         lambda w, weights: w.model_runner.get_model().load_weights(iter(weights)))
     engine = object.__new__(VllmEngine)  # its state without starting vLLM
-    engine.model, engine.zero_copy, engine._rebound, engine._asleep, engine._closed = model, True, [], False, False
+    engine.model, engine._asleep, engine._closed = model, False, False
     engine._lock, engine._policy_version = threading.Lock(), 0
     engine._llm = types.SimpleNamespace(collective_rpc=lambda fn, args=(): [fn(worker, *args)],
                                         reset_prefix_cache=lambda: None)
+    names = [name for name, _ in model.named_parameters()]
     engine._push_weights()
-    assert loaded == ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]  # the rest is shared
+    assert loaded == names  # every tensor is copied: vLLM keeps weights of its own
+    ours, theirs = dict(model.named_parameters()), dict(vllm_model.named_parameters())
+    assert all(theirs[n].data_ptr() != ours[n].data_ptr() for n in names)
+    with torch.no_grad():  # an optimizer step in place: vLLM sees it at the next push only
+        ours["model.norm.weight"].add_(1.0)
+    assert not torch.equal(theirs["model.norm.weight"], ours["model.norm.weight"])
     loaded.clear()
     engine._push_weights()
-    assert loaded == ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+    assert loaded == names and torch.equal(theirs["model.norm.weight"], ours["model.norm.weight"])
 
     model.save_pretrained(tmp_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -334,4 +306,4 @@ def test_a_zero_copy_engine_pushes_the_rest_and_a_checkpoint_never_lands_in_the_
         assert torch.equal(dict(model.named_parameters())[name], value), name
     theirs = dict(vllm_model.named_parameters())
     assert torch.equal(theirs["model.norm.weight"], checkpoint["model.norm.weight"])  # ...vLLM serves the file's
-    assert engine._rebound == [] and theirs["model.norm.weight"].data_ptr() != model.model.norm.weight.data_ptr()
+    assert theirs["model.norm.weight"].data_ptr() != model.model.norm.weight.data_ptr()
