@@ -9,8 +9,8 @@ and recorded as such, and the next one starts on a GPU no earlier part holds mem
 - train: the compiled qwen3-0.6b train step (32,768 tokens, 2 micro-batches) for {chunked, fused
   head} x {fp32 master weights with bf16 autocast, bf16 weights}: s/step, MFU, peak memory;
 - memory: one full-parameter train step (8,192 tokens) of the qwen3-0.6b, 1.7b, 4b and 8b shapes
-  under the memory-lean options (bf16 weights and AdamW state, activation checkpointing, fused
-  head): its peak, and what the trainer holds between steps, which is all a colocated vLLM, asleep
+  under the memory-lean options (bf16 weights and AdamW state, stochastically rounded where
+  torchao is installed, activation checkpointing, fused head): its peak, and what the trainer holds between steps, which is all a colocated vLLM, asleep
   while the trainer steps, has to share the GPU with while it generates;
 - rl_vllm: one RL step of rlpipe and of TRL's GRPOTrainer, each with vLLM colocated (3 steps, the
   first left out; benchmarks/gpu_vllm.py), where vLLM and TRL are installed;
@@ -132,12 +132,15 @@ def lean_step_memory(preset: str, tokens: int = 8_192, sequences: int = 8) -> di
     """Peak and between-step GiB of one full-parameter step of `preset` under the lean options."""
     from benchmarks.bench_gpu import rl_like_sequences
 
+    import importlib.util
+
     head = heads_available()[-1]
+    kind = "adamw_bf16_sr" if importlib.util.find_spec("torchao") else "adamw"  # the same state size
     with torch.device("cuda"):  # initialised on the GPU: an 8B model's fp32 init on the CPU takes minutes
         model = build_model(preset, VOCAB, dtype=torch.bfloat16, seed=0, pad_token_id=0, eos_token_id=1)
     place_model(model, "cuda", "bfloat16", activation_checkpointing=True)
     _free_gpu()  # the fp32 initialisation's transient is not the step's
-    optimizer = build_optimizer(model, lr=1e-6)
+    optimizer = build_optimizer(model, lr=1e-6, kind=kind)
     length = tokens // sequences
     batches = pack(rl_like_sequences(sequences, VOCAB, seed=1, low=length, high=length), tokens)
     forward_backward(model, batches, nll_loss, StepOptions(autocast=True, head=head))
@@ -145,7 +148,7 @@ def lean_step_memory(preset: str, tokens: int = 8_192, sequences: int = 8) -> di
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() / 2**30  # weights + AdamW state: what stays while vLLM generates
     parameters = sum(p.numel() for p in model.parameters())
-    return {"preset": preset, "parameters": parameters, "head": head, "tokens": tokens,
+    return {"preset": preset, "parameters": parameters, "head": head, "optimizer": kind, "tokens": tokens,
             "train_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "held_between_steps_gib": held,
             "vllm_weights_gib": parameters * 2 / 2**30}
 

@@ -5,6 +5,7 @@ dataset downloads on a machine with a network, and reads the cache only under HF
 
 from __future__ import annotations
 
+import logging
 import os
 
 
@@ -18,6 +19,9 @@ def quiet_defaults() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # one INFO line per task run would drown the phase progress bars; the Prefect UI keeps them
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # torchao (the `lean` extra), imported by transformers whenever installed, warns for each of
+    # its CUDA kernel libraries a CPU-only torch cannot load; rlpipe uses its Python optimizers only
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would drown the phase bars

@@ -4,6 +4,7 @@ it cannot run is refused in one line before the run writes anything."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from pathlib import Path
 
@@ -64,12 +65,19 @@ def test_stochastic_rounding_refuses_fp32_weights_and_unknown_kinds_in_one_line(
         build_optimizer(model, lr=1e-3, kind="sgd")
 
 
-def test_a_config_asking_for_it_with_fp32_weights_is_refused_before_the_run(tmp_path):
+def test_a_config_asking_for_it_where_it_cannot_run_is_refused_before_the_run(tmp_path, monkeypatch):
     from rlpipe.flows.common import resolve_config
 
+    find_spec = importlib.util.find_spec
     with pytest.raises(ConfigError, match=r"^rl\.optim\.optimizer: 'adamw_bf16_sr' rounds bf16 weights and "
                                           r"model\.weights_dtype is 'float32'"):
         resolve_config(str(ROOT / "configs" / "tiny.toml"), [f"runs_root={tmp_path}", "flow=rl",
                                                              "rl.optim.optimizer=adamw_bf16_sr"], None)
+    with pytest.raises(ConfigError, match=r"^rl\.optim\.optimizer: 'adamw_bf16_sr' needs torchao, which is not installed"):
+        with monkeypatch.context() as patched:
+            patched.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+            resolve_config(str(ROOT / "configs" / "tiny.toml"), [f"runs_root={tmp_path}", "flow=rl",
+                                                                 "model.weights_dtype=bfloat16",
+                                                                 "rl.optim.optimizer=adamw_bf16_sr"], None)
     with pytest.raises(ConfigError, match=r"optim\.optimizer"):
         resolve_config(str(ROOT / "configs" / "tiny.toml"), [f"runs_root={tmp_path}", "rl.optim.optimizer=sgd"], None)
