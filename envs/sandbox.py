@@ -8,12 +8,14 @@ What the code sees (bubblewrap, `bwrap`, the OS package; `make setup` installs i
 - a fresh, empty, writable scratch folder (`/scratch`, a size-capped tmpfs, its working folder and
   HOME) and a private `/tmp` of the same size; the program itself read-only at `/sandbox/main.py`
   (copied in from a memory file, so no host folder is named anywhere); `/` and `/dev` read-only;
-- read-only `/usr` (and `/bin`, `/lib*` as the host has them) and the interpreter's own prefix,
-  nothing else of the host: no home, no run folders, no `/etc`, no `/work`. No host path shows
+- read-only, what the interpreter needs to run and nothing else of the host (envs/sandbox_files.py):
+  its executable, its standard library (site-packages in it covered, empty) and the shared
+  libraries they link; no installed package, no venv, no checkout, no other file of `/usr`, no
+  home, no run folders, no `/etc`, no `/work`. No host path shows
   in /proc either: bubblewrap reads its options from a descriptor (`--args`), so
-  `/proc/1/cmdline` is `bwrap --args N` and the interpreter's command, and stdin is a memory file. The interpreter's prefix is
-  the one host path the program can learn (it is mounted at its own path, as its compiled-in paths
-  need);
+  `/proc/1/cmdline` is `bwrap --args N` and the interpreter's command, and stdin is a memory file. The interpreter's folders are
+  the host paths the program can learn (they are mounted at their own paths, as its compiled-in
+  paths need);
 - no network (a network namespace of its own with nothing in it, so not even the host's
   127.0.0.1), its own pid, IPC and UTS namespaces, an empty environment, a new session (no
   terminal to write to), and it dies with its parent;
@@ -85,6 +87,7 @@ from rlpipe.envs.sandbox_cgroup import (
     _RunCgroup,
     memory_cgroup,
 )
+from rlpipe.envs.sandbox_files import InterpreterUnreadable, interpreter_mounts
 
 NOBODY = "nobody"
 _UNISOLATED = '(allow_unisolated=True; the code environment: sandbox = "auto")'
@@ -213,6 +216,10 @@ def _isolation_problem(python: str) -> str | None:
         return f"the code sandbox cannot filter system calls here ({program}): allow unisolated runs {_UNISOLATED}"
     if (cgroup := _cgroup_problem()) is not None:
         return cgroup
+    try:
+        interpreter_mounts(python)
+    except InterpreterUnreadable as error:
+        return f"the code sandbox cannot list what {python} needs ({error}): allow unisolated runs {_UNISOLATED}"
     try:
         result = _run("import sys; sys.stdout.write('ok')", python, bwrap,
                       timeout_s=30, memory_mb=512, limits=SandboxLimits(), stdin="")

@@ -491,7 +491,7 @@ def test_as_an_unprivileged_user_the_user_namespace_sandbox_holds_the_same(tmp_p
         package.mkdir(parents=True)
         for name in ("rlpipe/__init__.py", "rlpipe/envs/__init__.py"):
             (shared / name).write_text("")
-        for name in ("sandbox.py", "sandbox_bwrap.py", "sandbox_cgroup.py", "seccomp.py"):
+        for name in ("sandbox.py", "sandbox_bwrap.py", "sandbox_cgroup.py", "sandbox_files.py", "seccomp.py"):
             shutil.copy(ROOT / "envs" / name, package / name)
         (shared / "probe.py").write_text(_kernel_probe())
         for path in [shared, *shared.rglob("*")]:
