@@ -202,6 +202,8 @@ def tool_reply(result: SandboxResult, max_chars: int) -> str:
     """What the model sees of a `run_python` call: output, then how the run ended."""
     if result.timed_out:
         status = "timed out"
+    elif result.over_memory:
+        status = "killed: over its memory limit"
     elif result.output_truncated:
         status = "output cut at the limit"
     else:

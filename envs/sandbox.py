@@ -86,6 +86,7 @@ from rlpipe.envs.sandbox_cgroup import (
     _cgroup_problem,
     _RunCgroup,
     memory_cgroup,
+    why_no_memory_cgroup,
 )
 from rlpipe.envs.sandbox_files import InterpreterUnreadable, interpreter_mounts
 
@@ -172,6 +173,9 @@ class SandboxResult:
     output_truncated: stdout + stderr passed SandboxLimits.output_bytes, which ended it
     isolated:         it ran under bubblewrap (False only with allow_unisolated)
     memory_cgroup:    its memory was bounded by a cgroup of its own (see the module docstring)
+    over_memory:      that cgroup's memory limit killed it (the kernel's count, memory.events);
+                      without a cgroup an allocation past `memory_mb` is refused to the process
+                      instead (ENOMEM; MemoryError in Python), which is the program's own outcome
     """
 
     stdout: str
@@ -181,6 +185,7 @@ class SandboxResult:
     output_truncated: bool = False
     isolated: bool = True
     memory_cgroup: bool = False
+    over_memory: bool = False
 
 
 def interpreter() -> str:
@@ -265,7 +270,7 @@ def memory_bound(limits: SandboxLimits | None = None, memory_mb: int = 256) -> s
     if folder is not None:
         return (f"cgroup v2 under {folder}: {memory_mb + 2 * limits.scratch_mb} MiB for everything a run holds "
                 "(memory_mb + 2 x scratch_mb), no swap")
-    return (f"no cgroup v2 memory controller to use (fallback): at most {limits.processes} processes of "
+    return (f"no cgroup v2 memory controller to use ({why_no_memory_cgroup()}), so the fallback: at most {limits.processes} processes of "
             f"{memory_mb} MiB address space each, 2 x {limits.scratch_mb} MiB of tmpfs files, no memfd or "
             f"shared memory, {OPEN_FILES} open files a process")
 
@@ -313,7 +318,8 @@ def _run(source: str, python: str, bwrap: str | None, *, timeout_s: float, memor
             _kill(proc)
             proc.wait()
             raise
-        return dataclasses.replace(result, memory_cgroup=cgroup is not None)
+        return dataclasses.replace(result, memory_cgroup=cgroup is not None,
+                                   over_memory=cgroup is not None and cgroup.over_memory())
 
 
 @contextlib.contextmanager
