@@ -15,9 +15,9 @@ partial character as its replacement character). Stop strings are searched in fi
 each time it grows and once more at `close`, so a replacement character that a later byte would
 have completed never matches, and one the completed text keeps matches the same whether the text
 arrives token by token or at once. The hit is the stop string completed first (the smallest end;
-at equal ends the earliest start). The tokens kept are the fewest whose decoding begins with the
-text through the stop string's end (an exact prefix, not a character count: a partial character
-decodes to a replacement character of another length).
+at equal ends the earliest start). The tokens kept are those taken until the hit, through the one
+whose arrival made the stop string's text final (as vLLM keeps the token that triggered its stop):
+a stream has sent exactly these token ids when it ends.
 
 engines/openai_output.py `finish` feeds a whole completion through a cutter, and
 engines/streaming.py `ChoiceStream` feeds one token at a time and sends only final text that no
@@ -87,18 +87,4 @@ class StopCutter:
             return None
         at, stop = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
         end = at + len(stop)
-        keep = tokens_covering(self.tokens, self.text[:end], self.tokenizer, self.skip)
-        return StopHit(stop, at, self.text[:end] if self.include_stop else self.text[:at], keep)
-
-
-def tokens_covering(tokens: list[int], text: str, tokenizer: Any, skip: bool) -> int:
-    """The fewest leading tokens whose decoding begins with `text` (binary search; all of them
-    when none does, so the answer always covers `text`)."""
-    low, high = 0, len(tokens)
-    while low < high:
-        mid = (low + high) // 2
-        if tokenizer.decode(tokens[:mid], skip_special_tokens=skip).startswith(text):
-            high = mid
-        else:
-            low = mid + 1
-    return high
+        return StopHit(stop, at, self.text[:end] if self.include_stop else self.text[:at], len(self.tokens))

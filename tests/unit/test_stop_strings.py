@@ -74,14 +74,17 @@ def _hostile_ids(rng: random.Random, tok, byte_ids: dict[int, int]) -> list[int]
 
 def _oracle(tok, ids: list[int], stops: tuple[str, ...], skip: bool, include: bool):
     """The whole decoded text cut at the stop string that ends first (then starts first); the
-    fewest tokens whose decoding begins with the text through it, found one by one."""
+    tokens through the first whose decoded prefix holds the text through it and does not end in
+    a partial character (or all of them), found one by one."""
     text = tok.decode(ids, skip_special_tokens=skip)
     hits = [(text.find(s), s) for s in stops if s in text]
     if not hits:
         return text, len(ids), None
     at, stop = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
     end = at + len(stop)
-    keep = next(k for k in range(len(ids) + 1) if tok.decode(ids[:k], skip_special_tokens=skip).startswith(text[:end]))
+    prefixes = [tok.decode(ids[:k], skip_special_tokens=skip) for k in range(len(ids) + 1)]
+    keep = next(k for k, decoded in enumerate(prefixes) if decoded.startswith(text[:end])
+                and (k == len(ids) or not decoded.endswith("\ufffd")))
     return (text[:end] if include else text[:at]), keep, stop
 
 
@@ -141,11 +144,12 @@ def test_a_stop_string_of_replacement_characters_cuts_a_stream_that_ends_on_them
 
 
 def test_the_served_stream_chunks_add_up_to_the_whole_answer():
-    """Through the /v1/completions chunk maker: text, finish_reason and stop_reason per choice."""
+    """Through the /v1/completions chunk maker: text, token ids, finish_reason and stop_reason
+    per choice."""
     tok = build_qwen3_like_tokenizer()
     byte_ids = _byte_level_ids(tok)
     rng = random.Random(3)
-    stops = ["\ufffd", "b中a"]
+    stops = ["a\ufffd", "b中a"]
     req = CompletionRequest(prompt="x", stop=stops, n=8, stream=True)
     group = [Completion(ids, [-0.5] * len(ids), "length") for ids in
              (_hostile_ids(rng, tok, byte_ids) for _ in range(8))]
@@ -154,12 +158,16 @@ def test_the_served_stream_chunks_add_up_to_the_whole_answer():
         return [c async for c in completion_chunks(replay_events([group], None), {}, tok, req, 8, 1)]
 
     texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
     ends: dict[int, tuple] = {}
     for chunk in asyncio.run(chunks()):
         for choice in chunk["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            ids.setdefault(choice["index"], []).extend(choice.get("token_ids", []))
             if choice["finish_reason"] is not None:
                 ends[choice["index"]] = (choice["finish_reason"], choice["stop_reason"])
     for j, completion in enumerate(group):
         whole = finish(completion, tok, tuple(stops), ())
         assert texts.get(j, "") == whole.text and ends[j] == (whole.finish_reason, whole.stop_reason)
+        assert ids[j] == whole.tokens  # no token id past the one that completed the stop string
+    assert {reason for reason, _ in ends.values()} == {"stop", "length"}
