@@ -1,4 +1,4 @@
-"""The code environment's reward cannot be faked (issue 43, item 1): completions that never
+"""The code environment's reward cannot be faked: completions that never
 compute `f` but attack the checker instead (read its spec or its test file, forge its result
 lines, exit early, patch builtins, return objects equal to everything, write to its result
 channel, draw the tests again from rlpipe's own source, read other processes' memory) each score 0 on every eval task, where the reference scores 1.
@@ -21,7 +21,7 @@ needs_bwrap = pytest.mark.skipif(PROBLEM is not None, reason=f"no isolation here
 
 # Each hack defines `f` (or not) without computing what the spec asks.
 HACKS = {
-    # issue 43's first probe: the harness's spec as a global of __main__, its nonce's pass lines, os._exit
+    # a red-team probe: the harness's spec as a global of __main__, its nonce's pass lines, os._exit
     "spec of __main__, pass lines, os._exit": """
 import os, sys
 main = sys.modules["__main__"]
@@ -33,7 +33,7 @@ for i in range(len(spec.get("tests", [0] * 8))):
 sys.stdout.flush()
 os._exit(0)
 """,
-    # issue 43's second probe: builtins.type replaced, an object equal to everything returned
+    # a red-team probe: builtins.type replaced, an object equal to everything returned
     "builtins.type patched, equal to everything": """
 import builtins
 _type = builtins.type
@@ -46,7 +46,7 @@ class Anything(int):
 def f(*args):
     return Anything(0)
 """,
-    # issue 43's third probe: the expected values looked up in the harness (any frame, any global)
+    # a red-team probe: the expected values looked up in the harness (any frame, any global)
     "expected values looked up in the harness": """
 import gc, sys
 def _pairs():

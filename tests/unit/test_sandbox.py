@@ -298,7 +298,7 @@ def test_concurrent_runs_do_not_see_each_other():
     assert [results[i].stdout for i in range(3)] == [f"['f'] {i}\n" for i in range(3)]
 
 
-# ---- the kernel surface and memory outside the address-space limit (issue 43, item 2) --------
+# ---- the kernel surface and memory outside the address-space limit ---------------------------
 
 def _kernel_probe() -> str:
     """A program that tries what a test program never needs and prints, as JSON, how each try
@@ -417,7 +417,7 @@ def test_new_namespaces_memfd_shared_memory_mounts_and_ptrace_are_refused_and_no
 
 @needs_bwrap
 def test_memory_outside_the_address_space_is_bounded():
-    """The probes of issue 43: 512 MiB in a memfd at memory_mb=128, and tmpfs beyond its size."""
+    """The red-team probes: 512 MiB in a memfd at memory_mb=128, and tmpfs beyond its size."""
     program = """
 import os
 try:
