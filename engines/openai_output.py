@@ -51,6 +51,14 @@ def finish(completion: Completion, tokenizer: Any, stops: tuple[str, ...], eos_i
     return _ended(completion.finish_reason, tokens, logprobs, cutter.text, eos_ids)
 
 
+def finish_all(completions: list[Completion], tokenizer: Any, stops: tuple[str, ...], eos_ids: tuple[int, ...],
+               *, skip_special_tokens: bool = True, include_stop: bool = False) -> list[Finished]:
+    """`finish` of each completion (a server runs this off its event loop: the incremental
+    decoding costs two short decodes a token)."""
+    return [finish(c, tokenizer, stops, eos_ids, skip_special_tokens=skip_special_tokens, include_stop=include_stop)
+            for c in completions]
+
+
 def _ended(finish_reason: str, tokens: list[int], logprobs: list[float], text: str,
            eos_ids: tuple[int, ...]) -> Finished:
     """A completion no stop string ended: its engine's reason, and vLLM's stop_reason (a stop
