@@ -171,3 +171,34 @@ def test_the_served_stream_chunks_add_up_to_the_whole_answer():
         assert texts.get(j, "") == whole.text and ends[j] == (whole.finish_reason, whole.stop_reason)
         assert ids[j] == whole.tokens  # no token id past the one that completed the stop string
     assert {reason for reason, _ in ends.values()} == {"stop", "length"}
+
+
+def test_the_served_chat_stream_deltas_add_up_to_the_whole_answer():
+    """Through the /v1/chat/completions chunk maker: content, token ids and the finish per choice."""
+    from rlpipe.engines.chat_api import ChatRequest
+    from rlpipe.engines.streaming import chat_chunks
+
+    tok = build_qwen3_like_tokenizer()
+    byte_ids = _byte_level_ids(tok)
+    rng = random.Random(5)
+    stops = ["\ufffd\ufffd", "é", "b中a"]
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], stop=stops, n=8, stream=True)
+    group = [Completion(ids, [-0.5] * len(ids), "length") for ids in
+             (_hostile_ids(rng, tok, byte_ids) for _ in range(8))]
+
+    async def chunks():
+        return [c async for c in chat_chunks(replay_events([group], None), {}, tok, req, 1)]
+
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    ends: dict[int, tuple] = {}
+    for chunk in asyncio.run(chunks()):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["delta"].get("content", "")
+            ids.setdefault(choice["index"], []).extend(choice.get("token_ids", []))
+            if choice["finish_reason"] is not None:
+                ends[choice["index"]] = (choice["finish_reason"], choice["stop_reason"])
+    for j, completion in enumerate(group):
+        whole = finish(completion, tok, tuple(stops), ())
+        assert (texts[j], ids[j], ends[j]) == (whole.text, whole.tokens, (whole.finish_reason, whole.stop_reason))
+    assert {reason for reason, _ in ends.values()} == {"stop", "length"}
