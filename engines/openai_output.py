@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpipe.engines.base import Completion
-from rlpipe.engines.stop_strings import StopCutter
+from rlpipe.engines.stop_strings import StopCutter, StopHit
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,8 @@ def finish(completion: Completion, tokenizer: Any, stops: tuple[str, ...], eos_i
     else:
         cutter.close()
     if cutter.hit is not None:
-        hit = cutter.hit
-        return Finished(tokens[:hit.keep], logprobs[:hit.keep], hit.text, "stop", hit.stop)
-    return _ended(completion.finish_reason, tokens, logprobs, cutter.text, eos_ids)
+        return stopped(cutter.hit, tokens, logprobs)
+    return unstopped(completion.finish_reason, tokens, logprobs, cutter.text, eos_ids)
 
 
 def finish_all(completions: list[Completion], tokenizer: Any, stops: tuple[str, ...], eos_ids: tuple[int, ...],
@@ -59,7 +58,12 @@ def finish_all(completions: list[Completion], tokenizer: Any, stops: tuple[str, 
             for c in completions]
 
 
-def _ended(finish_reason: str, tokens: list[int], logprobs: list[float], text: str,
+def stopped(hit: StopHit, tokens: list[int], logprobs: list[float]) -> Finished:
+    """A completion a stop string ended (`hit`): the tokens it keeps, its text, the string."""
+    return Finished(tokens[:hit.keep], logprobs[:hit.keep], hit.text, "stop", hit.stop)
+
+
+def unstopped(finish_reason: str, tokens: list[int], logprobs: list[float], text: str,
            eos_ids: tuple[int, ...]) -> Finished:
     """A completion no stop string ended: its engine's reason, and vLLM's stop_reason (a stop
     token that is not the model's EOS, else null)."""

@@ -33,7 +33,9 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.openai_output import (
     Finished,
     chat_logprobs,
+    stopped,
     token_strings,
+    unstopped,
     usage,
 )
 from rlpipe.engines.protocol import end_of_turn_ids
@@ -72,17 +74,12 @@ class ChoiceStream:
         self.cutter.close()
         if self.cutter.hit is not None:
             return self._stopped()
-        stop_reason = None
-        if finish_reason == "stop" and self.tokens and self.tokens[-1] not in self.eos_ids:
-            stop_reason = self.tokens[-1]
-        text = self.cutter.text
-        self.done = Finished(list(self.tokens), list(self.logprobs), text, finish_reason, stop_reason)
-        return self._send(text, len(text))
+        self.done = unstopped(finish_reason, list(self.tokens), list(self.logprobs), self.cutter.text, self.eos_ids)
+        return self._send(self.done.text, len(self.done.text))
 
     def _stopped(self) -> str:
-        hit = self.cutter.hit
-        self.done = Finished(self.tokens[:hit.keep], self.logprobs[:hit.keep], hit.text, "stop", hit.stop)
-        return self._send(hit.text, len(hit.text))
+        self.done = stopped(self.cutter.hit, self.tokens, self.logprobs)
+        return self._send(self.done.text, len(self.done.text))
 
     def _send(self, text: str, upto: int) -> str:
         if upto <= self.sent:
