@@ -8,14 +8,14 @@ What the code sees (bubblewrap, `bwrap`, the OS package; `make setup` installs i
 - a fresh, empty, writable scratch folder (`/scratch`, a size-capped tmpfs, its working folder and
   HOME) and a private `/tmp` of the same size; the program itself read-only at `/sandbox/main.py`
   (copied in from a memory file, so no host folder is named anywhere); `/` and `/dev` read-only;
-- read-only, what the interpreter needs to run and nothing else of the host (envs/sandbox_files.py):
-  its executable, its standard library (site-packages in it covered, empty) and the shared
-  libraries they link; no installed package, no venv, no checkout, no other file of `/usr`, no
-  home, no run folders, no `/etc`, no `/work`. No host path shows
-  in /proc either: bubblewrap reads its options from a descriptor (`--args`), so
-  `/proc/1/cmdline` is `bwrap --args N` and the interpreter's command, and stdin is a memory file. The interpreter's folders are
-  the host paths the program can learn (they are mounted at their own paths, as its compiled-in
-  paths need);
+- read-only, what the interpreter needs to run and nothing else of the host
+  (envs/sandbox_files.py): its executable, its standard library (site-packages in it covered,
+  empty) and the shared libraries they link; no installed package, no venv, no checkout, no
+  other file of `/usr`, no home, no run folders, no `/etc`, no `/work`. No host path shows in
+  /proc either: bubblewrap reads its options from a descriptor (`--args`), so `/proc/1/cmdline`
+  is `bwrap --args N` and the interpreter's command, and stdin is a memory file. The
+  interpreter's folders are the host paths the program can learn (they are mounted at their own
+  paths, as its compiled-in paths need);
 - no network (a network namespace of its own with nothing in it, so not even the host's
   127.0.0.1), its own pid, IPC and UTS namespaces, an empty environment, a new session (no
   terminal to write to), and it dies with its parent;
@@ -270,8 +270,8 @@ def memory_bound(limits: SandboxLimits | None = None, memory_mb: int = 256) -> s
     if folder is not None:
         return (f"cgroup v2 under {folder}: {memory_mb + 2 * limits.scratch_mb} MiB for everything a run holds "
                 "(memory_mb + 2 x scratch_mb), no swap")
-    return (f"no cgroup v2 memory controller to use ({why_no_memory_cgroup()}), so the fallback: at most {limits.processes} processes of "
-            f"{memory_mb} MiB address space each, 2 x {limits.scratch_mb} MiB of tmpfs files, no memfd or "
+    return (f"no cgroup v2 memory controller to use ({why_no_memory_cgroup()}), so the fallback: at most "
+            f"{limits.processes} processes of {memory_mb} MiB address space each, 2 x {limits.scratch_mb} MiB of tmpfs files, no memfd or "
             f"shared memory, {OPEN_FILES} open files a process")
 
 
