@@ -48,7 +48,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import field_validator
 from rlpipe.engines.base import SamplingParams
-from rlpipe.engines.openai_output import Finished, chat_logprobs, finish, text_pieces, usage
+from rlpipe.engines.openai_output import Finished, chat_logprobs, finish_all, text_pieces, usage
 from rlpipe.engines.protocol import (
     OpenAIRequest,
     check_model,
@@ -303,8 +303,9 @@ def add_chat_completions(app: FastAPI, state: Any) -> None:
             return StreamingResponse(sse(chunks), media_type="text/event-stream")
         (group,), served = await sample(request, state, [prompt], params)
         tok = served.tokenizer
-        finished = [finish(c, tok, req.stop_strings, end_of_turn_ids(tok), skip_special_tokens=req.skip_special_tokens,
-                           include_stop=req.include_stop_str_in_output) for c in group]
+        finished = await asyncio.to_thread(finish_all, list(group), tok, req.stop_strings, end_of_turn_ids(tok),
+                                           skip_special_tokens=req.skip_special_tokens,
+                                           include_stop=req.include_stop_str_in_output)
         tops = None
         if req.logprobs and req.top_logprobs:
             tops = await top_of(request, state, served, [(prompt, d.tokens) for d in finished], req.top_logprobs,

@@ -3,11 +3,11 @@ stop strings, its text pieces, log-probs and top log-probs, and the server-sent 
 stream. Pure functions over completions and a tokenizer (no HTTP here).
 
 Stop strings: the engine stops on token ids only, so a completion runs to a stop token or
-max_tokens and is then cut at the stop string of its text that is complete first (a stream
-stops there): the text ends before it
-(with it when `include_stop_str_in_output`), token ids and log-probs keep the tokens through the
-one that completes it, `finish_reason` is "stop" and `stop_reason` the string (vLLM's extension;
-a stop_token_ids id that is not the model's EOS likewise, else null).
+max_tokens and is then cut at the stop string completed first, by the one rule a stream follows
+too (engines/stop_strings.py): the text ends before it (with it when
+`include_stop_str_in_output`), token ids and log-probs keep the tokens through the one that
+completes it, `finish_reason` is "stop" and `stop_reason` the string (vLLM's extension; a
+stop_token_ids id that is not the model's EOS likewise, else null).
 
 Streams (`stream: true`) are engines/streaming.py.
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpipe.engines.base import Completion
+from rlpipe.engines.stop_strings import StopCutter, StopHit
 
 
 @dataclass(frozen=True)
@@ -33,32 +34,43 @@ class Finished:
 
 def finish(completion: Completion, tokenizer: Any, stops: tuple[str, ...], eos_ids: tuple[int, ...],
            *, skip_special_tokens: bool = True, include_stop: bool = False) -> Finished:
-    """`completion` cut at the earliest of `stops` in its text (see the module docstring)."""
+    """`completion` cut at the first of `stops` completed in its text, by the rule a stream
+    follows token by token (engines/stop_strings.py): the text is the incremental decoding a
+    stream sends, with or without stop strings."""
     tokens, logprobs = list(completion.tokens), list(completion.logprobs)
-    text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
-    hits = [(text.find(s), s) for s in stops if s in text]
-    if hits:  # the stop string completed first (as a stream finds it), then the earliest
-        at, stop = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
-        end = at + len(stop)
-        keep = tokens_covering(tokens, end, tokenizer, skip_special_tokens)
-        return Finished(tokens[:keep], logprobs[:keep], text[:end] if include_stop else text[:at], "stop", stop)
+    cutter = StopCutter(tokenizer, stops, skip_special_tokens, include_stop)
+    for token in tokens:
+        cutter.add(token)
+        if cutter.hit is not None:
+            break
+    else:
+        cutter.close()
+    if cutter.hit is not None:
+        return stopped(cutter.hit, tokens, logprobs)
+    return unstopped(completion.finish_reason, tokens, logprobs, cutter.text, eos_ids)
+
+
+def finish_all(completions: list[Completion], tokenizer: Any, stops: tuple[str, ...], eos_ids: tuple[int, ...],
+               *, skip_special_tokens: bool = True, include_stop: bool = False) -> list[Finished]:
+    """`finish` of each completion (a server runs this off its event loop: the incremental
+    decoding costs two short decodes a token)."""
+    return [finish(c, tokenizer, stops, eos_ids, skip_special_tokens=skip_special_tokens, include_stop=include_stop)
+            for c in completions]
+
+
+def stopped(hit: StopHit, tokens: list[int], logprobs: list[float]) -> Finished:
+    """A completion a stop string ended (`hit`): the tokens it keeps, its text, the string."""
+    return Finished(tokens[:hit.keep], logprobs[:hit.keep], hit.text, "stop", hit.stop)
+
+
+def unstopped(finish_reason: str, tokens: list[int], logprobs: list[float], text: str,
+           eos_ids: tuple[int, ...]) -> Finished:
+    """A completion no stop string ended: its engine's reason, and vLLM's stop_reason (a stop
+    token that is not the model's EOS, else null)."""
     stop_reason = None
-    if completion.finish_reason == "stop" and tokens and tokens[-1] not in eos_ids:
+    if finish_reason == "stop" and tokens and tokens[-1] not in eos_ids:
         stop_reason = tokens[-1]
-    return Finished(tokens, logprobs, text, completion.finish_reason, stop_reason)
-
-
-def tokens_covering(tokens: list[int], chars: int, tokenizer: Any, skip: bool) -> int:
-    """The fewest leading tokens whose text is at least `chars` long (binary search): where a
-    stop string ending at `chars` ends the completion, streamed or not."""
-    low, high = 1, len(tokens)
-    while low < high:
-        mid = (low + high) // 2
-        if len(tokenizer.decode(tokens[:mid], skip_special_tokens=skip)) >= chars:
-            high = mid
-        else:
-            low = mid + 1
-    return high
+    return Finished(tokens, logprobs, text, finish_reason, stop_reason)
 
 
 def text_pieces(tokens: list[int], text: str, tokenizer: Any, skip: bool) -> list[str]:

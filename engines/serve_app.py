@@ -80,7 +80,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from rlpipe.engines.chat_api import add_chat_completions
-from rlpipe.engines.openai_output import Finished, completion_logprobs, finish, usage
+from rlpipe.engines.openai_output import Finished, completion_logprobs, finish_all, usage
 from rlpipe.engines.protocol import (
     CompletionRequest,
     ReloadRequest,
@@ -296,8 +296,9 @@ def build_app(
             return StreamingResponse(sse(chunks), media_type="text/event-stream")
         groups, served = await sample(request, state, prompts, params)
         tok, eos = served.tokenizer, end_of_turn_ids(served.tokenizer)
-        finished = [finish(c, tok, req.stop_strings, eos, skip_special_tokens=req.skip_special_tokens,
-                           include_stop=req.include_stop_str_in_output) for group in groups for c in group]
+        finished = await asyncio.to_thread(finish_all, [c for group in groups for c in group], tok, req.stop_strings,
+                                           eos, skip_special_tokens=req.skip_special_tokens,
+                                           include_stop=req.include_stop_str_in_output)
         tops = None
         if req.logprobs:  # k >= 1: one scoring pass; logprobs=0 needs only the sampled token's
             sequences = [(prompts[i // params.n], done.tokens) for i, done in enumerate(finished)]

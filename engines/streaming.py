@@ -11,10 +11,11 @@ completion first streams a replay of it, in the same chunks: top log-probs (a sc
 sampling) and chat replies parsed for tool calls (engines/chat_api.py).
 
 Text deltas (`ChoiceStream`): each token's chunk carries what its token adds to the decoded text
-(decoded incrementally), holding back as many characters as a stop string could still need (and
-a partial UTF-8 character), so no stop string is ever sent; a choice ends at the first stop string completed
-(its own last chunk, `finish_reason` "stop") or with its engine completion. The deltas add up to
-the text of the answer without `stream` (engines/openai_output.py `finish`). Chunks of several
+(decoded incrementally, engines/stop_strings.py), holding back as many characters as a stop
+string could still need (and a partial UTF-8 character), so no stop string is ever sent; a choice
+ends at the first stop string completed (its own last chunk, `finish_reason` "stop") or with its
+engine completion. Every prefix of the deltas is a prefix of the answer without `stream`
+(engines/openai_output.py `finish`, the same cutter), and all of them add up to it. Chunks of several
 choices interleave, each carrying its `index`; a usage chunk (`choices: []`) follows with
 `stream_options.include_usage`; the stream ends with `data: [DONE]`. An error after the stream
 began (the request deadline, an engine error) is sent as a `data: {"error": {...}}` event before
@@ -32,68 +33,53 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.openai_output import (
     Finished,
     chat_logprobs,
+    stopped,
     token_strings,
-    tokens_covering,
+    unstopped,
     usage,
 )
 from rlpipe.engines.protocol import end_of_turn_ids
 from rlpipe.engines.request_pipeline import RequestError
+from rlpipe.engines.stop_strings import StopCutter
 
 
 class ChoiceStream:
     """One choice's tokens in, text deltas out, cut at the first stop string completed.
 
-    Decoding is incremental (as vLLM's detokenizer): each token decodes a short window of recent
-    tokens, not the whole completion, so a long stream costs the event loop O(1) per token; a
-    window ending in an incomplete UTF-8 character waits for the next token."""
+    The text and its cut are engines/stop_strings.py's `StopCutter` (the rule the answer without
+    `stream` follows); a delta is final text that no stop string can still reach: the last
+    `longest - 1` characters wait, so every delta sent is a prefix of the whole answer's text."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...], eos_ids: tuple[int, ...], skip: bool,
                  include_stop: bool) -> None:
-        self.tokenizer, self.stops, self.eos_ids = tokenizer, stops, eos_ids
-        self.skip, self.include_stop = skip, include_stop
-        self.longest = max((len(s) for s in stops), default=1)
-        self.tokens: list[int] = []
+        self.cutter = StopCutter(tokenizer, stops, skip, include_stop)
+        self.eos_ids = eos_ids
+        self.held = max(self.cutter.longest - 1, 0)
+        self.tokens = self.cutter.tokens
         self.logprobs: list[float] = []
-        self.text = ""  # the text decoded so far
-        self.sent = 0  # characters of it sent
-        self._prefix = self._read = 0  # token offsets of the decoding window
+        self.sent = 0  # characters of the text sent
         self.done: Finished | None = None
-
-    def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=self.skip)
-
-    def _advance(self, final: bool = False) -> None:
-        """Append what the newest tokens add to `text` (all that is left when `final`)."""
-        before = self._decode(self._prefix, self._read)
-        after = self._decode(self._prefix)
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(self.tokens)
 
     def add(self, token: int, logprob: float) -> str:
         """The text `token` adds that can be sent now (`done` is set when a stop string ends it)."""
-        self.tokens.append(token)
         self.logprobs.append(logprob)
-        searched = max(0, len(self.text) - self.longest + 1)
-        self._advance()
-        hits = [(self.text.find(s, searched), s) for s in self.stops]
-        hits = [(at, s) for at, s in hits if at >= 0]
-        if hits:
-            at, stop = min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]))
-            final = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
-            keep = tokens_covering(self.tokens, at + len(stop), self.tokenizer, self.skip)
-            self.done = Finished(self.tokens[:keep], self.logprobs[:keep], final, "stop", stop)
-            return self._send(final, len(final))
-        return self._send(self.text, len(self.text) - (self.longest - 1 if self.stops else 0))
+        self.cutter.add(token)
+        if self.cutter.hit is not None:
+            return self._stopped()
+        return self._send(self.cutter.text, len(self.cutter.text) - self.held)
 
     def close(self, finish_reason: str) -> str:
-        """The rest of the text, once the engine's completion ended with `finish_reason`."""
-        self._advance(final=True)
-        stop_reason = None
-        if finish_reason == "stop" and self.tokens and self.tokens[-1] not in self.eos_ids:
-            stop_reason = self.tokens[-1]
-        self.done = Finished(list(self.tokens), list(self.logprobs), self.text, finish_reason, stop_reason)
-        return self._send(self.text, len(self.text))
+        """The rest of the text, once the engine's completion ended with `finish_reason` (a stop
+        string the rest completes ends it there)."""
+        self.cutter.close()
+        if self.cutter.hit is not None:
+            return self._stopped()
+        self.done = unstopped(finish_reason, list(self.tokens), list(self.logprobs), self.cutter.text, self.eos_ids)
+        return self._send(self.done.text, len(self.done.text))
+
+    def _stopped(self) -> str:
+        self.done = stopped(self.cutter.hit, self.tokens, self.logprobs)
+        return self._send(self.done.text, len(self.done.text))
 
     def _send(self, text: str, upto: int) -> str:
         if upto <= self.sent:

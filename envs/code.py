@@ -33,7 +33,9 @@ once. Nothing the sandbox prints or its exit status decides a test, and there is
 the sandbox to find: code that reads its checker, forges result lines, patches builtins or `==`,
 returns an object equal to everything, or exits early gains nothing, because the most it can
 report is a value, and only the right value passes. A test that raises, a run that times out
-before a test reports, or code that does not define `f`, fails those tests. The components
+before a test reports, or code that does not define `f`, fails those tests. All of this holds
+in the sandbox only: with `sandbox = "auto"` running unisolated, the code sees the host's files,
+rlpipe's own included, and could draw the hidden tests again from their fixed seed. The components
 other than `passed` (`defined`, `timed_out`) come from the sandbox's own report and are for
 diagnosis only.
 """
@@ -202,6 +204,8 @@ def tool_reply(result: SandboxResult, max_chars: int) -> str:
     """What the model sees of a `run_python` call: output, then how the run ended."""
     if result.timed_out:
         status = "timed out"
+    elif result.over_memory:
+        status = "killed: over its memory limit"
     elif result.output_truncated:
         status = "output cut at the limit"
     else:

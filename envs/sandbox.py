@@ -8,12 +8,14 @@ What the code sees (bubblewrap, `bwrap`, the OS package; `make setup` installs i
 - a fresh, empty, writable scratch folder (`/scratch`, a size-capped tmpfs, its working folder and
   HOME) and a private `/tmp` of the same size; the program itself read-only at `/sandbox/main.py`
   (copied in from a memory file, so no host folder is named anywhere); `/` and `/dev` read-only;
-- read-only `/usr` (and `/bin`, `/lib*` as the host has them) and the interpreter's own prefix,
-  nothing else of the host: no home, no run folders, no `/etc`, no `/work`. No host path shows
-  in /proc either: bubblewrap reads its options from a descriptor (`--args`), so
-  `/proc/1/cmdline` is `bwrap --args N` and the interpreter's command, and stdin is a memory file. The interpreter's prefix is
-  the one host path the program can learn (it is mounted at its own path, as its compiled-in paths
-  need);
+- read-only, what the interpreter needs to run and nothing else of the host
+  (envs/sandbox_files.py): its executable, its standard library (site-packages in it covered,
+  empty) and the shared libraries they link; no installed package, no venv, no checkout, no
+  other file of `/usr`, no home, no run folders, no `/etc`, no `/work`. No host path shows in
+  /proc either: bubblewrap reads its options from a descriptor (`--args`), so `/proc/1/cmdline`
+  is `bwrap --args N` and the interpreter's command, and stdin is a memory file. The
+  interpreter's folders are the host paths the program can learn (they are mounted at their own
+  paths, as its compiled-in paths need);
 - no network (a network namespace of its own with nothing in it, so not even the host's
   127.0.0.1), its own pid, IPC and UTS namespaces, an empty environment, a new session (no
   terminal to write to), and it dies with its parent;
@@ -84,7 +86,9 @@ from rlpipe.envs.sandbox_cgroup import (
     _cgroup_problem,
     _RunCgroup,
     memory_cgroup,
+    why_no_memory_cgroup,
 )
+from rlpipe.envs.sandbox_files import InterpreterUnreadable, interpreter_mounts
 
 NOBODY = "nobody"
 _UNISOLATED = '(allow_unisolated=True; the code environment: sandbox = "auto")'
@@ -169,6 +173,9 @@ class SandboxResult:
     output_truncated: stdout + stderr passed SandboxLimits.output_bytes, which ended it
     isolated:         it ran under bubblewrap (False only with allow_unisolated)
     memory_cgroup:    its memory was bounded by a cgroup of its own (see the module docstring)
+    over_memory:      that cgroup's memory limit killed it (the kernel's count, memory.events);
+                      without a cgroup an allocation past `memory_mb` is refused to the process
+                      instead (ENOMEM; MemoryError in Python), which is the program's own outcome
     """
 
     stdout: str
@@ -178,6 +185,7 @@ class SandboxResult:
     output_truncated: bool = False
     isolated: bool = True
     memory_cgroup: bool = False
+    over_memory: bool = False
 
 
 def interpreter() -> str:
@@ -213,6 +221,10 @@ def _isolation_problem(python: str) -> str | None:
         return f"the code sandbox cannot filter system calls here ({program}): allow unisolated runs {_UNISOLATED}"
     if (cgroup := _cgroup_problem()) is not None:
         return cgroup
+    try:
+        interpreter_mounts(python)
+    except InterpreterUnreadable as error:
+        return f"the code sandbox cannot list what {python} needs ({error}): allow unisolated runs {_UNISOLATED}"
     try:
         result = _run("import sys; sys.stdout.write('ok')", python, bwrap,
                       timeout_s=30, memory_mb=512, limits=SandboxLimits(), stdin="")
@@ -258,8 +270,8 @@ def memory_bound(limits: SandboxLimits | None = None, memory_mb: int = 256) -> s
     if folder is not None:
         return (f"cgroup v2 under {folder}: {memory_mb + 2 * limits.scratch_mb} MiB for everything a run holds "
                 "(memory_mb + 2 x scratch_mb), no swap")
-    return (f"no cgroup v2 memory controller to use (fallback): at most {limits.processes} processes of "
-            f"{memory_mb} MiB address space each, 2 x {limits.scratch_mb} MiB of tmpfs files, no memfd or "
+    return (f"no cgroup v2 memory controller to use ({why_no_memory_cgroup()}), so the fallback: at most "
+            f"{limits.processes} processes of {memory_mb} MiB address space each, 2 x {limits.scratch_mb} MiB of tmpfs files, no memfd or "
             f"shared memory, {OPEN_FILES} open files a process")
 
 
@@ -306,7 +318,8 @@ def _run(source: str, python: str, bwrap: str | None, *, timeout_s: float, memor
             _kill(proc)
             proc.wait()
             raise
-        return dataclasses.replace(result, memory_cgroup=cgroup is not None)
+        return dataclasses.replace(result, memory_cgroup=cgroup is not None,
+                                   over_memory=cgroup is not None and cgroup.over_memory())
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """How the sandbox starts bubblewrap (envs/sandbox.py): its command line (a read-only root and
-/dev, size-capped tmpfs, no host path), and the seccomp program it loads."""
+/dev, size-capped tmpfs, of the host only what the interpreter needs: envs/sandbox_files.py), and
+the seccomp program it loads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from rlpipe.envs.sandbox_files import interpreter_mounts
 from rlpipe.envs.seccomp import SeccompUnsupported, deny_filter
 
 SANDBOX_MAIN = "/sandbox/main.py"
@@ -15,14 +17,14 @@ SCRATCH = "/scratch"
 
 
 def _host_links() -> list[str]:
-    """/bin, /lib, /lib64, /sbin as the host has them: a symlink into /usr, or a read-only bind."""
+    """/bin, /lib, /lib64, /sbin where the host has them as symlinks into /usr (the loader's and
+    the libraries' paths go through them); a real folder of these is not mounted, only the files
+    envs/sandbox_files.py lists in it."""
     args = []
     for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         path = Path(name)
         if path.is_symlink():
             args += ["--symlink", os.readlink(path), name]
-        elif path.is_dir():
-            args += ["--ro-bind", name, name]
     return args
 
 
@@ -38,24 +40,18 @@ def _bwrap_has(option: str, bwrap: str) -> bool:
 
 def _bwrap_args(bwrap: str, python: str, as_root: bool, scratch_mb: int, program_fd: int,
                 seccomp_fd: int) -> list[str]:
-    """bubblewrap's arguments up to the program: namespaces, read-only system, fresh scratch, the
-    seccomp filter from `seccomp_fd` and the program copied from `program_fd`.
+    """bubblewrap's arguments up to the program: namespaces, the interpreter's files read-only,
+    fresh scratch, the seccomp filter from `seccomp_fd` and the program copied from `program_fd`.
 
     As root, bubblewrap sets up the sandbox with its own privileges (no user namespace) and the
     launcher drops to `nobody`; otherwise a user namespace maps the caller's user, and nested user
     namespaces are disabled where this bubblewrap can."""
-    prefix = str(Path(python).parent.parent)  # the interpreter's install prefix
     user = [] if as_root else ["--unshare-user", *(["--disable-userns"] if _bwrap_has("--disable-userns", bwrap)
                                                    else [])]
     args = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", *user, "--die-with-parent", "--new-session",
             "--clearenv", "--setenv", "HOME", SCRATCH, "--setenv", "PATH", "/usr/bin:/bin",
-            "--setenv", "LANG", "C.UTF-8",
-            "--ro-bind", "/usr", "/usr", *_host_links()]
-    if not prefix.startswith("/usr/"):  # its parents readable by the dropped user, nothing else in them
-        for parent in reversed(Path(prefix).parents[:-1]):
-            args += ["--perms", "0755", "--dir", str(parent)]
-        args += ["--ro-bind", prefix, prefix]
+            "--setenv", "LANG", "C.UTF-8", *_host_links(), *interpreter_mounts(python)]
     size = str(scratch_mb << 20)
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
              "--perms", "0777", "--size", size, "--tmpfs", SCRATCH,

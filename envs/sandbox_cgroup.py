@@ -74,6 +74,23 @@ def memory_cgroup() -> Path | None:
     return None
 
 
+def why_no_memory_cgroup() -> str:
+    """Why `memory_cgroup()` found none here, in a few words (for `memory_bound()`)."""
+    if os.environ.get(CGROUP_ENV):
+        return f"{CGROUP_ENV} does not delegate memory"
+    mount = _cgroup2_mount()
+    if mount is None:
+        return "no cgroup2 hierarchy is mounted"
+    try:
+        controllers = (mount / "cgroup.controllers").read_text().split()
+    except OSError:
+        controllers = []
+    if "memory" not in controllers:
+        return (f"the cgroup2 hierarchy at {mount} has the controllers {' '.join(controllers) or 'none'}: "
+                "memory is not one of them (it is on a cgroup v1 hierarchy, or off)")
+    return "neither this process's cgroup nor, as root, the cgroup2 root delegates memory to it"
+
+
 def _cgroup_problem() -> str | None:
     """One line when `RLPIPE_SANDBOX_CGROUP` names a folder that cannot take the runs' cgroups."""
     named = os.environ.get(CGROUP_ENV)
@@ -97,6 +114,16 @@ class _RunCgroup:
         except OSError:
             self.remove()
             raise
+
+    def over_memory(self) -> bool:
+        """Whether the kernel killed a process of it for memory (`memory.events`: oom_kill or
+        oom_group_kill above 0)."""
+        try:
+            lines = (self.path / "memory.events").read_text().splitlines()
+        except OSError:
+            return False
+        counts = dict(line.split(None, 1) for line in lines if " " in line)
+        return any(int(counts.get(name, "0")) > 0 for name in ("oom_kill", "oom_group_kill"))
 
     def remove(self) -> None:
         """Kill what is left in it and remove it (a namespace's teardown may take a moment)."""

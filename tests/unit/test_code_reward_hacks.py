@@ -1,7 +1,7 @@
-"""The code environment's reward cannot be faked (issue 43, item 1): completions that never
+"""The code environment's reward cannot be faked: completions that never
 compute `f` but attack the checker instead (read its spec or its test file, forge its result
 lines, exit early, patch builtins, return objects equal to everything, write to its result
-channel) each score 0 on every eval task, where the reference scores 1.
+channel, draw the tests again from rlpipe's own source, read other processes' memory) each score 0 on every eval task, where the reference scores 1.
 
 The checker's contract (envs/code.py): the sandboxed process receives the tests' arguments only,
 returns plain JSON values, and the expected values are compared outside it, on the trusted side."""
@@ -21,7 +21,7 @@ needs_bwrap = pytest.mark.skipif(PROBLEM is not None, reason=f"no isolation here
 
 # Each hack defines `f` (or not) without computing what the spec asks.
 HACKS = {
-    # issue 43's first probe: the harness's spec as a global of __main__, its nonce's pass lines, os._exit
+    # a red-team probe: the harness's spec as a global of __main__, its nonce's pass lines, os._exit
     "spec of __main__, pass lines, os._exit": """
 import os, sys
 main = sys.modules["__main__"]
@@ -33,7 +33,7 @@ for i in range(len(spec.get("tests", [0] * 8))):
 sys.stdout.flush()
 os._exit(0)
 """,
-    # issue 43's second probe: builtins.type replaced, an object equal to everything returned
+    # a red-team probe: builtins.type replaced, an object equal to everything returned
     "builtins.type patched, equal to everything": """
 import builtins
 _type = builtins.type
@@ -46,7 +46,7 @@ class Anything(int):
 def f(*args):
     return Anything(0)
 """,
-    # issue 43's third probe: the expected values looked up in the harness (any frame, any global)
+    # a red-team probe: the expected values looked up in the harness (any frame, any global)
     "expected values looked up in the harness": """
 import gc, sys
 def _pairs():
@@ -138,6 +138,47 @@ class L(list):
 def f(*args):
     calls[0] += 1
     return [float("nan"), L(), 10 ** 5000, (1, 2), {1: 2}, float("inf"), b"x", Ellipsis][calls[0] % 8]
+""",
+    # the eval tasks come from a fixed seed: with rlpipe's own code they could be drawn again
+    "draws the hidden tests again from rlpipe's own source": """
+import os, site, sys
+found = {}
+places = []
+for top, folders, names in os.walk("/"):
+    if top in ("/proc", "/sys", "/dev"):
+        folders[:] = []
+        continue
+    if "code_tasks.py" in names or any(n.endswith(".pth") for n in names):
+        places.append(top)
+for place in places:
+    site.addsitedir(place)
+    sys.path[:0] = [os.path.dirname(os.path.dirname(place)), os.path.dirname(os.path.dirname(os.path.dirname(place)))]
+try:
+    from rlpipe.envs.code import CodeConfig, CodeEnv
+    for size in (8, 16, 32):
+        for example in CodeEnv(CodeConfig(eval_size=size, sandbox="auto")).examples("eval"):
+            for args, expected in example.answer:
+                found[repr(list(args))] = expected
+except Exception:
+    pass
+def f(*args):
+    return found.get(repr(list(args)))
+""",
+    "reads the memory of every process it can see": """
+import os, re
+found = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+            for line in maps:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if "rw" in line.split()[1] and end - start < 64 << 20:
+                    mem.seek(start)
+                    found += re.findall(rb'"expected": ?(-?\\d+)', mem.read(end - start))
+    except (OSError, ValueError, OverflowError):
+        continue
+def f(*args):
+    return int(found[0]) if found else None
 """,
     "kills the harness's process tree after a delay": """
 import os, signal, threading, time

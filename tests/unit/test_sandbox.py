@@ -19,6 +19,8 @@ import pytest
 from rlpipe.envs import sandbox, sandbox_cgroup, seccomp
 from rlpipe.envs.sandbox import SandboxLimits, SandboxUnavailable, isolation_problem, run_python
 
+from tests.sandbox_as_nobody import run_as_nobody
+
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = isolation_problem()
 needs_bwrap = pytest.mark.skipif(PROBLEM is not None, reason=f"no isolation here: {PROBLEM}")
@@ -298,7 +300,7 @@ def test_concurrent_runs_do_not_see_each_other():
     assert [results[i].stdout for i in range(3)] == [f"['f'] {i}\n" for i in range(3)]
 
 
-# ---- the kernel surface and memory outside the address-space limit (issue 43, item 2) --------
+# ---- the kernel surface and memory outside the address-space limit ---------------------------
 
 def _kernel_probe() -> str:
     """A program that tries what a test program never needs and prints, as JSON, how each try
@@ -405,7 +407,7 @@ def _check_kernel_probe(result, hidden: list[str]) -> None:
         assert path not in out["seen"], f"{path} visible inside: {out['seen']}"
 
 
-def _host_paths(*more: Path) -> list[str]:
+def _host_paths(*more: Path | str) -> list[str]:
     return [str(ROOT), os.getcwd(), f"{tempfile.gettempdir()}/", "rlpipe-sandbox", "rlpipe-run", *map(str, more)]
 
 
@@ -417,7 +419,7 @@ def test_new_namespaces_memfd_shared_memory_mounts_and_ptrace_are_refused_and_no
 
 @needs_bwrap
 def test_memory_outside_the_address_space_is_bounded():
-    """The probes of issue 43: 512 MiB in a memfd at memory_mb=128, and tmpfs beyond its size."""
+    """The red-team probes: 512 MiB in a memfd at memory_mb=128, and tmpfs beyond its size."""
     program = """
 import os
 try:
@@ -466,50 +468,14 @@ def test_unisolated_runs_load_the_same_filter(monkeypatch, tmp_path):
     assert out["fork"] == "allowed" and out["thread"] == "allowed"
 
 
-NOBODY_RUN = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from rlpipe.envs.sandbox import isolation_problem, run_python
-assert isolation_problem() is None, isolation_problem()
-result = run_python(open(sys.argv[2]).read(), timeout_s=30, memory_mb=256)
-print(json.dumps({"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}))
-"""
-
-
 @needs_bwrap
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_as_an_unprivileged_user_the_user_namespace_sandbox_holds_the_same(tmp_path):
     """Run as another user than root, bubblewrap maps the caller's user in a user namespace, and
     that user owns the sandbox's / and /dev: they are read-only all the same, and nested user
     namespaces are refused."""
-    python = shutil.which("python3", path="/usr/bin:/bin")
-    if python is None:
-        pytest.skip("no system python3 for the unprivileged user")
-    shared = Path(tempfile.mkdtemp(prefix="rlpipe-nobody-"))
-    try:
-        package = shared / "rlpipe" / "envs"
-        package.mkdir(parents=True)
-        for name in ("rlpipe/__init__.py", "rlpipe/envs/__init__.py"):
-            (shared / name).write_text("")
-        for name in ("sandbox.py", "sandbox_bwrap.py", "sandbox_cgroup.py", "seccomp.py"):
-            shutil.copy(ROOT / "envs" / name, package / name)
-        (shared / "probe.py").write_text(_kernel_probe())
-        for path in [shared, *shared.rglob("*")]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-c",
-                               NOBODY_RUN, str(shared), str(shared / "probe.py")], capture_output=True, text=True,
-                              timeout=120, cwd="/")
-        if "isolation_problem" in done.stderr or "AssertionError" in done.stderr:
-            pytest.skip(f"no unprivileged sandbox here: {done.stderr.strip().splitlines()[-1]}")
-        assert done.returncode == 0, done.stderr
-        reply = json.loads(done.stdout)
-    finally:
-        shutil.rmtree(shared)
-
-    class Result:
-        stdout, stderr, exit_code = reply["stdout"], reply["stderr"], reply["exit_code"]
-
-    _check_kernel_probe(Result, _host_paths(tmp_path, shared))
+    _, (result,) = run_as_nobody([_kernel_probe()])
+    _check_kernel_probe(result, _host_paths(tmp_path, "rlpipe-nobody-"))
 
 
 def test_a_delegated_memory_cgroup_gets_one_cgroup_per_run(monkeypatch, tmp_path):
