@@ -252,7 +252,7 @@ def test_groups_a_maker_leaves_undecided_are_held_and_a_wrong_batch_size_is_name
         buffer.take()
 
 
-# ---- makers that break the training contract (issue 43, item 3) ----------------------------------
+# ---- makers that break the training contract ----
 
 class Replaying(Stateless):
     """A configurable bad maker: `mode` says how its batches break the contract."""

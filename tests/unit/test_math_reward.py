@@ -79,7 +79,7 @@ def test_without_math_verify_numbers_still_compare_by_value_and_the_rest_as_text
     assert not answers_equal("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}")  # needs math-verify
 
 
-# ---- adversarial answers and how graders read numbers (issue 43, item 5) -------------------------
+# ---- adversarial answers and how graders read numbers ----
 
 @pytest.mark.parametrize(("completion", "answer", "correct"), [
     ("\\boxed{3,5}", "35", 0.0),            # a list {3, 5}, not 35 (no thousands separator)

@@ -404,7 +404,7 @@ def test_a_call_of_the_wrapped_environments_own_tool_is_its_own_step(toolbox):
     assert mcp.messages_to_append[0]["content"] == "3"
 
 
-# ---- hostile servers (issue 43, item 7) ----------------------------------------------------------
+# ---- hostile servers ----
 
 def test_close_ends_the_servers_whole_process_group(server_script):
     with McpToolbox([_stdio(server_script)]) as box:

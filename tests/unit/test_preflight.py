@@ -165,7 +165,7 @@ def test_resume_advice_only_where_the_run_folder_holds_a_run(where, capsys, monk
     assert f"`rlpipe resume {config.run_dir}` continues" in capsys.readouterr().err
 
 
-# ---- values refused too late before (issue 43, item 8) -------------------------------------------
+# ---- values refused too late before ----
 
 def given_config(where: Path, name: str, extra: str) -> Path:
     """tiny.toml with `extra` TOML appended (its tables after tiny's own)."""

@@ -149,7 +149,7 @@ def test_a_weight_version_names_the_loaded_weights_policy_version(client, run_di
     assert answer.status_code == 200 and answer.json()["policy_version"] == 0, answer.text
     assert client.get("/health").json()["policy_version"] == 0
     assert complete(client, prompt=PROMPTS[0], max_tokens=2)["policy_version"] == 0
-    for version in ("v2", "²", "9" * 5000, "-1", "1e3", " "):  # each a 400, never a 500 (issue 43)
+    for version in ("v2", "²", "9" * 5000, "-1", "1e3", " "):  # each a 400, never a 500
         bad = client.post("/update_weights_from_disk", json={"model_path": str(ckpt(run_dir, 3)), "weight_version": version})
         assert bad.status_code == 400 and "weight_version" in bad.json()["error"]["message"], (version, bad.text)
     assert client.get("/health").json()["policy_version"] == 0  # the refused reload changed nothing
