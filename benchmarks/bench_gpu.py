@@ -126,13 +126,19 @@ def train_step_seconds(batches, seqs, weights_dtype: str, checkpointing: bool, c
         sum(p.numel() for p in model.parameters())
 
 
-def bench_train(tokens_per_step: int, token_budget: int, repeats: int) -> list[dict]:
+def step_sequences(tokens_per_step: int) -> tuple[list[Sequence], int]:
+    """RL-like sequences filling one train step of at most `tokens_per_step` tokens, and their count."""
     seqs, total = [], 0
     for s in rl_like_sequences(4 * tokens_per_step // 512, QWEN3_VOCAB, seed=0):
         if total + len(s.tokens) > tokens_per_step:
             break
         seqs.append(s)
         total += len(s.tokens)
+    return seqs, total
+
+
+def bench_train(tokens_per_step: int, token_budget: int, repeats: int) -> list[dict]:
+    seqs, total = step_sequences(tokens_per_step)
     batches = pack(seqs, token_budget)
     rows = []
     for weights_dtype, checkpointing, compile in TRAIN_VARIANTS:

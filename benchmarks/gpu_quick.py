@@ -94,14 +94,9 @@ def _free_gpu() -> None:
 
 def train_rows(tokens_per_step: int = 32_768, token_budget: int = 16_384, repeats: int = 3) -> list[dict]:
     """The compiled qwen3-0.6b step per head and weights dtype (bench_gpu's train part's measure)."""
-    from benchmarks.bench_gpu import peak_flops, rl_like_sequences, train_flops
+    from benchmarks.bench_gpu import peak_flops, step_sequences, train_flops
 
-    seqs, total = [], 0
-    for s in rl_like_sequences(4 * tokens_per_step // 512, VOCAB, seed=0):
-        if total + len(s.tokens) > tokens_per_step:
-            break
-        seqs.append(s)
-        total += len(s.tokens)
+    seqs, total = step_sequences(tokens_per_step)
     batches = pack(seqs, token_budget)
     rows = []
     for weights in ("float32", "bfloat16"):
@@ -130,9 +125,9 @@ def train_rows(tokens_per_step: int = 32_768, token_budget: int = 16_384, repeat
 
 def lean_step_memory(preset: str, tokens: int = 8_192, sequences: int = 8) -> dict:
     """Peak and between-step GiB of one full-parameter step of `preset` under the lean options."""
-    from benchmarks.bench_gpu import rl_like_sequences
-
     import importlib.util
+
+    from benchmarks.bench_gpu import rl_like_sequences
 
     head = heads_available()[-1]
     kind = "adamw_bf16_sr" if importlib.util.find_spec("torchao") else "adamw"  # the same state size
