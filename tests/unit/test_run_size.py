@@ -41,3 +41,30 @@ def test_the_summary_says_when_rl_lost_accuracy(tmp_path):
     assert "  warning: RL lowered held-out accuracy from 15.0% to 0.0%; the RL phase made the model worse " \
            "(see its reward_by_step and zero_variance_by_step below)" in worse
     assert not any("warning" in line for line in summary_lines(config, phases(0.15, 0.15), 1.0))
+
+
+def test_the_summary_counts_the_mlflow_artifacts_the_run_wrote(tmp_path, monkeypatch):
+    """The size summary counts what the run's MLflow runs keep under runs_root/mlartifacts: hard
+    links to the checkpoints' files take no space of their own, anything else adds to the total."""
+    import os
+
+    from rlpipe.flows.runner import summary_lines
+    from rlpipe.tasks.config import validate_config
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = validate_config({"runs_root": str(tmp_path), "run_name": "sized", "flow": "pipeline"})
+    weights = config.run_dir / "rl" / "checkpoints" / "step_000001" / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"x" * 4096)
+    (config.run_dir / "rl" / "run.json").write_text('{"mlflow_run_id": "abc123"}')
+    (config.run_dir / "run.json").write_text('{"mlflow_run_id": null}')
+    stored = tmp_path / "mlartifacts" / "rlpipe" / "abc123" / "artifacts" / "checkpoints" / "step_000001"
+    stored.mkdir(parents=True)
+    os.link(weights, stored / "model.safetensors")
+    (stored / "metadata.json").write_bytes(b"m" * 1024)
+    (tmp_path / "mlartifacts" / "rlpipe" / "other-run").mkdir()
+    (tmp_path / "mlartifacts" / "rlpipe" / "other-run" / "big").write_bytes(b"y" * 9999)  # not this run's
+    lines = summary_lines(config, {}, 1.0)
+    assert "  run folder 4.05 KiB: tables 0 B, checkpoints 4 KiB, other 50 B" in lines
+    assert f"  MLflow artifacts 5 KiB in {tmp_path.resolve() / 'mlartifacts'}: 4 KiB hard links to checkpoint " \
+           "files (no space of their own), 1 KiB of their own; written in all 5.05 KiB" in lines
