@@ -174,8 +174,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("checkpoint", metavar="MODEL",
                         help="a checkpoint folder (<run_dir>/checkpoints/step_N), a run folder (its newest "
-                        "checkpoint; a pipeline's RL phase first), a Hugging Face model folder, or a hub id "
-                        "ORG/NAME[@REVISION]")
+                        "checkpoint; a pipeline's RL phase first), a registered version models:/NAME@ALIAS or "
+                        "models:/NAME/VERSION, a Hugging Face model folder, or a hub id ORG/NAME[@REVISION]")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument(
         "--port",
@@ -242,6 +242,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available) | cpu | cuda | cuda:N (default auto)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    parser.add_argument("--runs-root", default="runs",
+                        help="the runs root whose MLflow registry (mlflow.db) a models:/ MODEL is read from, "
+                        "unless $MLFLOW_TRACKING_URI is set (default: runs)")
     parser.add_argument("--no-request-log", action="store_true",
                         help="no log line per request (default: one on stderr with the client, method, path, "
                         "status, tokens and seconds)")
@@ -250,7 +253,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 LISTEN_BACKLOG = 2048  # uvicorn's own default
 SOURCE_NOTES = {"checkpoint": "", "run": ": the run folder's newest checkpoint", "model": ": a Hugging Face model",
-                "hub": ": the hub model's cached snapshot"}
+                "hub": ": the hub model's cached snapshot", "registry": ": the registered version's files"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = server_token(args.token, args.token_file)
         limits = ServeLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
-        source = served_source(args.checkpoint)
+        source = served_source(args.checkpoint, args.runs_root)
         kwargs = (template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs
                   else run_template_kwargs(source.path) if source.is_checkpoint else {})
     except ValueError as err:

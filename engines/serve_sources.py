@@ -8,9 +8,14 @@
     rlpipe serve Qwen/Qwen3-0.6B[@REVISION]              a hub id: its snapshot in the Hugging Face
                                                          cache, downloaded when missing (not under
                                                          HF_HUB_OFFLINE=1)
+    rlpipe serve models:/rlpipe-demo@best                a registered version (also models:/NAME/N,
+                                                         @latest) of the registry under --runs-root
+                                                         or $MLFLOW_TRACKING_URI: its artifact folder
+                                                         read in place on a local store
 
 A checkpoint keeps its policy_version (metadata.json); a plain model is served as policy version
-0. A folder that is none of these, or a run folder with no checkpoint yet, is refused in one line
+0. A registered version is the checkpoint's model without its training state
+(docs/DESIGN.md, "Checkpoints"), served with its policy_version. A folder that is none of these, or a run folder with no checkpoint yet, is refused in one line
 naming it and what was looked for.
 """
 
@@ -31,11 +36,11 @@ class ServedSource:
 
     path: Path
     kind: str
-    """checkpoint | run | model (a Hugging Face folder) | hub"""
+    """checkpoint | run | registry | model (a Hugging Face folder) | hub"""
 
     @property
     def is_checkpoint(self) -> bool:
-        return self.kind in ("checkpoint", "run")
+        return self.kind in ("checkpoint", "run", "registry")
 
 
 def newest_run_checkpoint(folder: Path) -> Path | None:
@@ -54,11 +59,16 @@ def is_run_folder(folder: Path) -> bool:
         or any((folder / phase / "run.json").is_file() for phase in RUN_PHASES)
 
 
-def served_source(spec: str | Path) -> ServedSource:
-    """The folder `spec` names (see the module docstring); ValueError with one line otherwise."""
+def served_source(spec: str | Path, runs_root: str | Path = "runs") -> ServedSource:
+    """The folder `spec` names (see the module docstring; `runs_root` holds the registry of a
+    models:/ URI); ValueError with one line otherwise."""
     from rlpipe.models.loading import hub_id, resolve_model_path
 
     text = str(spec)
+    if text.startswith("models:/"):
+        from rlpipe.storage.model_versions import model_folder, registry_uri
+
+        return ServedSource(model_folder(registry_uri(runs_root, "a models:/ model"), text), "registry")
     folder = Path(text).expanduser()
     if folder.is_dir():
         if (folder / METADATA_FILE).is_file():

@@ -116,3 +116,23 @@ def test_one_log_line_per_request_with_its_status_tokens_and_seconds(run_dir):  
                    ("GET /health", "200", "-"), ("GET /health", "401", "-"), ("POST /v1/completions", "400", "-")]
     assert answer["usage"]["completion_tokens"] == 8 and all(float(m["seconds"]) < 60 for m in found)
     assert json.dumps(lines).count("secret") == 0
+
+
+def test_a_registered_version_serves_from_its_artifact_folder(run_dir, tmp_path, monkeypatch):  # noqa: F811
+    """`rlpipe serve models:/NAME@best --runs-root runs`: the version's files are read where the
+    registry keeps them (hard links to the checkpoint's, no copy), verified, at its policy version."""
+    from rlpipe.storage.tracking import MlflowTracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ValueError, match="no MLflow registry at .* to read a models:/ model from"):
+        served_source("models:/served@best", tmp_path / "nowhere")
+    tracker = MlflowTracker.for_runs_root(tmp_path / "runs")
+    with tracker.start("served", "rlpipe-test"):
+        version = tracker.register_checkpoint(ckpt(run_dir, 3), "served")
+        tracker.set_alias("served", "best", version)
+    source = served_source("models:/served@best", tmp_path / "runs")
+    assert source.kind == "registry" and source.path.is_relative_to(tmp_path / "runs" / "mlartifacts")
+    assert not (source.path / "optimizer.pt").exists()
+    with served(source.path) as client:
+        assert client.get("/health").json()["policy_version"] == 3
+        assert len(greedy_tokens(client)) == 4
