@@ -97,11 +97,13 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
     lines += [
         "",
         "Where to look:",
-        f"  rlpipe sql {table_dir} --query reward_by_step",
-        f"  rlpipe sql {table_dir} --query zero_variance_by_step",
-        *([f"  rlpipe sql {table_dir} --query env_by_step   (per environment of the mixture)"]
-          if config.task.envs else []),
-        f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\"",
+        *([f"  rlpipe sql {table_dir} --query loss_by_step", f"  rlpipe sql {table_dir} --query eval_by_step"]
+          if config.flow in ("sft", "pretrain") else [  # a supervised run samples nothing: no scores
+            f"  rlpipe sql {table_dir} --query reward_by_step",
+            f"  rlpipe sql {table_dir} --query zero_variance_by_step",
+            *([f"  rlpipe sql {table_dir} --query env_by_step   (per environment of the mixture)"]
+              if config.task.envs else []),
+            f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\""]),
         f"  rlpipe report {table_dir}" + (f" {run_dir / 'sft'}" if config.flow == "pipeline" else "")
         + f"   (writes {table_dir / 'report.html'})",
         f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (after pip install -e '.[ui]' in the checkout)",

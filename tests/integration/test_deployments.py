@@ -172,10 +172,12 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
     assert read_table(run_dir / "sft", "train_steps").num_rows == SFT_STEPS
     assert read_table(run_dir / "rl", "rollouts").num_rows > 0
     assert sorted(read_table(run_dir / "rl", "checkpoints").column("step").to_pylist()) == [2, 4]
+    # both flow runs are versions of the deployment's two models, one per phase, told apart by run_dir
     client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
-    versions = [v for v in client.search_model_versions(f"name='{run_dir.name}'")]
-    assert {v.tags.get("step") for v in versions} == {"2", "4"}
-    assert all(v.tags.get("run_dir") == str((run_dir / "rl").resolve()) for v in versions)
-    assert client.search_model_versions(f"name='{run_dir.name}-sft'")
+    assert sorted(m.name for m in client.search_registered_models()) == ["tiny", "tiny-sft"]
+    versions = client.search_model_versions("name='tiny'")
+    assert {v.tags.get("run_dir") for v in versions} == {str((folder / "rl").resolve()) for folder in runs.glob("tiny-*")}
+    assert {v.tags.get("step") for v in versions if v.tags.get("run_dir") == str((run_dir / "rl").resolve())} == {"2", "4"}
+    assert len({v.tags.get("run_dir") for v in client.search_model_versions("name='tiny-sft'")}) == 2
     # nothing of ours is left running
     assert server.poll() is not None and (worker is None or worker.poll() is not None)

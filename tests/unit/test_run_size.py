@@ -68,3 +68,16 @@ def test_the_summary_counts_the_mlflow_artifacts_the_run_wrote(tmp_path, monkeyp
     assert "  run folder 4.05 KiB: tables 0 B, checkpoints 4 KiB, other 50 B" in lines
     assert f"  MLflow artifacts 5 KiB in {tmp_path.resolve() / 'mlartifacts'}: 4 KiB hard links to checkpoint " \
            "files (no space of their own), 1 KiB of their own; written in all 5.05 KiB" in lines
+
+
+def test_a_supervised_runs_summary_points_at_queries_that_have_rows(tmp_path):
+    """An SFT run samples nothing: its summary names the loss and eval queries, not reward_by_step
+    (0 rows, and a note that `scores` has no data)."""
+    from rlpipe.flows.runner import summary_lines
+    from rlpipe.tasks.config import validate_config
+
+    sft = summary_lines(validate_config({"runs_root": str(tmp_path), "run_name": "s", "flow": "sft"}), {}, 1.0)
+    assert f"  rlpipe sql {tmp_path.resolve() / 's'} --query loss_by_step" in sft
+    assert not any("reward" in line or "scores" in line for line in sft)
+    rl = summary_lines(validate_config({"runs_root": str(tmp_path), "run_name": "r", "flow": "rl"}), {}, 1.0)
+    assert f"  rlpipe sql {tmp_path.resolve() / 'r'} --query reward_by_step" in rl
