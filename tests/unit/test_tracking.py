@@ -242,3 +242,27 @@ def test_a_version_is_copied_where_the_filesystem_refuses_a_link(runs_root, tmp_
     assert found.tags["rlpipe.artifact_files"] == "copied"
     stored = Path(found.source.removeprefix("file://"))
     assert (stored / "model.safetensors").read_bytes() == b"w" * 40_000 and not (stored / "optimizer.pt").exists()
+
+
+def test_a_remote_store_gets_the_model_files_uploaded_and_no_staging_left(tmp_path):
+    """An MLflow server's store (mlflow-artifacts:/, s3://): the model files are uploaded from a
+    hidden staging folder of hard links beside the checkpoint, which is gone afterwards."""
+    from types import SimpleNamespace
+
+    from rlpipe.storage.model_artifacts import local_artifact_path, log_model_files
+
+    uploaded = {}
+
+    class Client:
+        def get_run(self, run_id):
+            return SimpleNamespace(info=SimpleNamespace(artifact_uri="mlflow-artifacts:/3/abc/artifacts"))
+
+        def log_artifacts(self, run_id, folder, artifact_path):
+            uploaded[artifact_path] = sorted(p.name for p in Path(folder).iterdir())
+
+    checkpoint = _training_checkpoint(tmp_path / "checkpoints" / "step_000004")
+    tags = log_model_files(Client(), "abc", checkpoint, "checkpoints/step_000004")
+    assert tags == {"rlpipe.artifact_files": "uploaded", "rlpipe.left_out": "optimizer.pt rng_state.pt data_state.json"}
+    assert uploaded == {"checkpoints/step_000004": ["config.json", "metadata.json", "model.safetensors", "tokenizer.json"]}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+    assert local_artifact_path("s3://bucket/x") is None and local_artifact_path("file:///a%20b/c") == Path("/a b/c")
