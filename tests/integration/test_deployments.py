@@ -81,6 +81,7 @@ async def main():
     print(json.dumps({"flows": [{"id": str(r.id), "name": r.name, "state": r.state_name,
                                  "subflow": r.parent_task_run_id is not None} for r in flows],
                       "tasks": [str(t.flow_run_id) for t in tasks],
+                      "checkpoint_tasks": [str(t.flow_run_id) for t in tasks if t.task_key.startswith("checkpoint")],
                       "deployments": sorted(f"{flow_names[d.flow_id]}/{d.name}" for d in deployments)}))
 
 asyncio.run(main())
@@ -162,6 +163,9 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         subflow = names[f"{run_dir.name}/{phase}"]
         assert subflow["subflow"] and subflow["state"] == "Completed"
         assert subflow["id"] in listed["tasks"], f"no task runs in the {phase} subflow"
+    # a checkpoint task run only where a checkpoint was saved: SFT's last step, RL's steps 2 and 4
+    checkpoint_runs = [listed["checkpoint_tasks"].count(names[f"{run_dir.name}/{phase}"]["id"]) for phase in ("sft", "rl")]
+    assert checkpoint_runs == [1, 2], checkpoint_runs
 
     # the run it made: both phases' tables and checkpoints, registered in MLflow with aliases
     from mlflow import MlflowClient
