@@ -23,9 +23,9 @@ def teacher_folder(spec: str, runs_root: str | os.PathLike) -> Path:
     from rlpipe.models.loading import resolve_model_path
 
     if spec.startswith("models:/"):
-        from rlpipe.storage.model_versions import download_model, registry_uri
+        from rlpipe.storage.model_versions import model_folder, registry_uri
 
-        return download_model(registry_uri(runs_root, "a models:/ teacher"), spec)
+        return model_folder(registry_uri(runs_root, "a models:/ teacher"), spec)  # in place on a local store
     return resolve_model_path(spec)
 
 

@@ -136,3 +136,6 @@ def test_a_registered_version_serves_from_its_artifact_folder(run_dir, tmp_path,
     with served(source.path) as client:
         assert client.get("/health").json()["policy_version"] == 3
         assert len(greedy_tokens(client)) == 4
+    from rlpipe.tasks.teacher import teacher_folder  # a models:/ teacher is read in place too
+
+    assert teacher_folder("models:/served@best", tmp_path / "runs") == source.path
