@@ -105,7 +105,7 @@
     }
     s("line", { class: "axis", x1: M.l, x2: W - M.r, y1: H - M.b, y2: H - M.b }, svg);
     s("line", { class: "axis", x1: M.l, x2: M.l, y1: M.t, y2: H - M.b }, svg);
-    s("text", { x: (M.l + W - M.r) / 2, y: H - 3, "text-anchor": "middle", text: "step" }, svg);
+    s("text", { x: (M.l + W - M.r) / 2, y: H - 3, "text-anchor": "middle", text: plot.x_label || "step" }, svg);
     s("text", { x: 11, y: (M.t + H - M.b) / 2, "text-anchor": "middle",
       transform: `rotate(-90 11 ${(M.t + H - M.b) / 2})`, text: plot.y_label }, svg);
     let points = 0;

@@ -56,6 +56,7 @@ PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
 MAX_SAMPLE_STEPS = 40  # per run: the sample table keeps this many steps, evenly spread
 MAX_TEXT = 2000  # characters of a prompt or completion kept in the page
 HARDEST_PER_RUN = 10
+SUPERVISED = ("sft", "pretrain")  # train_steps modes of runs that sample no completions
 
 Rows = list[dict[str, Any]]
 
@@ -170,21 +171,32 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
     notes = [f"run_id {run_id!r} is in several run folders: their rows are merged."
              for run_id in order if sum(run.run_id == run_id for run in runs) > 1]
     r = results
+    modes = plots.run_modes(r["loss_by_step"])
+    supervised = {run.run_id for run in runs if modes.get(run.run_id) in SUPERVISED}
+    if supervised and len(supervised) < len(order):  # one note, not one per RL section
+        notes += [f"{run_id} is {'an' if modes[run_id] == 'sft' else 'a'} {modes[run_id].upper()} run: it samples "
+                  "no completions, so it is only in "
+                  f"Optimisation, Throughput and time, and Evaluation, on {'an' if modes[run_id] == 'sft' else 'a'} {modes[run_id].upper()} step axis of "
+                  "its own." for run_id in order if run_id in supervised]
+    section = lambda *args, **kwargs: _section(*args, quiet=supervised, **kwargs)  # noqa: E731
+    phased = lambda build: lambda: plots.per_phase(build, r, order, modes)  # noqa: E731
     sections = [
-        _section("reward", "Reward", ("scores",), runs, lambda: plots.reward_plots(r, order)),
-        _section("groups", "Groups and sampling", ("groups",), runs, lambda: plots.group_plots(r, order)),
-        _section("completions", "Completions", ("rollouts",), runs, lambda: plots.completion_plots(r, order)),
-        _section("optim", "Optimisation", ("train_steps",), runs, lambda: plots.optim_plots(r, order)),
-        _section("time", "Throughput and time", ("train_steps",), runs, lambda: plots.time_plots(r, order)),
-        _section("eval", "Evaluation", ("evals",), runs, lambda: plots.eval_plots(r, order)),
+        section("reward", "Reward", ("scores",), runs, lambda: plots.reward_plots(r, order)),
+        section("groups", "Groups and sampling", ("groups",), runs, lambda: plots.group_plots(r, order)),
+        section("completions", "Completions", ("rollouts",), runs, lambda: plots.completion_plots(r, order)),
+        section("optim", "Optimisation", ("train_steps",), runs, phased(plots.optim_plots)),
+        section("time", "Throughput and time", ("train_steps",), runs, phased(plots.time_plots)),
+        section("eval", "Evaluation", ("evals",), runs, phased(plots.eval_plots)),
     ]
-    samples = _section("samples", "Sample completions", ("rollouts", "scores"), runs, lambda: [])
+    samples = section("samples", "Sample completions", ("rollouts", "scores"), runs, None)
     samples["rows"] = _sample_rows(r["samples_by_step"], order)
-    hardest = _section("hardest", "Hardest prompts", ("rollouts", "scores"), runs, lambda: [])
+    hardest = section("hardest", "Hardest prompts", ("rollouts", "scores"), runs, None)
     hardest["rows"] = [_trim(row) for row in r["hardest_prompts"] if row["rank"] <= HARDEST_PER_RUN]
+    if not hardest["rows"] and not hardest["notes"]:
+        hardest["notes"] = ["No rows: hardest_prompts.sql returned nothing for these runs."]
     environments = {"id": "environments", "title": "Environments", "notes": [],
                     "rows": environment_rows(r["env_by_step"], order)}
-    fate_notes = _section("fates", "", ("rollouts",), runs, lambda: [])["notes"]
+    fate_notes = section("fates", "", ("rollouts",), runs, None)["notes"]
     fate_notes += [rollouts.STAND_IN_NOTE] if r["fates_stand_in"][0]["stand_in"] else []
     return {
         "title": "rlpipe report: " + ", ".join(order),
@@ -202,8 +214,11 @@ def assemble(results: dict[str, Rows], runs: list[RunInfo]) -> dict[str, Any]:
 
 
 def _section(key: str, title: str, needs: tuple[str, ...], runs: list[RunInfo],
-             build: Callable[[], list[dict]]) -> dict[str, Any]:
-    """A section of plots; left out with a note when no run has the tables it needs."""
+             build: Callable[[], list[dict]] | None, quiet: set[str] = frozenset()) -> dict[str, Any]:
+    """A section of plots (`build`; None: a section of rows, filled by the caller); left out with
+    a note when no run has the tables it needs, a note for each run that lacks them (but the
+    `quiet` ones: the overview says why once), and a note when there is nothing to draw, never a
+    blank section."""
     nowhere = [table for table in needs if not any(table in run.tables for run in runs)]
     if nowhere:
         which = " and ".join(f"'{table}'" for table in nowhere)
@@ -214,9 +229,12 @@ def _section(key: str, title: str, needs: tuple[str, ...], runs: list[RunInfo],
     for run in runs:
         absent = " or ".join(f"'{table}'" for table in needs if table not in run.tables)
         note = f"{run.run_id} has no rows in {absent}, so it is absent here."
-        if absent and note not in notes:
+        if absent and note not in notes and run.run_id not in quiet:
             notes.append(note)
-    return {"id": key, "title": title, "notes": notes, "plots": build()}
+    drawn = [] if build is None else build()
+    if build is not None and not drawn and not notes:  # every query behind it came back empty
+        notes.append("No rows: the queries behind this section returned nothing for these runs.")
+    return {"id": key, "title": title, "notes": notes, "plots": drawn}
 
 
 def environment_rows(rows: Rows, order: list[str]) -> Rows:

@@ -58,7 +58,39 @@ def plot(key: str, title: str, query: str, lines: list[dict], *, y_label: str, s
             return None
         return {"id": key, "title": title, "query": query, "note": "No values in these runs."}
     return {"id": key, "title": title, "query": query, "subtitle": subtitle, "y_label": y_label,
-            "series": lines, "y_range": y_range, "percent": percent, "small": small}
+            "series": lines, "y_range": y_range, "percent": percent, "small": small, "x_label": "step"}
+
+
+PHASE_ORDER = ("pretrain", "sft", "rl")
+
+
+def run_modes(rows: Rows) -> dict[str, str]:
+    """run_id -> its training mode (the `mode` of its loss_by_step rows: pretrain, sft, rl)."""
+    modes: dict[str, str] = {}
+    for row in rows:
+        if row.get("mode"):
+            modes.setdefault(row["run_id"], row["mode"])
+    return modes
+
+
+def per_phase(build: Callable[[dict[str, Rows], list[str]], list[dict]], r: dict[str, Rows], order: list[str],
+              modes: dict[str, str]) -> list[dict]:
+    """A section's plots; when the runs are of several phases (a pipeline's SFT and RL folders),
+    one plot per phase, each on that phase's own step axis (SFT step 40 is not RL step 40), titled
+    and labelled with the phase, side by side in phase order."""
+    phases = [phase for phase in PHASE_ORDER if any(modes.get(run_id) == phase for run_id in order)]
+    if len(phases) < 2:
+        return build(r, order)
+    groups = [(phase, [run_id for run_id in order if modes.get(run_id) == phase]) for phase in phases]
+    others = [run_id for run_id in order if modes.get(run_id) not in phases]  # no training rows
+    built = [(phase, build(r, runs)) for phase, runs in groups] + ([(None, build(r, others))] if others else [])
+    by_id: dict[str, list[dict]] = {}
+    for phase, items in built:
+        for item in items:
+            if phase is not None:
+                item = {**item, "title": f"{item['title']} · {phase.upper()}", "x_label": f"{phase.upper()} step"}
+            by_id.setdefault(item["id"], []).append(item | {"id": f"{item['id']}_{phase or 'other'}"})
+    return [item for items in by_id.values() for item in items]
 
 
 def present(plots: Iterable[dict | None]) -> list[dict]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlpipe.engines.access_log import record_usage
 from rlpipe.engines.base import Completion
 from rlpipe.engines.stop_strings import StopCutter, StopHit
 
@@ -131,6 +132,7 @@ def _chat_entry(token: int, logprob: float, tokenizer: Any, as_ids: bool) -> dic
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's `usage` object."""
+    """OpenAI's `usage` object (its counts also go to the request's log line: engines/access_log.py)."""
+    record_usage(prompt_tokens, completion_tokens)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -4,6 +4,10 @@ engines/serve_generation.py; its command line is engines/serve_cli.py.
 
     rlpipe serve runs/demo/checkpoints/step_000010 --port 8001 [--token-file F] [--allow-root DIR]
         [--served-model-name NAME ...] [--tool-call-parser hermes] [--chat-template-kwargs JSON]
+    rlpipe serve runs/demo | /models/Qwen3-0.6B | Qwen/Qwen3-0.6B    (engines/serve_sources.py)
+
+Each request is logged in one line on stderr: client, method and path, status, tokens, seconds
+(engines/access_log.py; `--no-request-log` turns it off).
 
 Every request passes, in order: a Host allowlist (403; loopback names and the bind address by
 default, against DNS rebinding), the bearer token when the server has one (401); every POST body
@@ -25,8 +29,8 @@ option; no malformed input gives a 500.
     POST /v1/chat/completions     OpenAI chat completions with tools and vLLM's token ids and
                                   log-probs (engines/chat_api.py)
     GET  /health                  {"status": "ok", "policy_version": k, "checkpoint": path}
-    GET  /v1/models               the served names (--served-model-name; default: the checkpoint
-                                  path as given); a request's `model` must be one of them (404)
+    GET  /v1/models               the served names (--served-model-name; default: MODEL as
+                                  given); a request's `model` must be one of them (404)
     POST /update_weights_from_disk {"model_path": DIR, "weight_version": "k"} (SGLang's shape):
                                   load a checkpoint, served as policy version k (the trainer's
                                   count; unset: the checkpoint's own) and answer
@@ -79,6 +83,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from rlpipe.engines.access_log import RequestLog
 from rlpipe.engines.chat_api import add_chat_completions
 from rlpipe.engines.openai_output import Finished, completion_logprobs, finish_all, usage
 from rlpipe.engines.protocol import (
@@ -197,8 +202,10 @@ def build_app(
     tool_call_parser: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     allow_client_chat_template: bool = False,
+    request_log: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `checkpoint` (a folder, or an already loaded ServedModel).
+    """The FastAPI app serving `checkpoint` (a checkpoint, a run folder, a Hugging Face model folder
+    or hub id: engines/serve_sources.py; or an already loaded ServedModel).
 
     token: if set, every request needs `Authorization: Bearer <token>`.
     allow_root: folder that /update_weights_from_disk may load from (default: the folder
@@ -210,6 +217,7 @@ def build_app(
     turns tool calls in chat replies into `tool_calls` (None: never parsed).
     chat_template_kwargs: passed to every chat rendering, under a request's own.
     allow_client_chat_template: accept a request's `chat_template` (rendered in a thread).
+    request_log: where each request's log line goes (engines/access_log.py; None: nowhere).
     """
     limits = limits or ServeLimits()
     names = tuple(served_model_names or ())
@@ -226,7 +234,7 @@ def build_app(
     state = ServerState(
         slot=slot,
         batcher=Batcher(slot, batch_window_ms / 1000.0, max_batch_prompts, limits.chunk_sequences),
-        served_names=names or (str(served.path),),
+        served_names=names or (str(checkpoint if not isinstance(checkpoint, ServedModel) else served.path),),
         allow_root=root.resolve(),
         device=device,
         limits=limits,
@@ -243,6 +251,8 @@ def build_app(
     app = FastAPI(title="rlpipe serve", lifespan=lifespan)
     app.state.rlpipe = state
     app.add_middleware(Guard, token=token, allowed_hosts=allowed_hosts)
+    if request_log is not None:  # outermost: refused requests are logged too
+        app.add_middleware(RequestLog, write=request_log)
 
     @app.exception_handler(RequestError)
     async def request_error(_request: Request, exc: RequestError):

@@ -1,8 +1,11 @@
 """`rlpipe serve`'s command line: options, token, Host allowlist and limits → engines.serve_app's app.
 
-    rlpipe serve CHECKPOINT [--port N] [--token-file F] [--allow-host NAME] [--max-n N] ...
+    rlpipe serve MODEL [--port N] [--token-file F] [--allow-host NAME] [--max-n N] ...
         [--served-model-name NAME ...] [--tool-call-parser hermes|calculator]
-        [--chat-template-kwargs JSON] [--allow-client-chat-template]
+        [--chat-template-kwargs JSON] [--allow-client-chat-template] [--no-request-log]
+
+MODEL: a checkpoint folder, a run folder (its newest checkpoint), a Hugging Face model folder or a
+hub id (engines/serve_sources.py). One line per request on stderr (engines/access_log.py).
 
 Connections: request headers must be complete within --header-timeout-s of a connection opening
 (or of its previous response), and once they are in, the request is never cut by that deadline
@@ -28,9 +31,11 @@ from typing import Any
 
 import h11
 import torch
+from rlpipe.engines.access_log import to_stderr
 from rlpipe.engines.http import read_token
 from rlpipe.engines.request_pipeline import LOOPBACK_HOSTS, ServeLimits
 from rlpipe.engines.serve_app import DEFAULT_PORT, TOKEN_ENV, build_app
+from rlpipe.engines.serve_sources import served_source
 from rlpipe.models.tool_calls import PARSERS
 
 MAX_HEADER_BYTES = 16 * 1024  # h11's default, set explicitly: a request's header block at most
@@ -167,7 +172,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="rlpipe serve",
         description="Serve a checkpoint with the torch engine behind an OpenAI-style HTTP API.",
     )
-    parser.add_argument("checkpoint", help="checkpoint folder (<run_dir>/checkpoints/step_N)")
+    parser.add_argument("checkpoint", metavar="MODEL",
+                        help="a checkpoint folder (<run_dir>/checkpoints/step_N), a run folder (its newest "
+                        "checkpoint; a pipeline's RL phase first), a registered version models:/NAME@ALIAS or "
+                        "models:/NAME/VERSION, a Hugging Face model folder, or a hub id ORG/NAME[@REVISION]")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument(
         "--port",
@@ -198,7 +206,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--allow-root",
         default=None,
         help="folder /update_weights_from_disk may load from "
-        "(default: the folder holding CHECKPOINT)",
+        "(default: the folder holding the served checkpoint or model)",
     )
     parser.add_argument(
         "--batch-window-ms",
@@ -214,14 +222,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the names clients call the model by, listed by /v1/models (default: "
-                        "CHECKPOINT as given)")
+                        "MODEL as given)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="parse tool calls of chat replies into `tool_calls` with this format "
                         "(models/tool_calls.py; default: never)")
     parser.add_argument("--chat-template-kwargs", default="", metavar="JSON",
                         help="a JSON object passed to every chat template rendering, under a "
                         "request's own chat_template_kwargs (e.g. '{\"enable_thinking\": false}'; default: the "
-                        "model.chat_template_kwargs of the run that saved CHECKPOINT)")
+                        "model.chat_template_kwargs of the run that saved the served checkpoint)")
     parser.add_argument("--allow-client-chat-template", action="store_true",
                         help="accept a request's own chat template (refused by default: it is code "
                         "the server runs)")
@@ -234,10 +242,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available) | cpu | cuda | cuda:N (default auto)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    parser.add_argument("--runs-root", default="runs",
+                        help="the runs root whose MLflow registry (mlflow.db) a models:/ MODEL is read from, "
+                        "unless $MLFLOW_TRACKING_URI is set (default: runs)")
+    parser.add_argument("--no-request-log", action="store_true",
+                        help="no log line per request (default: one on stderr with the client, method, path, "
+                        "status, tokens and seconds)")
     return parser.parse_args(argv)
 
 
 LISTEN_BACKLOG = 2048  # uvicorn's own default
+SOURCE_NOTES = {"checkpoint": "", "run": ": the run folder's newest checkpoint", "model": ": a Hugging Face model",
+                "hub": ": the hub model's cached snapshot", "registry": ": the registered version's files"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = server_token(args.token, args.token_file)
         limits = ServeLimits(**{name: getattr(args, name) for name in LIMIT_HELP})
+        source = served_source(args.checkpoint, args.runs_root)
         kwargs = (template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs
-                  else run_template_kwargs(args.checkpoint))
+                  else run_template_kwargs(source.path) if source.is_checkpoint else {})
     except ValueError as err:
         print(f"rlpipe serve: {err}", file=sys.stderr)
         return 2
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         app = build_app(
-            args.checkpoint,
+            source.path,
             token=token,
             allow_root=args.allow_root,
             batch_window_ms=args.batch_window_ms,
@@ -274,10 +291,11 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             limits=limits,
             allowed_hosts=allowed_hosts(args.allow_host, args.host),
-            served_model_names=args.served_model_name,
+            served_model_names=args.served_model_name or [args.checkpoint],
             tool_call_parser=args.tool_call_parser,
             chat_template_kwargs=kwargs,
             allow_client_chat_template=args.allow_client_chat_template,
+            request_log=None if args.no_request_log else to_stderr,
         )
     except ValueError as err:
         print(f"rlpipe serve: {err}", file=sys.stderr)
@@ -300,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     # The first stdout line names the address (tests and scripts read it when --port 0).
     print(
         f"rlpipe serve: listening on http://{host}:{port} (policy_version "
-        f"{served.policy_version}, {served.path})",
+        f"{served.policy_version}, {served.path}{SOURCE_NOTES[source.kind]})",
         flush=True,
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False,

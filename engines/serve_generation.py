@@ -46,23 +46,32 @@ class ServedModel:
 
 
 def load_served_model(path: str | Path, device: str = "auto") -> ServedModel:
-    """Load and verify a checkpoint written by `training.checkpoint_io.save_checkpoint`.
+    """Load what `path` names (engines/serve_sources.py: a checkpoint, verified by its sha256, a
+    run folder's newest checkpoint, a Hugging Face model folder or a hub id).
 
-    Raises ValueError naming the path for a missing, incomplete or corrupt checkpoint.
+    Raises ValueError naming the path for a missing, incomplete or corrupt checkpoint or model.
     """
+    from rlpipe.engines.serve_sources import served_source
+    from rlpipe.models.loading import load_model
+    from rlpipe.models.tokenizer import load_tokenizer
     from rlpipe.training.checkpoint_io import load_checkpoint
 
-    path = Path(path)
-    checkpoint = load_checkpoint(path, restore_rng=False)
-    if "policy_version" not in checkpoint.metadata:
-        raise ValueError(f"checkpoint {str(path)!r}: metadata.json has no policy_version")
-    model = checkpoint.model.to(resolve_device(device, "--device")).eval()
-    version = int(checkpoint.metadata["policy_version"])
+    source = served_source(path)
+    path = source.path
+    if source.is_checkpoint:
+        checkpoint = load_checkpoint(path, restore_rng=False)
+        if "policy_version" not in checkpoint.metadata:
+            raise ValueError(f"checkpoint {str(path)!r}: metadata.json has no policy_version")
+        model, tokenizer = checkpoint.model, checkpoint.tokenizer
+        version = int(checkpoint.metadata["policy_version"])
+    else:  # a plain model: policy version 0
+        model, tokenizer, version = load_model(path), load_tokenizer(path), 0
+    model = model.to(resolve_device(device, "--device")).eval()
     # bf16 sampling on CUDA, as the in-process engine of a bf16-autocast run does
     dtype = torch.bfloat16 if model.device.type == "cuda" else None
     return ServedModel(
         path=path,
-        tokenizer=checkpoint.tokenizer,
+        tokenizer=tokenizer,
         engine=TorchEngine(model, dtype=dtype, policy_version=version),
         policy_version=version,
     )

@@ -25,7 +25,7 @@ START_TIMEOUT_S = 180.0
 
 def start_serve(checkpoint: str | os.PathLike, *args: str, threads: int = 1,
                 token: str | None = None) -> subprocess.Popen:
-    """`rlpipe serve CHECKPOINT --host 127.0.0.1 --port 0 --threads N ARGS...`, stdout piped.
+    """`rlpipe serve MODEL --host 127.0.0.1 --port 0 --threads N ARGS...`, stdout piped.
 
     token: the API token the server requires (RLPIPE_API_TOKEN); None: none, even when this
     process has RLPIPE_API_TOKEN set.

@@ -191,8 +191,9 @@ async def completion_chunks(events: AsyncIterator[tuple], head: dict[str, Any], 
                         yield {**head, "choices": [{"index": index, "text": rest, "logprobs": None,
                                                     "finish_reason": None, "stop_reason": None}]}
                     yield final(index, stream.done)
+    answer_usage = usage(prompt_tokens, choices.completion_tokens())  # also the request log's counts
     if req.include_usage:
-        yield {**head, "choices": [], "usage": usage(prompt_tokens, choices.completion_tokens())}
+        yield {**head, "choices": [], "usage": answer_usage}
 
 
 async def chat_chunks(events: AsyncIterator[tuple], head: dict[str, Any], tokenizer: Any, req: Any,
@@ -233,8 +234,9 @@ async def chat_chunks(events: AsyncIterator[tuple], head: dict[str, Any], tokeni
                 if rest:
                     yield part(index, {"content": rest})
                 yield part(index, {}, finish_reason=stream.done.finish_reason, stop_reason=stream.done.stop_reason)
+    answer_usage = usage(prompt_tokens, choices.completion_tokens())  # also the request log's counts
     if req.include_usage:
-        yield {**head, "choices": [], "usage": usage(prompt_tokens, choices.completion_tokens())}
+        yield {**head, "choices": [], "usage": answer_usage}
 
 
 async def sse(chunks: AsyncIterator[dict[str, Any]] | Iterable[dict[str, Any]]) -> AsyncIterator[str]:

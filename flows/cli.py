@@ -4,7 +4,7 @@
     rlpipe resume RUN_DIR                          continue a stopped run where it stopped
     rlpipe sql RUN_DIR... "SELECT ..." | --query NAME | --list
     rlpipe report RUN_DIR... [--out FILE]          self-contained HTML report
-    rlpipe serve CHECKPOINT [--port N]             torch engine behind an OpenAI-style HTTP API
+    rlpipe serve MODEL [--port N]                  torch engine behind an OpenAI-style HTTP API
 
 Subcommands are imported lazily so that `rlpipe sql` does not pay for torch or Prefect.
 """
@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "rescore": ("rlpipe.flows.rescore", "main", "re-score stored rollouts with another reward function"),
     "lineage": ("rlpipe.storage.lineage", "main", "the run, steps and rollouts behind a registered model version"),
     "report": ("rlpipe.dashboards.report", "main", "write the HTML run report"),
-    "serve": ("rlpipe.engines.serve_cli", "main", "serve a checkpoint over HTTP (torch engine)"),
+    "serve": ("rlpipe.engines.serve_cli", "main", "serve a checkpoint, run folder or model over HTTP (torch engine)"),
     "replay": ("rlpipe.flows.replay", "main", "recompute an RL step from the tables and compare"),
 }
 

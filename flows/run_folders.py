@@ -4,7 +4,9 @@
 same config (a finished run is returned as it is); `overwrite` clears it first, unless another
 process runs it or a run inside it or around it. A flow run of a Prefect deployment gets a folder
 of its own, `<run_name>-<first 8 characters of the flow run id>`, unless its parameters say
-`resume` or `overwrite` (which act on `<runs_root>/<run_name>`).
+`resume` or `overwrite` (which act on `<runs_root>/<run_name>`); its checkpoints are registered
+under `tracking.registered_model`, else the deployment's `run_name` (never the folder's name), so a
+deployment's runs are versions of one registered model per phase, told apart by their `run_dir` tag.
 
 The run directory itself (run.json, tracking, the phase's lifecycle) is flows/common.py.
 """
@@ -132,8 +134,10 @@ def run_folder(config: RunConfig, *, resume: bool = False, overwrite: bool = Fal
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other")
     name = deployment_run_name(config.run_name, flow_run_id, resume, overwrite)
-    if name != config.run_name:
-        config = config.model_copy(update={"run_name": name})
+    if name != config.run_name:  # the deployment's runs: versions of one registered model per phase
+        tracking = config.tracking.model_copy(
+            update={"registered_model": config.tracking.registered_model or config.run_name})
+        config = config.model_copy(update={"run_name": name, "tracking": tracking})
     run_dir = config.run_dir
     exists = (run_dir / "run.json").is_file()
     if exists and not (resume or overwrite):
@@ -143,6 +147,10 @@ def run_folder(config: RunConfig, *, resume: bool = False, overwrite: bool = Fal
         if not (run_dir / "config.json").is_file():
             raise ValueError(f"nothing to resume: {run_dir} holds no run (no config.json)")
         saved = compile_resolved(stored_config_data(read_json(run_dir / "config.json")), config)
+        if registered := (saved.get("tracking") or {}).get("registered_model"):
+            if not config.tracking.registered_model:  # a deployment's run: the name it registers under
+                config = config.model_copy(update={
+                    "tracking": config.tracking.model_copy(update={"registered_model": registered})})
         if differ := config_differences(saved, compile_resolved(config.model_dump(mode="json"), config)):
             raise ValueError(f"refusing to resume {run_dir} with another config ({', '.join(differ[:5])} "
                              "differ from its config.json); overwrite=true starts over")

@@ -42,8 +42,9 @@ from rlpipe.flows.launch import (
 from rlpipe.flows.prefect_api import embedded_server_in_own_session
 from rlpipe.flows.run_folders import clear_run_dir, refuse_locked_overwrite, resumed_with
 from rlpipe.rollouts.batch_makers import BatchMakerError
-from rlpipe.storage.layout import human_bytes, run_folder_bytes
+from rlpipe.storage.layout import size_lines
 from rlpipe.storage.runlock import RunLockedError, acquire_run_lock, release_run_lock
+from rlpipe.storage.tracking import default_artifact_root
 from rlpipe.tasks.config import RunConfig, load_config, read_run_config, validate_config
 from rlpipe.tasks.preflight import preflight
 
@@ -90,19 +91,19 @@ def summary_lines(config: RunConfig, result: dict, seconds: float) -> list[str]:
         lines.append(f"  (SFT imitated a teacher that forgets every carry in {teacher_error:.0%} of its "
                      "demonstrations; RL learned from the exact verifier)")
     if run_dir.is_dir():
-        size = run_folder_bytes(run_dir)
-        lines.append(f"  run folder {human_bytes(size['total'])}: tables {human_bytes(size['tables'])}, checkpoints "
-                     f"{human_bytes(size['checkpoints'])}, other {human_bytes(size['other'])}")
+        lines += size_lines(run_dir, default_artifact_root(config.runs_root))
     table_dir = run_dir / "rl" if config.flow == "pipeline" else run_dir
     tracking = Path(config.runs_root).resolve() / "mlflow.db"
     lines += [
         "",
         "Where to look:",
-        f"  rlpipe sql {table_dir} --query reward_by_step",
-        f"  rlpipe sql {table_dir} --query zero_variance_by_step",
-        *([f"  rlpipe sql {table_dir} --query env_by_step   (per environment of the mixture)"]
-          if config.task.envs else []),
-        f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\"",
+        *([f"  rlpipe sql {table_dir} --query loss_by_step", f"  rlpipe sql {table_dir} --query eval_by_step"]
+          if config.flow in ("sft", "pretrain") else [  # a supervised run samples nothing: no scores
+            f"  rlpipe sql {table_dir} --query reward_by_step",
+            f"  rlpipe sql {table_dir} --query zero_variance_by_step",
+            *([f"  rlpipe sql {table_dir} --query env_by_step   (per environment of the mixture)"]
+              if config.task.envs else []),
+            f"  rlpipe sql {table_dir} \"select step, avg(reward) from scores group by step order by step\""]),
         f"  rlpipe report {table_dir}" + (f" {run_dir / 'sft'}" if config.flow == "pipeline" else "")
         + f"   (writes {table_dir / 'report.html'})",
         f"  mlflow ui --backend-store-uri sqlite:///{tracking}   (after pip install -e '.[ui]' in the checkout)",

@@ -157,3 +157,38 @@ def human_bytes(count: int) -> str:
     if unit == "B":
         return f"{int(size)} B"
     return f"{size:.3g} {unit}" if size < 1000 else f"{size:.0f} {unit}"
+
+
+def mlflow_run_ids(run_dir: str | os.PathLike) -> list[str]:
+    """The MLflow run ids a run folder's run.json files name (a pipeline's and its phases')."""
+    root, found = Path(run_dir), []
+    for path in (root / "run.json", *sorted(root.glob("*/run.json"))):
+        try:
+            run_id = json.loads(path.read_text()).get("mlflow_run_id")
+        except (OSError, ValueError):
+            continue
+        if run_id:
+            found.append(run_id)
+    return found
+
+
+def size_lines(run_dir: str | os.PathLike, artifact_root: str | None) -> list[str]:
+    """The run summary's size lines: the run folder by kind, then what its MLflow runs keep under
+    `artifact_root` (a file URI; None: a store that decides for itself, not counted), telling hard
+    links to the checkpoints' files (no space of their own) from bytes of their own."""
+    from rlpipe.storage.model_artifacts import artifact_bytes, local_artifact_path
+
+    size = run_folder_bytes(run_dir)
+    lines = [f"  run folder {human_bytes(size['total'])}: tables {human_bytes(size['tables'])}, checkpoints "
+             f"{human_bytes(size['checkpoints'])}, other {human_bytes(size['other'])}"]
+    run_ids = mlflow_run_ids(run_dir)
+    if not run_ids:
+        return lines
+    root = None if artifact_root is None else local_artifact_path(artifact_root)
+    if root is None:
+        return [*lines, "  MLflow artifacts: in the tracking server's store (not counted here)"]
+    folders = [folder for run_id in run_ids for folder in root.glob(f"*/{run_id}")]
+    stored = artifact_bytes(folders, Path(run_dir))
+    return [*lines, f"  MLflow artifacts {human_bytes(stored['total'])} in {root}: {human_bytes(stored['linked'])} "
+            f"hard links to checkpoint files (no space of their own), {human_bytes(stored['own'])} of their own; "
+            f"written in all {human_bytes(size['total'] + stored['own'])}"]

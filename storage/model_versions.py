@@ -1,5 +1,6 @@
 """Registered model versions read back from MLflow (storage/tracking.py writes them): a version
-named by a models:/NAME@alias or models:/NAME/VERSION URI, and its checkpoint downloaded."""
+named by a models:/NAME@alias or models:/NAME/VERSION URI, and its files: read in place on a
+local artifact store (`model_folder`), downloaded otherwise."""
 
 from __future__ import annotations
 
@@ -8,6 +9,34 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.storage.tracking import WEIGHTS_REMOVED_TAG, tracking_client
+
+
+def registry_uri(runs_root: str | os.PathLike, what: str = "a models:/ URI") -> str:
+    """The MLflow registry `models:/` URIs are read from: $MLFLOW_TRACKING_URI, else the runs
+    root's own database (which must exist: nothing is created to look); `what` names the reader in
+    the one-line ValueError."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    database = Path(runs_root).resolve() / "mlflow.db"
+    if not database.is_file():
+        raise ValueError(f"no MLflow registry at {database} to read {what} from "
+                         "(set MLFLOW_TRACKING_URI, or give a checkpoint folder)")
+    return f"sqlite:///{database}"
+
+
+def model_folder(tracking_uri: str, model_uri: str) -> Path:
+    """The folder holding a registered version's files: its artifact folder itself on a local
+    store (no copy: storage/model_artifacts.py), else a download. ValueError in one line for a URI
+    that does not resolve or a version whose weights retention removed."""
+    from rlpipe.storage.model_artifacts import local_artifact_path
+
+    version = resolve_model_version(tracking_client(tracking_uri), model_uri)
+    if (removed := version.tags.get(WEIGHTS_REMOVED_TAG)) is not None:
+        raise ValueError(f"{model_uri} (version {version.version}) has no weights: {removed}")
+    local = local_artifact_path(version.source)
+    if local is not None and local.is_dir():
+        return local
+    return download_model(tracking_uri, model_uri)
 
 
 def download_model(

@@ -218,12 +218,15 @@ def run_with_tables(fn: Callable, tables: tuple[StageTable, ...], check: Callabl
 
 
 def stage(name: str, retries: int = 0, retry_delay_seconds: float = 1.0, *,
-          tables: tuple[StageTable, ...] = (), check: Callable[[Any], None] | None = None
-          ) -> Callable[[Callable], Any]:
+          tables: tuple[StageTable, ...] = (), check: Callable[[Any], None] | None = None,
+          works: Callable[[Mapping[str, Any]], bool] | None = None) -> Callable[[Callable], Any]:
     """Decorate a stage function: calling it runs the stage `name` through the current runner
     (core/stage_runs.py `run_stage`: a Prefect task run in a flow, else a plain call with the
     same retries) that writes `tables` (read back instead of recomputed on resume;
     `run_with_tables`), then runs `check(result)`, which may raise.
+
+    works(keyword arguments): whether this call does the stage's work; a call that does not (a
+    step whose checkpoint is not due) is a plain call with its tables, never a task run of its own.
 
     The plain function, without tables, stays available as `.fn`.
     """
@@ -237,6 +240,8 @@ def stage(name: str, retries: int = 0, retry_delay_seconds: float = 1.0, *,
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             raise_if_terminated()  # a SIGTERM whose exception was swallowed stops the run here
+            if works is not None and not works(kwargs):
+                return body(*args, **kwargs)
             return run_stage(name, body, args, kwargs, retries=retries, retry_delay_s=retry_delay_seconds)
 
         run.fn = fn

@@ -265,8 +265,9 @@ class MlflowTracker(_EndOnExit):
             self.client.log_artifact(self._active(), str(path), artifact_path)
 
     def register_checkpoint(self, checkpoint_dir, model_name, tags=None) -> str:
-        """Log the folder as artifacts `checkpoints/<folder name>` and make it a new version of
-        `model_name` (created if needed). Returns the version number as text.
+        """Log the folder's model files as artifacts `checkpoints/<folder name>` (hard links to them
+        on a local store; never the training state: storage/model_artifacts.py) and make them a new
+        version of `model_name` (created if needed). Returns the version number as text.
 
         Idempotent for a checkpoint whose tags name its `step` and `sha256`: when this MLflow run
         already registered a version of `model_name` with both, that version is returned and
@@ -278,12 +279,14 @@ class MlflowTracker(_EndOnExit):
         if (existing := self.registered_version(model_name, dict(tags or {}))) is not None:
             return existing
         artifact_path = f"checkpoints/{folder.name}"
-        self.client.log_artifacts(run_id, str(folder), artifact_path)
+        from rlpipe.storage.model_artifacts import log_model_files
+
+        stored = log_model_files(self.client, run_id, folder, artifact_path)
         if not self.client.search_registered_models(filter_string=f"name = '{model_name}'"):
             self.client.create_registered_model(model_name)
         source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
         version = self.client.create_model_version(
-            model_name, source=source, run_id=run_id, tags={**self.lineage_tags, **dict(tags or {})}
+            model_name, source=source, run_id=run_id, tags={**self.lineage_tags, **dict(tags or {}), **stored}
         )
         return str(version.version)
 

@@ -145,12 +145,13 @@ CHECKPOINT_TABLES = (
 """The step's `train_steps` row before anything else; the `checkpoints` row at once after the checkpoint."""
 
 
-@stage("checkpoint", tables=CHECKPOINT_TABLES)
+@stage("checkpoint", tables=CHECKPOINT_TABLES, works=lambda kwargs: bool(kwargs.get("checkpoint")))
 def checkpoint_task(*, train_row: dict, checkpoint: bool, run_dir: Path, run_id: str, step: int,
                     **kwargs) -> dict | None:
     """Finish a step: its `train_steps` row (`train_row`), then (when `checkpoint`) every queued
     table write on disk, the checkpoint that marks the step done, and its `checkpoints` row
-    (returned) written at once.
+    (returned) written at once. A step whose checkpoint is not due writes its row in a plain call:
+    no `checkpoint` task run that does nothing.
 
     A resume starts after the newest checkpoint, so nothing the step wrote may still be queued when
     it appears; its registered version and the `checkpoints` row come right after, and

@@ -17,27 +17,15 @@ from pathlib import Path
 from typing import Any
 
 
-def registry_uri(runs_root: str | os.PathLike) -> str:
-    """The MLflow registry a `models:/` teacher is read from: $MLFLOW_TRACKING_URI, else the runs
-    root's own database (which must exist: nothing is created to look)."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    database = Path(runs_root).resolve() / "mlflow.db"
-    if not database.is_file():
-        raise ValueError(f"no MLflow registry at {database} to read a models:/ teacher from "
-                         "(set MLFLOW_TRACKING_URI, or give a checkpoint folder)")
-    return f"sqlite:///{database}"
-
-
 def teacher_folder(spec: str, runs_root: str | os.PathLike) -> Path:
     """The local folder of the teacher `spec` names: a checkpoint folder, a registered version
     (`models:/NAME@alias`, `models:/NAME/VERSION`) or a hub id ORG/NAME[@REVISION]."""
     from rlpipe.models.loading import resolve_model_path
 
     if spec.startswith("models:/"):
-        from rlpipe.storage.model_versions import download_model
+        from rlpipe.storage.model_versions import model_folder, registry_uri
 
-        return download_model(registry_uri(runs_root), spec)
+        return model_folder(registry_uri(runs_root, "a models:/ teacher"), spec)  # in place on a local store
     return resolve_model_path(spec)
 
 

@@ -72,7 +72,7 @@ COMMANDS: dict[str, str] = {
     # "On a GPU"
     "rlpipe run configs/gpu.toml": GPU,
     "rlpipe run configs/gpu.toml --set flow=rl --set model.path=/models/Qwen3-0.6B": GPU,
-    "rlpipe serve CHECKPOINT --device cuda": GPU,
+    "rlpipe serve MODEL --device cuda": GPU,
     "python -m pytest -m gpu": "collects tests/gpu from the repository root (skipped without CUDA); "
                                "tests/unit/test_gpu_checks_path.py checks what it collects",
     "python -m benchmarks.bench_gpu": GPU,
@@ -104,7 +104,7 @@ COMMANDS: dict[str, str] = {
     "rlpipe run --overwrite": PLACEHOLDER,
     "rlpipe resume": PLACEHOLDER,
     "rlpipe serve --token-file F": PLACEHOLDER,
-    "rlpipe serve CHECKPOINT": PLACEHOLDER,
+    "rlpipe serve MODEL": PLACEHOLDER,
     "rlpipe sql": PLACEHOLDER,
     "rlpipe serve": PLACEHOLDER,
     # "Prefect deployments"

@@ -81,6 +81,7 @@ async def main():
     print(json.dumps({"flows": [{"id": str(r.id), "name": r.name, "state": r.state_name,
                                  "subflow": r.parent_task_run_id is not None} for r in flows],
                       "tasks": [str(t.flow_run_id) for t in tasks],
+                      "checkpoint_tasks": [str(t.flow_run_id) for t in tasks if t.task_key.startswith("checkpoint")],
                       "deployments": sorted(f"{flow_names[d.flow_id]}/{d.name}" for d in deployments)}))
 
 asyncio.run(main())
@@ -162,6 +163,9 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         subflow = names[f"{run_dir.name}/{phase}"]
         assert subflow["subflow"] and subflow["state"] == "Completed"
         assert subflow["id"] in listed["tasks"], f"no task runs in the {phase} subflow"
+    # a checkpoint task run only where a checkpoint was saved: SFT's last step, RL's steps 2 and 4
+    checkpoint_runs = [listed["checkpoint_tasks"].count(names[f"{run_dir.name}/{phase}"]["id"]) for phase in ("sft", "rl")]
+    assert checkpoint_runs == [1, 2], checkpoint_runs
 
     # the run it made: both phases' tables and checkpoints, registered in MLflow with aliases
     from mlflow import MlflowClient
@@ -172,10 +176,12 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
     assert read_table(run_dir / "sft", "train_steps").num_rows == SFT_STEPS
     assert read_table(run_dir / "rl", "rollouts").num_rows > 0
     assert sorted(read_table(run_dir / "rl", "checkpoints").column("step").to_pylist()) == [2, 4]
+    # both flow runs are versions of the deployment's two models, one per phase, told apart by run_dir
     client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
-    versions = [v for v in client.search_model_versions(f"name='{run_dir.name}'")]
-    assert {v.tags.get("step") for v in versions} == {"2", "4"}
-    assert all(v.tags.get("run_dir") == str((run_dir / "rl").resolve()) for v in versions)
-    assert client.search_model_versions(f"name='{run_dir.name}-sft'")
+    assert sorted(m.name for m in client.search_registered_models()) == ["tiny", "tiny-sft"]
+    versions = client.search_model_versions("name='tiny'")
+    assert {v.tags.get("run_dir") for v in versions} == {str((folder / "rl").resolve()) for folder in runs.glob("tiny-*")}
+    assert {v.tags.get("step") for v in versions if v.tags.get("run_dir") == str((run_dir / "rl").resolve())} == {"2", "4"}
+    assert len({v.tags.get("run_dir") for v in client.search_model_versions("name='tiny-sft'")}) == 2
     # nothing of ours is left running
     assert server.poll() is not None and (worker is None or worker.poll() is not None)

@@ -66,8 +66,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
     out = report.write_report([tmp_path / "rl", tmp_path / "sft"], tmp_path / "report.html")
     expected = [item["id"] for section in report.report_data([tmp_path / "rl", tmp_path / "sft"])["sections"]
                 for item in section["plots"] if "series" in item]
-    assert {"reward", "zero_variance", "attempts", "completion_length", "loss", "grad_norm", "lr",
-            "train_tps", "seconds_total", "eval_arithmetic"} <= set(expected)
+    assert {"reward", "zero_variance", "attempts", "completion_length", "loss_sft", "loss_rl", "grad_norm_rl",
+            "lr_sft", "train_tps_rl", "seconds_total_sft", "eval_arithmetic_sft", "eval_arithmetic_rl"} <= set(expected)
 
     done = _run(chromium, tmp_path, "--dump-dom", out.as_uri())
     assert done.returncode == 0, done.stderr[-2000:]
@@ -81,10 +81,12 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert sorted(drawn) == sorted(expected) and int(n_plots) == len(expected)
     assert all(points > 0 for points in drawn.values()), drawn
     assert int(n_points) == sum(drawn.values())
-    assert drawn["loss"] == 2 * len(STEPS)  # two runs overlaid
+    assert drawn["loss_sft"] == drawn["loss_rl"] == len(STEPS)  # one plot per phase, each on its own steps
+    assert ">SFT step</text>" in done.stdout and ">RL step</text>" in done.stdout
     assert drawn["reward"] == len(STEPS)  # the SFT run has no scores
     assert done.stdout.count('class="kind-best"') == len(STEPS)  # one best sample per step
-    assert "has no rows in 'scores'" in done.stdout  # the visible note
+    assert "tiny/sft is an SFT run: it samples no completions" in done.stdout  # said once, at the top
+    assert "has no rows in" not in done.stdout  # not again in every RL section
 
     shot = tmp_path / "report.png"
     done = _run(chromium, tmp_path, f"--screenshot={shot}", "--window-size=1400,3000", out.as_uri())

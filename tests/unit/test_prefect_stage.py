@@ -111,3 +111,30 @@ def test_the_eval_stage_reads_a_resumed_steps_evals_back_and_says_so(tmp_path, m
     assert calls == [2]  # evaluated once; the resumed step read its rows back
     assert (first.stored, again.stored) == (False, True)
     assert again.rows == first.rows and again.metrics == first.metrics == {m.EVAL_ACCURACY: 1.0, m.EVAL_REWARD: 0.5}
+
+
+def test_a_step_whose_checkpoint_is_not_due_is_no_task_run_but_still_writes_its_row(tmp_path):
+    """SFT's 40 steps showed 40 `checkpoint` task runs in the Prefect UI, most of them doing
+    nothing: a step whose checkpoint is not due writes its `train_steps` row in a plain call."""
+    from rlpipe.core.stage_runs import stage_runner
+    from rlpipe.storage.stage_tables import StageTable
+    from rlpipe.storage.writer import read_table
+    from rlpipe.tasks.checkpoint import checkpoint_task
+
+    task_runs = []
+
+    def recording(name, fn, retries, retry_delay_s, args, kwargs):
+        task_runs.append((name, kwargs["step"]))
+        return fn(*args, **kwargs)
+
+    row = {"run_id": "r", "step": 3, "mode": "sft"}
+    with stage_runner(recording):
+        assert checkpoint_task(train_row=row, checkpoint=False, run_dir=tmp_path, run_id="r", step=3) is None
+        due = stage("due", tables=(StageTable("evals", rows=lambda result, a: result),),
+                    works=lambda kwargs: kwargs["checkpoint"])(lambda *, checkpoint, run_dir, run_id, step:
+                                                               _evals(step, 1.0))
+        due(checkpoint=True, run_dir=tmp_path, run_id="r", step=4)
+        due(checkpoint=False, run_dir=tmp_path, run_id="r", step=5)
+    assert task_runs == [("due", 4)]
+    assert read_table(tmp_path, "train_steps", 3).to_pylist()[0]["step"] == 3
+    assert [r["step"] for r in read_table(tmp_path, "evals", 5).to_pylist()] == [5]

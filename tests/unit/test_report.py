@@ -130,20 +130,40 @@ def test_sft_only_run_leaves_rollout_plots_out_with_a_note(runs):
     assert data["overview"][0]["last_reward"] is None
 
 
-def test_two_runs_overlay_with_one_colour_per_run(runs):
+def test_an_sft_and_an_rl_folder_get_a_step_axis_each_and_one_note(runs):
+    """The README's `rlpipe report RUN/rl RUN/sft`: SFT step 2 is not RL step 2, so every plot both
+    phases have is drawn once per phase on that phase's own axis; the SFT run's absence from the
+    RL-only sections is said once, not as a banner in each."""
     rl, sft = runs
     data = report.report_data([rl, sft])
     assert [run["run_id"] for run in data["runs"]] == ["demo/rl", "demo/sft"]
     assert len({run["color"] for run in data["runs"]}) == 2
     _, optim = _plots(data, "optim")
-    loss = _solid(optim["loss"])
-    assert set(loss) == {"demo/rl", "demo/sft"}
-    assert loss["demo/sft"]["x"] == list(SFT_STEPS)
-    assert loss["demo/sft"]["y"] == pytest.approx([1.0 / (s + 1) + 1 for s in SFT_STEPS], rel=1e-5)
+    assert list(optim)[:4] == ["loss_sft", "loss_rl", "grad_norm_sft", "grad_norm_rl"]
+    assert (optim["loss_sft"]["title"], optim["loss_sft"]["x_label"]) == ("Loss · SFT", "SFT step")
+    assert (optim["loss_rl"]["title"], optim["loss_rl"]["x_label"]) == ("Loss · RL", "RL step")
+    sft_loss, rl_loss = _solid(optim["loss_sft"]), _solid(optim["loss_rl"])
+    assert set(sft_loss) == {"demo/sft"} and set(rl_loss) == {"demo/rl"}
+    assert sft_loss["demo/sft"]["x"] == list(SFT_STEPS)
+    assert sft_loss["demo/sft"]["y"] == pytest.approx([1.0 / (s + 1) + 1 for s in SFT_STEPS], rel=1e-5)
+    assert rl_loss["demo/rl"]["x"] == list(RL_STEPS)
+    _, evals = _plots(data, "eval")
+    assert {"eval_all_sft", "eval_all_rl", "eval_arithmetic_sft", "eval_arithmetic_rl"} <= set(evals)
     section, reward = _plots(data, "reward")
     assert set(_solid(reward["reward"])) == {"demo/rl"}
-    assert section["notes"] == ["demo/sft has no rows in 'scores', so it is absent here."]
+    assert section["notes"] == []
+    banners = [note for part in [*data["sections"], data["samples"], data["hardest"]] for note in part["notes"]]
+    assert banners == [] and not any("demo/sft" in note for note in data["fates"]["notes"])
+    assert data["notes"] == ["demo/sft is an SFT run: it samples no completions, so it is only in Optimisation, "
+                             "Throughput and time, and Evaluation, on an SFT step axis of its own."]
     assert [row["run_id"] for row in data["overview"]] == ["demo/rl", "demo/sft"]
+
+
+def test_two_runs_of_one_phase_overlay_on_one_axis(runs, tmp_path):
+    rl, _ = runs
+    write_run(tmp_path / "other", "demo2/rl", (0, 1), rl=True, seed=2)
+    _, optim = _plots(report.report_data([rl, tmp_path / "other"]), "optim")
+    assert set(_solid(optim["loss"])) == {"demo/rl", "demo2/rl"} and optim["loss"]["x_label"] == "step"
 
 
 def test_same_run_id_in_two_folders_is_noted(runs, tmp_path):
@@ -211,5 +231,6 @@ def test_clean_makes_cells_json_ready():
 def test_a_run_without_values_of_a_column_has_no_line_there(runs):
     rl, sft = runs
     _, time = _plots(report.report_data([rl, sft]), "time")
-    assert set(_solid(time["generate_tps"])) == {"demo/rl"}  # SFT generates nothing: not in the legend
-    assert set(_solid(time["seconds_train"])) == {"demo/rl", "demo/sft"}
+    assert set(_solid(time["generate_tps_rl"])) == {"demo/rl"}
+    assert "generate_tps_sft" not in time  # SFT generates nothing: no plot of it
+    assert set(_solid(time["seconds_train_sft"])) == {"demo/sft"}

@@ -128,6 +128,27 @@ def test_a_deployment_run_gets_a_folder_of_its_own_unless_it_resumes_or_overwrit
     assert json.loads((config.run_dir / "run.json").read_text())["status"] == "failed"  # untouched
 
 
+def test_a_deployments_runs_register_under_one_name_per_phase(tmp_path):
+    """Every flow run of a deployment registers its checkpoints as versions of the deployment's
+    models (`demo`, `demo-sft`), not of new models named after its own folder; resuming its folder
+    keeps that name."""
+    from rlpipe.flows.common import registered_model_name
+
+    config = config_for(tmp_path, "demo")
+    names = set()
+    for flow_run_id in ("0123abcd-1111", "89abcdef-2222"):
+        with run_folder(config, flow_run_id=flow_run_id) as settled:
+            assert settled.run_dir.name == f"demo-{flow_run_id[:8]}"
+            names.add(registered_model_name(settled))
+            make_run(settled)
+    assert names == {"demo"}
+    named = config_for(tmp_path, "named", tracking={"registered_model": "rlpipe-demo"})
+    with run_folder(named, flow_run_id="0123abcd-1111") as settled:
+        assert registered_model_name(settled) == "rlpipe-demo"
+    with run_folder(config_for(tmp_path, "demo-0123abcd"), resume=True) as resumed:
+        assert registered_model_name(resumed) == "demo"
+
+
 def test_overwrite_clears_the_folder_but_refuses_a_running_run(tmp_path, hold_lock):
     config = config_for(tmp_path)
     make_run(config)

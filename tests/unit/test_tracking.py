@@ -170,3 +170,99 @@ def test_four_runs_starting_together_on_a_fresh_store_all_make_it(tmp_path, monk
     client = MlflowTracker.for_runs_root(tmp_path / "runs").client
     runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["r0", "r1", "r2", "r3"]
+
+
+def _training_checkpoint(folder: Path) -> Path:
+    """A checkpoint laid out as training/checkpoint_io.py writes one: model files, training state,
+    metadata.json hashing them all."""
+    import json
+
+    from rlpipe.training.checkpoint_files import file_hashes
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "qwen3"}')
+    (folder / "model.safetensors").write_bytes(b"w" * 40_000)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "optimizer.pt").write_bytes(b"o" * 80_000)
+    (folder / "rng_state.pt").write_bytes(b"r" * 100)
+    (folder / "data_state.json").write_text('{"cursor": 3}')
+    hashes = file_hashes(folder)
+    (folder / "metadata.json").write_text(json.dumps(
+        {"step": 4, "sha256": "abc", "weight_files": {"model.safetensors": hashes["model.safetensors"]},
+         "files": hashes}))
+    return folder
+
+
+def test_a_version_links_the_model_files_and_leaves_the_training_state_out(runs_root, tmp_path, monkeypatch):
+    """A registered version holds the weights, config and tokenizer as hard links to the checkpoint's
+    files (no second copy), never optimizer.pt, rng_state.pt or data_state.json; its metadata.json
+    says what is left out and where to resume from, and a download of it loads and verifies."""
+    import json
+
+    from rlpipe.storage.model_artifacts import artifact_bytes, local_artifact_path
+    from rlpipe.training.checkpoint_files import verify_checkpoint
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    checkpoint = _training_checkpoint(tmp_path / "run" / "checkpoints" / "step_000004")
+    tracker = MlflowTracker.for_runs_root(runs_root)
+    with tracker.start("linked", "rlpipe-test"):
+        version = tracker.register_checkpoint(checkpoint, "linked-model", tags={"step": "4", "sha256": "abc"})
+    found = tracker.client.get_model_version("linked-model", version)
+    stored = local_artifact_path(found.source)
+    assert sorted(p.name for p in stored.iterdir()) == ["config.json", "metadata.json", "model.safetensors",
+                                                        "tokenizer.json"]
+    assert (stored / "model.safetensors").stat().st_ino == (checkpoint / "model.safetensors").stat().st_ino
+    assert found.tags["rlpipe.artifact_files"] == "linked"
+    assert found.tags["rlpipe.left_out"] == "optimizer.pt rng_state.pt data_state.json"
+    manifest = json.loads((stored / "metadata.json").read_text())
+    assert manifest["left_out"] == ["optimizer.pt", "rng_state.pt", "data_state.json"]
+    assert manifest["resume_from"] == str(checkpoint.resolve()) and "optimizer.pt" not in manifest["files"]
+    assert json.loads((checkpoint / "metadata.json").read_text())["files"]["optimizer.pt"]  # the checkpoint's own
+    downloaded = download_model(tracker.tracking_uri, "models:/linked-model/" + version, tmp_path / "down")
+    assert verify_checkpoint(downloaded)["step"] == 4 and not (downloaded / "optimizer.pt").exists()
+    sizes = artifact_bytes([stored], checkpoint.parent.parent)
+    assert sizes["linked"] == 40_000 + 2 + len('{"model_type": "qwen3"}') and 0 < sizes["own"] < 2000
+
+
+def test_a_version_is_copied_where_the_filesystem_refuses_a_link(runs_root, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def refuse(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", refuse)
+    checkpoint = _training_checkpoint(tmp_path / "step_000004")
+    tracker = MlflowTracker.for_runs_root(runs_root)
+    with tracker.start("copied", "rlpipe-test"):
+        version = tracker.register_checkpoint(checkpoint, "copied-model")
+    found = tracker.client.get_model_version("copied-model", version)
+    assert found.tags["rlpipe.artifact_files"] == "copied"
+    stored = Path(found.source.removeprefix("file://"))
+    assert (stored / "model.safetensors").read_bytes() == b"w" * 40_000 and not (stored / "optimizer.pt").exists()
+
+
+def test_a_remote_store_gets_the_model_files_uploaded_and_no_staging_left(tmp_path):
+    """An MLflow server's store (mlflow-artifacts:/, s3://): the model files are uploaded from a
+    hidden staging folder of hard links beside the checkpoint, which is gone afterwards."""
+    from types import SimpleNamespace
+
+    from rlpipe.storage.model_artifacts import local_artifact_path, log_model_files
+
+    uploaded = {}
+
+    class Client:
+        def get_run(self, run_id):
+            return SimpleNamespace(info=SimpleNamespace(artifact_uri="mlflow-artifacts:/3/abc/artifacts"))
+
+        def log_artifacts(self, run_id, folder, artifact_path):
+            uploaded[artifact_path] = sorted(p.name for p in Path(folder).iterdir())
+
+    checkpoint = _training_checkpoint(tmp_path / "checkpoints" / "step_000004")
+    tags = log_model_files(Client(), "abc", checkpoint, "checkpoints/step_000004")
+    assert tags == {"rlpipe.artifact_files": "uploaded", "rlpipe.left_out": "optimizer.pt rng_state.pt data_state.json"}
+    assert uploaded == {"checkpoints/step_000004": ["config.json", "metadata.json", "model.safetensors", "tokenizer.json"]}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+    assert local_artifact_path("s3://bucket/x") is None and local_artifact_path("file:///a%20b/c") == Path("/a b/c")
