@@ -49,8 +49,10 @@ CHAT_TEMPLATE = (
 MAX_VOCAB = 128
 
 
-def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over `alphabet` (ids: specials 0..3, then characters in order).
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over `alphabet` (ids: specials 0..3, then characters in order),
+    with `chat_template` (default CHAT_TEMPLATE, which ignores `tools`; models/tool_template.py
+    TOOLS_CHAT_TEMPLATE renders them as Qwen3 does).
 
     Raises ValueError if the alphabet repeats a character or the vocabulary would reach 128.
     """
@@ -76,7 +78,7 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast
         pad_token=EOS,
         unk_token=UNK,
         additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=4096,
         padding_side="left",  # generation pads on the left
         clean_up_tokenization_spaces=False,

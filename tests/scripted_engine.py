@@ -1,4 +1,5 @@
-"""A fake engine for tests of rollout loops: plays back token ids chosen from each context."""
+"""Fake engines for tests: one for rollout loops that plays back token ids chosen from each
+context, one for `rlpipe serve` that writes a reply chosen from the prompt's text."""
 
 from __future__ import annotations
 
@@ -28,3 +29,30 @@ class ScriptedEngine:
 
     def close(self):
         pass
+
+
+class ScriptedReplies:
+    """An engine writing a fixed reply per conversation state (decided from the prompt's text)."""
+
+    def __init__(self, model, tokenizer, reply):
+        self.model, self.tokenizer, self.reply = model, tokenizer, reply
+        self.policy_version = 0
+
+    def generate(self, prompts, params, on_token=None, cancelled=None):
+        out = []
+        for prompt in prompts:
+            text = self.reply(self.tokenizer.decode(prompt, skip_special_tokens=False)) + "<|im_end|>"
+            tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
+            out.append([Completion(tokens, [-0.25] * len(tokens), "stop") for _ in range(params.n)])
+        return out
+
+
+def scripted_app(checkpoint, reply, parser):
+    """The app of `rlpipe serve --tool-call-parser PARSER` for `checkpoint`, whose replies are
+    `reply(prompt_text)` (ScriptedReplies) instead of the model's samples."""
+    from rlpipe.engines.serve_app import build_app
+    from rlpipe.engines.serve_generation import ServedModel, load_served_model
+
+    served = load_served_model(checkpoint)
+    engine = ScriptedReplies(served.engine.model, served.tokenizer, reply)
+    return build_app(ServedModel(served.path, served.tokenizer, engine, 0), tool_call_parser=parser)

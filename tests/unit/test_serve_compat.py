@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 from rlpipe.engines.base import Completion
 from rlpipe.engines.serve_app import build_app
-from rlpipe.engines.serve_generation import ServedModel, load_served_model
+from rlpipe.engines.serve_generation import load_served_model
 from rlpipe.envs.base import Example
 from rlpipe.envs.calculator import TOOL, CalculatorEnv, run_tool
 from rlpipe.models.chat import template_ids
@@ -21,6 +21,8 @@ from rlpipe.models.presets import build_model
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.models.tool_calls import CalculatorParser, HermesParser, ToolCall
 from rlpipe.training.checkpoint_io import save_checkpoint
+
+from tests.scripted_engine import scripted_app
 
 openai = pytest.importorskip("openai")
 
@@ -195,28 +197,6 @@ def test_vllm_request_shapes_field_by_field(client):
 
 
 # ----------------------------------------------------------------------------- tool calls
-
-
-class ScriptedReplies:
-    """An engine writing a fixed reply per conversation state (decided from the prompt's text)."""
-
-    def __init__(self, model, tokenizer, reply):
-        self.model, self.tokenizer, self.reply = model, tokenizer, reply
-        self.policy_version = 0
-
-    def generate(self, prompts, params, on_token=None, cancelled=None):
-        out = []
-        for prompt in prompts:
-            text = self.reply(self.tokenizer.decode(prompt, skip_special_tokens=False)) + "<|im_end|>"
-            tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
-            out.append([Completion(tokens, [-0.25] * len(tokens), "stop") for _ in range(params.n)])
-        return out
-
-
-def scripted_app(checkpoint, reply, parser):
-    served = load_served_model(checkpoint)
-    engine = ScriptedReplies(served.engine.model, served.tokenizer, reply)
-    return build_app(ServedModel(served.path, served.tokenizer, engine, 0), tool_call_parser=parser)
 
 
 def calculator_reply(prompt_text: str) -> str:
