@@ -133,6 +133,10 @@ COMMANDS: dict[str, str] = {
     "rlpipe serve runs/multiturn/rl/checkpoints/step_000040 --served-model-name calc-agent \\":
         "a long-running server on a fixed port; tests/integration/test_serve_calculator_agent.py "
         "serves the trained agent with --served-model-name and --tool-call-parser calculator on a free port",
+    "python -m rlpipe.engines.tool_check tiny-tools": RUN,
+    "rlpipe serve tiny-tools --tool-call-parser hermes":
+        "a long-running server on a fixed port; the command before it serves the same folder with "
+        "--tool-call-parser hermes on a free port, and tests/unit/test_serve_tools.py serves it in process",
 }
 
 

@@ -62,6 +62,7 @@ SHOWS = {
     "rlpipe sql runs/demo/rl/rescore/strict --query rescore_compare": "60 row(s)",
     'rlpipe sql runs "select run, step, avg(reward) from scores group by all order by all"': "demo/rl",
     "rlpipe run --help-config": "rl.loss.type",
+    "python -m rlpipe.engines.tool_check tiny-tools": "tool_check: ok",
 }
 
 
