@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
@@ -233,7 +234,7 @@ STOP_GRACE_S = 60.0
 """Seconds rank 0 has to stop its run after losing a peer (as on SIGTERM) before it exits at once."""
 
 
-def stop_lost_rank(rank: int):
+def stop_lost_rank(rank: int) -> Callable[[str], None]:
     """What a rank does when its heartbeat thread finds a peer lost (training/peer_watch.py): say
     so, leave the line for the launcher, then rank 0 stops its run as on SIGTERM (tables drain,
     run.json says failed; it exits anyway after STOP_GRACE_S, where a collective with a vanished

@@ -1,7 +1,7 @@
 """Which ranks of a data-parallel run still live, so a failed collective names the rank it lost.
 
-    watch = start_watch(env.rank, env.world_size)   # every rank, after init_process_group
-    lost = watch.silent()                           # after a failure: the ranks that stopped beating
+    watch = start_watch(env.rank, env.world_size, lost_after_s, on_lost)   # every rank, after init_process_group
+    lost, where = watch.silent()     # after a failure: the ranks that stopped beating, where they ran
     watch.close()
 
 A gloo collective whose peer process died fails at once, with "Connection closed by peer
@@ -127,7 +127,10 @@ class PeerWatch:
         soon as every other rank beat. Raises StoreLost where the store does not answer."""
         try:
             store = _client(self.host, self.port, timeout_s=silent_s)
-            counts = lambda: [store.add(beat_key(r), 0) for r in range(self.world_size)]  # noqa: E731
+
+            def counts() -> list[int]:
+                return [store.add(beat_key(r), 0) for r in range(self.world_size)]
+
             first, alive = counts(), set()
             deadline = time.monotonic() + silent_s
             while (left := stopped(first, counts(), alive, self.rank)) and time.monotonic() < deadline:
