@@ -27,7 +27,8 @@ INSTALL = "installs from the package registries (the Makefile's targets install 
 SLOW = "runs the whole suite or the benchmarks; `make test` itself is the check"
 SERVER = "a long-running server on a fixed port; tests/integration/test_deployments.py runs this sequence on a free port"
 PLACEHOLDER = "names a command with placeholders (CONFIG, RUN_DIR, CKPT, ...) or a bare subcommand in prose"
-MULTINODE = "needs several machines (tests/integration/test_distributed_run.py runs the launcher on one)"
+MULTINODE = ("needs several machines (tests/integration/test_multinode_run.py runs two nodes of one rank each on "
+             "127.0.0.1, test_distributed_run.py the launcher of one)")
 
 COMMANDS: dict[str, str] = {
     # "Set-up, then two commands"
