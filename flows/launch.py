@@ -262,14 +262,16 @@ def lost_peers(error: BaseException) -> str | None:
     watch = active()
     if watch is None:
         return None
+    on_lost, watch.on_lost = watch.on_lost, None  # meanwhile the heartbeat thread must not stop the rank
     try:
         lost, where = watch.silent(SILENT_S)
         what = lost_line(lost, where, watch.world_size, SILENT_S) if lost else None
     except StoreLost as gone:
         what = f"lost node 0: {gone}"
     if what is None:
+        watch.on_lost = on_lost
         return None
-    watch.close()  # said here: the heartbeat thread need not stop this rank as well
+    watch.close()
     cause = re.sub(r"^\[[^\]]*:\d+\] ", "", " ".join(str(error).split()))  # gloo's "[pair.cc:553] "
     line = f"{what} ({type(error).__name__}: {cause[:160]}{'…' if len(cause) > 160 else ''})"
     report_to_launcher(line)

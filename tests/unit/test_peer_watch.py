@@ -111,11 +111,13 @@ def test_a_failed_rank_reports_the_lost_peer_to_its_launcher(store, tmp_path, mo
     monkeypatch.setattr(peer_watch, "SILENT_S", 0.5)
     dead = PeerWatch(1, 2, "127.0.0.1", port, beat_s=0.05).start()
     dead.close()
-    peer_watch.start_watch(0, 2)
-    try:
-        line = lost_peers(RuntimeError("Connection closed by peer [127.0.0.1]:4242"))
+    stopped_by_watch: list[str] = []
+    peer_watch.start_watch(0, 2, lost_after_s=0.1, on_lost=stopped_by_watch.append)
+    try:  # the heartbeat thread would find rank 1 lost too: it keeps quiet while lost_peers says it
+        line = lost_peers(RuntimeError("[/src/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"))
     finally:
         peer_watch.stop_watch()
+    assert stopped_by_watch == []
     assert line.startswith("lost rank 1 (node ?, host ") and line.endswith(
         "(RuntimeError: Connection closed by peer [127.0.0.1]:4242)")
     assert json.loads((tmp_path / "error.json").read_text())["message"] == line
