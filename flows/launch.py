@@ -193,6 +193,10 @@ def run_rank(config, run) -> int:
 
     die_with_launcher()
     env = init_from_environment(resolve_device(config.device).type, config.train.parallel_timeout_s)
+    if env.rank == 0:  # SIGTERM outside the run's own stop (its set-up, its failure path): exit through
+        # atexit, which stops the embedded Prefect server; other ranks keep the default, which ends
+        # them even while they wait in a collective
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if env.world_size > 1:
         start_watch(env.rank, env.world_size, config.train.peer_timeout_s, stop_lost_rank(env.rank))
     try:
