@@ -393,11 +393,34 @@ def headline_curriculum(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                            "RL seconds"], rows) + ["", note]
 
 
+def headline_cluster_scoring(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    runs, settings, load = results["runs"], results["settings"], results["machine"].get("loadavg")
+    rows = [[r["setting"], f"{r['completions_per_second']:.1f}", f"{r['vs_in_process']:.2f}×",
+             " ".join(f"{x:.1f}" for x in r["all"]), r["batch_overhead_ms"]] for r in runs]
+    cluster = [r for r in runs if r["workers"]]
+    summary = ("Dask " + ", ".join(f"{r['workers']} worker(s) ×{r['vs_in_process']:.2f}" for r in cluster)
+               + " the in-process completions/s; per-batch overhead "
+               + "–".join(f"{r['batch_overhead_ms']:.0f}" for r in (min(cluster, key=lambda r: r["batch_overhead_ms"]),
+                                                                   max(cluster, key=lambda r: r["batch_overhead_ms"])))
+               + f" ms (on {results['machine']['cpus']} CPU cores)")
+    note = (f"{settings['completions']} completions of the code task (each its reference solution, run in the sandbox "
+            f"against {settings['tests_per_completion']:.1f} hidden tests on average), batches of "
+            f"{settings['batch_size']}, median of {settings['repeats']} round(s) after a warm-up round. The per-batch "
+            "overhead is one batch of one arithmetic rollout (a reward that costs nothing) end to end: submit, a "
+            "Prefect task run on the worker, the result back. Worker processes share this machine's "
+            f"{results['machine']['cpus']} cores with the flow's process"
+            + (f" and other work (load average {load[0]:.1f} at the end)" if load else "")
+            + ", so more workers than cores cannot add throughput here: the table measures the cluster path's cost, "
+            "not the scaling of workers on machines of their own.")
+    return summary, table(["setting", "completions/s (median)", "× in process", "each repeat",
+                           "per-batch overhead ms"], rows) + ["", note]
+
+
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
              "trl": headline_trl, "losses": headline_losses, "async": headline_async,
              "distributed": headline_distributed, "compile": headline_compile, "curriculum": headline_curriculum,
-             "bytes": headline_bytes}
+             "bytes": headline_bytes, "cluster_scoring": headline_cluster_scoring}
 
 
 def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:

@@ -44,6 +44,7 @@ BENCHMARKS = {
     "compile": "train.compile on the CPU: eager vs compiled decoder layers, train-step tokens/s and compile time",
     "curriculum": "Curriculum: the demo's RL phase with rl.curriculum.type = none and pass_rate, same SFT start and seeds",
     "bytes": "Bytes per token: rollouts, train_tokens and checkpoints per generated and trained token, vs JSONL",
+    "cluster_scoring": "Score stage on a cluster: code-task completions/s in process vs a local Dask cluster of 1, 2, 4 workers",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -60,6 +61,7 @@ QUICK_ARGS = {
     "compile": ["--repeats", "2"],
     "curriculum": ["--sft-steps", "300", "--rl-steps", "30"],
     "bytes": ["--steps", "1"],
+    "cluster_scoring": ["--completions", "64", "--repeats", "1"],
 }
 
 
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="",
                         help="comma-separated subset of " + ",".join(BENCHMARKS) + " (the others keep their "
-                        "results from the last runs/bench/all.json)")
+                        "results from the last runs/bench/all.json, with its machine, load averages and ceiling)")
     parser.add_argument("--quick", action="store_true",
                         help="smaller runs: " + "; ".join(f"{k} {' '.join(v)}" for k, v in QUICK_ARGS.items()))
     parser.add_argument("--render", action="store_true", help="only re-render the document from runs/bench/all.json")
@@ -206,9 +208,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_all(names: list[str], out_dir: Path, quick: bool, previous: dict | None) -> dict:
     """Run `names` one after another; with `previous`, keep its results for the others."""
     start, load_start = time.perf_counter(), os.getloadavg()
-    report = {"machine": machine(), "loadavg_start": load_start,
-              "ceiling_gflops": {"float32": matmul_gflops(torch.float32), "bfloat16": matmul_gflops(torch.bfloat16)},
-              "quick": quick, "benchmarks": {}}
+    if previous is not None:  # the others' figures stay as their run measured them: its machine and ceiling
+        report = {**previous, "benchmarks": {}}
+    else:
+        report = {"machine": machine(), "loadavg_start": load_start, "quick": quick, "benchmarks": {},
+                  "ceiling_gflops": {"float32": matmul_gflops(torch.float32), "bfloat16": matmul_gflops(torch.bfloat16)}}
     kept = (previous or {}).get("benchmarks", {})
     for name in BENCHMARKS:
         if name in names:
@@ -218,8 +222,9 @@ def run_all(names: list[str], out_dir: Path, quick: bool, previous: dict | None)
                   + (" (FAILED)" if "error" in report["benchmarks"][name] else ""), flush=True)
         elif name in kept:
             report["benchmarks"][name] = kept[name]
-    report["loadavg_end"] = os.getloadavg()
-    report["seconds"] = time.perf_counter() - start
+    if previous is None:
+        report["loadavg_end"] = os.getloadavg()
+        report["seconds"] = time.perf_counter() - start
     return report
 
 

@@ -14,14 +14,30 @@ others and raises ChildFailedError naming it; the run directory's run.json then 
 
 No restarts (max_restarts = 0): a restarted rank would rejoin a flow whose other ranks already
 failed; resuming the whole run from its checkpoint is the recovery.
+
+A lost node (more than one node: --nnodes M): torch's launcher starts each rank in a session of
+its own, so a killed launcher left its ranks running as orphans; each rank now gets SIGTERM when
+its launcher dies (Linux's parent-death signal), so a node's launcher and its ranks end together.
+Every rank beats in the launch's store (training/peer_watch.py). A rank whose collective fails
+because a peer process died learns within 5 s which rank it lost, prints one line naming it,
+leaves that line in its launcher's error file and exits 1; a rank whose peer stops beating for
+train.peer_timeout_s (30 s) does the same wherever it is (rank 0 through its SIGTERM stop). Each
+launcher then fails with one line naming its own failed ranks and what they lost, and the resume
+command of every node.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import re
+import signal
 import sys
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
@@ -109,7 +125,9 @@ def failure_message(error) -> str:
                 how = f"killed by {signal.Signals(-failure.exitcode).name}"
             except ValueError:
                 pass
-        lines.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}")
+        said = failure.error_file_data.get("message")  # a rank's own line (report_to_launcher)
+        lines.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
+                     + (f": {said}" if isinstance(said, str) and said else ""))
     return "; then ".join(lines)
 
 
@@ -161,3 +179,113 @@ def launched_rank():
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
+
+
+def run_rank(config, run) -> int:
+    """A launched rank: end with the launcher, join the process group and beat in its store;
+    rank 0 runs `run()` and then releases the others, which train. A rank > 0 whose collective
+    fails because it lost a peer says which (`lost_peers`) and exits 1."""
+    import torch.distributed as dist
+    from rlpipe.models.device import resolve_device
+    from rlpipe.tasks.ranks import end_run, follow_ranks
+    from rlpipe.training.distributed import init_from_environment
+    from rlpipe.training.peer_watch import start_watch, stop_watch
+
+    die_with_launcher()
+    env = init_from_environment(resolve_device(config.device).type, config.train.parallel_timeout_s)
+    if env.rank == 0:  # SIGTERM outside the run's own stop (its set-up, its failure path): exit through
+        # atexit, which stops the embedded Prefect server; other ranks keep the default, which ends
+        # them even while they wait in a collective
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if env.world_size > 1:
+        start_watch(env.rank, env.world_size, config.train.peer_timeout_s, stop_lost_rank(env.rank))
+    try:
+        if env.rank > 0:
+            try:
+                follow_ranks()
+            except Exception as error:
+                if (lost := lost_peers(error)) is None:
+                    raise
+                print(f"rlpipe: rank {env.rank} failed: {lost}", file=sys.stderr)
+                return 1
+            return 0
+        code = run()
+        if code == 0:
+            end_run()
+        return code
+    finally:
+        stop_watch()
+        # wrapped models first: a DDP reducer freed after its process group can hang the exit
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def die_with_launcher() -> None:
+    """SIGTERM to this process when its parent, the launcher, dies (Linux's PR_SET_PDEATHSIG; a
+    no-op elsewhere): rank 0 then stops its run as on any SIGTERM, the other ranks end at once."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+STOP_GRACE_S = 60.0
+"""Seconds rank 0 has to stop its run after losing a peer (as on SIGTERM) before it exits at once."""
+
+
+def stop_lost_rank(rank: int) -> Callable[[str], None]:
+    """What a rank does when its heartbeat thread finds a peer lost (training/peer_watch.py): say
+    so, leave the line for the launcher, then rank 0 stops its run as on SIGTERM (tables drain,
+    run.json says failed; it exits anyway after STOP_GRACE_S, where a collective with a vanished
+    peer holds it), and any other rank, which holds nothing persisted, exits at once."""
+
+    def stop(line: str) -> None:
+        print(f"rlpipe: rank {rank}: {line}; stopping", file=sys.stderr, flush=True)
+        report_to_launcher(line)
+        if rank > 0:
+            os._exit(1)
+        deadline = threading.Timer(STOP_GRACE_S, os._exit, (1,))
+        deadline.daemon = True
+        deadline.start()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return stop
+
+
+def lost_peers(error: BaseException) -> str | None:
+    """Where a launched rank's `error` came with peers that stopped beating (or node 0's store
+    gone): one line naming them and the error, also left for the launcher (`report_to_launcher`);
+    None where every rank lives or no watch runs."""
+    from rlpipe.training.peer_watch import SILENT_S, StoreLost, active, lost_line
+
+    watch = active()
+    if watch is None:
+        return None
+    on_lost, watch.on_lost = watch.on_lost, None  # meanwhile the heartbeat thread must not stop the rank
+    try:
+        lost, where = watch.silent(SILENT_S)
+        what = lost_line(lost, where, watch.world_size, SILENT_S) if lost else None
+    except StoreLost as gone:
+        what = f"lost node 0: {gone}"
+    if what is None:
+        watch.on_lost = on_lost
+        return None
+    watch.close()
+    cause = re.sub(r"^\[[^\]]*:\d+\] ", "", " ".join(str(error).split()))  # gloo's "[pair.cc:553] "
+    line = f"{what} ({type(error).__name__}: {cause[:160]}{'…' if len(cause) > 160 else ''})"
+    report_to_launcher(line)
+    return line
+
+
+def report_to_launcher(line: str) -> None:
+    """`line` in this rank's torchelastic error file, which its launcher reads into the failure
+    it reports (failure_message)."""
+    from rlpipe.flows.common import write_json_atomic
+
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        write_json_atomic(Path(path), {"message": line, "timestamp": int(time.time())})

@@ -19,7 +19,6 @@ flow (tables, MLflow, engines, checkpoints), the others only train (tasks/ranks.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -36,7 +35,9 @@ from rlpipe.flows.launch import (
     check_launch_arguments,
     launch,
     launched_rank,
+    lost_peers,
     other_node,
+    run_rank,
     strip_launch_flags,
 )
 from rlpipe.flows.prefect_api import embedded_server_in_own_session
@@ -286,28 +287,6 @@ def _with_parallel(config: RunConfig, kind: str) -> RunConfig | str:
         return str(error)
 
 
-def _run_rank(config: RunConfig, run) -> int:
-    """Join the process group; rank 0 runs `run()` and then releases the others, which train."""
-    import torch.distributed as dist
-    from rlpipe.models.device import resolve_device
-    from rlpipe.tasks.ranks import end_run, follow_ranks
-    from rlpipe.training.distributed import init_from_environment
-
-    env = init_from_environment(resolve_device(config.device).type, config.train.parallel_timeout_s)
-    try:
-        if env.rank > 0:
-            follow_ranks()
-            return 0
-        code = run()
-        if code == 0:
-            end_run()
-        return code
-    finally:
-        # wrapped models first: a DDP reducer freed after its process group can hang the exit
-        gc.collect()
-        dist.destroy_process_group()
-
-
 def _execute(config: RunConfig, overwrite: bool = False, resume: bool = False) -> int:
     from rlpipe.models.device import resolve_device
 
@@ -321,7 +300,7 @@ def _execute(config: RunConfig, overwrite: bool = False, resume: bool = False) -
         print(f"rlpipe: {config}", file=sys.stderr)
         return 2
     if launched_rank() is not None:
-        return _run_rank(config, lambda: _execute_flow(config, overwrite, resume))
+        return run_rank(config, lambda: _execute_flow(config, overwrite, resume))
     return _execute_flow(config, overwrite, resume)
 
 
@@ -385,6 +364,9 @@ def _execute_flow(config: RunConfig, overwrite: bool, resume: bool = False) -> i
             if (config.run_dir / "run.json").exists():
                 print(f"  fix the batch maker (rl.buffer.batch_maker); then `rlpipe resume {config.run_dir}` "
                       "continues from the last complete stage", file=sys.stderr)
+            return 1
+        if (lost := lost_peers(error)) is not None:  # a rank of a data-parallel run died: its launcher advises
+            print(f"rlpipe: run failed: {lost}", file=sys.stderr)
             return 1
         print(f"rlpipe: run failed: {type(error).__name__}: {error}", file=sys.stderr)
         if (config.run_dir / "run.json").exists():  # resume advice only where a run was persisted

@@ -1,7 +1,7 @@
 """Every command README.md prints, and what the tests do with each.
 
 A command is a line of an indented (4-space) or ```bash block whose first word is a program
-(rlpipe, python, pip, make, duckdb, mlflow, prefect, torchrun, vllm), or an inline `code` span
+(rlpipe, python, pip, make, duckdb, mlflow, prefect, torchrun, vllm, dask), or an inline `code` span
 of two words or more that starts with one; a trailing `  # comment` is not part of it.
 
 `COMMANDS` gives each one an action: RUN (tests/integration/test_readme_commands.py runs it as
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-PROGRAMS = ("rlpipe", "python", "pip", "make", "duckdb", "mlflow", "prefect", "torchrun", "vllm")
+PROGRAMS = ("rlpipe", "python", "pip", "make", "duckdb", "mlflow", "prefect", "torchrun", "vllm", "dask")
 _COMMENT = re.compile(r"\s{2,}#\s.*$")
 _STARTS = re.compile(rf"^(?:[A-Z_]+=\S+\s+)?(?:{'|'.join(PROGRAMS)})(?:\s|$)")
 
@@ -27,7 +27,8 @@ INSTALL = "installs from the package registries (the Makefile's targets install 
 SLOW = "runs the whole suite or the benchmarks; `make test` itself is the check"
 SERVER = "a long-running server on a fixed port; tests/integration/test_deployments.py runs this sequence on a free port"
 PLACEHOLDER = "names a command with placeholders (CONFIG, RUN_DIR, CKPT, ...) or a bare subcommand in prose"
-MULTINODE = "needs several machines (tests/integration/test_distributed_run.py runs the launcher on one)"
+MULTINODE = ("needs several machines (tests/integration/test_multinode_run.py runs two nodes of one rank each on "
+             "127.0.0.1, test_distributed_run.py the launcher of one)")
 
 COMMANDS: dict[str, str] = {
     # "Set-up, then two commands"

@@ -121,6 +121,12 @@ class TrainConfig(Section):
     parallel_timeout_s: float = Field(1800.0, gt=0)
     """Seconds a rank waits in a collective before failing: the other ranks wait while rank 0
     generates, scores, evaluates and checkpoints, so it must exceed the longest of those."""
+    peer_timeout_s: float = Field(30.0, ge=5)
+    """Seconds without a heartbeat from a data-parallel rank (each beats once a second from a thread
+    of its own, whatever its main thread does) after which the others count it lost: the run
+    stops with a line naming it (training/peer_watch.py). A peer that died is noticed sooner, at
+    the next collective; this bounds the rest, a machine that vanished included. At least 5 s, so
+    a rank briefly starved of CPU is not taken for lost."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -1,8 +1,9 @@
 """Two torchrun "nodes" on one machine (`--nnodes 2 --node-rank 0|1`, the rendezvous on a
 loopback port, gloo), one rank each, sharing the run folder as nodes share a filesystem: a tiny
-pipeline whose node 1 is killed mid-run fails in one line naming the resume command, and
-`rlpipe resume` on both nodes finishes it equal to the 2-rank run of one launcher
-(conftest.two_rank_run, which test_distributed_run compares with one process)."""
+pipeline whose node 1 is killed mid-run (its launcher SIGKILLed: its rank, in a session of its
+own, ends with it) fails on node 0 within seconds, in one line naming the lost rank and the
+resume command, and `rlpipe resume` on both nodes finishes it equal to the 2-rank run of one
+launcher (conftest.two_rank_run, which test_distributed_run compares with one process)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,14 @@ from pathlib import Path
 import pytest
 from rlpipe.core.ports import free_port
 from safetensors.torch import load_file
-from test_distributed_run import OVERRIDES, ROOT, TABLES, TIMEOUT_S  # same folder: on sys.path
+
+# test_* modules of this folder: pytest puts it on sys.path
+from test_distributed_run import OVERRIDES, ROOT, TABLES, TIMEOUT_S, rank_pid
+from test_faults import alive
 from test_resume import env_for, rows
 
-pytestmark = [
-    pytest.mark.slow,
-    # measured: after node 1 is killed, node 0's rank waits in its collective until the launch
-    # timeout (600 s) instead of failing; the one-line failure this test asks for is not there yet
-    pytest.mark.skip(reason="node 0 does not yet notice a killed peer node: it hangs instead of failing in one line"),
-]
+pytestmark = pytest.mark.slow
+FAILS_WITHIN_S = 120  # train.peer_timeout_s (30 s) at most, then the run's stop on a CPU other work shares
 
 
 def node(args: list[str], rank: int, port: int, env: dict, cwd: Path) -> subprocess.Popen:
@@ -58,13 +58,23 @@ def test_killed_node_fails_the_run_and_resume_on_both_nodes_equals_the_two_rank_
         while not trigger.exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert first.poll() is None and second.poll() is None, "a node ended before the kill point"
-        os.killpg(second.pid, signal.SIGKILL)  # node 1: its launcher and its rank
+        orphan = rank_pid(second.pid, 1)
+        assert orphan is not None, "node 1's rank not found among its launcher's children"
+        os.killpg(second.pid, signal.SIGKILL)  # node 1's launcher (its rank runs in a session of its own)
+        began = time.monotonic()
         stderr = finish(first)
+        failed_in = time.monotonic() - began
     finally:
         finish(second)
     assert first.returncode == 1, stderr[-3000:]
+    assert failed_in < FAILS_WITHIN_S, f"node 0 took {failed_in:.0f} s to fail"
+    assert not alive(orphan), "node 1's rank outlived its launcher"
     failed = [line for line in stderr.splitlines() if line.startswith("rlpipe: data-parallel run failed: rank 0")]
     assert len(failed) == 1, stderr[-3000:]
+    # rank 0's next collective fails ("Connection closed by peer") and the heartbeats name the rank
+    # within 5 s; or, where rank 0 computes longer than train.peer_timeout_s, its heartbeat thread
+    # stops it first (exit 143, the SIGTERM stop)
+    assert ": lost rank 1 (node 1, host " in failed[0] and "its process or node died" in failed[0], failed[0]
     assert (f"`rlpipe resume {killed} --nproc-per-node 1 --nnodes 2 --node-rank R --rdzv-endpoint "
             f"127.0.0.1:{port}` on every node") in stderr
     assert json.loads((killed / "run.json").read_text())["status"] == "failed"

@@ -139,6 +139,9 @@ def test_parallel_config_key_is_checked():
     assert validate_config({"train": {"parallel": "ddp"}, "model": {"lora": {"rank": 4}}}).model.lora.rank == 4
     assert validate_config({"train": {"parallel": "fsdp2"}, "rl": {"loss": {"kl_coef": 0.1}}}).rl.loss.kl_coef == 0.1
     assert validate_config({"train": {"parallel": "fsdp2"}}).train.parallel == "fsdp2"
+    # a heartbeat a second: a shorter wait would take a rank starved of CPU for lost
+    with pytest.raises(ConfigError, match=r"train.peer_timeout_s: must be >= 5"):
+        validate_config({"train": {"peer_timeout_s": 1}})
 
 
 def _sequences(lengths: list[int]) -> list[Sequence]:
