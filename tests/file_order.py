@@ -17,9 +17,10 @@ only orders: a file missing from it, or one no longer there, changes nothing but
 from __future__ import annotations
 
 HEAVIEST_FIRST = (
-    "tests/integration/test_vllm_cpu.py",
+    "tests/integration/test_vllm_cpu_served.py",
     "tests/integration/test_faults.py",
     "tests/integration/test_commit_faults.py",
+    "tests/integration/test_vllm_cpu.py",
     "tests/integration/test_distributed_run.py",
     "tests/integration/test_compile_run.py",
     "tests/integration/test_thinking_pipeline.py",
