@@ -22,6 +22,8 @@ HEAVIEST_FIRST = (
     "tests/integration/test_commit_faults.py",
     "tests/integration/test_vllm_cpu.py",
     "tests/integration/test_distributed_run.py",
+    "tests/integration/test_cluster_commands.py",
+    "tests/integration/test_multinode_run.py",
     "tests/integration/test_compile_run.py",
     "tests/integration/test_thinking_pipeline.py",
     "tests/integration/test_every_loss.py",
