@@ -26,8 +26,9 @@ What the code sees (bubblewrap, `bwrap`, the OS package; `make setup` installs i
   bubblewrap's `--disable-userns` too where it has it.
 
 Limits, set inside the sandbox before the program starts (`SandboxLimits`): CPU seconds, address
-space (`memory_mb`), processes (RLIMIT_NPROC; run as root, the sandbox runs as `nobody` so the
-limit holds), file size, open files, no locked memory, no core dumps; stdout and stderr together
+space (`memory_mb`), processes (RLIMIT_NPROC; run as root, each run takes a user id of its own that no account
+and no other run holds, so the limit holds and counts that run's processes alone: the kernel
+counts RLIMIT_NPROC per user, and runs sharing `nobody` would share one budget), file size, open files, no locked memory, no core dumps; stdout and stderr together
 are read up to `output_bytes` (more ends the run, `output_truncated`); `timeout_s` of wall clock
 ends it (`timed_out`). Ending a run kills the sandbox's init, which takes every process of its pid
 namespace with it: nothing is left behind when `run_python` returns.
@@ -66,6 +67,7 @@ import fcntl
 import functools
 import os
 import pwd
+import secrets
 import selectors
 import shutil
 import signal
@@ -90,7 +92,6 @@ from rlpipe.envs.sandbox_cgroup import (
 )
 from rlpipe.envs.sandbox_files import InterpreterUnreadable, interpreter_mounts
 
-NOBODY = "nobody"
 _UNISOLATED = '(allow_unisolated=True; the code environment: sandbox = "auto")'
 
 # Runs first inside the sandbox: sets the limits on itself (and drops root), then runs the program
@@ -193,16 +194,28 @@ def interpreter() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
+# the user ids runs take as root: far above the ranges systems give to accounts and containers
+RUN_UIDS = range(1_900_000_000, 2_000_000_000)
+
+
 def _drop_to() -> tuple[int, int] | None:
-    """(uid, gid) the program runs as: `nobody`'s when called as root (root ignores
-    RLIMIT_NPROC), else None (the caller's own user, mapped into a user namespace)."""
+    """(uid, gid) the program runs as: a fresh id of RUN_UIDS when called as root (root ignores
+    RLIMIT_NPROC, and a shared id would pool every concurrent run's processes under one limit),
+    else None (the caller's own user, mapped into a user namespace)."""
     if os.geteuid() != 0:
         return None
-    try:
-        entry = pwd.getpwnam(NOBODY)
-    except KeyError:
-        return (65534, 65534)
-    return entry.pw_uid, entry.pw_gid
+    return (_run_uid(),) * 2
+
+
+def _run_uid() -> int:
+    """A user id of RUN_UIDS that no account has, drawn at random: concurrent runs, in this
+    process or another, hold different ids but for a chance of about one in 10^8 per pair."""
+    while True:
+        uid = RUN_UIDS[secrets.randbelow(len(RUN_UIDS))]
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
 
 
 def isolation_problem(python: str | None = None) -> str | None:

@@ -44,7 +44,7 @@ def _bwrap_args(bwrap: str, python: str, as_root: bool, scratch_mb: int, program
     fresh scratch, the seccomp filter from `seccomp_fd` and the program copied from `program_fd`.
 
     As root, bubblewrap sets up the sandbox with its own privileges (no user namespace) and the
-    launcher drops to `nobody`; otherwise a user namespace maps the caller's user, and nested user
+    launcher drops to a user id of the run's own (sandbox.py `_drop_to`); otherwise a user namespace maps the caller's user, and nested user
     namespaces are disabled where this bubblewrap can."""
     user = [] if as_root else ["--unshare-user", *(["--disable-userns"] if _bwrap_has("--disable-userns", bwrap)
                                                    else [])]

@@ -5,7 +5,9 @@ space, however it allocates, and none can raise its own limit."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 
 import pytest
 from rlpipe.envs import sandbox, sandbox_cgroup
@@ -109,3 +111,19 @@ print(json.dumps(out))
     assert json.loads(result.stdout) == {"bytearray": "MemoryError", "mmap": "ENOMEM", "mmap shared": "ENOMEM",
                                          "raise limit": "ValueError", "grow": "MemoryError", "child": 3,
                                          "thread": "MemoryError"}
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: runs then take user ids of their own")
+def test_concurrent_runs_each_get_the_whole_process_limit():
+    """RLIMIT_NPROC counts per user: four runs, each forking four children at once, all succeed
+    because each run has a user id of its own (sharing `nobody`, the 16 children plus their
+    parents passed one limit of 16 and forks failed with EAGAIN)."""
+    hold = SPREAD.replace("os._exit(0)", "import time; time.sleep(1.5); os._exit(0)")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: run_python(hold, timeout_s=60, memory_mb=128,
+                                                     limits=SandboxLimits(scratch_mb=8, processes=6)), range(4)))
+    for result in results:
+        assert result.exit_code == 0 and json.loads(result.stdout) == [0, 0, 0, 0], result
+    uids = {run_python("import os; print(os.getuid())", timeout_s=30, memory_mb=128).stdout for _ in range(3)}
+    assert len(uids) == 3 and all(int(uid) in sandbox.RUN_UIDS for uid in uids)
