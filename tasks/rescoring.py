@@ -11,7 +11,9 @@ The function replaces the env's whole reward (and any `task.reward_models`); the
 an episode's environment steps gave (multi-turn) are still added, as in training.
 Groups are rebuilt as the run built them (rollouts/source.py: completions whose new reward raised
 left out as `reward_error`, then `make_groups` per step and sampling round) and their advantages
-recomputed with the run's `[rl]` section (rollouts/advantages.py).
+recomputed with the run's `[rl]` section (rollouts/advantages.py). A distilled run's advantages
+take in the teacher's term as training did (rollouts/distill.py `mean_advantage`), from the
+`teacher_logprobs` its rollouts hold: `type = "advantage"` ones do not move with the reward.
 
 What stays fixed is the run's batches. Each row of the run's `groups` table is replayed with the
 new rewards: a group that was trained (or carried) stays so unless its rewards now have zero
@@ -30,7 +32,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from rlpipe.rollouts.advantages import (
     group_row,
     make_groups,
 )
+from rlpipe.rollouts.distill import mean_advantage, pulls
 from rlpipe.rollouts.fates import DropOptions, decide_groups, drop_rows, fate_rows, sample_drop
 from rlpipe.rollouts.group_buffer import GroupDecision
 from rlpipe.rollouts.options import RolloutOptions
@@ -130,12 +133,14 @@ def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], options: 
 
 
 def counterfactual(original: Sequence[dict], groups: dict[str, Group], options: RolloutOptions,
-                   emptied: Iterable[str] = ()
+                   emptied: Iterable[str] = (), pulls: Mapping[str, list[float]] | None = None
                    ) -> tuple[list[dict], list[dict], list[dict]]:
     """The run's `groups` rows replayed with new rewards (module docstring): (groups rows,
     advantages rows of the trained groups, `decisions` rows of their completions), each row with
     run_id and step. `emptied`: groups whose every completion was left out (their reward now
-    raised): they have no row left."""
+    raised): they have no row left. `pulls`: with on-policy distillation, each completion's
+    per-token teacher term (rollouts/distill.py `pulls`), which its advantage takes in as training did."""
+    distill = options.advantages.distill
     group_rows, advantage_rows, decisions, gone = [], [], [], set(emptied)
     by_step: dict[int, list[dict]] = {}
     for row in original:
@@ -166,6 +171,9 @@ def counterfactual(original: Sequence[dict], groups: dict[str, Group], options: 
             if status == "trained":
                 batch.append(group)
                 advantages = group_advantages([group], options.advantages)
+                if distill.type != "none":
+                    advantages = {sid: mean_advantage(advantages[sid], (pulls or {})[sid], distill)
+                                  for sid in group.sample_ids}
                 advantage_rows += [{**key, "sample_id": sid, "group_id": group_id, "advantage": advantages[sid]}
                                    for sid in group.sample_ids]
             else:
@@ -210,8 +218,11 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     groups: dict[str, Group] = {}
     drops: dict[int, list[dict]] = {}
     counts = {"rollouts": 0, "errors": 0}
+    distilled, pull_of = options.advantages.distill.type != "none", {}
     for step in steps:
         rollouts = [Rollout.from_row(row) for row in read_table(run_dir, "rollouts", step).to_pylist()]
+        if distilled:  # the teacher term, from the teacher log-probs the run stored
+            pull_of.update((r.sample_id, pulls(r)) for r in rollouts)
         find_examples(train, {r.example_id for r in rollouts}, examples)
         scores: list[Score] = score_rollouts(scorer, examples, rollouts, ScoreOptions(1.0, length_penalty))
         write_table(out_dir, "scores", step, [s.row() for s in scores], run_id=_run_id(rollouts, run_dir),
@@ -225,7 +236,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     original = read_table(run_dir, "groups", as_of_step=last).to_pylist()
     emptied = {row["group_id"] for rows in drops.values() for row in rows} - set(groups)
     run_id = _run_id(original, run_dir)
-    tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, options, emptied),
+    tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, options, emptied, pull_of),
                       strict=True))
     tables["decisions"] += [{"run_id": run_id, "step": step, **row} for step, rows in drops.items() for row in rows]
     by_step = {table: _by_step(rows) for table, rows in tables.items()}

@@ -108,8 +108,13 @@ def close_env(env) -> None:
         close()
 
 
-def _teacher(config, model):
-    """The in-process teacher of on-policy distillation (rl.teacher) beside the student, or None."""
+def _teacher(config, model, tokenizer):
+    """The teacher of on-policy distillation: served (rl.distill.url), else in process beside
+    the student (rl.teacher), else None."""
+    if config.rl.distill.url:
+        from rlpipe.tasks.teacher import served_teacher
+
+        return served_teacher(config.rl, tokenizer)
     if not config.rl.teacher:
         return None
     from rlpipe.tasks.teacher import load_teacher
@@ -135,7 +140,7 @@ def _open_rl(config, env, cluster: ClusterScoring | None, run_dir: Path, run_id:
     inputs = SourceInputs(env=env, engines=built.engines, tokenizer=built.tokenizer, stop_token_ids=stops,
                           max_context=context, run_dir=run_dir, run_id=run_id, seed=config.seed,
                           template_kwargs=chat_kwargs, remote_scoring=cluster,
-                          teacher=_teacher(config, built.model))
+                          teacher=_teacher(config, built.model, built.tokenizer))
     source = open_source(rl, inputs, start_step=built.start_step, published_version=version,
                          data_state=built.data_state if start.resume is not None else {})
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,

@@ -4,6 +4,8 @@ this student, and the in-process engine that scores every sampled token (rollout
     folder = teacher_folder(spec, runs_root)              # a folder, models:/NAME@alias, a hub id
     check_teacher(folder, student_tokenizer, vocab_size)  # ValueError, one line, when it cannot
     teacher = load_teacher(spec, runs_root, device)       # rollouts.distill.ModelTeacher
+    teacher = served_teacher(rl, student_tokenizer)       # [rl.distill] url: engines/http_teacher.py,
+                                                          # checked against the student's tokenizer
 
 Not a stage: pre-flight (tasks/preflight.py) checks it before a run writes anything, and the RL
 setup (tasks/rl_setup.py) loads it once.
@@ -70,4 +72,33 @@ def load_teacher(spec: str, runs_root: str | os.PathLike, device: Any):
     from rlpipe.models.loading import load_model
     from rlpipe.rollouts.distill import ModelTeacher
 
-    return ModelTeacher(load_model(teacher_folder(spec, runs_root)).to(device))
+    folder = teacher_folder(spec, runs_root)
+    return ModelTeacher(load_model(folder).to(device), {"teacher": spec, "teacher_checkpoint": str(folder)})
+
+
+def served_teacher(rl: Any, student_tokenizer: Any, client: Any = None):
+    """The teacher `rl.distill.url` serves (engines/http_teacher.py), named `rl.teacher` in lineage
+    (else the served model's name), after checking its tokenizer is the student's: ValueError in
+    one line when it is not, or when the server cannot be reached or cannot score."""
+    from rlpipe.engines.http import HttpOptions, read_token
+    from rlpipe.engines.http_teacher import HttpTeacher
+    from rlpipe.engines.http_wire import (
+        EngineResponseError,
+        EngineTimeoutError,
+        EngineUnavailableError,
+    )
+
+    distill = rl.distill
+    options = HttpOptions(timeout_s=distill.timeout_s, retries=distill.retries,
+                          api_token=read_token("", distill.api_token_env))
+    teacher = HttpTeacher(distill.url, options, name=rl.teacher, client=client)
+    try:
+        teacher.check(student_tokenizer)
+        teacher.lineage()
+    except (EngineUnavailableError, EngineTimeoutError, EngineResponseError) as err:
+        teacher.close()
+        raise ValueError(f"the teacher at {distill.url} cannot teach: {err}") from err
+    except ValueError:
+        teacher.close()
+        raise
+    return teacher
