@@ -1,0 +1,55 @@
+"""The headlines of the multi-seed learning benchmarks (bench_distill, bench_multiturn) in
+docs/BENCHMARKS.md: a summary line and per-seed tables, read from each benchmark's JSON
+(benchmarks/headlines.py `headline` calls these by name)."""
+
+from __future__ import annotations
+
+from benchmarks.headlines import share, table
+
+
+def _curve(points: list[dict]) -> str:
+    """A learning curve as text: accuracy at each eval, with the completions sampled by then."""
+    return ", ".join(f"{share(p['accuracy'])} @ {p['sampled']:,}" for p in points if p["accuracy"] is not None)
+
+
+def _reached(point: dict | None) -> str:
+    return f"{point['sampled']:,} (step {point['step']})" if point else "not reached"
+
+
+def headline_distill(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    seeds, target = results["seeds"], results["settings"]["target"]
+    rows = [[s["seed"], share(s["sft_accuracy"]), _reached(s["rl_reached"]), _reached(s["distill_reached"]),
+             share(s["rl_curve"][-1]["accuracy"]), share(s["distill_curve"][-1]["accuracy"]),
+             round(s["rl_seconds"]), round(s["distill_seconds"])] for s in seeds]
+    fewer = sum(bool(s["distill_reached"]) and (not s["rl_reached"]
+                                                or s["distill_reached"]["sampled"] < s["rl_reached"]["sampled"])
+                for s in seeds)
+    summary = (f"distillation reached {target:.0%} held-out in fewer sampled completions than RL in {fewer} of "
+               f"{len(seeds)} seeds")
+    curves = table(["seed", "RL: accuracy @ completions sampled", "distillation: accuracy @ completions sampled"],
+                   [[s["seed"], _curve(s["rl_curve"]), _curve(s["distill_curve"])] for s in seeds])
+    settings = results["settings"]
+    note = (f"Per seed: the demo's SFT ({settings['sft_steps']} steps), its RL phase ({settings['rl_steps']} steps) "
+            "from it, and a student distilled from that RL run's last checkpoint (pure distillation, "
+            "`rl.distill.type = \"advantage\"`) from the same SFT checkpoint with the same steps and batch; "
+            f"greedy accuracy on {settings['eval_examples']} held-out problems every {settings['eval_every']} steps.")
+    return summary, table(["seed", "after SFT", f"RL: completions to {target:.0%}",
+                           f"distillation: completions to {target:.0%}", "RL last", "distillation last",
+                           "RL s", "distillation s"], rows) + ["", *curves, "", note]
+
+
+def headline_multiturn(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    seeds = results["seeds"]
+    after = [s["rl_accuracy"] for s in seeds]
+    summary = (f"held-out greedy accuracy {min(after):.1%}–{max(after):.1%} after RL over {len(seeds)} seeds "
+               f"(after SFT {min(s['sft_accuracy'] for s in seeds):.1%}–{max(s['sft_accuracy'] for s in seeds):.1%})")
+    rows = [[s["seed"], share(s["sft_accuracy"]), share(s["rl_accuracy"]), share(s["tool_share_last_step"]),
+             _curve(s["curve"]), round(s["sft_seconds"]), round(s["rl_seconds"])] for s in seeds]
+    settings = results["settings"]
+    note = (f"configs/multiturn.toml: {settings['sft_steps']} SFT steps, then {settings['rl_steps']} RL steps of "
+            f"whole episodes; greedy accuracy on {settings['eval_examples']} held-out problems.")
+    return summary, table(["seed", "after SFT", "after RL", "episodes calling the tool (last step)",
+                           "RL curve: accuracy @ completions sampled", "SFT s", "RL s"], rows) + ["", note]
+
+
+LEARNING = {"distill": headline_distill, "multiturn": headline_multiturn}
