@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.results import write_results
-from benchmarks.seed_curves import eval_curve, seeded_config
+from benchmarks.seed_curves import pipeline_seed
 
 CONFIG = "configs/multiturn.toml"
 TOOL_SQL = """
@@ -28,25 +27,12 @@ FROM rollouts WHERE step = (SELECT max(step) FROM rollouts)
 
 
 def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict:
-    import torch
-    from rlpipe.flows.rl import run_rl
-    from rlpipe.flows.supervised import run_supervised
     from rlpipe.storage.queries import run_sql
-    from rlpipe.tasks.config import validate_config
 
-    torch.set_num_threads(1)
     sections = {"sft": {"steps": args.sft_steps}, "rl": {"steps": args.rl_steps},
                 "task": {"eval_examples": args.eval_examples}}
-    config = validate_config(seeded_config(CONFIG, root, f"seed-{seed}", seed, **sections))
-    began = time.perf_counter()
-    sft = run_supervised(config, "sft")
-    sft_seconds = time.perf_counter() - began
-    began = time.perf_counter()
-    rl = run_rl(config, start_checkpoint=str(sft["checkpoint"]))
-    run_dir = config.run_dir / "rl"
-    return {"seed": seed, "sft_accuracy": sft["eval"].get("eval/accuracy"), "sft_seconds": sft_seconds,
-            "rl_accuracy": rl["eval"].get("eval/accuracy"), "rl_seconds": time.perf_counter() - began,
-            "curve": eval_curve(run_dir), "tool_share_last_step": run_sql([run_dir], TOOL_SQL).to_pylist()[0]["tool_share"]}
+    out = pipeline_seed(CONFIG, root, seed, **sections)
+    return out | {"tool_share_last_step": run_sql([Path(out["run_dir"])], TOOL_SQL).to_pylist()[0]["tool_share"]}
 
 
 def run(args: argparse.Namespace) -> dict:

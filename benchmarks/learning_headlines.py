@@ -52,4 +52,20 @@ def headline_multiturn(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                            "RL curve: accuracy @ completions sampled", "SFT s", "RL s"], rows) + ["", note]
 
 
-LEARNING = {"distill": headline_distill, "multiturn": headline_multiturn}
+def headline_code(results: dict, ceiling: dict) -> tuple[str, list[str]]:
+    seeds, settings = results["seeds"], results["settings"]
+    gains = [s["gain"] for s in seeds]
+    summary = (f"held-out pass-rate gain of RL over SFT {min(gains):+.3f} to {max(gains):+.3f} over {len(seeds)} seeds "
+               f"(target {settings['target_gain']:+.2f} on every seed within "
+               f"{settings['target_seconds'] / 60:.0f} min: {'met' if results['met'] else 'not met'})")
+    rows = [[s["seed"], s["sft_reward"], s["rl_reward"], f"{s['gain']:+.3f}", share(s["sft_accuracy"]),
+             share(s["rl_accuracy"]), ", ".join(f"{p['reward_mean']:.3f} @ {p['sampled']:,}" for p in s["curve"]),
+             round(s["sft_seconds"]), round(s["rl_seconds"])] for s in seeds]
+    note = (f"configs/code.toml: {settings['sft_steps']} SFT steps, then {settings['rl_steps']} RL steps judged by "
+            "the hidden tests in the sandbox; pass rate = mean share of a held-out task's hidden tests passed "
+            "(greedy), all tests = share of tasks passing every one.")
+    return summary, table(["seed", "pass rate after SFT", "after RL", "gain", "all tests after SFT", "after RL",
+                           "RL curve: pass rate @ completions sampled", "SFT s", "RL s"], rows) + ["", note]
+
+
+LEARNING = {"distill": headline_distill, "multiturn": headline_multiturn, "code": headline_code}

@@ -46,6 +46,7 @@ BENCHMARKS = {
     "bytes": "Bytes per token: rollouts, train_tokens and checkpoints per generated and trained token, vs JSONL",
     "multiturn": "Multi-turn tool use: configs/multiturn.toml's calculator agent, held-out accuracy after SFT and RL, 3 seeds",
     "distill": "On-policy distillation vs RL on the demo: completions sampled to 95% held-out, same SFT start, 3 seeds",
+    "code": "Sandboxed code RL: configs/code.toml's held-out pass-rate gain of RL over SFT, 3 seeds (target +10 points)",
 }
 # `--quick`: smaller versions of the slow ones (the document says the run was quick)
 QUICK_ARGS = {
@@ -64,6 +65,7 @@ QUICK_ARGS = {
     "bytes": ["--steps", "1"],
     "multiturn": ["--seeds", "0", "--sft-steps", "100", "--rl-steps", "10"],
     "distill": ["--seeds", "0", "--sft-steps", "300", "--rl-steps", "30", "--eval-examples", "200"],
+    "code": ["--seeds", "0", "--sft-steps", "100", "--rl-steps", "10"],
 }
 
 

@@ -40,7 +40,8 @@ def test_a_curve_counts_the_completions_sampled_by_each_eval(tmp_path):
     for step, correct in [(0, [False, False]), (2, [True, False]), (3, [True, True])]:
         write_table(tmp_path, "evals", step, evaluated(step, correct), run_id="r")
     curve = eval_curve(tmp_path)
-    assert [(p["step"], p["sampled"], p["accuracy"]) for p in curve] == [(0, 0, 0.0), (2, 10, 0.5), (3, 14, 1.0)]
+    assert [(p["step"], p["sampled"], p["accuracy"], p["reward_mean"]) for p in curve] == \
+        [(0, 0, 0.0, 0.0), (2, 10, 0.5, 0.5), (3, 14, 1.0, 1.0)]
     assert first_reaching(curve, 0.5)["step"] == 2 and first_reaching(curve, 1.01) is None
 
 
@@ -62,6 +63,14 @@ def test_the_headlines_read_the_benchmarks_json():
     summary, lines = headline("multiturn", {"results": multiturn}, {})
     assert summary == "held-out greedy accuracy 70.0%–72.0% after RL over 3 seeds (after SFT 0.0%–0.0%)"
     assert any("0.0% @ 0, 70.0% @ 5,000" in line for line in lines)
+    code = {"settings": {"sft_steps": 300, "rl_steps": 40, "target_gain": 0.1, "target_seconds": 900}, "met": False,
+            "seeds": [{"seed": s, "sft_reward": 0.5, "rl_reward": 0.55 + s / 20, "gain": 0.05 + s / 20,
+                       "sft_accuracy": 0.4, "rl_accuracy": 0.5, "sft_seconds": 300.0, "rl_seconds": 400.0,
+                       "curve": [{"step": 0, "sampled": 0, "accuracy": 0.4, "reward_mean": 0.5}]} for s in range(3)]}
+    summary, lines = headline("code", {"results": code}, {})
+    assert summary == ("held-out pass-rate gain of RL over SFT +0.050 to +0.150 over 3 seeds "
+                       "(target +0.10 on every seed within 15 min: not met)")
+    assert any("| 2 | 0.5 | 0.65 | +0.150 | 40.0% | 50.0% | 0.500 @ 0 |" in line for line in lines)
 
 
 def test_the_document_names_each_benchmark_not_measured_with_its_command():
