@@ -6,6 +6,7 @@ this student, and the in-process engine that scores every sampled token (rollout
     teacher = load_teacher(spec, runs_root, device)       # rollouts.distill.ModelTeacher
     teacher = served_teacher(rl, student_tokenizer)       # [rl.distill] url: engines/http_teacher.py,
                                                           # checked against the student's tokenizer
+    teacher = teacher_for(spec_or_url, config)            # either, checked (rlpipe rescore --teacher)
 
 Not a stage: pre-flight (tasks/preflight.py) checks it before a run writes anything, and the RL
 setup (tasks/rl_setup.py) loads it once.
@@ -65,6 +66,33 @@ def check_teacher(folder: Path, student_tokenizer: Any, student_vocab: int) -> N
     vocab = model_vocab_size(folder)
     if vocab is not None and vocab != student_vocab:
         raise ValueError(f"the teacher's vocabulary has {vocab} entries, the student's {student_vocab}")
+
+
+def student_tokenizer(config: Any) -> tuple[Any, int]:
+    """The tokenizer and output vocabulary size of the student a run config trains (model.path,
+    else the preset's tokenizer and vocabulary)."""
+    from rlpipe.models.loading import resolve_model_path
+    from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
+
+    if config.model.path:
+        folder = resolve_model_path(config.model.path)
+        tokenizer = load_tokenizer(folder)
+        return tokenizer, model_vocab_size(folder) or len(tokenizer)
+    tokenizer = build_tokenizer()
+    return tokenizer, config.model.overrides.get("vocab_size", len(tokenizer))
+
+
+def teacher_for(spec: str, config: Any, device: Any = "cpu"):
+    """The teacher `spec` names for the student of run config `config`, checked against its
+    tokenizer (ValueError in one line): a server URL (http://, vllm+http://; served_teacher, with
+    the config's [rl.distill] token variable, timeout and retries), else a folder, models:/NAME@alias
+    or hub id loaded in process on `device`."""
+    tokenizer, vocab = student_tokenizer(config)
+    if "://" in spec:
+        rl = config.rl.model_copy(update={"teacher": "", "distill": config.rl.distill.model_copy(update={"url": spec})})
+        return served_teacher(rl, tokenizer)
+    check_teacher(teacher_folder(spec, config.runs_root), tokenizer, vocab)
+    return load_teacher(spec, config.runs_root, device)
 
 
 def load_teacher(spec: str, runs_root: str | os.PathLike, device: Any):

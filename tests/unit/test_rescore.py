@@ -284,7 +284,8 @@ def distilled_run(run_dir: Path, distill: dict) -> tuple[Path, RunConfig]:
         rows = read_table(run_dir, "rollouts", step).to_pylist()
         for row in rows:
             i = int(row["sample_id"].rsplit(":", 1)[1])
-            row |= {"completion_logprobs": [-1.0, -1.0], "teacher_logprobs": [-0.5, -1.5 - i / 10], "teacher": "t"}
+            row |= {"completion_logprobs": [-1.0, -1.0], "teacher_logprobs": [-0.5, -1.5 - i / 10], "teacher": "t",
+                    "prompt_tokens": [5, 6, 7], "completion_tokens": [8, 9 + i]}
         write_table(run_dir, "rollouts", step, rows, run_id=RUN_ID)
     data = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
     data["task"]["options"] = OPTIONS
@@ -307,3 +308,32 @@ def test_a_distilled_runs_advantages_take_in_the_teacher_term(tmp_path, distill)
         # the reversed reward flips the verifier's part; pure distillation does not see the reward
         want = -plain[row["sample_id"]] + 0.5 * pull if distill["type"] == "reward" else pull
         assert row["advantage"] == pytest.approx(want, abs=1e-6), row
+
+
+def test_another_teacher_rescores_the_teacher_term_and_is_named(tmp_path, capsys):
+    from rlpipe.flows.rescore import main
+    from rlpipe.models.presets import build_model
+    from rlpipe.models.tokenizer import build_tokenizer
+    from rlpipe.rollouts.distill import ModelTeacher
+    from rlpipe.tasks.teacher import teacher_for
+
+    tokenizer, folder = build_tokenizer(), tmp_path / "teacher"
+    model = build_model("tiny-dense", vocab_size=len(tokenizer), seed=5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    run_dir, cfg = distilled_run(tmp_path / "run", {"type": "advantage"})
+    out = tmp_path / "out"
+    rescore_run(run_dir, out, reward="env", env=env(), scorer=env(), options=rollout_options(cfg.rl), seed=cfg.seed,
+                teacher=teacher_for(str(folder), cfg))
+    got = {row["sample_id"]: row["advantage"] for row in read_table(out, "advantages").to_pylist()}
+    rollouts = {row["sample_id"]: row for row in read_table(run_dir, "rollouts").to_pylist()}
+    for sid, advantage in got.items():
+        row = rollouts[sid]
+        [scored] = ModelTeacher(model).logprobs([row["prompt_tokens"]], [row["completion_tokens"]])
+        assert advantage == pytest.approx(sum(t + 1.0 for t in scored) / 2, abs=1e-5)  # student: -1 per token
+    assert json.loads((out / "rescore.json").read_text())["teacher"] == \
+        {"teacher": str(folder), "teacher_checkpoint": str(folder.resolve()), "teacher_url": None}
+    # a run that was not distilled has no teacher term: refused in one line
+    plain = make_run(tmp_path / "plain")
+    assert main([str(plain), "--reward", "exact_match", "--teacher", str(folder)]) == 2
+    assert "was not distilled" in capsys.readouterr().err
