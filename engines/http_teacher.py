@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlpipe.engines.http import HttpEngine, HttpOptions
-from rlpipe.engines.http_wire import EngineResponseError
+from rlpipe.engines.http_wire import EngineResponseError, EngineTimeoutError, EngineUnavailableError
 
 PROBE = ("The quick brown fox: 12 + 345 = 357?\n\tdef f(x):\n        return x ** 2  # ÄÖü ß é 日本語 😀 "
          "{\"key\": [1, 2.5, null]} <think>\n</think>")
@@ -55,7 +55,7 @@ class HttpTeacher:
 
     def lineage(self) -> dict[str, str | None]:
         """What the server says it serves now (GET /v1/models: its first model's id and root)."""
-        data = self.engine.request("GET", "/v1/models", None).get("data") or [{}]
+        data = self._call("GET", "/v1/models", None).get("data") or [{}]
         first = data[0] if isinstance(data[0], dict) else {}
         served = first.get("id")
         checkpoint = first.get("root") or served
@@ -84,8 +84,9 @@ class HttpTeacher:
         try:
             self.logprobs([ours[:4]], [[last]])
         except EngineResponseError as err:
+            said = str(err).removeprefix(f"the teacher at {self.url}: ")
             raise ValueError(f"the teacher at {self.url} cannot score the student's last token id {last} "
-                             f"(a smaller vocabulary, or no prompt_logprobs): {err}") from err
+                             f"(a smaller vocabulary, or no prompt_logprobs): {said}") from err
 
     def logprobs(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
         """The teacher's log-prob of each completion token given its prompt and the tokens before it."""
@@ -95,13 +96,22 @@ class HttpTeacher:
             chunk = todo[start : start + SEQUENCES_PER_REQUEST]
             sent = [list(prompts[i]) + list(completions[i]) for i in chunk]
             body = {**self._model(), "prompt": sent, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-            answer = self.engine.request("POST", "/v1/completions", body)
+            answer = self._call("POST", "/v1/completions", body)
             for i, ids, entries in zip(chunk, sent, prompt_logprobs_of(answer, len(sent), self.url), strict=True):
                 out[i] = completion_logprobs(entries, ids, len(prompts[i]), self.url)
         return out
 
     def close(self) -> None:
         self.engine.close()
+
+    def _call(self, method: str, path: str, body: Any) -> dict[str, Any]:
+        """The engine's request (retries included), its errors saying it was the teacher's server."""
+        try:
+            return self.engine.request(method, path, body)
+        except (EngineUnavailableError, EngineTimeoutError, EngineResponseError) as err:
+            if str(err).startswith(f"the teacher at {self.url}"):
+                raise
+            raise type(err)(f"the teacher at {self.url}: {err}") from err
 
     def _model(self) -> dict[str, str]:
         model = self.engine.model_id()

@@ -85,7 +85,6 @@ class ModelTeacher:
                 out.append([float(x) for x in picked.cpu()])
         return out
 
-
     def lineage(self) -> dict[str, str | None]:
         return dict(self._lineage)
 

@@ -104,7 +104,7 @@ def load_teacher(spec: str, runs_root: str | os.PathLike, device: Any):
     return ModelTeacher(load_model(folder).to(device), {"teacher": spec, "teacher_checkpoint": str(folder)})
 
 
-def served_teacher(rl: Any, student_tokenizer: Any, client: Any = None):
+def served_teacher(rl: Any, tokenizer: Any, client: Any = None):
     """The teacher `rl.distill.url` serves (engines/http_teacher.py), named `rl.teacher` in lineage
     (else the served model's name), after checking its tokenizer is the student's: ValueError in
     one line when it is not, or when the server cannot be reached or cannot score."""
@@ -121,7 +121,7 @@ def served_teacher(rl: Any, student_tokenizer: Any, client: Any = None):
                           api_token=read_token("", distill.api_token_env))
     teacher = HttpTeacher(distill.url, options, name=rl.teacher, client=client)
     try:
-        teacher.check(student_tokenizer)
+        teacher.check(tokenizer)
         teacher.lineage()
     except (EngineUnavailableError, EngineTimeoutError, EngineResponseError) as err:
         teacher.close()

@@ -153,3 +153,12 @@ def test_answers_that_do_not_line_up_are_refused_naming_the_place(choices, says)
     with pytest.raises(TeacherResponseError, match="the teacher at http://teacher") as refused:
         teacher.logprobs([[5, 6, 7]], [[8]])
     assert says in str(refused.value)
+
+
+def test_a_teacher_that_goes_away_mid_run_stops_it_naming_the_teacher():
+    from rlpipe.engines.http_wire import EngineUnavailableError
+
+    down = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(503, text="overloaded")))
+    with pytest.raises(EngineUnavailableError) as stopped:
+        HttpTeacher("http://teacher", NO_RETRY, client=down).logprobs([[5, 6]], [[7]])
+    assert str(stopped.value).startswith("the teacher at http://teacher: ") and "unreachable" in str(stopped.value)
