@@ -162,3 +162,29 @@ def test_a_teacher_that_goes_away_mid_run_stops_it_naming_the_teacher():
     with pytest.raises(EngineUnavailableError) as stopped:
         HttpTeacher("http://teacher", NO_RETRY, client=down).logprobs([[5, 6]], [[7]])
     assert str(stopped.value).startswith("the teacher at http://teacher: ") and "unreachable" in str(stopped.value)
+
+
+def test_a_vllm_teacher_is_asked_by_its_served_name_in_vllms_shapes():
+    """A stand-in for `vllm serve` answering as vLLM does (its /v1/models, /tokenize and
+    prompt_logprobs entries with rank and decoded_token): every request names the model."""
+    student, seen = build_tokenizer(), []
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        seen.append((request.url.path, body and body.get("model")))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "Qwen/Qwen3-0.6B", "root": "/m/q"}]})
+        if request.url.path == "/tokenize":
+            ids = student(body["prompt"], add_special_tokens=body["add_special_tokens"])["input_ids"]
+            return httpx.Response(200, json={"count": len(ids), "max_model_len": 4096, "tokens": ids,
+                                             "token_strs": None})
+        choices = [{"index": i, "text": "", "prompt_logprobs": [None] + [
+            {str(t): {"logprob": -0.25 * k, "rank": k, "decoded_token": "x"}} for k, t in enumerate(ids[1:], 1)]}
+            for i, ids in enumerate(body["prompt"])]
+        return httpx.Response(200, json={"choices": choices})
+
+    teacher = HttpTeacher("vllm+http://gpu:8000", NO_RETRY, client=httpx.Client(transport=httpx.MockTransport(vllm)))
+    teacher.check(student)
+    assert teacher.logprobs([[5, 6, 7]], [[8, 9]]) == [[-0.75, -1.0]]
+    assert teacher.lineage() == {"teacher": "Qwen/Qwen3-0.6B", "teacher_checkpoint": "/m/q", "teacher_url": "http://gpu:8000"}
+    assert {model for path, model in seen if path != "/v1/models"} == {"Qwen/Qwen3-0.6B"}
