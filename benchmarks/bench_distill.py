@@ -2,7 +2,8 @@
 RL phase, and a student distilled from that RL run's last checkpoint (rl.teacher; [rl.distill]
 type = "advantage", pure distillation). Reported per seed: both learning curves (held-out greedy
 accuracy against completions sampled so far) and the completions each needed to reach the target
-(95% held-out), and the seconds each phase took.
+(95% held-out), and the seconds each phase took; both curves side by side in an SVG beside the JSON
+(`--out` with .svg).
 
 Per seed: the demo's SFT (configs/demo.toml, that seed), its RL phase from the SFT checkpoint
 (the baseline curve; its last checkpoint is the teacher), then the distillation run from the same
@@ -22,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.results import write_results
+from benchmarks.curve_svg import panels_svg
+from benchmarks.results import write_atomic, write_results
 from benchmarks.seed_curves import eval_curve, first_reaching, seeded_config
 
 DEMO = "configs/demo.toml"
@@ -73,6 +75,15 @@ def run(args: argparse.Namespace) -> dict:
                          "eval_examples": args.eval_examples, "target": args.target}, "seeds": seeds}
 
 
+def curves_svg(report: dict) -> str:
+    """Both sides' learning curves side by side, one line per seed (benchmarks/curve_svg.py)."""
+    panels = {title: {f"seed {s['seed']}": [(p["sampled"], p["accuracy"]) for p in s[f"{name}_curve"]]
+                      for s in report["seeds"]}
+              for name, title in (("rl", "RL from SFT"), ("distill", "distilled from the RL checkpoint"))}
+    return panels_svg(panels, x_label="completions sampled", y_label="held-out accuracy",
+                      target=report["settings"]["target"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -89,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_defaults()
     report = run(args)
     write_results(args.out, report)
+    write_atomic(args.out.with_suffix(".svg"), curves_svg(report))
     for s in report["seeds"]:
         sides = "  ".join(f"{name}: {s[f'{name}_reached']['sampled'] if s[f'{name}_reached'] else 'never'}"
                           for name in ("rl", "distill"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 from rlpipe.storage.writer import write_table
 from rlpipe.tasks.config import validate_config
 
@@ -81,3 +82,21 @@ def test_the_document_names_each_benchmark_not_measured_with_its_command():
     for name in BENCHMARKS:
         assert f"`python -m benchmarks.bench_{name}`" in text
     assert not_measured([]) == []
+
+
+def test_the_distillation_curves_are_drawn_side_by_side():
+    import xml.etree.ElementTree as ET
+
+    from benchmarks.bench_distill import curves_svg
+
+    point = lambda sampled, acc: {"step": 0, "sampled": sampled, "accuracy": acc}  # noqa: E731
+    report = {"settings": {"target": 0.95}, "seeds": [
+        {"seed": s, "rl_curve": [point(0, 0.5), point(4000, 0.97)], "distill_curve": [point(0, 0.5), point(800, 0.96)]}
+        for s in range(3)]}
+    svg = ET.fromstring(curves_svg(report))
+    lines = [e for e in svg.iter("{http://www.w3.org/2000/svg}polyline")]
+    texts = [e.text for e in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert len(lines) == 2 * (3 + 1)  # per panel: a line per seed and the target
+    assert "RL from SFT" in texts and "distilled from the RL checkpoint" in texts and "4,000" in texts
+    last = lines[-1].get("points").split()  # the third seed's distillation line ends at x = 800 of 4,000
+    assert float(last[-1].split(",")[0]) == pytest.approx(360 + 48 + 800 / 4000 * (360 - 96), abs=0.1)
