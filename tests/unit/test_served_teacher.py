@@ -188,3 +188,21 @@ def test_a_vllm_teacher_is_asked_by_its_served_name_in_vllms_shapes():
     assert teacher.logprobs([[5, 6, 7]], [[8, 9]]) == [[-0.75, -1.0]]
     assert teacher.lineage() == {"teacher": "Qwen/Qwen3-0.6B", "teacher_checkpoint": "/m/q", "teacher_url": "http://gpu:8000"}
     assert {model for path, model in seen if path != "/v1/models"} == {"Qwen/Qwen3-0.6B"}
+
+
+def test_a_url_names_a_served_teacher_for_rescore_over_a_real_socket(server):
+    from rlpipe.tasks.teacher import teacher_for
+
+    from tests.serve_sockets import serving
+
+    client, model = server
+    config = RunConfig(rl={"distill": {"type": "reward", "retries": 0}, "teacher": "t"})
+    with serving(client.app) as (host, port):
+        teacher = teacher_for(f"http://{host}:{port}", config)
+        try:
+            got = teacher.logprobs(PROMPTS, COMPLETIONS)
+            lineage = teacher.lineage()
+        finally:
+            teacher.close()
+    assert got == [pytest.approx(x, abs=1e-5) for x in ModelTeacher(model).logprobs(PROMPTS, COMPLETIONS)]
+    assert lineage["teacher"] == "teacher-v1" and lineage["teacher_url"] == f"http://{host}:{port}"
