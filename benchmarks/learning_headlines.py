@@ -47,7 +47,8 @@ def headline_multiturn(results: dict, ceiling: dict) -> tuple[str, list[str]]:
              _curve(s["curve"]), round(s["sft_seconds"]), round(s["rl_seconds"])] for s in seeds]
     settings = results["settings"]
     note = (f"configs/multiturn.toml: {settings['sft_steps']} SFT steps, then {settings['rl_steps']} RL steps of "
-            f"whole episodes; greedy accuracy on {settings['eval_examples']} held-out problems.")
+            f"whole episodes; greedy accuracy on {settings['eval_examples']} held-out problems."
+            + (f" {settings['note']}" if settings.get("note") else ""))
     return summary, table(["seed", "after SFT", "after RL", "episodes calling the tool (last step)",
                            "RL curve: accuracy @ completions sampled", "SFT s", "RL s"], rows) + ["", note]
 
