@@ -404,9 +404,7 @@ def headline(name: str, entry: dict, ceiling: dict) -> tuple[str, list[str]]:
     """The benchmark's summary line and headline table; a failure to read its JSON says so."""
     if "error" in entry:
         return "failed (see below)", []
-    from benchmarks.learning_headlines import LEARNING
-
     try:
-        return {**HEADLINES, **LEARNING}[name](entry["results"], ceiling)
+        return HEADLINES[name](entry["results"], ceiling)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, IndexError) as error:
         return "see the raw results", [f"(no headline table: {type(error).__name__} {error})"]

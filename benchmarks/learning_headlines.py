@@ -1,10 +1,11 @@
-"""The headlines of the multi-seed learning benchmarks (bench_distill, bench_multiturn) in
-docs/BENCHMARKS.md: a summary line and per-seed tables, read from each benchmark's JSON
-(benchmarks/headlines.py `headline` calls these by name)."""
+"""The headlines of the multi-seed learning benchmarks (bench_distill, bench_multiturn, bench_code)
+in docs/BENCHMARKS.md: a summary line and per-seed tables, read from each benchmark's JSON. They
+join benchmarks/headlines.py's HEADLINES when this module is imported; run_all.py takes `headline`
+from here."""
 
 from __future__ import annotations
 
-from benchmarks.headlines import share, table
+from benchmarks.headlines import HEADLINES, headline, share, table
 
 
 def _curve(points: list[dict]) -> str:
@@ -70,3 +71,5 @@ def headline_code(results: dict, ceiling: dict) -> tuple[str, list[str]]:
 
 
 LEARNING = {"distill": headline_distill, "multiturn": headline_multiturn, "code": headline_code}
+HEADLINES.update(LEARNING)
+__all__ = ["LEARNING", "headline"]

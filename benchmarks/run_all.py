@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.headlines import fmt, headline, table
+from benchmarks.headlines import fmt, table
+from benchmarks.learning_headlines import headline
 from benchmarks.results import write_atomic, write_results
 
 ROOT = Path(__file__).resolve().parents[1]

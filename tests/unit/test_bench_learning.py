@@ -11,7 +11,7 @@ from rlpipe.storage.writer import write_table
 from rlpipe.tasks.config import validate_config
 
 from benchmarks.bench_distill import phase_configs
-from benchmarks.headlines import headline
+from benchmarks.learning_headlines import headline
 from benchmarks.run_all import BENCHMARKS, not_measured, render
 from benchmarks.seed_curves import eval_curve, first_reaching
 
