@@ -33,7 +33,8 @@ def headline_distill(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     note = (f"Per seed: the demo's SFT ({settings['sft_steps']} steps), its RL phase ({settings['rl_steps']} steps) "
             "from it, and a student distilled from that RL run's last checkpoint (pure distillation, "
             "`rl.distill.type = \"advantage\"`) from the same SFT checkpoint with the same steps and batch; "
-            f"greedy accuracy on {settings['eval_examples']} held-out problems every {settings['eval_every']} steps.")
+            f"greedy accuracy on {settings['eval_examples']} held-out problems every {settings['eval_every']} steps."
+            + (f" {settings['note']}" if settings.get("note") else ""))
     return summary, table(["seed", "after SFT", f"RL: completions to {target:.0%}",
                            f"distillation: completions to {target:.0%}", "RL last", "distillation last",
                            "RL s", "distillation s"], rows) + ["", *curves, "", note]
