@@ -353,26 +353,6 @@ def headline_compile(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                            "compile warm-up s", "recompiles after it"], rows) + ["", note]
 
 
-def headline_curriculum(results: dict, ceiling: dict) -> tuple[str, list[str]]:
-    runs = results["runs"]
-    rows = [[r["run"], f"{r['zero_variance_share']:.1%}", f"{r['sampled_per_trained']:.2f}", f"{r['sampled']:,}",
-             f"{r['trained']:,}", f"{r['skipped_prompts']:,}", r["accuracy"], f"{r['seconds']:.0f}"] for r in runs]
-    summary = "zero-variance share of sampled completions " + ", ".join(
-        f"{r['zero_variance_share']:.0%} ({r['run']})" for r in runs)
-    settings = results["settings"]
-    note = (f"{settings['rl_steps']} RL steps from one SFT checkpoint ({settings['sft_steps']} SFT steps); "
-            f"the curriculum runs re-test resting prompts with probability {settings['retest']:g}"
-            + (f"; keyed by class, a window of {settings['window']}, a solved rate of {settings['solved_rate']:g}"
-               f" and reads {settings.get('reads', 0):g}"
-               if "window" in settings else "") + ". Targets with "
-            f"the curriculum: at most {settings['target_zero_variance_share']:.0%} zero-variance, held-out accuracy "
-            f"at least {settings['target_accuracy']:.0%}, RL seconds not above the run without it."
-            + (f" {settings['note']}" if settings.get("note") else ""))
-    return summary, table(["run (rl.curriculum.type, key, rl.prompt_pool)", "zero-variance share", "sampled per trained",
-                           "sampled completions", "trained completions", "prompts skipped", "held-out accuracy",
-                           "RL seconds"], rows) + ["", note]
-
-
 def headline_cluster_scoring(results: dict, ceiling: dict) -> tuple[str, list[str]]:
     runs, settings, load = results["runs"], results["settings"], results["machine"].get("loadavg")
     rows = [[r["setting"], f"{r['completions_per_second']:.1f}", f"{r['vs_in_process']:.2f}×",
@@ -399,7 +379,7 @@ def headline_cluster_scoring(results: dict, ceiling: dict) -> tuple[str, list[st
 HEADLINES = {"packing": headline_packing, "logprobs": headline_logprobs, "engine": headline_engine,
              "serve": headline_serve, "storage": headline_storage, "rl_step": headline_rl_step,
              "trl": headline_trl, "losses": headline_losses, "async": headline_async,
-             "distributed": headline_distributed, "compile": headline_compile, "curriculum": headline_curriculum,
+             "distributed": headline_distributed, "compile": headline_compile,
              "bytes": headline_bytes, "cluster_scoring": headline_cluster_scoring}
 
 

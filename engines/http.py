@@ -227,6 +227,15 @@ class HttpEngine:
         self._check_open()
         return self._request("GET", "/health", None)
 
+    def request(self, method: str, path: str, body: Any) -> dict[str, Any]:
+        """One call to the server with this engine's retries and errors (the JSON answer)."""
+        self._check_open()
+        return self._request(method, path, body)
+
+    def model_id(self) -> str | None:
+        """The model name requests carry (vLLM: its first served model, asked once)."""
+        return self._model_id()
+
     # -- internals ------------------------------------------------------------------------
 
     def _where(self, path: str) -> str:

@@ -115,6 +115,21 @@ def completion_logprobs(done: Finished, tokenizer: Any, top: list[list[tuple[int
             "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs_entries(prompt: list[int], scored: list[tuple[float, int, list[tuple[int, float]]]],
+                            tokenizer: Any) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `choices[i].prompt_logprobs`: null for the first prompt token, then per token
+    {"<id>": {"logprob", "rank", "decoded_token"}} for the token itself and the top ones."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, (logprob, rank, top) in zip(prompt[1:], scored, strict=True):
+        entry = {str(token): {"logprob": logprob, "rank": rank,
+                              "decoded_token": tokenizer.decode([token], skip_special_tokens=False)}}
+        for place, (other, value) in enumerate(top, start=1):
+            entry.setdefault(str(other), {"logprob": value, "rank": place,
+                                          "decoded_token": tokenizer.decode([other], skip_special_tokens=False)})
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(done: Finished, tokenizer: Any, top: list[list[tuple[int, float]]] | None,
                   as_ids: bool) -> list[dict[str, Any]]:
     """The chat route's `logprobs.content`: per token {token, logprob, bytes, top_logprobs}."""

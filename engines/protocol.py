@@ -160,14 +160,22 @@ class CompletionRequest(OpenAIRequest):
     temperature: float | int = 1.0
     top_p: float | int = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's log-prob given the tokens before it, and the k most likely there."""
     echo: bool = False
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _logprobs_range(cls, value: int | None) -> int | None:
+    def _logprobs_range(cls, value: int | None, info) -> int | None:
         if value is not None and not 0 <= value <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {value}")
+            raise ValueError(f"{info.field_name} must be in [0, 20], got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream: true")
+        return self
 
     def sampling_params(self, end_of_turn: tuple[int, ...] = ()) -> SamplingParams:
         """Our SamplingParams (ValueError names the bad field); stops at `end_of_turn` (the
@@ -175,6 +183,22 @@ class CompletionRequest(OpenAIRequest):
         return sampling_params(n=self.n, max_tokens=self.max_tokens, temperature=self.temperature,
                                top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                stop_token_ids=self.stop_ids(end_of_turn))
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): the served tokenizer's ids of a text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+async def prompt_logprobs_of(request: Any, state: Any, served: Any, prompts: list[list[int]], k: int):
+    """`ModelSlot.prompt_logprobs` off the event loop, under the request's deadline."""
+    work = asyncio.to_thread(state.slot.prompt_logprobs, served, prompts, k)
+    return await until_answered(request, work, state.limits.request_timeout_s)
 
 
 class ReloadRequest(BaseModel):

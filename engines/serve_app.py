@@ -25,9 +25,14 @@ option; no malformed input gives a 500.
                                   events, engines/streaming.py), stream_options.include_usage;
                                   vLLM's skip_special_tokens,
                                   include_stop_str_in_output, return_token_ids,
-                                  return_tokens_as_token_ids.
+                                  return_tokens_as_token_ids, prompt_logprobs (0-20: each
+                                  choice's `prompt_logprobs`, vLLM's shape: null, then per
+                                  prompt token {"<id>": {logprob, rank, decoded_token}} for the
+                                  token and the k most likely, at temperature 1; not streamed).
     POST /v1/chat/completions     OpenAI chat completions with tools and vLLM's token ids and
                                   log-probs (engines/chat_api.py)
+    POST /tokenize                {"prompt": TEXT, "add_special_tokens": bool} -> {"count",
+                                  "max_model_len", "tokens"} (vLLM's shape): the served tokenizer
     GET  /health                  {"status": "ok", "policy_version": k, "checkpoint": path}
     GET  /v1/models               the served names (--served-model-name; default: MODEL as
                                   given); a request's `model` must be one of them (404)
@@ -85,12 +90,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from rlpipe.engines.access_log import RequestLog
 from rlpipe.engines.chat_api import add_chat_completions
-from rlpipe.engines.openai_output import Finished, completion_logprobs, finish_all, usage
+from rlpipe.engines.openai_output import (
+    Finished,
+    completion_logprobs,
+    finish_all,
+    prompt_logprobs_entries,
+    usage,
+)
 from rlpipe.engines.protocol import (
     CompletionRequest,
     ReloadRequest,
+    TokenizeRequest,
     check_model,
     end_of_turn_ids,
+    prompt_logprobs_of,
     prompt_token_ids,
     resolve_model_path,
     sample,
@@ -318,10 +331,23 @@ def build_app(
             return StreamingResponse(sse(chunks), media_type="text/event-stream")
         choices = [completion_choice(i, done, tok, req, tops[i] if tops else None)
                    for i, done in enumerate(finished)]
+        if req.prompt_logprobs is not None:  # the same list on each of a prompt's n choices, as vLLM
+            scored = await prompt_logprobs_of(request, state, served, prompts, req.prompt_logprobs)
+            entries = [prompt_logprobs_entries(p, s, tok) for p, s in zip(prompts, scored, strict=True)]
+            for i, choice in enumerate(choices):
+                choice["prompt_logprobs"] = entries[i // params.n]
         answer_usage = usage(n_prompt, sum(len(done.tokens) for done in finished))
         return {**head, "choices": choices, "usage": answer_usage, "policy_version": served.policy_version}
 
     add_chat_completions(app, state)  # POST /v1/chat/completions
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await read_request(request, state.limits, TokenizeRequest)
+        check_model(req.model, state)
+        current = state.slot.current
+        ids = current.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return {"count": len(ids), "max_model_len": current.max_model_len, "tokens": list(ids)}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):

@@ -111,6 +111,13 @@ class ModelSlot:
             return [top_logprobs(served.engine.model, prompt, tokens, k, temperature)
                     for prompt, tokens in sequences]
 
+    def prompt_logprobs(self, served: ServedModel, prompts: list[list[int]], k: int
+                        ) -> list[list[tuple[float, int, list[tuple[int, float]]]]]:
+        """For each prompt, `prompt_logprobs` of each of its tokens after the first (blocking; run
+        it off the event loop), under the lock."""
+        with self._lock:
+            return [prompt_logprobs(served.engine.model, prompt, k) for prompt in prompts]
+
     def swap(self, served: ServedModel) -> ServedModel:
         """Put `served` in service; returns the model taken out. It is not closed: requests
         already generating with it finish with it, and it is freed with their last reference."""
@@ -139,6 +146,32 @@ def top_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], k
             logits = head(hidden[start : start + _TOP_CHUNK]).float() / temperature
             values, indices = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
             out += [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
+    return out
+
+
+def prompt_logprobs(model: torch.nn.Module, prompt: list[int], k: int
+                    ) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """vLLM's `prompt_logprobs`: for each token of `prompt` after the first, its log-prob given
+    the tokens before it under softmax(logits) (temperature 1, the model's own distribution), its
+    rank (1 = the most likely) and the `k` most likely tokens there; one forward pass, the
+    vocabulary projected a chunk of positions at a time."""
+    if len(prompt) < 2:
+        return []
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    nexts = torch.tensor(prompt[1:], device=device)
+    out: list[tuple[float, int, list[tuple[int, float]]]] = []
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids[:, :-1]).last_hidden_state[0]
+        head = model.get_output_embeddings()
+        for start in range(0, hidden.shape[0], _TOP_CHUNK):
+            logprobs = torch.log_softmax(head(hidden[start : start + _TOP_CHUNK]).float(), dim=-1)
+            picked = logprobs.gather(-1, nexts[start : start + _TOP_CHUNK, None])
+            ranks = (logprobs > picked).sum(-1) + 1
+            tops = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1) if k > 0 else None
+            for row in range(logprobs.shape[0]):
+                top = list(zip(tops.indices[row].tolist(), tops.values[row].tolist(), strict=True)) if tops else []
+                out.append((float(picked[row, 0]), int(ranks[row]), top))
     return out
 
 

@@ -1,12 +1,14 @@
-"""`rlpipe rescore RUN_DIR --reward module:function [--name NAME | --out DIR]`: re-score a run's
-stored rollouts with another reward function and recompute their advantages (tasks/rescoring.py),
-then print the per-step comparison (canned query `rescore_compare`).
+"""`rlpipe rescore RUN_DIR --reward module:function [--teacher SPEC|URL] [--name NAME | --out DIR]`:
+re-score a run's stored rollouts with another reward function and recompute their advantages
+(tasks/rescoring.py; a distilled run's teacher term too, from its stored teacher log-probs or, with
+--teacher, another teacher's), then print the per-step comparison (canned query `rescore_compare`).
 
     rlpipe rescore runs/demo/rl --reward envs.rewards:exact_match
     rlpipe sql runs/demo/rl/rescore/exact_match --query rescore_compare
 
 No Prefect flow: a command over finished tables. Exit status 2 with a one-line message for a bad
-run folder, a --reward that does not import, or an output folder that holds something else.
+run folder, a --reward that does not import, a --teacher that cannot teach the run's student (or a
+run that was not distilled), or an output folder that holds something else.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reward", required=True, metavar="MODULE:FUNCTION",
                         help="fn(completion_text, answer, example) -> float | (float, components), "
                              "or a registered reward name")
+    parser.add_argument("--teacher", metavar="SPEC|URL",
+                        help="a distilled run: re-score the teacher term with this teacher (a checkpoint folder, "
+                             "models:/NAME@alias, a hub id, or a server URL as rl.distill.url takes)")
     parser.add_argument("--name", help="folder name under RUN_DIR/rescore/ (default: the function's name)")
     parser.add_argument("--out", metavar="DIR", help="write the rescore folder here instead")
     return parser
@@ -43,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_defaults()
     try:
-        out_dir, counts = rescore(Path(args.run_dir), args.reward, args.name, args.out)
+        out_dir, counts = rescore(Path(args.run_dir), args.reward, args.name, args.out, args.teacher)
     except (ValueError, FileNotFoundError) as error:
         return fail(PROG, str(error))
     print(f"re-scored {counts['rollouts']} rollouts of {Path(args.run_dir).resolve()} with {args.reward} "
@@ -71,8 +76,9 @@ def summary(rows: list[dict]) -> str:
             f"with their advantage's sign flipped, {total['samples_zeroed']} zeroed")
 
 
-def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tuple[Path, dict[str, int]]:
-    """Load the run's config and the reward, re-score into the rescore folder; (folder, counts)."""
+def rescore(run_dir: Path, reward: str, name: str | None, out: str | None,
+            teacher_spec: str | None = None) -> tuple[Path, dict[str, int]]:
+    """Load the run's config, the reward (and teacher), re-score into the rescore folder; (folder, counts)."""
     from rlpipe.flows.common import say_code_trusted
     from rlpipe.flows.progress import progress
     from rlpipe.rollouts.options import rollout_options
@@ -88,7 +94,15 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
     config = read_run_config(json.loads(config_path.read_text()), str(config_path))
     say_code_trusted(PROG, config, run_dir)
     fn = load_reward(reward)
-    name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", reward.rpartition(":")[2]) or "rescore"
+    teacher = None
+    if teacher_spec:
+        from rlpipe.tasks.teacher import teacher_for
+
+        teacher = teacher_for(teacher_spec, config)
+        default = f"{reward.rpartition(':')[2]}-teacher-{teacher_spec.rstrip('/').rpartition('/')[2]}"
+    else:
+        default = reward.rpartition(":")[2]
+    name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", default) or "rescore"
     out_dir = Path(out) if out else run_dir / "rescore" / name
     env = task_env(config.task, reward_models=False)
     total = sum(pq.read_metadata(path).num_rows for path in table_files(run_dir, "rollouts"))
@@ -97,7 +111,10 @@ def rescore(run_dir: Path, reward: str, name: str | None, out: str | None) -> tu
         counts = rescore_run(run_dir, out_dir, reward=reward, env=env,
                              scorer=scoring_env(env, fn, config.task.reward_timeout_s),
                              options=rollout_options(config.rl),
-                             seed=config.seed, length_penalty=overlong_penalty_fn(config.rl.scoring, config.rl.sampling.max_new_tokens), tick=bar.update)
+                             seed=config.seed, length_penalty=overlong_penalty_fn(config.rl.scoring, config.rl.sampling.max_new_tokens), tick=bar.update,
+                             teacher=teacher)
     finally:
         bar.close()
+        if callable(getattr(teacher, "close", None)):
+            teacher.close()
     return out_dir.resolve(), counts

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from rlpipe.core.config import Section, options_from
 from rlpipe.training.config import LossConfig, OptimConfig
 from rlpipe.training.loss_choice import (
@@ -192,6 +192,26 @@ class DistillConfig(Section):
     advantage from the verifier's reward."""
     weight: float = Field(1.0, gt=0)
     """With type = "reward": the weight of the teacher's per-token term."""
+    url: str = ""
+    """The teacher served over HTTP instead of in process: an OpenAI-compatible server that
+    returns vLLM's `prompt_logprobs` (`rlpipe serve`: http://HOST:PORT; vLLM:
+    vllm+http://HOST:PORT; engines/http_teacher.py). Its tokenizer must be the student's
+    (checked before the run starts). rl.teacher then only names it in lineage (may be "")."""
+    api_token_env: str = "RLPIPE_API_TOKEN"
+    """With url: the environment variable holding the teacher server's bearer token (unset = none)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """With url: seconds one scoring request may take."""
+    retries: int = Field(3, ge=0)
+    """With url: extra attempts when the server cannot be reached (then the run stops, naming it)."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if value:
+            from rlpipe.engines.http import parse_engine_url
+
+            parse_engine_url(value)  # ValueError naming the url
+        return value
 
 
 MOVED: dict[str, str] = {
@@ -253,7 +273,8 @@ class RLConfig(Section):
     teacher: str = ""
     """On-policy distillation: the teacher that scores every sampled token, a checkpoint folder, a
     registered version `models:/NAME@alias` (or `models:/NAME/VERSION`) or a hub id ORG/NAME[@REVISION];
-    its tokenizer must be the student's. It runs on an engine of its own, in process. "": none."""
+    its tokenizer must be the student's. It runs on an engine of its own, in process, or on a
+    server (rl.distill.url; this is then only its name in lineage). "": none."""
     distill: DistillConfig = Field(default_factory=DistillConfig)
     """How the teacher's signal enters the advantage ([rl.distill])."""
 
@@ -293,9 +314,10 @@ class RLConfig(Section):
         if self.buffer.sampling == "reservoir" and not self.filter.drop_zero_variance:
             raise ValueError("rl.buffer.sampling = 'reservoir' holds groups with non-zero advantages: it needs "
                              "rl.filter.drop_zero_variance = true")
-        if bool(self.teacher) != (self.distill.type != "none"):
-            raise ValueError("on-policy distillation needs both rl.teacher and rl.distill.type (advantage | reward); "
-                             f"got teacher = {self.teacher!r}, distill.type = {self.distill.type!r}")
+        if bool(self.teacher or self.distill.url) != (self.distill.type != "none"):
+            raise ValueError("on-policy distillation needs both a teacher (rl.teacher, or rl.distill.url) and "
+                             f"rl.distill.type (advantage | reward); got teacher = {self.teacher!r}, "
+                             f"distill.url = {self.distill.url!r}, distill.type = {self.distill.type!r}")
         if self.distill.type == "advantage" and self.filter.drop_zero_variance:
             raise ValueError("rl.distill.type = 'advantage' trains every group, whatever its rewards: it needs "
                              "rl.filter.drop_zero_variance = false")

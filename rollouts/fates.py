@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from rlpipe.core import metric_names as m
 from rlpipe.core.user_code import import_user_object
 from rlpipe.rollouts.advantages import AdvantageOptions, group_advantages
-from rlpipe.rollouts.distill import DistillOptions, token_advantages
+from rlpipe.rollouts.distill import DistillOptions, mean_advantage, pulls, token_advantages
 from rlpipe.rollouts.records import TrainSample
 
 if TYPE_CHECKING:
@@ -178,8 +178,8 @@ def distilled(sample: TrainSample, options: DistillOptions) -> TrainSample:
     per_token = token_advantages(sample.advantage, sample.rollout, options)
     if per_token is None:
         return sample
-    mean = sum(per_token) / len(per_token) if per_token else 0.0
-    return TrainSample(sample.rollout, sample.reward, mean, per_token)
+    return TrainSample(sample.rollout, sample.reward, mean_advantage(sample.advantage, pulls(sample.rollout), options),
+                       per_token)
 
 
 def fate_metrics(rows: list[dict], pending: Iterable[Group]) -> dict[str, float]:

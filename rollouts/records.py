@@ -70,6 +70,12 @@ class Rollout(_Row):
     """Version of its newest token."""
     teacher_logprobs: list[float] | None = None
     """On-policy distillation (rl.teacher): the teacher's log-prob of each completion token."""
+    teacher: str | None = None
+    """The teacher that scored it: `rl.teacher`, else the served model's name (null: none)."""
+    teacher_checkpoint: str | None = None
+    """The teacher's checkpoint: its folder in process, the server's model root over HTTP."""
+    teacher_url: str | None = None
+    """The teacher's server (`rl.distill.url`); null in process."""
 
     def __post_init__(self) -> None:
         for name in ("first_policy_version", "last_policy_version"):

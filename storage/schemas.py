@@ -80,6 +80,10 @@ _FIELDS: dict[str, list[pa.Field]] = {
         _opt("last_policy_version", pa.int32()),
         # on-policy distillation (rl.teacher): the teacher's log-prob of each completion token
         _opt("teacher_logprobs", _LOGPROBS),
+        # ... and the teacher that gave them: name, checkpoint, server URL (null in process)
+        _opt("teacher", pa.string()),
+        _opt("teacher_checkpoint", pa.string()),
+        _opt("teacher_url", pa.string()),
     ],
     # one row per completion (score)
     "scores": _KEY

@@ -109,20 +109,21 @@ def _check_model(config) -> None:
 
 
 def _check_teacher(config) -> None:
-    """rl.teacher (on-policy distillation) can be read, and its tokenizer and vocabulary are the student's."""
-    if not config.rl.teacher or "rl" not in _phases(config.flow):
+    """rl.teacher (on-policy distillation) can be read, or rl.distill.url answers, and its tokenizer
+    and vocabulary are the student's."""
+    if not (config.rl.teacher or config.rl.distill.url) or "rl" not in _phases(config.flow):
         return
-    from rlpipe.models.loading import resolve_model_path
-    from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
-    from rlpipe.tasks.teacher import check_teacher, model_vocab_size, teacher_folder
+    from rlpipe.tasks.teacher import check_teacher, student_tokenizer, teacher_folder
 
     fix = "rl.teacher must share the student's tokenizer and vocabulary"
-    if config.model.path:
-        folder = resolve_model_path(config.model.path)
-        tokenizer, vocab = load_tokenizer(folder), model_vocab_size(folder)
-    else:
-        tokenizer = build_tokenizer()
-        vocab = config.model.overrides.get("vocab_size", len(tokenizer))
+    tokenizer, vocab = student_tokenizer(config)
+    if config.rl.distill.url:
+        from rlpipe.tasks.teacher import served_teacher
+
+        served = _check("rl.distill.url", "start a server of the student's tokenizer that answers prompt_logprobs: rlpipe serve, vLLM",
+                        lambda: served_teacher(config.rl, tokenizer))
+        served.close()
+        return
     teacher = _check("rl.teacher", "give a checkpoint folder, models:/NAME@alias or a hub id ORG/NAME",
                      lambda: teacher_folder(config.rl.teacher, config.runs_root))
     _check("rl.teacher", fix, lambda: check_teacher(teacher, tokenizer, vocab))

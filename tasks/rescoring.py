@@ -11,7 +11,10 @@ The function replaces the env's whole reward (and any `task.reward_models`); the
 an episode's environment steps gave (multi-turn) are still added, as in training.
 Groups are rebuilt as the run built them (rollouts/source.py: completions whose new reward raised
 left out as `reward_error`, then `make_groups` per step and sampling round) and their advantages
-recomputed with the run's `[rl]` section (rollouts/advantages.py).
+recomputed with the run's `[rl]` section (rollouts/advantages.py). A distilled run's advantages
+take in the teacher's term as training did (rollouts/distill.py `mean_advantage`), from the
+`teacher_logprobs` its rollouts hold (`rlpipe rescore --teacher SPEC|URL`: another teacher's, scored
+now; rescore.json names it): `type = "advantage"` ones do not move with the reward.
 
 What stays fixed is the run's batches. Each row of the run's `groups` table is replayed with the
 new rewards: a group that was trained (or carried) stays so unless its rewards now have zero
@@ -30,7 +33,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,7 @@ from rlpipe.rollouts.advantages import (
     group_row,
     make_groups,
 )
+from rlpipe.rollouts.distill import Teacher, mean_advantage, pulls, with_teacher
 from rlpipe.rollouts.fates import DropOptions, decide_groups, drop_rows, fate_rows, sample_drop
 from rlpipe.rollouts.group_buffer import GroupDecision
 from rlpipe.rollouts.options import RolloutOptions
@@ -130,12 +134,14 @@ def round_groups(rollouts: Sequence[Rollout], scores: Sequence[Score], options: 
 
 
 def counterfactual(original: Sequence[dict], groups: dict[str, Group], options: RolloutOptions,
-                   emptied: Iterable[str] = ()
+                   emptied: Iterable[str] = (), pulls: Mapping[str, list[float]] | None = None
                    ) -> tuple[list[dict], list[dict], list[dict]]:
     """The run's `groups` rows replayed with new rewards (module docstring): (groups rows,
     advantages rows of the trained groups, `decisions` rows of their completions), each row with
     run_id and step. `emptied`: groups whose every completion was left out (their reward now
-    raised): they have no row left."""
+    raised): they have no row left. `pulls`: with on-policy distillation, each completion's
+    per-token teacher term (rollouts/distill.py `pulls`), which its advantage takes in as training did."""
+    distill = options.advantages.distill
     group_rows, advantage_rows, decisions, gone = [], [], [], set(emptied)
     by_step: dict[int, list[dict]] = {}
     for row in original:
@@ -166,6 +172,9 @@ def counterfactual(original: Sequence[dict], groups: dict[str, Group], options: 
             if status == "trained":
                 batch.append(group)
                 advantages = group_advantages([group], options.advantages)
+                if distill.type != "none":
+                    advantages = {sid: mean_advantage(advantages[sid], (pulls or {})[sid], distill)
+                                  for sid in group.sample_ids}
                 advantage_rows += [{**key, "sample_id": sid, "group_id": group_id, "advantage": advantages[sid]}
                                    for sid in group.sample_ids]
             else:
@@ -176,14 +185,16 @@ def counterfactual(original: Sequence[dict], groups: dict[str, Group], options: 
     return group_rows, advantage_rows, decisions
 
 
-def prepare_out(run_dir: Path, out_dir: Path, reward: str) -> None:
-    """Create the rescore folder with its `rescore.json`; ValueError if `out_dir` is a run or
-    holds another re-scoring."""
+def prepare_out(run_dir: Path, out_dir: Path, reward: str, teacher: dict | None = None) -> None:
+    """Create the rescore folder with its `rescore.json` (`teacher`: the lineage of the teacher that
+    re-scored the teacher term, if one did); ValueError if `out_dir` is a run or holds another
+    re-scoring."""
     existing = rescore_source(out_dir)
     if existing is not None:
         info = json.loads((out_dir / RESCORE_MARKER).read_text())
-        if existing[0] != run_dir or info["reward"] != reward:
-            raise ValueError(f"{out_dir} already holds a rescore of {existing[0]} with {info['reward']!r}; "
+        if existing[0] != run_dir or info["reward"] != reward or info.get("teacher") != teacher:
+            raise ValueError(f"{out_dir} already holds a rescore of {existing[0]} with {info['reward']!r}"
+                             f"{' and teacher ' + repr(info['teacher']) if info.get('teacher') else ''}; "
                              "choose another --name or --out")
     elif (out_dir / "tables").exists():
         raise ValueError(f"{out_dir} holds tables of its own (a run?); choose another --out")
@@ -191,27 +202,35 @@ def prepare_out(run_dir: Path, out_dir: Path, reward: str) -> None:
     # inside the run (the default rescore/<name>): relative, so the run folder moves or copies whole
     source = os.path.relpath(run_dir, out_dir) if out_dir.is_relative_to(run_dir) else str(run_dir)
     info = {"source_run_dir": source, "reward": reward, "tables": list(TABLES),
-            "created_at": dt.datetime.now(dt.UTC).isoformat()}
+            "created_at": dt.datetime.now(dt.UTC).isoformat(), **({"teacher": teacher} if teacher else {})}
     atomic_write(out_dir / RESCORE_MARKER, lambda tmp: tmp.write_text(json.dumps(info, indent=2)), durable=False)
 
 
 def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, scorer: Environment,
                 options: RolloutOptions, seed: int, length_penalty: Callable[[int], float] | None = None,
-                tick: Callable[[int], None] = lambda n: None) -> dict[str, int]:
+                tick: Callable[[int], None] = lambda n: None, teacher: Teacher | None = None) -> dict[str, int]:
     """Re-score every stored rollout of `run_dir` with `scorer` into `out_dir` (module docstring);
     `env` gives the examples, `options` are the run's (rollouts/options.py, from its `[rl]` section),
-    `tick(n)` reports n rollouts done. Returns rollout and error counts."""
+    `tick(n)` reports n rollouts done; `teacher`: a distilled run's teacher term re-scored by
+    this teacher instead of read from the run. Returns rollout and error counts."""
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     steps = stored_steps(run_dir, "rollouts")
     if not steps:
         raise ValueError(f"{run_dir} has no rollouts table to re-score (an RL run folder, e.g. runs/demo/rl)")
-    prepare_out(run_dir, out_dir, reward)
+    if teacher is not None and options.advantages.distill.type == "none":
+        raise ValueError(f"{run_dir} was not distilled (rl.distill.type = 'none'): there is no teacher term to "
+                         "re-score; leave out --teacher")
+    prepare_out(run_dir, out_dir, reward, teacher.lineage() if teacher is not None else None)
     train, examples = env.examples("train", seed=seed), {}
     groups: dict[str, Group] = {}
     drops: dict[int, list[dict]] = {}
     counts = {"rollouts": 0, "errors": 0}
+    distilled, pull_of = options.advantages.distill.type != "none", {}
     for step in steps:
         rollouts = [Rollout.from_row(row) for row in read_table(run_dir, "rollouts", step).to_pylist()]
+        if distilled:  # the teacher term, from the teacher log-probs the run stored (or `teacher`'s)
+            scored = rollouts if teacher is None else with_teacher(rollouts, teacher)
+            pull_of.update((r.sample_id, pulls(r)) for r in scored)
         find_examples(train, {r.example_id for r in rollouts}, examples)
         scores: list[Score] = score_rollouts(scorer, examples, rollouts, ScoreOptions(1.0, length_penalty))
         write_table(out_dir, "scores", step, [s.row() for s in scores], run_id=_run_id(rollouts, run_dir),
@@ -225,7 +244,7 @@ def rescore_run(run_dir: Path, out_dir: Path, *, reward: str, env: Environment, 
     original = read_table(run_dir, "groups", as_of_step=last).to_pylist()
     emptied = {row["group_id"] for rows in drops.values() for row in rows} - set(groups)
     run_id = _run_id(original, run_dir)
-    tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, options, emptied),
+    tables = dict(zip(("groups", "advantages", "decisions"), counterfactual(original, groups, options, emptied, pull_of),
                       strict=True))
     tables["decisions"] += [{"run_id": run_id, "step": step, **row} for step, rows in drops.items() for row in rows]
     by_step = {table: _by_step(rows) for table, rows in tables.items()}

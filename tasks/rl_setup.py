@@ -108,8 +108,13 @@ def close_env(env) -> None:
         close()
 
 
-def _teacher(config, model):
-    """The in-process teacher of on-policy distillation (rl.teacher) beside the student, or None."""
+def _teacher(config, model, tokenizer):
+    """The teacher of on-policy distillation: served (rl.distill.url), else in process beside
+    the student (rl.teacher), else None."""
+    if config.rl.distill.url:
+        from rlpipe.tasks.teacher import served_teacher
+
+        return served_teacher(config.rl, tokenizer)
     if not config.rl.teacher:
         return None
     from rlpipe.tasks.teacher import load_teacher
@@ -132,16 +137,18 @@ def _open_rl(config, env, cluster: ClusterScoring | None, run_dir: Path, run_id:
         sync_task(built.engines, str(sync_from), version, run_dir=run_dir, run_id=run_id, step=built.start_step,
                   retries=config.engine.retries, only_missing=True)
     stops, context = stop_token_ids(built.tokenizer), max_context(built.model)
+    teacher = _teacher(config, built.model, built.tokenizer)
+    closing = [*built.closing, *([teacher] if callable(getattr(teacher, "close", None)) else [])]  # a server's client
     inputs = SourceInputs(env=env, engines=built.engines, tokenizer=built.tokenizer, stop_token_ids=stops,
                           max_context=context, run_dir=run_dir, run_id=run_id, seed=config.seed,
                           template_kwargs=chat_kwargs, remote_scoring=cluster,
-                          teacher=_teacher(config, built.model))
+                          teacher=teacher)
     source = open_source(rl, inputs, start_step=built.start_step, published_version=version,
                          data_state=built.data_state if start.resume is not None else {})
     return RLRun(trainer=built.trainer, tokenizer=built.tokenizer, loss_fn=built.loss_fn, env=env,
                  engines=built.engines, eval_engine=built.eval_engine,
                  eval_examples=list(env.examples("eval", seed=config.seed))[: config.task.eval_examples],
                  source=source, start_step=built.start_step, stop_token_ids=stops, max_context=context,
-                 max_new_tokens=rl.sampling.max_new_tokens, closing=built.closing, template_kwargs=chat_kwargs,
+                 max_new_tokens=rl.sampling.max_new_tokens, closing=closing, template_kwargs=chat_kwargs,
                  max_thinking_tokens=rl.sampling.max_thinking_tokens, cluster=cluster,
                  sampled=options_from(EvalOptions, config.eval))

@@ -4,6 +4,9 @@ this student, and the in-process engine that scores every sampled token (rollout
     folder = teacher_folder(spec, runs_root)              # a folder, models:/NAME@alias, a hub id
     check_teacher(folder, student_tokenizer, vocab_size)  # ValueError, one line, when it cannot
     teacher = load_teacher(spec, runs_root, device)       # rollouts.distill.ModelTeacher
+    teacher = served_teacher(rl, student_tokenizer)       # [rl.distill] url: engines/http_teacher.py,
+                                                          # checked against the student's tokenizer
+    teacher = teacher_for(spec_or_url, config)            # either, checked (rlpipe rescore --teacher)
 
 Not a stage: pre-flight (tasks/preflight.py) checks it before a run writes anything, and the RL
 setup (tasks/rl_setup.py) loads it once.
@@ -53,9 +56,65 @@ def check_teacher(folder: Path, student_tokenizer: Any, student_vocab: int) -> N
         raise ValueError(f"the teacher's vocabulary has {vocab} entries, the student's {student_vocab}")
 
 
+def student_tokenizer(config: Any) -> tuple[Any, int]:
+    """The tokenizer and output vocabulary size of the student a run config trains (model.path,
+    else the preset's tokenizer and vocabulary)."""
+    from rlpipe.models.loading import resolve_model_path
+    from rlpipe.models.tokenizer import build_tokenizer, load_tokenizer
+
+    if config.model.path:
+        folder = resolve_model_path(config.model.path)
+        tokenizer = load_tokenizer(folder)
+        return tokenizer, model_vocab_size(folder) or len(tokenizer)
+    tokenizer = build_tokenizer()
+    return tokenizer, config.model.overrides.get("vocab_size", len(tokenizer))
+
+
+def teacher_for(spec: str, config: Any, device: Any = "cpu"):
+    """The teacher `spec` names for the student of run config `config`, checked against its
+    tokenizer (ValueError in one line): a server URL (http://, vllm+http://; served_teacher, with
+    the config's [rl.distill] token variable, timeout and retries), else a folder, models:/NAME@alias
+    or hub id loaded in process on `device`."""
+    tokenizer, vocab = student_tokenizer(config)
+    if "://" in spec:
+        rl = config.rl.model_copy(update={"teacher": "", "distill": config.rl.distill.model_copy(update={"url": spec})})
+        return served_teacher(rl, tokenizer)
+    check_teacher(teacher_folder(spec, config.runs_root), tokenizer, vocab)
+    return load_teacher(spec, config.runs_root, device)
+
+
 def load_teacher(spec: str, runs_root: str | os.PathLike, device: Any):
     """The teacher `spec` names on `device`, frozen, as an in-process scorer (rollouts/distill.py)."""
     from rlpipe.models.loading import load_model
     from rlpipe.rollouts.distill import ModelTeacher
 
-    return ModelTeacher(load_model(teacher_folder(spec, runs_root)).to(device))
+    folder = teacher_folder(spec, runs_root)
+    return ModelTeacher(load_model(folder).to(device), {"teacher": spec, "teacher_checkpoint": str(folder)})
+
+
+def served_teacher(rl: Any, tokenizer: Any, client: Any = None):
+    """The teacher `rl.distill.url` serves (engines/http_teacher.py), named `rl.teacher` in lineage
+    (else the served model's name), after checking its tokenizer is the student's: ValueError in
+    one line when it is not, or when the server cannot be reached or cannot score."""
+    from rlpipe.engines.http import HttpOptions, read_token
+    from rlpipe.engines.http_teacher import HttpTeacher
+    from rlpipe.engines.http_wire import (
+        EngineResponseError,
+        EngineTimeoutError,
+        EngineUnavailableError,
+    )
+
+    distill = rl.distill
+    options = HttpOptions(timeout_s=distill.timeout_s, retries=distill.retries,
+                          api_token=read_token("", distill.api_token_env))
+    teacher = HttpTeacher(distill.url, options, name=rl.teacher, client=client)
+    try:
+        teacher.check(tokenizer)
+        teacher.lineage()
+    except (EngineUnavailableError, EngineTimeoutError, EngineResponseError) as err:
+        teacher.close()
+        raise ValueError(f"the teacher at {distill.url} cannot teach: {err}") from err
+    except ValueError:
+        teacher.close()
+        raise
+    return teacher

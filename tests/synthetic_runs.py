@@ -79,6 +79,9 @@ def synthetic_step(
             "last_policy_version": policy_version,
             # no teacher (on-policy distillation)
             "teacher_logprobs": [None] * n,
+            "teacher": [None] * n,
+            "teacher_checkpoint": [None] * n,
+            "teacher_url": [None] * n,
         },
         schema=schema_for("rollouts"),
     )

@@ -36,8 +36,8 @@ def test_packing_puts_each_tokens_own_advantage_on_it():
 
 
 @pytest.mark.parametrize(("rl", "message"), [
-    ({"teacher": "some/folder"}, "needs both rl.teacher and rl.distill.type"),
-    ({"distill": {"type": "reward"}}, "needs both rl.teacher and rl.distill.type"),
+    ({"teacher": "some/folder"}, "needs both a teacher"),
+    ({"distill": {"type": "reward"}}, "needs both a teacher"),
     ({"teacher": "t", "distill": {"type": "advantage"}}, "drop_zero_variance = false"),
 ])
 def test_config_refuses_half_a_distillation(rl, message):
@@ -61,3 +61,19 @@ def test_preflight_refuses_a_teacher_with_another_tokenizer_in_one_line(tmp_path
     message = str(refused.value)
     assert message.startswith("rl.teacher: the teacher's tokenizer is not the student's") and "\n" not in message
     assert not (tmp_path / "runs").exists()  # refused before anything is written
+
+
+def test_an_in_process_teacher_names_itself_in_every_row_it_scores(tmp_path):
+    from rlpipe.models.presets import build_model
+    from rlpipe.models.tokenizer import build_tokenizer
+    from rlpipe.rollouts.distill import with_teacher
+    from rlpipe.tasks.teacher import load_teacher
+
+    tokenizer = build_tokenizer()
+    build_model("tiny-dense", vocab_size=len(tokenizer), seed=0).save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    teacher = load_teacher(str(tmp_path / "teacher"), tmp_path, "cpu")
+    [row] = with_teacher([_rollout([-1.0, -2.0, -0.5], None)], teacher)
+    assert len(row.teacher_logprobs) == 3 and all(x < 0 for x in row.teacher_logprobs)
+    assert (row.teacher, row.teacher_checkpoint, row.teacher_url) == \
+        (str(tmp_path / "teacher"), str((tmp_path / "teacher").resolve()), None)

@@ -15,7 +15,7 @@ from rlpipe.rollouts.options import rollout_options
 from rlpipe.storage.catalog import connect
 from rlpipe.storage.queries import canned_sql
 from rlpipe.storage.writer import read_table, write_table
-from rlpipe.tasks.config import validate_config
+from rlpipe.tasks.config import RunConfig, validate_config
 from rlpipe.tasks.rescoring import find_examples, load_reward, prepare_out, rescore_run, scoring_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,3 +274,66 @@ def test_a_group_whose_every_reward_raised_has_no_row_left(tmp_path):
     rows = compare(out)
     assert (rows[1]["samples_dropped"], rows[2]["samples_dropped"]) == (2, 4)
     assert rows[1]["reward_errors_rescored"] == 6
+
+
+def distilled_run(run_dir: Path, distill: dict) -> tuple[Path, RunConfig]:
+    """make_run's run, its completions scored by a teacher: student log-probs -1 per token, the
+    teacher's -0.5 and -1.5 - i/10 (completion i), under `[rl.distill]` = `distill`."""
+    make_run(run_dir)
+    for step in PLAN:
+        rows = read_table(run_dir, "rollouts", step).to_pylist()
+        for row in rows:
+            i = int(row["sample_id"].rsplit(":", 1)[1])
+            row |= {"completion_logprobs": [-1.0, -1.0], "teacher_logprobs": [-0.5, -1.5 - i / 10], "teacher": "t",
+                    "prompt_tokens": [5, 6, 7], "completion_tokens": [8, 9 + i]}
+        write_table(run_dir, "rollouts", step, rows, run_id=RUN_ID)
+    data = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
+    data["task"]["options"] = OPTIONS
+    data["rl"] |= {"teacher": "t", "distill": distill, "filter": {"drop_zero_variance": distill["type"] == "reward"}}
+    return run_dir, validate_config(data)
+
+
+@pytest.mark.parametrize("distill", [{"type": "reward", "weight": 0.5}, {"type": "advantage"}])
+def test_a_distilled_runs_advantages_take_in_the_teacher_term(tmp_path, distill):
+    run_dir, cfg = distilled_run(tmp_path / "run", distill)
+    out = tmp_path / "out"
+    rescore_run(run_dir, out, reward="wrong", env=env(), scorer=scoring_env(env(), wrong_is_right, 0.0),
+                options=rollout_options(cfg.rl), seed=cfg.seed)
+    plain = {row["sample_id"]: row["advantage"] for row in read_table(run_dir, "advantages").to_pylist()}
+    got = read_table(out, "advantages").to_pylist()
+    assert {row["sample_id"] for row in got} == set(plain)
+    for row in got:
+        i = int(row["sample_id"].rsplit(":", 1)[1])
+        pull = (0.5 + (-0.5 - i / 10)) / 2  # mean over tokens of log p_teacher - log p_student
+        # the reversed reward flips the verifier's part; pure distillation does not see the reward
+        want = -plain[row["sample_id"]] + 0.5 * pull if distill["type"] == "reward" else pull
+        assert row["advantage"] == pytest.approx(want, abs=1e-6), row
+
+
+def test_another_teacher_rescores_the_teacher_term_and_is_named(tmp_path, capsys):
+    from rlpipe.flows.rescore import main
+    from rlpipe.models.presets import build_model
+    from rlpipe.models.tokenizer import build_tokenizer
+    from rlpipe.rollouts.distill import ModelTeacher
+    from rlpipe.tasks.teacher import teacher_for
+
+    tokenizer, folder = build_tokenizer(), tmp_path / "teacher"
+    model = build_model("tiny-dense", vocab_size=len(tokenizer), seed=5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    run_dir, cfg = distilled_run(tmp_path / "run", {"type": "advantage"})
+    out = tmp_path / "out"
+    rescore_run(run_dir, out, reward="env", env=env(), scorer=env(), options=rollout_options(cfg.rl), seed=cfg.seed,
+                teacher=teacher_for(str(folder), cfg))
+    got = {row["sample_id"]: row["advantage"] for row in read_table(out, "advantages").to_pylist()}
+    rollouts = {row["sample_id"]: row for row in read_table(run_dir, "rollouts").to_pylist()}
+    for sid, advantage in got.items():
+        row = rollouts[sid]
+        [scored] = ModelTeacher(model).logprobs([row["prompt_tokens"]], [row["completion_tokens"]])
+        assert advantage == pytest.approx(sum(t + 1.0 for t in scored) / 2, abs=1e-5)  # student: -1 per token
+    assert json.loads((out / "rescore.json").read_text())["teacher"] == \
+        {"teacher": str(folder), "teacher_checkpoint": str(folder.resolve()), "teacher_url": None}
+    # a run that was not distilled has no teacher term: refused in one line
+    plain = make_run(tmp_path / "plain")
+    assert main([str(plain), "--reward", "exact_match", "--teacher", str(folder)]) == 2
+    assert "was not distilled" in capsys.readouterr().err

@@ -25,6 +25,7 @@ MESSAGES = [{"role": "user", "content": "12+30="}]
 ROUTES = {
     "/v1/completions": {"prompt": "12+7=", "max_tokens": 2},
     "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 2},
+    "/tokenize": {"prompt": "12+7="},
 }
 # a template that takes seconds to render on any CPU: 60M loop steps in the chat template's sandbox
 # (15M took under the 0.5 s deadline on a fast core)
@@ -53,7 +54,8 @@ BAD_VALUES = [None, True, -1, 0, 2**70, 1e308, -1e-9, "x", "", "\ud800", [], [No
 FIELDS = {
     "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "logprobs", "stop",
                         "stop_token_ids", "stream", "stream_options", "ignore_eos", "model", "echo",
-                        "skip_special_tokens", "frequency_penalty", "logit_bias"],
+                        "skip_special_tokens", "frequency_penalty", "logit_bias", "prompt_logprobs"],
+    "/tokenize": ["prompt", "add_special_tokens", "model"],
     "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
                              "logprobs", "top_logprobs", "stop", "tools", "tool_choice", "chat_template_kwargs",
                              "chat_template", "stream", "stream_options", "model", "response_format"],

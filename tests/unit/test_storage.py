@@ -50,6 +50,9 @@ EXAMPLE_ROWS: dict[str, dict] = {
         first_policy_version=2,
         last_policy_version=3,
         teacher_logprobs=[-0.5, -1.5, -0.25],
+        teacher="teacher-v1",
+        teacher_checkpoint="/models/teacher",
+        teacher_url="http://127.0.0.1:8001",
     ),
     "scores": dict(
         sample_id="g1-0",
