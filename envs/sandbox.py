@@ -66,8 +66,6 @@ import dataclasses
 import fcntl
 import functools
 import os
-import pwd
-import secrets
 import selectors
 import shutil
 import signal
@@ -82,6 +80,7 @@ from pathlib import Path
 from rlpipe.envs.sandbox_bwrap import (
     SANDBOX_MAIN,
     _bwrap_args,
+    _drop_to,
     _seccomp_program,
 )
 from rlpipe.envs.sandbox_cgroup import (
@@ -192,30 +191,6 @@ class SandboxResult:
 def interpreter() -> str:
     """The Python the sandbox runs: the real executable behind this one (a venv's base)."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-
-
-# the user ids runs take as root: far above the ranges systems give to accounts and containers
-RUN_UIDS = range(1_900_000_000, 2_000_000_000)
-
-
-def _drop_to() -> tuple[int, int] | None:
-    """(uid, gid) the program runs as: a fresh id of RUN_UIDS when called as root (root ignores
-    RLIMIT_NPROC, and a shared id would pool every concurrent run's processes under one limit),
-    else None (the caller's own user, mapped into a user namespace)."""
-    if os.geteuid() != 0:
-        return None
-    return (_run_uid(),) * 2
-
-
-def _run_uid() -> int:
-    """A user id of RUN_UIDS that no account has, drawn at random: concurrent runs, in this
-    process or another, hold different ids but for a chance of about one in 10^8 per pair."""
-    while True:
-        uid = RUN_UIDS[secrets.randbelow(len(RUN_UIDS))]
-        try:
-            pwd.getpwuid(uid)
-        except KeyError:
-            return uid
 
 
 def isolation_problem(python: str | None = None) -> str | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import os
+import pwd
+import secrets
 import subprocess
 from pathlib import Path
 
@@ -44,7 +46,7 @@ def _bwrap_args(bwrap: str, python: str, as_root: bool, scratch_mb: int, program
     fresh scratch, the seccomp filter from `seccomp_fd` and the program copied from `program_fd`.
 
     As root, bubblewrap sets up the sandbox with its own privileges (no user namespace) and the
-    launcher drops to a user id of the run's own (sandbox.py `_drop_to`); otherwise a user namespace maps the caller's user, and nested user
+    launcher drops to a user id of the run's own (`_drop_to`); otherwise a user namespace maps the caller's user, and nested user
     namespaces are disabled where this bubblewrap can."""
     user = [] if as_root else ["--unshare-user", *(["--disable-userns"] if _bwrap_has("--disable-userns", bwrap)
                                                    else [])]
@@ -70,3 +72,26 @@ def _seccomp_program() -> bytes | str:
     except SeccompUnsupported as error:
         return str(error)
 
+
+# the user ids runs take as root: far above the ranges systems give to accounts and containers
+RUN_UIDS = range(1_900_000_000, 2_000_000_000)
+
+
+def _drop_to() -> tuple[int, int] | None:
+    """(uid, gid) the program runs as: a fresh id of RUN_UIDS when called as root (root ignores
+    RLIMIT_NPROC, and a shared id would pool every concurrent run's processes under one limit),
+    else None (the caller's own user, mapped into a user namespace)."""
+    if os.geteuid() != 0:
+        return None
+    return (_run_uid(),) * 2
+
+
+def _run_uid() -> int:
+    """A user id of RUN_UIDS that no account has, drawn at random: concurrent runs, in this
+    process or another, hold different ids but for a chance of about one in 10^8 per pair."""
+    while True:
+        uid = RUN_UIDS[secrets.randbelow(len(RUN_UIDS))]
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid

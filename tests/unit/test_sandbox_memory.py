@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from rlpipe.envs import sandbox, sandbox_cgroup
+from rlpipe.envs import sandbox, sandbox_bwrap, sandbox_cgroup
 from rlpipe.envs.code import tool_reply
 from rlpipe.envs.sandbox import SandboxLimits, SandboxResult, isolation_problem, run_python
 
@@ -126,4 +126,4 @@ def test_concurrent_runs_each_get_the_whole_process_limit():
     for result in results:
         assert result.exit_code == 0 and json.loads(result.stdout) == [0, 0, 0, 0], result
     uids = {run_python("import os; print(os.getuid())", timeout_s=30, memory_mb=128).stdout for _ in range(3)}
-    assert len(uids) == 3 and all(int(uid) in sandbox.RUN_UIDS for uid in uids)
+    assert len(uids) == 3 and all(int(uid) in sandbox_bwrap.RUN_UIDS for uid in uids)
