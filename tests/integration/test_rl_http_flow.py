@@ -89,6 +89,18 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
         assert not files_holding(tmp_path, TOKEN.encode())
         out, err = capfd.readouterr()
         assert TOKEN not in out + err + caplog.text
-        assert (run_dir / "config.json").read_text().count("RLPIPE_API_TOKEN") == 1  # the variable's name only
+        # config.json names the variable (engine.api_token_env, rl.distill.api_token_env), never its value
+        named = [key for key, value in _leaves(json.loads((run_dir / "config.json").read_text()))
+                 if "RLPIPE_API_TOKEN" in str(value)]
+        assert named and all(key.endswith(".api_token_env") for key in named), named
     finally:
         stop_processes(procs)
+
+
+def _leaves(node, prefix: str = ""):
+    """(dotted key, value) of every leaf of a nested config dict."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else key)
+    else:
+        yield prefix, node
