@@ -10,8 +10,9 @@ together in submission order, so the `scores` rows are the local run's, in the s
 
 A worker that dies mid-batch: the Dask scheduler sends the batch to another worker (up to
 `allowed_failures` times on a local cluster; a cluster at an address follows its scheduler's
-setting). Past that, or on any other failure of a batch, the step fails with one line naming the
-batch and the cluster; the stage writes its table only after every batch came back, so nothing
+setting); Ray runs it again (each batch is a Ray task of `max_retries = allowed_failures`, on a
+local instance or at an address). Past that, or on any other failure of a batch, the step fails
+with one line naming the batch and the cluster; the stage writes its table only after every batch came back, so nothing
 of the round is stored, and a resumed step scores it again whole.
 
 Workers need rlpipe installed (the same version) and reach the flow's Prefect API, where each
@@ -21,6 +22,7 @@ batch is recorded as a task run.
 from __future__ import annotations
 
 import contextvars
+import re
 from contextlib import nullcontext
 from typing import Any
 
@@ -63,7 +65,11 @@ def task_runner(cluster: ClusterConfig):
     if cluster.runner == "ray":
         from prefect_ray import RayTaskRunner
 
-        return RayTaskRunner(address=cluster.address or None)
+        if cluster.address:
+            return RayTaskRunner(address=cluster.address)
+        return RayTaskRunner(init_kwargs={
+            "num_cpus": cluster.workers, "include_dashboard": False,
+            "resources": {name: amount * cluster.workers for name, amount in cluster.resources.items()} or None})
     from prefect_dask import DaskTaskRunner
 
     if cluster.address:
@@ -83,6 +89,7 @@ class ClusterScoring:
         self.batch_size = cluster.batch_size
         self.resources = dict(cluster.resources)
         self.kind = cluster.runner
+        self.retries = cluster.allowed_failures
         self.where = cluster.address or f"a local cluster of {cluster.workers} processes"
 
     def __call__(self, env: Environment, batches: list[tuple[dict[str, Example], list[Rollout]]],
@@ -94,7 +101,7 @@ class ClusterScoring:
                     for index, future in enumerate(futures)]
         finally:
             for future in futures:  # after a failure, the batches still queued are not run for nothing
-                _cancel(future)
+                _cancel(future, self.kind)
 
     def _submit(self, batches: list[ScoreBatch], settings: Any) -> list[Any]:
         """Each batch a task run, submitted outside the flow's and the stage's run contexts (run in
@@ -102,11 +109,17 @@ class ClusterScoring:
         flow run's holds what cannot be pickled. The settings (the API the workers report to) go
         along."""
         with prefect.context.SettingsContext(profile=settings.profile, settings=settings.settings), \
-                self._annotated():
+                self._placement():
             return [self.runner.submit(score_batch, {"batch": batch}) for batch in batches]
 
-    def _annotated(self):
-        if self.kind != "dask" or not self.resources:
+    def _placement(self):
+        """What each batch asks of the cluster: Dask's resource annotation; Ray's task options, its
+        retries after a worker died and its resources."""
+        if self.kind == "ray":
+            from prefect_ray.context import remote_options
+
+            return remote_options(max_retries=self.retries, **({"resources": self.resources} if self.resources else {}))
+        if not self.resources:
             return nullcontext()
         import dask
 
@@ -116,7 +129,7 @@ class ClusterScoring:
         try:
             return future.result()
         except Exception as exc:  # noqa: BLE001 - one line naming the batch and the cluster
-            reason = " ".join(str(exc).split()) or type(exc).__name__
+            reason = " ".join(ANSI.sub("", str(exc)).split()) or type(exc).__name__
             raise ClusterError(f"score batch {index + 1} of {total} ({size} rollouts) failed on the {self.kind} "
                                f"cluster ({self.where}): {type(exc).__name__}: {reason[:300]}; nothing of the "
                                f"round was written, resume scores it again") from None
@@ -125,8 +138,18 @@ class ClusterScoring:
         self.runner.__exit__(None, None, None)
 
 
-def _cancel(future: Any) -> None:
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""The colour codes Ray puts in a remote error's text."""
+
+
+def _cancel(future: Any, kind: str) -> None:
     wrapped = getattr(future, "wrapped_future", None)
+    if kind == "ray":
+        import ray
+
+        if not ray.wait([wrapped], timeout=0, fetch_local=False)[0]:  # a Ray ObjectRef has no cancel of its own
+            ray.cancel(wrapped)
+        return
     cancel = getattr(wrapped, "cancel", None)
     if callable(cancel) and not wrapped.done():
         cancel()

@@ -26,20 +26,23 @@ class ClusterConfig(Section):
     """The cluster's scheduler (dask: tcp://HOST:8786; ray: ray://HOST:10001). Empty: the flow
     starts a cluster of `workers` local processes and stops it at the run's end."""
     workers: int = Field(2, ge=1)
-    """Worker processes of the local cluster started when `address` is empty."""
+    """Worker processes of the local cluster started when `address` is empty (Ray: the local
+    instance's CPUs, one batch at a time on each)."""
     threads_per_worker: int = Field(1, ge=1)
-    """Threads of each local worker process (the code environment's sandboxes run in parallel
-    inside a batch already, task.options.workers)."""
+    """Threads of each local Dask worker process (the code environment's sandboxes run in parallel
+    inside a batch already, task.options.workers). Ray runs one batch per worker process."""
     batch_size: int = Field(32, ge=1)
     """Completions per batch sent to a worker: one task run per batch, so its fixed cost (a
     Prefect task run, the pickled batch and environment, a round trip) is shared by the batch."""
     resources: dict[str, float] = Field(default_factory=dict)
-    """Worker resources each batch needs (Dask's abstract resources, e.g. {sandbox = 1}): only
-    workers that declare them take batches. A local cluster's workers declare them."""
+    """Worker resources each batch needs (Dask's abstract resources, Ray's custom resources, e.g.
+    {sandbox = 1}): only workers (Ray: nodes) that declare them take batches. A local cluster's
+    workers declare them (a local Ray instance: `workers` times each)."""
     allowed_failures: int = Field(2, ge=0)
-    """Local Dask cluster: how often a batch whose worker died is sent to another worker before
-    the step fails. A cluster at `address` follows its scheduler's own setting
-    (distributed.scheduler.allowed-failures)."""
+    """How often a batch whose worker died is run again before the step fails: on a local Dask
+    cluster (a Dask cluster at `address` follows its scheduler's own setting,
+    distributed.scheduler.allowed-failures), and on Ray, local or at `address` (each batch's
+    max_retries)."""
 
 
 def missing_extra(cluster: ClusterConfig) -> str | None:

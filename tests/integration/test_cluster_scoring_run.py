@@ -1,47 +1,31 @@
-"""The score stage's reward calls on a real Dask cluster (`distributed.LocalCluster`, 2 process
-workers, started here) through Prefect's Dask task runner: the same `scores` rows, in the same
-order, as in-process scoring; a worker killed mid-batch has its batch run again elsewhere; a batch
-that keeps killing its workers fails the round in one line."""
+"""The score stage's reward calls on a real cluster started here, through Prefect's task runners:
+a Dask `distributed.LocalCluster` of 2 process workers (prefect-dask) and a local Ray instance of
+2 CPUs (prefect-ray, where the `ray` extra is installed). On each, the same `scores` rows, in the
+same order, as in-process scoring; a worker killed mid-batch has its batch run again; a batch that
+keeps killing its workers fails the round in one line."""
 
 from __future__ import annotations
 
-import os
-import signal
-from pathlib import Path
-
 import pytest
 from prefect import flow, task
-from rlpipe.envs.arithmetic import ArithmeticEnv
 from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 from rlpipe.tasks.cluster import ClusterError, open_cluster
 from rlpipe.tasks.cluster_config import ClusterConfig
 
+from tests.killing_env import KillingEnv
 from tests.rollout_rows import rollout
 
-pytest.importorskip("prefect_dask")
+RUNNERS = {"dask": ("prefect_dask", "cluster", "KilledWorker"), "ray": ("prefect_ray", "ray", "WorkerCrashedError")}
+"""Per runner: the module it needs, the extra that installs it, and the error of a batch whose
+workers all died."""
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_in_process")]
 
 
-class KillingEnv(ArithmeticEnv):
-    """Arithmetic whose reward SIGKILLs its own worker process the first time any worker reaches
-    the rollout `victim` (a marker file remembers it), or every time when `always`; in the
-    process that made it, it only scores."""
-
-    def __init__(self, marker: Path, victim: str, always: bool = False) -> None:
-        super().__init__()
-        self.marker, self.victim, self.always, self.home = marker, victim, always, os.getpid()
-
-    def reward(self, example, transcript):
-        if (example.example_id == self.victim and os.getpid() != self.home
-                and (self.always or not self.marker.exists())):
-            self.marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().reward(example, transcript)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    scoring = open_cluster(ClusterConfig(runner="dask", workers=2, batch_size=5, allowed_failures=1))
+@pytest.fixture(scope="module", params=list(RUNNERS))
+def cluster(request):
+    module, extra, _ = RUNNERS[request.param]
+    pytest.importorskip(module, reason=f"cluster.runner = {request.param!r} needs the {extra!r} extra")
+    scoring = open_cluster(ClusterConfig(runner=request.param, workers=2, batch_size=5, allowed_failures=1))
     yield scoring
     scoring.close()
 
@@ -90,4 +74,5 @@ def test_batch_that_keeps_killing_workers_fails_in_one_line(cluster, tmp_path):
         score_rollouts(env, examples, rollouts, ScoreOptions(remote=cluster))
     message = str(failed.value)
     assert "\n" not in message
-    assert message.startswith("score batch 2 of 2 (1 rollouts) failed on the dask cluster") and "KilledWorker" in message
+    assert message.startswith(f"score batch 2 of 2 (1 rollouts) failed on the {cluster.kind} cluster")
+    assert RUNNERS[cluster.kind][2] in message

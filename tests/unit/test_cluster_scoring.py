@@ -88,3 +88,18 @@ def test_preflight_refuses_a_runner_without_its_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prefect_dask" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^cluster.runner: 'dask' needs prefect-dask, .*\.\[cluster\]"):
         _check_placement(validate_config({"cluster": {"runner": "dask"}}))
+
+
+def test_ray_starts_an_instance_of_the_workers_cpus_or_joins_the_address_and_retries_each_batch():
+    pytest.importorskip("prefect_ray", reason="cluster.runner = 'ray' needs the 'ray' extra")
+    from prefect_ray.context import RemoteOptionsContext
+    from rlpipe.tasks.cluster import ClusterScoring, task_runner
+
+    local = ClusterConfig(runner="ray", workers=3, resources={"sandbox": 1}, allowed_failures=4)
+    runner = task_runner(local)
+    assert runner.address is None
+    assert runner.init_kwargs == {"num_cpus": 3, "include_dashboard": False, "resources": {"sandbox": 3},
+                                  "namespace": "prefect"}
+    assert task_runner(ClusterConfig(runner="ray", address="ray://head:10001")).address == "ray://head:10001"
+    with ClusterScoring(runner, local)._placement():
+        assert RemoteOptionsContext.get().current_remote_options == {"max_retries": 4, "resources": {"sandbox": 1}}
