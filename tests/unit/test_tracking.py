@@ -266,3 +266,29 @@ def test_a_remote_store_gets_the_model_files_uploaded_and_no_staging_left(tmp_pa
     assert uploaded == {"checkpoints/step_000004": ["config.json", "metadata.json", "model.safetensors", "tokenizer.json"]}
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
     assert local_artifact_path("s3://bucket/x") is None and local_artifact_path("file:///a%20b/c") == Path("/a b/c")
+
+
+def test_ending_one_run_drains_the_shared_metric_queue_and_the_other_run_logs_on(tmp_path, monkeypatch):
+    """Runs on one store share MLflow's metric queue: ending one writes everything queued (its
+    own metrics, and the other run's) before the run closes, and the other run's later metrics
+    start the queue again and are all there when it ends."""
+    monkeypatch.delenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first, second = MlflowTracker(uri).start("first", "queue"), MlflowTracker(uri).start("second", "queue")
+    import os
+
+    # MLflow's thread waits on its stop event between batches, so the drain wakes it at once
+    assert os.environ["MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"] == "1"
+    first_id, second_id = first.run_id, second.run_id
+    for step in range(1, 4):
+        first.log_metrics({"loss": float(step)}, step=step)
+        second.log_metrics({"loss": 10.0 * step}, step=step)
+    first.end()
+    client = first.client
+    assert [m.value for m in client.get_metric_history(first_id, "loss")] == [1.0, 2.0, 3.0]
+    assert len(client.get_metric_history(second_id, "loss")) == 3  # drained with the first's
+    assert client.get_run(first_id).info.status == "FINISHED"
+    second.log_metrics({"loss": 40.0}, step=4)
+    second.end()
+    assert [m.value for m in client.get_metric_history(second_id, "loss")] == [10.0, 20.0, 30.0, 40.0]
+    assert client.get_run(second_id).info.status == "FINISHED"
