@@ -28,7 +28,14 @@ class _OwnSession:
 
 
 def embedded_server_in_own_session() -> None:
-    """Make Prefect start its embedded API server in a session of its own (idempotent)."""
+    """Make Prefect start its embedded API server in a session of its own (idempotent). Nothing
+    to do where an API URL is set (a server of the user's, a deployment's worker): no embedded
+    server starts, and Prefect's server package (FastAPI, its database models: about 4 s of
+    imports) stays unloaded."""
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return
     from prefect.server.api import server
 
     if not isinstance(server.subprocess, _OwnSession):

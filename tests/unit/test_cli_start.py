@@ -5,6 +5,7 @@ against training/loss_choice.py, which needs none of them)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -63,3 +64,25 @@ def test_a_run_says_what_it_is_doing_at_once(tmp_path):
         process.wait(timeout=30)
     assert first.startswith(f"rlpipe: pipeline run → {tmp_path / 'tiny'}: checking the model"), first
     assert seconds < 10, seconds  # about 1 s; the bound leaves room for a loaded machine
+
+
+EMBEDDED = """
+import json, subprocess, sys
+from rlpipe.flows.prefect_api import embedded_server_in_own_session
+embedded_server_in_own_session()
+module = sys.modules.get("prefect.server.api.server")
+print(json.dumps({"loaded": module is not None,
+                  "own_session": module is not None and module.subprocess is not subprocess}))
+"""
+
+
+@pytest.mark.parametrize("api_url", ["", "http://127.0.0.1:9/api"])
+def test_the_embedded_server_is_prepared_only_where_no_api_url_is_set(tmp_path, api_url):
+    """Without PREFECT_API_URL the run's embedded server will start in a session of its own;
+    with one set no embedded server starts, so Prefect's server package is never imported."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path), **({"PREFECT_API_URL": api_url} if api_url else {}))
+    done = subprocess.run([sys.executable, "-c", EMBEDDED], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == ({"loaded": False, "own_session": False} if api_url else {"loaded": True, "own_session": True})
