@@ -64,12 +64,14 @@ RESUME_SETTABLE = frozenset({
     *(f"{phase}.{key}" for phase in ("rl", "sft", "pretrain") for key in ("steps", "eval_every", "checkpoint_every")),
     "rl.buffer.max_attempts", "rl.buffer.oversample_factor", "rl.buffer.partial_batches",
     "rl.filter.drop_zero_variance", "rl.filter.drop_truncated", "rl.filter.sample_filter",
-    "rl.scoring.max_reward_error_fraction", "engine.retries",
+    "rl.scoring.max_reward_error_fraction", "engine.retries", "tracking.prefect_task_runs",
 })
 """Config keys `rlpipe resume RUN --set KEY=VALUE` may change: how a step's batch is filled and
-filtered (sampling rounds, partial batches, filters), retries, and a phase's step counts (the
-learning rate's cosine decay then stretches to the new count from the resumed step on). None of
-them changes what a checkpoint holds or how a stored table reads; every other key is refused."""
+filtered (sampling rounds, partial batches, filters), retries, a phase's step counts (the
+learning rate's cosine decay then stretches to the new count from the resumed step on), and
+whether stages show as Prefect task runs (a deployment's resume given overrides of its own loses
+the deployment's). None of them changes what a checkpoint holds or how a stored table reads;
+every other key is refused."""
 
 
 def resumed_with(config: RunConfig, overrides: list[str]) -> RunConfig:

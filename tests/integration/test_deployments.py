@@ -123,7 +123,7 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         worker = start(prefect("worker", "start", "--pool", "rlpipe"), env, tmp_path / "worker.log")
         # a loss with its own normaliser: the flow validates its parameters again (tests/integration/test_every_loss.py has every loss)
         # SFT cut from tiny.toml's 40 steps to 4: the deployment's mechanics, not learning, are checked
-        overrides = [f"runs_root={runs}", "rl.loss.type=gspo", f"sft.steps={SFT_STEPS}"]
+        overrides = [f"runs_root={runs}", "rl.loss.type=gspo", f"sft.steps={SFT_STEPS}", "tracking.prefect_task_runs=true"]
         began = time.monotonic()
         flow_run = deployment_run({"overrides": overrides}, env)
         seconds = time.monotonic() - began

@@ -34,9 +34,10 @@ def test_no_deployment_writes_the_folder_make_demo_uses():
         assert config.run_dir != demo, deployment["name"]  # not even with resume or overwrite
 
 
-def test_the_pipeline_deployment_shows_its_stages_as_task_runs():
-    (pipeline,) = [d for d in DEPLOYMENTS if d["name"] == "pipeline"]
-    config = load_config(ROOT / pipeline["parameters"]["config_path"], pipeline["parameters"]["overrides"])
+@pytest.mark.parametrize("name", ["pipeline", "tiny"])
+def test_the_pipeline_deployments_show_their_stages_as_task_runs(name):
+    (deployment,) = [d for d in DEPLOYMENTS if d["name"] == name]
+    config = load_config(ROOT / deployment["parameters"]["config_path"], deployment["parameters"]["overrides"])
     assert config.tracking.prefect_task_runs
 
 
