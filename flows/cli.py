@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlpipe: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module_name, function_name, _ = SUBCOMMANDS[name]
+    from rlpipe.core.environment import exit_without_final_collections
+
+    exit_without_final_collections()  # the last exit handler: later ones (Prefect's, MLflow's) run first
     function = getattr(importlib.import_module(module_name), function_name)
     return int(function(rest) or 0)
 

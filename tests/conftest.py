@@ -15,6 +15,7 @@ repository gained a file or folder that `git status --ignored` shows (Python's `
 the virtual environments and tool caches aside).
 """
 
+import gc
 import os
 import re
 import subprocess
@@ -104,6 +105,12 @@ def pytest_sessionstart(session) -> None:
     """Note what the checkout holds before any test runs (in the main process only under xdist)."""
     if not hasattr(session.config, "workerinput"):
         session.config.stash[REPOSITORY_BEFORE] = repository_entries()
+
+
+def pytest_unconfigure(config) -> None:
+    """The test processes end as `rlpipe` commands do (core/environment.py): without the
+    interpreter's last garbage collections over torch's, Prefect's and MLflow's objects."""
+    gc.freeze()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -86,3 +86,28 @@ def test_the_embedded_server_is_prepared_only_where_no_api_url_is_set(tmp_path, 
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found == ({"loaded": False, "own_session": False} if api_url else {"loaded": True, "own_session": True})
+
+
+EXIT_PROBE = """
+import atexit, gc, sys
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0, flush=True))  # runs after
+from rlpipe.core.environment import exit_without_final_collections
+from rlpipe.flows.cli import main
+code = main(sys.argv[1:])
+atexit.register(lambda: print("frozen before a later handler:", gc.get_freeze_count() > 0, flush=True))
+before = atexit._ncallbacks()
+exit_without_final_collections()  # a second call
+print("handlers added again:", atexit._ncallbacks() - before, flush=True)
+sys.exit(code)
+"""
+
+
+def test_a_command_exits_without_the_interpreters_final_collections(tmp_path):
+    """Every `rlpipe` command freezes the garbage collector's objects as its last exit handler
+    (core/environment.py): the handlers registered after it (Prefect's, MLflow's) run first and
+    unfrozen, and the interpreter's shutdown then skips collecting what is left."""
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE, "sql", "--list"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-3:] == ["handlers added again: 0", "frozen before a later handler: False", "frozen at exit: True"], lines
