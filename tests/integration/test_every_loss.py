@@ -30,6 +30,7 @@ from rlpipe.training.rl_loss import LOSS_NAMES, LOSSES
 
 from tests import warm_cli
 from tests.integration.test_rl_loop_regression import sft_checkpoint  # noqa: F401 - fixture
+from tests.mlflow_store import made_store
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -43,7 +44,7 @@ def cli(*args: str) -> list[str]:
 def env_for(tmp_path: Path, prefect_api_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_API_URL=prefect_api_url,
-               PREFECT_API_REQUEST_TIMEOUT="120", MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+               PREFECT_API_REQUEST_TIMEOUT="120", MLFLOW_TRACKING_URI=made_store(tmp_path / "mlflow.db"),
                RLPIPE_PROGRESS="0", DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     return env
 

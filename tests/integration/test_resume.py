@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests import warm_cli
+from tests.mlflow_store import made_store
 from tests.seeds import draw_seed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def env_for(tmp_path: Path, prefect_api_url: str | None = None) -> dict[str, str
     """The CLI's environment: its own Prefect home and MLflow store under tmp_path; the session's
     Prefect server (conftest.prefect_api_url) where given, else an embedded one per process."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=made_store(tmp_path / "mlflow.db"),
                RLPIPE_PROGRESS="0", DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
     if prefect_api_url:
