@@ -64,12 +64,14 @@ def headline_code(results: dict, ceiling: dict) -> tuple[str, list[str]]:
                f"{settings['target_seconds'] / 60:.0f} min: {'met' if results['met'] else 'not met'})")
     rows = [[s["seed"], s["sft_reward"], s["rl_reward"], f"{s['gain']:+.3f}", share(s["sft_accuracy"]),
              share(s["rl_accuracy"]), ", ".join(f"{p['reward_mean']:.3f} @ {p['sampled']:,}" for p in s["curve"]),
-             round(s["sft_seconds"]), round(s["rl_seconds"])] for s in seeds]
+             round(s["sft_seconds"]), round(s["rl_seconds"]),
+             round(s["cpu_seconds"]) if "cpu_seconds" in s else "–"] for s in seeds]
     note = (f"configs/code.toml: {settings['sft_steps']} SFT steps, then {settings['rl_steps']} RL steps judged by "
             "the hidden tests in the sandbox; pass rate = mean share of a held-out task's hidden tests passed "
-            "(greedy), all tests = share of tasks passing every one.")
+            "(greedy), all tests = share of tasks passing every one; CPU s = both phases' CPU seconds (the "
+            "process and its sandboxes)." + (f" {settings['note']}" if settings.get("note") else ""))
     return summary, table(["seed", "pass rate after SFT", "after RL", "gain", "all tests after SFT", "after RL",
-                           "RL curve: pass rate @ completions sampled", "SFT s", "RL s"], rows) + ["", note]
+                           "RL curve: pass rate @ completions sampled", "SFT s", "RL s", "CPU s"], rows) + ["", note]
 
 
 def headline_curriculum(results: dict, ceiling: dict) -> tuple[str, list[str]]:

@@ -33,7 +33,8 @@ once. Nothing the sandbox prints or its exit status decides a test, and there is
 the sandbox to find: code that reads its checker, forges result lines, patches builtins or `==`,
 returns an object equal to everything, or exits early gains nothing, because the most it can
 report is a value, and only the right value passes. A test that raises, a run that times out
-before a test reports, or code that does not define `f`, fails those tests. All of this holds
+before a test reports, or code that does not define `f`, fails those tests. A batch runs each distinct
+(tests, code) pair once: a group's identical samples share one run's result. All of this holds
 in the sandbox only: with `sandbox = "auto"` running unisolated, the code sees the host's files,
 rlpipe's own included, and could draw the hidden tests again from their fixed seed. The components
 other than `passed` (`defined`, `timed_out`) come from the sandbox's own report and are for
@@ -216,6 +217,15 @@ def tool_reply(result: SandboxResult, max_chars: int) -> str:
     return f"{text.rstrip()}\n[{status}]".lstrip("\n")
 
 
+def _answer_of(transcript: str | Messages) -> tuple[str, int]:
+    """The code judged in a transcript (its last assistant turn's) and how many earlier turns called a tool."""
+    if isinstance(transcript, str):
+        return extract_code(transcript), 0
+    assistant = [str(m.get("content", "")) for m in transcript if m.get("role") == "assistant"]
+    calls = sum(bool(PARSER.parse(a).calls) for a in assistant[:-1])
+    return extract_code(assistant[-1] if assistant else ""), calls
+
+
 class CodeEnv:
     """Write a function from a spec, judged by hidden tests in the sandbox; see the module docstring."""
 
@@ -274,20 +284,23 @@ class CodeEnv:
         return self.reward_batch([example], [transcript])[0]
 
     def reward_batch(self, examples: Sequence[Example], transcripts: Sequence[str | Messages]) -> list[RewardResult]:
-        """`reward` of each pair, `workers` sandboxes at a time."""
+        """`reward` of each pair, `workers` sandboxes at a time. The same code for the same tests
+        (a group's identical samples) runs once and each copy gets that run's result."""
+        answers = [_answer_of(t) for t in transcripts]
+        keys = [(json.dumps(e.answer), code, calls) for e, (code, calls) in zip(examples, answers, strict=True)]
+        first: dict[tuple, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
         with ThreadPoolExecutor(max_workers=self.config.workers) as pool:
-            return list(pool.map(self._judge, examples, transcripts))
+            results = pool.map(self._judge, [examples[i] for i in first.values()], [answers[i] for i in first.values()])
+            judged = dict(zip(first, results, strict=True))
+        return [judged[key] for key in keys]
 
-    def _judge(self, example: Example, transcript: str | Messages) -> RewardResult:
-        if isinstance(transcript, str):
-            answer, calls = transcript, 0
-        else:
-            assistant = [str(m.get("content", "")) for m in transcript if m.get("role") == "assistant"]
-            answer = assistant[-1] if assistant else ""
-            calls = sum(bool(PARSER.parse(a).calls) for a in assistant[:-1])
+    def _judge(self, example: Example, answer: tuple[str, int]) -> RewardResult:
+        code, calls = answer
         arguments = [list(args) for args, _ in example.answer]
         expected = [value for _, value in example.answer]
-        result = self._run(_HARNESS, harness_input(arguments, extract_code(answer)))
+        result = self._run(_HARNESS, harness_input(arguments, code))
         passed = judge_results(result.stdout, expected)
         share = sum(passed) / len(expected)
         return RewardResult(share, {"passed": share, "defined": float(defined_reported(result.stdout)),

@@ -45,8 +45,10 @@ def test_code_config_runs_and_scores_in_the_sandbox(tmp_path, monkeypatch, prefe
         evals = con.sql("select count(*) from evals where step = 2").fetchall()[0][0]
     assert rows and evals == 4
     assert all({"passed", "defined", "timed_out"} <= set(dict(c)) for *_, c in rows)
-    # every scored completion ran in the sandbox, and its stored reward is what the hidden tests give
-    assert sum(source == code._HARNESS for source in runs) >= len(rows)
+    # every distinct scored completion ran in the sandbox (a round runs identical ones once), and its
+    # stored reward is what the hidden tests give
+    distinct = {(example_id, code.extract_code(text.replace("<|im_end|>", ""))) for example_id, text, *_ in rows}
+    assert sum(source == code._HARNESS for source in runs) >= len(distinct)
     env = build_env("code", **config["task"]["options"])
     train = env.examples("train", seed=config["seed"])
     for example_id, text, reward, _ in rows[:8]:

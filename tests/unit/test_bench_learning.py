@@ -66,12 +66,12 @@ def test_the_headlines_read_the_benchmarks_json():
     assert any("0.0% @ 0, 70.0% @ 5,000" in line for line in lines)
     code = {"settings": {"sft_steps": 300, "rl_steps": 40, "target_gain": 0.1, "target_seconds": 900}, "met": False,
             "seeds": [{"seed": s, "sft_reward": 0.5, "rl_reward": 0.55 + s / 20, "gain": 0.05 + s / 20,
-                       "sft_accuracy": 0.4, "rl_accuracy": 0.5, "sft_seconds": 300.0, "rl_seconds": 400.0,
+                       "sft_accuracy": 0.4, "rl_accuracy": 0.5, "sft_seconds": 300.0, "rl_seconds": 400.0, "cpu_seconds": 650.0,
                        "curve": [{"step": 0, "sampled": 0, "accuracy": 0.4, "reward_mean": 0.5}]} for s in range(3)]}
     summary, lines = headline("code", {"results": code}, {})
     assert summary == ("held-out pass-rate gain of RL over SFT +0.050 to +0.150 over 3 seeds "
                        "(target +0.10 on every seed within 15 min: not met)")
-    assert any("| 2 | 0.5 | 0.65 | +0.150 | 40.0% | 50.0% | 0.500 @ 0 |" in line for line in lines)
+    assert any("| 2 | 0.5 | 0.65 | +0.150 | 40.0% | 50.0% | 0.500 @ 0 | 300 | 400 | 650 |" in line for line in lines)
 
 
 def test_the_document_names_each_benchmark_not_measured_with_its_command():

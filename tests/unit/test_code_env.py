@@ -166,3 +166,24 @@ def test_demonstrations_teach_the_reference_mostly_and_the_tool_call_format():
     step = env.step(train[0], demo[:3], demo[2]["content"])
     assert step.messages_to_append[0]["content"] == demo[3]["content"]
     assert source.startswith("def f(")
+
+
+def test_identical_answers_to_the_same_tests_run_once_and_share_the_result(env, monkeypatch):
+    from rlpipe.envs import code
+
+    runs: list[str] = []
+
+    def counted(source, **kwargs):
+        runs.append(kwargs["stdin"])
+        return sandbox.run_python(source, **kwargs)
+
+    monkeypatch.setattr(code, "run_python", counted)
+    first, second = env.examples("eval")[:2]
+    right, wrong = first.meta["solution"], first.meta["wrong_solution"]
+    fenced = f"```python\n{right}```"  # the same code once extracted
+    batch = [(first, right), (first, wrong), (first, fenced), (second, right), (first, right), (first, wrong)]
+    results = env.reward_batch([e for e, _ in batch], [t for _, t in batch])
+    assert len(runs) == 3  # (first, right), (first, wrong), (second, first's code)
+    assert [r.reward for r in results][:3] == [1.0, env.reward(first, wrong).reward, 1.0]
+    assert results[4] == results[0] and results[5] == results[1]
+    assert results[3] == env.reward(second, right)

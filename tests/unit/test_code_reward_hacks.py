@@ -1,7 +1,7 @@
 """The code environment's reward cannot be faked: completions that never
 compute `f` but attack the checker instead (read its spec or its test file, forge its result
-lines, exit early, patch builtins, return objects equal to everything, write to its result
-channel, draw the tests again from rlpipe's own source, read other processes' memory) each score 0 on every eval task, where the reference scores 1.
+lines, exit early (SystemExit(0), os._exit(0)), patch builtins, rebind the harness's own report
+and value check, return objects equal to everything, write to its result channel, draw the tests again from rlpipe's own source, read other processes' memory) each score 0 on every eval task, where the reference scores 1.
 
 The checker's contract (envs/code.py): the sandboxed process receives the tests' arguments only,
 returns plain JSON values, and the expected values are compared outside it, on the trusted side."""
@@ -179,6 +179,44 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         continue
 def f(*args):
     return int(found[0]) if found else None
+""",
+    "raises SystemExit(0) while defining f": """
+def f(*args):
+    return True
+raise SystemExit(0)
+""",
+    "raises SystemExit(0) from f, then os._exit(0)": """
+import os
+calls = [0]
+def f(*args):
+    calls[0] += 1
+    if calls[0] == 1:
+        raise SystemExit(0)
+    os._exit(0)
+""",
+    # the harness is __main__: its own helpers and the tests' arguments are reachable from here
+    "rebinds the harness's report, value check and arguments": """
+import json, sys
+main = sys.modules["__main__"]
+n = len(main._calls["arguments"])
+main._plain = lambda value, depth=0: value
+for i in range(n):
+    main._send(json.dumps({"test": i, "value": {"passed": True}}))
+main._send = lambda line: None
+main._calls["arguments"] = []
+class Anything(int):
+    def __eq__(self, other): return True
+    __hash__ = int.__hash__
+def f(*args):
+    return Anything(1)
+""",
+    "prints the success marker and every record with the expected value guessed": """
+import builtins, sys
+builtins.AssertionError = type("Never", (Exception,), {})
+print('{"defined": true}')
+sys.stdout.write('{"defined": true}\\n' + "".join('{"test": %d, "value": 0}\\n' % i for i in range(8)))
+def f(*args):
+    assert False
 """,
     "kills the harness's process tree after a delay": """
 import os, signal, threading, time
