@@ -55,6 +55,25 @@ if _SPEC:
 
 
 _FULL = os.environ.get("RLPIPE_TEST_ENOSPC", "")
+
+
+def _rebind(original, replacement, owner) -> None:
+    """Put `replacement` for `original` in its module `owner` and wherever a module outside the
+    library holds it by a name of its own (transformers binds safetensors' save_file at import): a
+    process forked from a warm interpreter (tests/warm_cli.py) then writes through the hook as a
+    fresh one, which imports them after it."""
+    import sys
+
+    library = owner.__name__.split(".")[0]
+    for module_name, module in list(sys.modules.items()):
+        if getattr(module, "__dict__", None) is globals():
+            continue  # this hook itself, which keeps the original to call
+        if module is owner or module_name.split(".")[0] != library:
+            for name, value in list(getattr(module, "__dict__", {}).items()):
+                if value is original:
+                    setattr(module, name, replacement)
+
+
 if _FULL:
     _WRITER, _, _FILES = _FULL.partition(":")
 
@@ -73,7 +92,7 @@ if _FULL:
                     return _write_table(table, full, *args, **kwargs)
             return _write_table(table, where, *args, **kwargs)
 
-        _pq.write_table = _write_table_full
+        _rebind(_write_table, _write_table_full, _pq)
     elif _WRITER == "torch":
         import torch as _torch
 
@@ -85,7 +104,7 @@ if _FULL:
                     return _save(obj, full, *args, **kwargs)
             return _save(obj, where, *args, **kwargs)
 
-        _torch.save = _save_full
+        _rebind(_save, _save_full, _torch)
     elif _WRITER == "safetensors":
         import safetensors.torch as _st
         from safetensors import SafetensorError as _SafetensorError
@@ -98,7 +117,7 @@ if _FULL:
                                           'message: "No space left on device" })')
             return _save_file(tensors, filename, *args, **kwargs)
 
-        _st.save_file = _save_file_full
+        _rebind(_save_file, _save_file_full, _st)
     elif _WRITER == "mlflow":
         import sqlite3
 
