@@ -14,7 +14,6 @@ PREFECT_API_URL names, else a temporary one this benchmark starts (not timed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import random
@@ -23,6 +22,7 @@ import time
 
 from rlpipe.envs.arithmetic import ArithmeticEnv
 from rlpipe.envs.code import CodeEnv
+from rlpipe.flows.prefect_api import api_for_a_script
 from rlpipe.rollouts.records import Rollout
 from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 from rlpipe.tasks.cluster import open_cluster
@@ -79,15 +79,6 @@ def bench(completions: int, batch_size: int, repeats: int) -> dict:
             "runs": runs}
 
 
-def prefect_api():
-    """The Prefect API the workers report to: PREFECT_API_URL's, else a temporary server."""
-    if os.environ.get("PREFECT_API_URL"):
-        return contextlib.nullcontext()
-    from prefect.testing.utilities import prefect_test_harness
-
-    return prefect_test_harness(server_startup_timeout=120)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--completions", type=int, default=128)
@@ -95,7 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="runs/bench/cluster_scoring.json")
     args = parser.parse_args()
-    with prefect_api():
+    with api_for_a_script():  # the Prefect API the workers report to
         results = bench(args.completions, args.batch_size, args.repeats)
     write_results(args.out, results)
     for run in results["runs"]:

@@ -6,6 +6,7 @@ dataset downloads on a machine with a network, and reads the cache only under HF
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import os
@@ -30,9 +31,7 @@ def quiet_defaults() -> None:
     hf_logging.set_verbosity_error()
 
 
-_EXIT_WITHOUT_COLLECTIONS: list[bool] = []
-
-
+@functools.cache
 def exit_without_final_collections() -> None:
     """When this process exits, after every exit handler registered later than this call (Prefect's,
     MLflow's, the table writer's) has run, freeze the garbage collector's objects: the interpreter's
@@ -41,7 +40,5 @@ def exit_without_final_collections() -> None:
     every `rlpipe` process (0.2 s with them skipped); the operating system frees the memory anyway.
     Objects are still deallocated as the interpreter clears its modules, exit handlers registered
     before this call (logging's flush) still run, and nothing rlpipe writes waits on a collection:
-    files and databases are closed explicitly. Idempotent."""
-    if not _EXIT_WITHOUT_COLLECTIONS:
-        _EXIT_WITHOUT_COLLECTIONS.append(True)
-        atexit.register(gc.freeze)
+    files and databases are closed explicitly. Idempotent (cached: registered once)."""
+    atexit.register(gc.freeze)
