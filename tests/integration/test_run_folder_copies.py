@@ -35,9 +35,12 @@ def rlpipe(*args: str, env: dict, cwd: Path = ROOT, timeout: float = 600) -> sub
 
 
 def killed_in_rl(runs: Path, name: str, env: dict) -> Path:
-    """A tiny pipeline run SIGKILLed once RL step 3 is trained (last checkpoint: step 2)."""
+    """A tiny pipeline run SIGKILLed once RL step 3 is trained (last checkpoint: step 2): once the
+    table's snapshot names the step, not once its file is on disk (the file comes first, so a kill
+    between the two would leave step 3 unwritten)."""
+    from rlpipe.storage.writer import is_complete
+
     run_dir = runs / name
-    trigger = run_dir / "rl" / "tables" / "train_steps" / "step=3" / "part-0.parquet"
     # a 4-step SFT phase: RL's step 2 then evals better than its start, so the copy's resume meets
     # a stored best whose registered version is the original's
     process = warm_cli.Popen(cli("run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}",
@@ -46,7 +49,7 @@ def killed_in_rl(runs: Path, name: str, env: dict) -> Path:
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while not trigger.exists():
+        while not is_complete(run_dir / "rl", "train_steps", 3):
             assert process.poll() is None, "the run ended before the kill point"
             assert time.monotonic() < deadline, "kill point not reached"
             time.sleep(0.05)
