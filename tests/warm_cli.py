@@ -7,14 +7,19 @@ environment, working directory, standard streams and session, then runs `rlpipe.
 `python -m` would. It is a real process of its own: its own pid, exit status, signals and files,
 so the fault tests kill it, wait for it and read its output as they would a `subprocess.Popen`.
 
-The zygote imports only libraries that read no per-test setting at import: not Prefect (its
-settings are fixed when it is imported), not MLflow (it starts threads at import), nothing of
-rlpipe. A command whose environment differs from the zygote's in any variable that a library may
-read at import (anything but PREFECT_*, RLPIPE_*, PYTEST_* and the MLflow store URIs: HF_HOME,
-OMP_NUM_THREADS, ... ) runs as an ordinary subprocess, as does any other command. So do all
-commands when RLPIPE_TEST_COLD_CLI=1. The one difference allowed in PYTHONPATH is folders put
-before it that hold a sitecustomize.py (the fault hooks): the child runs each first, where a cold
-interpreter would have run it at start-up.
+The zygote imports what every command imports and reads no per-test setting while it does: torch,
+transformers, MLflow (its store URIs are read when used), Prefect and the rlpipe modules the
+commands start from (RUN_MODULES). Prefect fixes its settings and its logging from the
+environment it is imported in, so the child, once it has the command's environment, makes both
+again from it, as a fresh import would (`refresh_prefect`). Nothing of these starts a thread or
+sets a signal handler at import (a unit test checks it). A command whose environment differs
+from the zygote's in any variable that a library may read at import (anything but PREFECT_*,
+RLPIPE_*, PYTEST_* and the MLflow store URIs: HF_HOME, OMP_NUM_THREADS, ... ) runs as an ordinary
+subprocess, as does any other command. So do all commands when RLPIPE_TEST_COLD_CLI=1. The one
+difference allowed in PYTHONPATH is folders put before it that hold a sitecustomize.py (the fault
+hooks): the child runs each first, where a cold interpreter would have run it at start-up; they
+patch what rlpipe calls through its module (`os.replace`, `torch.save`, ...), which rlpipe looks
+up when it calls, never binds at import.
 
 `run` and `Popen` take the arguments of their `subprocess` namesakes that the tests use.
 """
@@ -33,6 +38,11 @@ import time
 PRELOAD = ("torch", "safetensors.torch", "pyarrow.parquet", "duckdb", "tokenizers", "transformers.modeling_utils",
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe", "mlflow",
            "mlflow.store.tracking.sqlalchemy_store")
+# Prefect and the modules the CLI's commands start from (flows/cli.py SUBCOMMANDS), with the flows
+# they run: about 1.6 of the CPU seconds a child would spend importing
+RUN_MODULES = ("prefect.main", "rlpipe.flows.runner", "rlpipe.flows.pipeline", "rlpipe.flows.rl",
+               "rlpipe.flows.supervised", "rlpipe.flows.replay", "rlpipe.flows.rescore", "rlpipe.storage.sqlcli",
+               "rlpipe.storage.lineage", "rlpipe.dashboards.report", "rlpipe.engines.serve_cli")
 # read when used, not at import: these may differ between the zygote and a command
 LAZY_PREFIXES = ("PREFECT_", "RLPIPE_", "PYTEST_")
 LAZY_NAMES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
@@ -78,6 +88,7 @@ def become(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    refresh_prefect()
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
     sys.argv = [CLI_MODULE, *request["args"]]
     import runpy
@@ -90,11 +101,21 @@ def become(request: dict, fds: list[int]) -> None:
     raise SystemExit(0)
 
 
+def refresh_prefect() -> None:
+    """Prefect's settings and logging made again from this process's environment now, as importing
+    Prefect makes them (prefect/context.py's global settings context, prefect/main.py's logging)."""
+    import prefect.context
+    import prefect.logging.configuration
+
+    prefect.context.refresh_global_settings_context()
+    prefect.logging.configuration.setup_logging(incremental=False)
+
+
 def serve(channel: socket.socket) -> None:
     """Fork a child per request; report each child's pid, and its exit status once it ends."""
     import importlib
 
-    for name in PRELOAD:
+    for name in (*PRELOAD, *RUN_MODULES):
         importlib.import_module(name)
     channel.sendall(b'{"ready": true}\n')
     channel.settimeout(0.05)

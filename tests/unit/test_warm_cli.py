@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,32 @@ def test_other_commands_and_a_cold_request_run_as_plain_subprocesses(monkeypatch
     assert warm_cli.warm_args(cli("--help"), None) is None
     done = warm_cli.run([sys.executable, "-c", "import sys; sys.exit(3)"])
     assert isinstance(done, subprocess.CompletedProcess) and done.returncode == 3
+
+
+PRELOADED = """\
+import importlib, json, logging, os, signal, sys, threading
+from tests import warm_cli
+handlers = {int(s): signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)}
+for name in (*warm_cli.PRELOAD, *warm_cli.RUN_MODULES):
+    importlib.import_module(name)
+quiet = dict(threads=threading.active_count(),
+             handlers_kept={int(s): signal.getsignal(s) for s in handlers} == handlers)
+from prefect.settings import get_current_settings
+os.environ.update(PREFECT_API_URL="http://127.0.0.1:9/the-child", PREFECT_LOGGING_LEVEL="ERROR")
+warm_cli.refresh_prefect()
+print(json.dumps({**quiet, "api_url": get_current_settings().api.url,
+                  "flow_runs_level": logging.getLogger("prefect.flow_runs").getEffectiveLevel()}))
+"""
+
+
+def test_the_zygote_imports_start_nothing_and_prefect_takes_the_childs_settings():
+    """What the zygote imports starts no thread and sets no signal handler (a forked child would
+    inherit either), and a child's Prefect settings and log level are the ones of its own
+    environment, not the zygote's."""
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/the-zygote", "PREFECT_LOGGING_LEVEL": "DEBUG"}
+    done = subprocess.run([sys.executable, "-c", PRELOADED], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"threads": 1, "handlers_kept": True, "api_url": "http://127.0.0.1:9/the-child",
+                    "flow_runs_level": 40}, seen
