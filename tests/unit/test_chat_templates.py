@@ -160,3 +160,22 @@ def test_overlong_turn_context_is_named(qwen3):
         sft_sequences([THINKING], qwen3, max_len=45)
     kept = sft_sequences([THINKING], qwen3, max_len=45, overflow="drop")
     assert len(kept) == 1 and kept[0].prefix_len == 0
+
+
+@pytest.mark.parametrize("trailing", [[], [{"role": "user", "content": "and 2+2?"}]])
+def test_a_conversation_is_rendered_whole_once(qwen3, trailing, monkeypatch):
+    """Each assistant turn costs two renderings (its context with the generation prompt, and
+    through it); the whole conversation a third only where messages follow its last assistant
+    turn. Without them, the last segment is the whole rendering."""
+    import rlpipe.models.chat as chat
+
+    calls = []
+    render = chat.template_ids
+    monkeypatch.setattr(chat, "template_ids", lambda tok, messages, *a, **k: calls.append(len(messages)) or
+                        render(tok, messages, *a, **k))
+    conversation = THINKING + trailing
+    segments = chat.chat_segments(qwen3, conversation)
+    assert calls == [2, 3, 4, 5] + ([6] if trailing else [])
+    if not trailing:
+        whole = render(qwen3, conversation)
+        assert segments[-1].tokens == whole and len(segments[-1].weights) == len(whole)
