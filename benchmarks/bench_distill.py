@@ -7,10 +7,13 @@ accuracy against completions sampled so far) and the completions each needed to 
 
 Per seed: the demo's SFT (configs/demo.toml, that seed), its RL phase from the SFT checkpoint
 (the baseline curve; its last checkpoint is the teacher), then the distillation run from the same
-SFT checkpoint with the same steps, batch and eval schedule.
+SFT checkpoint with the same steps, prompts per step and eval schedule, and fewer completions per
+prompt (`--distill-group-size`, 2): the teacher scores every token of every completion, so the
+signal needs no group of rewards to compare against, and a step of distillation samples a
+quarter of the demo's 8 per prompt.
 
     python -m benchmarks.bench_distill [--seeds 0 1 2] [--sft-steps 700] [--rl-steps 120] [--eval-every 10]
-                                       [--eval-examples 1000] [--target 0.95]
+                                       [--eval-examples 1000] [--target 0.95] [--distill-group-size 2]
 
 About 3 x (SFT + 2 RL phases) of the demo: some 45 min per seed on 2 idle CPU cores.
 """
@@ -35,7 +38,8 @@ def phase_configs(root: Path, seed: int, args: argparse.Namespace) -> dict[str, 
     common = {"sft": {"steps": args.sft_steps, "eval_every": 0, "checkpoint_every": 0},
               "task": {"eval_examples": args.eval_examples}}
     rl = {"steps": args.rl_steps, "eval_every": args.eval_every, "checkpoint_every": 0}
-    distill = {**rl, "distill": {"type": "advantage"}, "filter": {"drop_zero_variance": False}}
+    distill = {**rl, "group_size": args.distill_group_size, "distill": {"type": "advantage"},
+               "filter": {"drop_zero_variance": False}}
     return {"sft": seeded_config(DEMO, root, f"sft-{seed}", seed, **common),
             "rl": seeded_config(DEMO, root, f"rl-{seed}", seed, **common, rl=rl),
             "distill": seeded_config(DEMO, root, f"distill-{seed}", seed, **common, rl=distill)}
@@ -72,7 +76,8 @@ def run(args: argparse.Namespace) -> dict:
         seeds.append(one_seed(root, seed, args))
         print(json.dumps({k: v for k, v in seeds[-1].items() if not k.endswith("_curve")}), flush=True)
     return {"settings": {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "eval_every": args.eval_every,
-                         "eval_examples": args.eval_examples, "target": args.target}, "seeds": seeds}
+                         "eval_examples": args.eval_examples, "target": args.target,
+                         "distill_group_size": args.distill_group_size}, "seeds": seeds}
 
 
 def curves_svg(report: dict) -> str:
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-examples", type=int, default=1000)
     parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy each side must reach")
+    parser.add_argument("--distill-group-size", type=int, default=2,
+                        help="completions per prompt of the distillation run (RL keeps the demo's)")
     parser.add_argument("--root", default="", help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/distill.json"))
     args = parser.parse_args(argv)

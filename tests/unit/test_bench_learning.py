@@ -16,16 +16,16 @@ from benchmarks.run_all import BENCHMARKS, not_measured, render
 from benchmarks.seed_curves import eval_curve, first_reaching
 
 
-def test_the_distillation_runs_share_the_demo_and_differ_only_in_the_teacher(tmp_path):
-    args = argparse.Namespace(sft_steps=7, rl_steps=5, eval_every=2, eval_examples=30)
+def test_the_distillation_runs_share_the_demo_and_differ_in_the_teacher_and_completions_per_prompt(tmp_path):
+    args = argparse.Namespace(sft_steps=7, rl_steps=5, eval_every=2, eval_examples=30, distill_group_size=2)
     configs = phase_configs(tmp_path, 3, args)
     configs["distill"]["rl"]["teacher"] = str(tmp_path / "teacher")
     sft, rl, distill = (validate_config(configs[k]) for k in ("sft", "rl", "distill"))
     assert {c.seed for c in (sft, rl, distill)} == {3} and sft.sft.steps == 7
     assert (rl.rl.steps, rl.rl.eval_every, rl.task.eval_examples, rl.tracking.enabled) == (5, 2, 30, False)
     assert distill.rl.distill.type == "advantage" and not distill.rl.filter.drop_zero_variance
-    assert rl.rl.distill.type == "none" and (rl.rl.prompts_per_step, rl.rl.group_size) == \
-        (distill.rl.prompts_per_step, distill.rl.group_size)
+    assert rl.rl.distill.type == "none" and rl.rl.prompts_per_step == distill.rl.prompts_per_step
+    assert (rl.rl.group_size, distill.rl.group_size) == (8, 2)  # the demo's, and the student's
 
 
 def test_a_curve_counts_the_completions_sampled_by_each_eval(tmp_path):
