@@ -86,7 +86,7 @@ COMMANDS: dict[str, str] = {
     "pip install -e '.[vllm]' 'vllm==0.26.0'": INSTALL,
     # "Several processes and machines"
     "rlpipe run configs/tiny.toml --nproc-per-node 2":
-        "two training ranks; tests/integration/test_distributed_run.py runs it",
+        "two training ranks; tests/integration/test_cluster_commands.py runs it as printed (docs/CLUSTER.md prints it too)",
     "rlpipe resume runs/tiny --nproc-per-node 2":
         "two training ranks; tests/integration/test_distributed_run.py resumes with them",
     "rlpipe run CONFIG --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500": MULTINODE,
