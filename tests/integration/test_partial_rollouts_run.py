@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 
-import pyarrow.parquet as pq
 import pytest
 
 from tests import warm_cli
@@ -45,13 +44,12 @@ STEPS = 5
 
 
 def versions(run_dir) -> set[tuple]:
-    """(sample_id, policy_version, first_policy_version, last_policy_version) of every rollout."""
-    out = set()
-    for path in (run_dir / "rl" / "tables" / "rollouts").glob("step=*/*.parquet"):
-        t = pq.read_table(path, columns=["sample_id", "policy_version", "first_policy_version",
-                                         "last_policy_version"]).to_pylist()
-        out |= {tuple(r.values()) for r in t}
-    return out
+    """(sample_id, policy_version, first_policy_version, last_policy_version) of every committed
+    rollout (the table's snapshot: the producer may have renamed a file it never committed)."""
+    from rlpipe.storage.writer import read_table
+
+    columns = ["sample_id", "policy_version", "first_policy_version", "last_policy_version"]
+    return {tuple(r.values()) for r in read_table(run_dir / "rl", "rollouts").select(columns).to_pylist()}
 
 
 def test_partial_rollouts_span_versions_survive_sigkill_and_replay_exactly(tmp_path, prefect_api_url, capsys):

@@ -55,19 +55,19 @@ def run_args(runs_root: Path, name: str) -> list[str]:
 
 
 def rows(run_dir: Path, table: str) -> int:
-    import pyarrow.parquet as pq
+    """The RL table's rows as readers see them: the ones its snapshot names (a file a killed run
+    renamed into place but never committed is not the table's)."""
+    from rlpipe.storage.writer import read_table
 
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in (run_dir / "rl" / "tables" / table).glob("step=*/*.parquet"))
+    return read_table(run_dir / "rl", table).num_rows
 
 
 def sample_versions(run_dir: Path) -> set[tuple[str, int]]:
-    import pyarrow.parquet as pq
+    """(sample_id, policy_version) of every committed rollout (as `rows` reads)."""
+    from rlpipe.storage.writer import read_table
 
-    out = set()
-    for path in (run_dir / "rl" / "tables" / "rollouts").glob("step=*/*.parquet"):
-        table = pq.read_table(path, columns=["sample_id", "policy_version"])
-        out |= set(zip(table["sample_id"].to_pylist(), table["policy_version"].to_pylist(), strict=True))
-    return out
+    table = read_table(run_dir / "rl", "rollouts").select(["sample_id", "policy_version"])
+    return set(zip(table["sample_id"].to_pylist(), table["policy_version"].to_pylist(), strict=True))
 
 
 def test_async_sigkill_then_resume_loses_no_rollout_and_trains_none_twice(tmp_path, prefect_api_url):
