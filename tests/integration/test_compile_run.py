@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from rlpipe.models.presets import build_model
 from rlpipe.training.distributed import data_parallel, shard_micro_batches
 from rlpipe.training.loss_inputs import is_filler
@@ -22,6 +21,7 @@ from test_distributed import _full_state, _steps, _train  # same folder: pytest 
 from test_resume import env_for
 
 from tests import warm_cli
+from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 64
@@ -108,9 +108,10 @@ def test_compiled_layers_on_two_ranks_equal_one_process(tmp_path):
 
     single_losses = _train(single, _steps(), build_rl_loss("reinforce"), "token", both_ranks)
     out = str(tmp_path / "rank0.pt")
-    # spawned, not forked: this process has compiled (the reference above), and a forked rank
-    # would inherit its compile state and workers; fresh ranks compile as a real launch does
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    # from the fork server, not forked from here: this process has compiled (the reference above),
+    # and a rank forked from it would inherit its compile state and workers; the fork server's
+    # ranks have compiled nothing and compile as a real launch does
+    run_ranks(_rank, (2, str(tmp_path / "store"), out))
     results = torch.load(out)
     assert set(results) == set(KINDS)
     expected = single.state_dict()
