@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import time
@@ -28,7 +27,7 @@ from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 from rlpipe.tasks.cluster import open_cluster
 from rlpipe.tasks.cluster_config import ClusterConfig
 
-from benchmarks.results import write_results
+from benchmarks.results import machine_platform, write_results
 
 WORKERS = (1, 2, 4)
 
@@ -73,7 +72,7 @@ def bench(completions: int, batch_size: int, repeats: int) -> dict:
         runs.append(setting(f"dask, {workers} worker{'s' if workers > 1 else ''}", workers, times, n, overhead))
     for run in runs:
         run["vs_in_process"] = run["completions_per_second"] / runs[0]["completions_per_second"]
-    return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+    return {"machine": {"platform": machine_platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
             "settings": {"completions": n, "batch_size": batch_size, "repeats": repeats,
                          "tests_per_completion": statistics.mean(len(examples[r.example_id].answer) for r in rollouts)},
             "runs": runs}

@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -37,7 +36,7 @@ import torch
 import torch.multiprocessing as mp
 from rlpipe.core.ports import free_port
 
-from benchmarks.results import write_results
+from benchmarks.results import machine_platform, write_results
 
 VOCAB = 100
 SETTINGS = [("1 process, 1 thread", "none", 1, 1), ("1 process, 2 threads", "none", 1, 2),
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {repeat}: {label}: {rates[label][-1]:,.0f} tok/s", flush=True)
     base = statistics.median(rates[SETTINGS[0][0]])
     results = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "machine": {"platform": machine_platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "loadavg": os.getloadavg()},
         "settings": {k: v for k, v in settings.items() if k != "out"},
         "tokens_per_step_mean": statistics.mean(

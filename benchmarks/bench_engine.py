@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from rlpipe.engines.base import SamplingParams
 from rlpipe.engines.torch_engine import TorchEngine
 from rlpipe.models.presets import build_model, count_parameters
 
-from benchmarks.results import write_results
+from benchmarks.results import machine_platform, write_results
 
 VOCAB = 128
 STOP_TOKENS = (5, 17, 99)
@@ -166,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
             "stop_tokens": list(STOP_TOKENS),
         },
         "machine": {
-            "platform": platform.platform(),
+            "platform": machine_platform(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.results import write_results
+from benchmarks.results import machine_platform, write_results
 
 MiB = 1024 * 1024
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {
         "benchmark": "bench_logprobs",
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"platform": machine_platform(), "python": platform.python_version()},
         "note": "peak_extra_mib = peak RSS (getrusage) minus RSS once inputs exist, fresh process per row",
         "results": results,
     }

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.results import write_results
+from benchmarks.results import machine_platform, write_results
 
 VARIANTS = {  # name → (rl.loss.type, other [rl.loss] options): a KL variant next to the plain losses
     "reinforce": ("reinforce", {}),
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "start": "random tiny-dense" if args.task == "digits" else "bench_trl's SFT",
                            "gain": f"mean reward of the last {TAIL} steps - the first {TAIL}"},
               "results": summarize(runs), "runs": runs, "seconds": time.perf_counter() - started,
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
+              "machine": {"platform": machine_platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
     write_results(args.out, report)
     print_table(report["results"])
     return report

@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 from rlpipe.core.phases import PHASES as STAGES  # noqa: E402
 
-from benchmarks.results import write_results  # noqa: E402
+from benchmarks.results import machine_platform, write_results  # noqa: E402
 
 # (module, attribute, bucket, stage): the functions whose time counts as a stage's own work
 STAGE_FUNCTIONS = [
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> dict:
         **modes["task_runs"],  # the default configuration, at the top level
         "modes": modes,
         "run": {"sft_flow_seconds": sft_seconds, "sft_eval_accuracy": sft["eval"].get("eval/accuracy"), **runs},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+        "machine": {"platform": machine_platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
     }
 

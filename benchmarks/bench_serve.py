@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -50,7 +49,7 @@ from rlpipe.models.presets import build_model, count_parameters
 from rlpipe.models.tokenizer import build_tokenizer
 from rlpipe.training.checkpoint_io import load_checkpoint, save_checkpoint
 
-from benchmarks.results import write_results
+from benchmarks.results import machine_platform, write_results
 
 
 def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         "results": results,
         "sync_latency_s": {"median": statistics.median(sync_s), "all": sync_s},
         "checkpoint_bytes": checkpoint_bytes,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+        "machine": {"platform": machine_platform(), "cpus": os.cpu_count(),
                     "loadavg": os.getloadavg(), "torch": torch.__version__},
     }
 

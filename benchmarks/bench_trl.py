@@ -70,7 +70,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.paired_stats import pooled_median, reward_verdict, summarize_eval
-from benchmarks.results import write_results
+from benchmarks.results import machine_platform, write_results
 from benchmarks.trl_sides import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> dict:
         "anchor": {"source": "TRL's GRPOTrainer measured alone", "trl_version": "1.16", "model": "3.7M dense",
                    "completions": 64, "completion_tokens": 16, "seconds_per_step": [0.72, 0.85],
                    "target": "rlpipe step <= half of TRL's, reward no worse"},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "machine": {"platform": machine_platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
     }
 

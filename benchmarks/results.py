@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 
@@ -25,3 +26,9 @@ def write_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_results(path: str | os.PathLike, report: dict) -> Path:
     """`report` as indented JSON at `path` (values JSON cannot hold are written as their str)."""
     return write_atomic(path, json.dumps(report, indent=2, default=str) + "\n")
+
+
+def machine_platform() -> str:
+    """The operating system and processor architecture a result was measured on ("Linux
+    x86_64"): not `platform.platform()`, whose kernel build string names the one machine it ran on."""
+    return f"{platform.system()} {platform.machine()}"

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.learning_headlines import headline
 from benchmarks.markdown_tables import fmt, table
-from benchmarks.results import write_atomic, write_results
+from benchmarks.results import machine_platform, write_atomic, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
@@ -87,7 +87,7 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+    return {"platform": machine_platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
 
 

@@ -9,10 +9,10 @@ the whole step as one launch. It needs a step with fixed shapes and fixed memory
   The engine rebuilds its weights every call (`QwenWeights.from_model` fuses q/k/v and gate/up
   into new tensors), so a graph captured on those would read freed memory on the next call.
   Copying into fixed buffers costs one device copy of the weights per generate call (0.6B in
-  bf16: 1.2 GB read and written, under 1 ms at datacenter-GPU bandwidth by estimate, beside the 4-9 ms
-  measured for `from_model` itself; bench_gpu measures it); recapturing instead would cost at
-  least one eager step plus the capture per graph, several graphs a call (an eager step took
-  ~13 ms at batch 128 on a GPU (docs/BENCHMARKS_GPU.md): 13.7 s for 4 batches x 256 steps).
+  bf16: 1.2 GB read and written, about a millisecond at a GPU's memory bandwidth of 1-3 TB/s, less
+  than `from_model` itself takes; bench_gpu measures both); recapturing instead would cost at least
+  one eager step plus the capture per graph, several graphs a call (docs/BENCHMARKS_GPU.md has
+  the eager step's time).
 - the KV cache, RoPE tables and step inputs, sized for `max_rows` rows and a column capacity
   that only grows (rounded up to `span_chunk`); growing it reallocates and drops the graphs.
   They stay allocated between generate calls (that is what lets graphs be reused): the
