@@ -28,14 +28,19 @@ class _OwnSession:
     Popen = functools.partial(subprocess.Popen, start_new_session=True)
 
 
+def _api_url_set() -> bool:
+    """Whether Prefect's settings name an API (PREFECT_API_URL, a profile's)."""
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
+
+
 def embedded_server_in_own_session() -> None:
     """Make Prefect start its embedded API server in a session of its own (idempotent). Nothing
     to do where an API URL is set (a server of the user's, a deployment's worker): no embedded
     server starts, and Prefect's server package (FastAPI, its database models: about 1.7 CPU-s
     of imports) stays unloaded."""
-    from prefect.settings import get_current_settings
-
-    if get_current_settings().api.url:
+    if _api_url_set():
         return
     from prefect.server.api import server
 
@@ -47,9 +52,7 @@ def api_for_a_script(startup_timeout_s: float = 120):
     """A context for a script that makes task runs outside a flow (benchmarks/bench_cluster_scoring.py):
     the API set in Prefect's settings (PREFECT_API_URL) where there is one, else a temporary server with a database of its own
     for the block (Prefect's test harness), so nothing lands in the user's Prefect home."""
-    from prefect.settings import get_current_settings
-
-    if get_current_settings().api.url:
+    if _api_url_set():
         return contextlib.nullcontext()
     from prefect.testing.utilities import prefect_test_harness
 

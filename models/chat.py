@@ -95,7 +95,6 @@ def chat_segments(
     tokens: list[int] = []
     weights: list[float] = []
     turns: list[int] = []
-    rendered: tuple[int, list[int]] = (-1, [])  # (n, template_ids of messages[:n]): the last rendering
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -104,7 +103,6 @@ def chat_segments(
                              "an assistant turn needs a context to answer")
         header = template_ids(tokenizer, messages[:i], add_generation_prompt=True, **kwargs)
         ids = template_ids(tokenizer, messages[: i + 1], **kwargs)
-        rendered = (i + 1, ids)
         if ids[: len(header)] != header:
             raise ValueError(
                 f"conversation {conv}: the chat template is not prefix-stable (assistant message {i} "
@@ -122,9 +120,8 @@ def chat_segments(
         weights = weights + [0.0] * (len(header) - len(tokens)) + [1.0] * body + [0.0] * (len(added) - body)
         tokens = ids
         turns.append(i)
-    if messages:
-        # a conversation that ends with its last assistant turn was just rendered whole
-        whole = rendered[1] if rendered[0] == len(messages) else template_ids(tokenizer, messages, **kwargs)
+    if messages and messages[-1]["role"] != "assistant":  # else `tokens` is its whole rendering
+        whole = template_ids(tokenizer, messages, **kwargs)
         if whole[: len(tokens)] == tokens:  # keep trailing messages where they do not disturb
             weights = weights + [0.0] * (len(whole) - len(tokens))
             tokens = whole

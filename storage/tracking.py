@@ -49,6 +49,14 @@ def default_tracking_uri(runs_root: str | os.PathLike) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
+# MLflow's metric-logging thread either blocks on its queue for up to a second at a time (the
+# default) or, with this set, waits up to that many seconds on its stop event and then logs every
+# batch queued meanwhile. Only the second wakes at once when the queue is shut down, so ending a
+# run no longer waits out the first's second (a pipeline ends three runs: about 3 s of every
+# `rlpipe run` was that wait); it also writes each second's metrics in one transaction.
+ASYNC_LOGGING_BUFFER_ENV = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"
+
+
 def tracking_client(tracking_uri: str) -> Any:
     """An MlflowClient on `tracking_uri` (tracking and registry) whose stores exist: on a SQLite
     URI, they are made (tables, migrations) under an exclusive file lock, so processes starting
@@ -70,14 +78,6 @@ def tracking_client(tracking_uri: str) -> Any:
     finally:
         os.close(fd)  # closing drops the lock
     return client
-
-
-# MLflow's metric-logging thread either blocks on its queue for up to a second at a time (the
-# default) or, with this set, waits up to that many seconds on its stop event and then logs every
-# batch queued meanwhile. Only the second wakes at once when the queue is shut down, so ending a
-# run no longer waits out the first's second (a pipeline ends three runs: about 3 s of every
-# `rlpipe run` was that wait); it also writes each second's metrics in one transaction.
-ASYNC_LOGGING_BUFFER_ENV = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"
 
 
 def _drain_async_logging(client: Any) -> None:

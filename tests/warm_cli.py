@@ -38,8 +38,9 @@ import time
 PRELOAD = ("torch", "safetensors.torch", "pyarrow.parquet", "duckdb", "tokenizers", "transformers.modeling_utils",
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe", "mlflow",
            "mlflow.store.tracking.sqlalchemy_store")
-# Prefect and the modules the CLI's commands start from (flows/cli.py SUBCOMMANDS), with the flows
-# they run: about 1.6 of the CPU seconds a child would spend importing
+# Prefect, the modules the CLI's commands start from (flows/cli.py SUBCOMMANDS, named here: the
+# zygote must not import flows/cli.py itself, which each child runs afresh as `python -m` does)
+# and the flows `run` runs: about 1.6 of the CPU seconds a child would spend importing
 RUN_MODULES = ("prefect.main", "rlpipe.flows.runner", "rlpipe.flows.pipeline", "rlpipe.flows.rl",
                "rlpipe.flows.supervised", "rlpipe.flows.replay", "rlpipe.flows.rescore", "rlpipe.storage.sqlcli",
                "rlpipe.storage.lineage", "rlpipe.dashboards.report", "rlpipe.engines.serve_cli")
@@ -49,14 +50,8 @@ LAZY_NAMES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 CLI_MODULE = "rlpipe.flows.cli"
 
 
-# variables a command must start a fresh interpreter for (none: the disk-full hooks rebind what
-# the warm interpreter imported, tests/fault_hooks/sitecustomize.py)
-COLD_NAMES: tuple[str, ...] = ()
-
-
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items()
-            if k in COLD_NAMES or not (k.startswith(LAZY_PREFIXES) or k in LAZY_NAMES)}
+    return {k: v for k, v in env.items() if not (k.startswith(LAZY_PREFIXES) or k in LAZY_NAMES)}
 
 
 def hook_dirs(env: dict[str, str], base: dict[str, str]) -> list[str] | None:
