@@ -169,7 +169,7 @@ def test_each_answer_has_its_own_time_and_a_killed_worker_is_replaced():
 
 @pytest.mark.slow
 def test_adversarial_neighbours_do_not_time_out_innocent_answers():
-    """Issue 43's probe: reward_timeout_s = 2, two power towers among eight answers; the six
+    """A hostile batch: reward_timeout_s = 2, two power towers among eight answers; the six
     innocent ones (which need math-verify) all score 1."""
     from rlpipe.envs import math_answers
     from rlpipe.envs.timeout import call_with_timeout
