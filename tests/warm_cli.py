@@ -1,11 +1,14 @@
-"""`python -m rlpipe.flows.cli ...` for the tests, forked from a warm interpreter.
+"""`python -m rlpipe.flows.cli ...` and `python -c CODE ...` for the tests, forked from a warm
+interpreter.
 
 Every CLI process a test starts spends about 5 of its 11 CPU seconds importing torch and
-transformers. A worker of the test session keeps one helper process (the zygote) that has
-imported them once and forks a child for each CLI command; the child takes the command's
-environment, working directory, standard streams and session, then runs `rlpipe.flows.cli` as
-`python -m` would. It is a real process of its own: its own pid, exit status, signals and files,
-so the fault tests kill it, wait for it and read its output as they would a `subprocess.Popen`.
+transformers, and a helper script that opens a run's tables or MLflow store 1 to 3 seconds. A
+worker of the test session keeps one helper process (the zygote) that has imported them once and
+forks a child for each command; the child takes the command's environment, working directory,
+standard streams and session, then runs `rlpipe.flows.cli` as `python -m` would, or CODE as
+`python -c` would (sys.argv, `''` first on sys.path, `__main__`). It is a real process of its own:
+its own pid, exit status, signals and files, so the fault tests kill it, wait for it and read its
+output as they would a `subprocess.Popen`.
 
 The zygote imports what every command imports and reads no per-test setting while it does: torch,
 transformers, MLflow (its store URIs are read when used), Prefect and the rlpipe modules the
@@ -16,10 +19,11 @@ sets a signal handler at import (a unit test checks it). A command whose environ
 from the zygote's in any variable that a library may read at import (anything but PREFECT_*,
 RLPIPE_*, PYTEST_* and the MLflow store URIs: HF_HOME, OMP_NUM_THREADS, ... ) runs as an ordinary
 subprocess, as does any other command. So do all commands when RLPIPE_TEST_COLD_CLI=1. The one
-difference allowed in PYTHONPATH is folders put before it that hold a sitecustomize.py (the fault
-hooks): the child runs each first, where a cold interpreter would have run it at start-up; they
-patch what rlpipe calls through its module (`os.replace`, `torch.save`, ...), which rlpipe looks
-up when it calls, never binds at import.
+difference allowed in PYTHONPATH is folders put before it (the checkout, the fault hooks): the
+child puts them where PYTHONPATH would and runs a sitecustomize.py among them first, where a cold
+interpreter would have run it at start-up; the fault hooks patch what rlpipe calls through its
+module (`os.replace`, `torch.save`, ...), which rlpipe looks up when it calls, never binds at
+import.
 
 `run` and `Popen` take the arguments of their `subprocess` namesakes that the tests use.
 """
@@ -54,18 +58,16 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not (k.startswith(LAZY_PREFIXES) or k in LAZY_NAMES)}
 
 
-def hook_dirs(env: dict[str, str], base: dict[str, str]) -> list[str] | None:
-    """The folders that `env`'s PYTHONPATH puts before `base`'s, if each holds a sitecustomize.py
-    (tests/fault_hooks: a cold interpreter runs it at start-up, the warm child runs it first);
-    None if PYTHONPATH differs in any other way."""
+def path_before(env: dict[str, str], base: dict[str, str]) -> list[str] | None:
+    """The folders that `env`'s PYTHONPATH puts before `base`'s (the checkout for `from tests ...`,
+    the fault hooks' tests/fault_hooks), None if PYTHONPATH differs in any other way."""
     given, known = env.get("PYTHONPATH", ""), base.get("PYTHONPATH", "")
     if given == known:
         return []
     if known and not given.endswith(os.pathsep + known):
         return None
     extra = (given[: -len(known) - 1] if known else given).split(os.pathsep)
-    extra = [d for d in extra if d]
-    return extra if all(os.path.isfile(os.path.join(d, "sitecustomize.py")) for d in extra) else None
+    return [d for d in extra if d]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,14 +87,19 @@ def become(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     refresh_prefect()
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
-    sys.argv = [CLI_MODULE, *request["args"]]
     import runpy
 
-    for position, folder in enumerate(request["hooks"], start=1):  # as PYTHONPATH places them
+    for position, folder in enumerate(request["path"], start=1):  # as PYTHONPATH places them
         sys.path.insert(position, folder)
-        runpy.run_path(os.path.join(folder, "sitecustomize.py"), run_name="sitecustomize")
+        if os.path.isfile(os.path.join(folder, "sitecustomize.py")):  # a cold start runs it first
+            runpy.run_path(os.path.join(folder, "sitecustomize.py"), run_name="sitecustomize")
 
-    runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+    if request["args"][0] == "-c":  # as `python -c CODE ARGS...` runs CODE
+        code, sys.argv, sys.path[0] = request["args"][1], ["-c", *request["args"][2:]], ""
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv = [CLI_MODULE, *request["args"]]
+        runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
     raise SystemExit(0)
 
 
@@ -151,7 +158,7 @@ def serve(channel: socket.socket) -> None:
 
 
 class Zygote:
-    """This process's zygote: started on first use, ended with the process."""
+    """A zygote of this process's: started on first use, ended with the process (`zygote`)."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
@@ -161,6 +168,7 @@ class Zygote:
         theirs.close()
         self.channel, self.lock = ours, threading.Lock()
         self.started: queue.Queue[int] = queue.Queue()
+        self.pids: set[int] = set()  # every child it started
         self.codes: dict[int, int] = {}
         self.cpu_s: dict[int, float] = {}  # each ended child's CPU seconds
         self.ended = threading.Condition()
@@ -191,12 +199,19 @@ class Zygote:
                     self.cpu_s[message["ended"]] = message["cpu_s"]
                     self.ended.notify_all()
 
-    def start(self, args: list[str], env: dict[str, str], hooks: list[str], cwd: str, fds: list[int],
+    def start(self, args: list[str], env: dict[str, str], path: list[str], cwd: str, fds: list[int],
               new_session: bool) -> int:
-        request = {"args": args, "env": env, "hooks": hooks, "cwd": cwd, "new_session": new_session}
+        request = {"args": args, "env": env, "path": path, "cwd": cwd, "new_session": new_session}
         with self.lock:
             socket.send_fds(self.channel, [json.dumps(request).encode() + b"\n"], fds)
-            return self.started.get(timeout=60)
+            pid = self.started.get(timeout=60)
+            self.pids.add(pid)
+            return pid
+
+    def running(self) -> bool:
+        """Whether a child it started has not ended yet."""
+        with self.ended:
+            return bool(self.pids - set(self.codes))
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
         with self.ended:
@@ -204,19 +219,25 @@ class Zygote:
             return self.codes.get(pid)
 
 
-_ZYGOTE: Zygote | None = None
+ZYGOTES_KEPT = 2
+# this process's zygotes by the import-time environment each started in, least recently used first
+_ZYGOTES: dict[tuple[tuple[str, str], ...], Zygote] = {}
 
 
 def zygote() -> Zygote:
-    """The zygote of this process's environment now: a test session that changed a variable read
-    at import since the zygote started (a fixture's HF_HOME, ...) gets a new one."""
-    global _ZYGOTE
-    if _ZYGOTE is not None and import_time_env(_ZYGOTE.env) != import_time_env(dict(os.environ)):
-        _ZYGOTE.close()
-        _ZYGOTE = None
-    if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
-        _ZYGOTE = Zygote()
-    return _ZYGOTE
+    """The zygote of this process's import-time environment now, started on first use. A test that
+    changes a variable read at import (a fixture's HF_HOME, ...) gets one of its own, and the one
+    before is kept for when the variable is back: the last ZYGOTES_KEPT are kept, and an older one
+    ends once no child it started is running."""
+    key = tuple(sorted(import_time_env(dict(os.environ)).items()))
+    found = _ZYGOTES.pop(key, None)
+    if found is None or found.process.poll() is not None:
+        found = Zygote()
+    _ZYGOTES[key] = found
+    for old in list(_ZYGOTES)[:-ZYGOTES_KEPT]:
+        if not _ZYGOTES[old].running():
+            _ZYGOTES.pop(old).close()
+    return found
 
 
 def warm_args(args, env) -> list[str] | None:
@@ -226,13 +247,16 @@ def warm_args(args, env) -> list[str] | None:
     if any(isinstance(a, bytes) for a in args):
         return None  # a shell's non-UTF-8 argument: only a real exec passes it as it is
     args = [str(a) for a in args]
-    if args[:3] != [sys.executable, "-m", CLI_MODULE]:
+    if args[:3] == [sys.executable, "-m", CLI_MODULE]:
+        args = args[3:]
+    elif args[:2] == [sys.executable, "-c"] and len(args) > 2:
+        args = args[1:]  # -c CODE ARGS...
+    else:
         return None
     env, base = dict(os.environ if env is None else env), zygote().env
-    hooks = hook_dirs(env, base)
-    if hooks is None or {**import_time_env(env), "PYTHONPATH": ""} != {**import_time_env(base), "PYTHONPATH": ""}:
+    if path_before(env, base) is None or {**import_time_env(env), "PYTHONPATH": ""} != {**import_time_env(base), "PYTHONPATH": ""}:
         return None
-    return args[3:]
+    return args
 
 
 def _stream(value, target: int) -> tuple[int, object | None]:
@@ -260,9 +284,10 @@ class WarmProcess:
             os.close(fds[2])
             fds = (fds[0], fds[1], fds[1])
         env = dict(os.environ if env is None else env)
+        self._zygote = zygote()  # the one that reports this child's end, whatever the environment is later
         try:
-            self.pid = zygote().start(warm_args(args, env), env, hook_dirs(env, zygote().env), str(cwd or os.getcwd()),
-                                      list(fds), start_new_session)
+            self.pid = self._zygote.start(warm_args(args, env), env, path_before(env, self._zygote.env),
+                                          str(cwd or os.getcwd()), list(fds), start_new_session)
         finally:
             for fd in set(fds):
                 os.close(fd)
@@ -274,12 +299,12 @@ class WarmProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = zygote().wait(self.pid, 0)
+            self.returncode = self._zygote.wait(self.pid, 0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = zygote().wait(self.pid, timeout)
+            self.returncode = self._zygote.wait(self.pid, timeout)
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode

@@ -5,7 +5,6 @@ between the merged file and the deletions, a step rewritten later), and kills du
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from rlpipe.storage.writer import (
     write_table,
 )
 
+from tests import warm_cli
 from tests.synthetic_runs import synthetic_step
 
 HOOKS = Path(__file__).resolve().parents[1] / "fault_hooks"
@@ -116,7 +116,7 @@ def test_a_kill_during_a_pass_loses_nothing_and_doubles_nothing(tmp_path, point)
         compact_run(tmp_path, closed=9, width=10)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
            "RLPIPE_TEST_KILL": point}
-    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), "0" if sweep else "600"], env=env,
+    child = warm_cli.run([sys.executable, "-c", CHILD, str(tmp_path), "0" if sweep else "600"], env=env,
                            capture_output=True, timeout=120)
     assert child.returncode == -9, child.stderr.decode()[-2000:]
     assert snapshot(tmp_path) == before
@@ -143,7 +143,7 @@ def test_a_write_killed_between_its_file_and_its_snapshot_is_not_read_and_is_wri
     before = snapshot(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "RLPIPE_TEST_KILL": "after:*/scores/step=13/part-0.parquet"}
-    child = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    child = warm_cli.run([sys.executable, "-c", WRITER, str(tmp_path)], env=env, capture_output=True, timeout=120)
     assert child.returncode == -9, child.stderr.decode()[-2000:]
     assert (tmp_path / "tables" / "scores" / "step=3" / "part-0.parquet").is_file()
     assert snapshot(tmp_path) == before and not is_complete(tmp_path, "scores", 13)  # a resume writes it again

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from rlpipe.storage.compaction import fresh_files
 from rlpipe.storage.writer import write_table
 
+from tests import warm_cli
 from tests.synthetic_runs import synthetic_step
 
 ROOT = Path(__file__).resolve().parents[2]  # the child imports tests.synthetic_runs from here
@@ -70,7 +71,7 @@ def test_sigkill_mid_write_leaves_whole_partitions(tmp_path):
     rng = random.Random(1234)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for version in range(1, 5):
-        child = subprocess.Popen(
+        child = warm_cli.Popen(
             [sys.executable, "-c", CHILD, str(run), str(version)], stdout=subprocess.PIPE, env=env
         )
         assert child.stdout.readline().strip() == b"ready"

@@ -15,6 +15,8 @@ from rlpipe.storage.tracking import (
     flatten_params,
 )
 
+from tests import warm_cli
+
 
 def _checkpoint(folder: Path, marker: str) -> Path:
     folder.mkdir(parents=True)
@@ -155,15 +157,15 @@ tracker.end()
 
 @pytest.mark.slow
 def test_four_runs_starting_together_on_a_fresh_store_all_make_it(tmp_path, monkeypatch):
-    """Issue 43: runs started together on a fresh runs_root failed in MLflow's first migration
-    ("table ... already exists"); the store is made under a file lock."""
+    """Runs started together on a fresh runs_root each make it: without the file lock under which the
+    store is made, they failed in MLflow's first migration ("table ... already exists")."""
     import subprocess
     import sys
     import time
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     start_at = str(time.time() + 8)  # past every process's imports
-    procs = [subprocess.Popen([sys.executable, "-c", STORE_RACE, str(tmp_path / "runs"), start_at, f"r{i}"],
+    procs = [warm_cli.Popen([sys.executable, "-c", STORE_RACE, str(tmp_path / "runs"), start_at, f"r{i}"],
                               stderr=subprocess.PIPE, text=True) for i in range(4)]
     errors = [proc.communicate(timeout=180)[1] for proc in procs]
     assert [proc.returncode for proc in procs] == [0] * 4, [e.strip().splitlines()[-1:] for e in errors]

@@ -1,7 +1,7 @@
-"""tests/warm_cli.py: a CLI command forked from the warm zygote behaves as the process a cold
-`python -m rlpipe.flows.cli` would be: its own pid and session, the environment, working folder
-and streams it was given, a sitecustomize put before PYTHONPATH run first, its exit status and
-the signal that killed it; anything else runs cold."""
+"""tests/warm_cli.py: a CLI command or a `python -c` script forked from the warm zygote behaves as
+the process a cold `python -m rlpipe.flows.cli` or `python -c` would be: its own pid and session,
+the environment, working folder, arguments and streams it was given, a sitecustomize put before
+PYTHONPATH run first, its exit status and the signal that killed it; anything else runs cold."""
 
 from __future__ import annotations
 
@@ -72,8 +72,41 @@ def test_a_warm_child_is_a_process_of_its_own_with_what_it_was_given(tmp_path, m
         warm_cli.run(cli("run", "missing.toml"), env={**env, "RLPIPE_WARM_SLEEP": "1"}, cwd=work, timeout=2)
 
 
+PYTHON_C = """\
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+                  "pid": os.getpid(), "torch_loaded": "torch" in sys.modules}))
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_python_c_runs_warm_as_python_c_would(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLPIPE_TEST_COLD_CLI", raising=False)
+    command = [sys.executable, "-c", PYTHON_C, "a", "3"]
+    assert warm_cli.warm_args(command, None) == ["-c", PYTHON_C, "a", "3"]
+    done = warm_cli.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    seen = json.loads(done.stdout)
+    assert done.returncode == 3, done.stderr
+    assert seen["argv"] == ["-c", "a", "3"] and seen["path0"] == "" and seen["cwd"] == str(tmp_path)
+    assert seen["name"] == "__main__" and seen["pid"] != os.getpid() and seen["torch_loaded"]  # warm
+    failed = warm_cli.run([sys.executable, "-c", "raise ValueError('boom')"], capture_output=True, text=True,
+                          timeout=120)
+    assert failed.returncode == 1 and failed.stderr.strip().splitlines()[-1] == "ValueError: boom"
+
+
+def test_a_changed_import_time_variable_gets_a_zygote_of_its_own_and_the_first_is_kept(monkeypatch):
+    monkeypatch.delenv("RLPIPE_TEST_COLD_CLI", raising=False)
+    first = warm_cli.zygote()
+    with monkeypatch.context() as changed:
+        changed.setenv("HF_HOME", "/elsewhere")  # read at import by huggingface_hub
+        other = warm_cli.zygote()
+        assert other is not first and other.env["HF_HOME"] == "/elsewhere"
+    assert warm_cli.zygote() is first and first.process.poll() is None
+
+
 def test_other_commands_and_a_cold_request_run_as_plain_subprocesses(monkeypatch):
-    assert warm_cli.warm_args([sys.executable, "-c", "pass"], None) is None
+    assert warm_cli.warm_args([sys.executable, "-m", "json.tool", "--help"], None) is None
+    assert warm_cli.warm_args([sys.executable, "-c"], None) is None  # no code: python's own error
     assert warm_cli.warm_args(cli("run", b"a\xffb"), None) is None  # bytes: only exec passes them as they are
     assert warm_cli.warm_args(cli("--help"), {**os.environ, "HF_HOME": "/elsewhere"}) is None
     monkeypatch.setenv("RLPIPE_TEST_COLD_CLI", "1")
