@@ -1,48 +1,36 @@
-"""The verifiers adapter: a vf.Taskset defined here (no hub download) becomes an rlpipe
-environment; completions sampled by rlpipe are judged by the task's own @vf.reward functions."""
+"""The verifiers adapter: a vf.Taskset (tests/verifiers_tasks.py, no hub download) becomes an
+rlpipe environment; completions sampled by rlpipe are judged by the task's own @vf.reward
+functions."""
 
 from __future__ import annotations
 
 import pytest
+from rlpipe.engines.base import SamplingParams
+from rlpipe.envs.multiturn import run_episodes
+from rlpipe.envs.registry import build_env
+from rlpipe.envs.verifiers_env import VerifiersEnv
+from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts
 
-vf = pytest.importorskip("verifiers.v1", reason="the optional `verifiers` extra is not installed")
-
-from rlpipe.engines.base import SamplingParams  # noqa: E402
-from rlpipe.envs.multiturn import run_episodes  # noqa: E402
-from rlpipe.envs.registry import build_env  # noqa: E402
-from rlpipe.envs.verifiers_env import VerifiersEnv  # noqa: E402
-from rlpipe.rollouts.scoring import ScoreOptions, score_rollouts  # noqa: E402
-
-from tests.rollout_rows import rollout  # noqa: E402
-from tests.scripted_engine import ScriptedEngine  # noqa: E402
+from tests.rollout_rows import rollout
+from tests.scripted_engine import ScriptedEngine
 
 
-class AddData(vf.TaskData):
-    answer: int
+@pytest.fixture
+def vf():
+    """verifiers.v1 (the optional extra; the tests skip where it is absent), imported when a test
+    of this module runs rather than when the session collects it."""
+    return pytest.importorskip("verifiers.v1", reason="the optional `verifiers` extra is not installed")
 
 
-class AddTask(vf.Task[AddData]):
-    @vf.reward
-    async def correct(self, task: AddData, trace: vf.Trace) -> float:
-        return float(trace.last_reply == str(task.answer))
+@pytest.fixture
+def tasks(vf):
+    import tests.verifiers_tasks
 
-    @vf.reward(weight=0.1)
-    async def short(self, trace: vf.Trace) -> float:
-        return float(len(trace.last_reply) <= 2)
-
-    @vf.metric
-    async def turns(self, trace: vf.Trace) -> float:
-        return float(trace.num_turns)
+    return tests.verifiers_tasks
 
 
-class AddTaskset(vf.Taskset[AddTask]):
-    def load(self):
-        for i in range(12):
-            yield AddTask(AddData(prompt=f"{i}+{i}=", system_prompt="Add.", answer=2 * i, id=f"add{i}"))
-
-
-def test_taskset_becomes_examples_and_rewards():
-    env = build_env("verifiers", taskset=f"{__name__}:AddTaskset", eval_size=4)
+def test_taskset_becomes_examples_and_rewards(tasks):
+    env = build_env("verifiers", taskset="tests.verifiers_tasks:AddTaskset", eval_size=4)
     train, evals = env.examples("train"), env.examples("eval")
     assert [e.example_id for e in evals] == ["add8", "add9", "add10", "add11"] and len(train) == 8
     assert env.reset(train[3]) == [{"role": "system", "content": "Add."}, {"role": "user", "content": "3+3="}]
@@ -52,8 +40,8 @@ def test_taskset_becomes_examples_and_rewards():
     assert env.reward(train[3], "seven").reward == 0.0
 
 
-def test_score_stage_batches_sampled_completions_through_the_tasks():
-    env = VerifiersEnv(AddTaskset(vf.TasksetConfig()), eval_size=2)
+def test_score_stage_batches_sampled_completions_through_the_tasks(vf, tasks):
+    env = VerifiersEnv(tasks.AddTaskset(vf.TasksetConfig()), eval_size=2)
     from rlpipe.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
@@ -73,8 +61,8 @@ def test_score_stage_batches_sampled_completions_through_the_tasks():
     assert [r.components["correct"] for r in rows] == [1.0, 1.0, 0.0, 1.0]
 
 
-def test_a_raising_reward_is_recorded_not_raised():
-    class Broken(AddTask):
+def test_a_raising_reward_is_recorded_not_raised(vf, tasks):
+    class Broken(tasks.AddTask):
         @vf.reward
         async def correct(self, task, trace) -> float:
             raise RuntimeError("grader crashed")
@@ -82,17 +70,17 @@ def test_a_raising_reward_is_recorded_not_raised():
     class BrokenSet(vf.Taskset[Broken]):
         def load(self):
             for i in range(3):
-                yield Broken(AddData(prompt="1+1=", answer=2, id=f"b{i}"))
+                yield Broken(tasks.AddData(prompt="1+1=", answer=2, id=f"b{i}"))
 
     env = VerifiersEnv(BrokenSet(vf.TasksetConfig()), eval_size=1)
     result = env.reward(env.examples("train")[0], "2")
     assert result.reward == 0.0 and "grader crashed" in result.error
 
 
-def test_bad_options_name_the_problem():
+def test_bad_options_name_the_problem(vf, tasks):
     with pytest.raises(ValueError, match="module:attribute"):
         build_env("verifiers", taskset="nothing")
     with pytest.raises(ValueError, match="taskset .*: cannot import module"):
         build_env("verifiers", taskset="no_such_module:X")
     with pytest.raises(ValueError, match="too few"):
-        VerifiersEnv(AddTaskset(vf.TasksetConfig()), eval_size=12)
+        VerifiersEnv(tasks.AddTaskset(vf.TasksetConfig()), eval_size=12)
