@@ -146,6 +146,20 @@ SHARED_SERVERS = pytest.StashKey[set[int]]()
 
 
 @pytest.fixture(autouse=True)
+def environment_as_found():
+    """Each test leaves os.environ as it found it. Code a test runs in this process may set
+    variables that no monkeypatch undoes (torch's inductor sets TORCHINDUCTOR_CACHE_DIR when it
+    compiles, the launcher OMP_NUM_THREADS): they would reach every later test of the process and
+    every subprocess it starts, and start tests/warm_cli.py's zygote again, which keeps to the
+    environment it was started in."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
 def no_stop_signal_left_over():
     """Each test starts as a fresh run does: no stop signal received (core/termination.py keeps
     the one a run received, so that its stages stop; a test that raised SIGINT in this process
