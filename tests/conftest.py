@@ -31,7 +31,6 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from rlpipe.core.environment import quiet_defaults
 
 from tests.file_order import heaviest_first
-from tests.prefect_server import SHARED_SERVER_PID, stop_group_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the first Hugging Face import
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -114,20 +113,8 @@ def pytest_unconfigure(config) -> None:
     gc.freeze()
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error) -> None:
-    """Under xdist, in the main process: note the shared Prefect server a finished worker used
-    (tests/integration/conftest.py prefect_api_url), to stop it once every worker is done."""
-    pid = getattr(node, "workeroutput", {}).get(SHARED_SERVER_PID)
-    if pid:
-        node.config.stash.setdefault(SHARED_SERVERS, set()).add(pid)
-
-
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """Stop the workers' shared Prefect server; fail the session, naming them, if tests left files
-    in the checkout."""
-    for pid in session.config.stash.get(SHARED_SERVERS, set()):
-        stop_group_of(pid)
+    """Fail the session, naming them, if tests left files in the checkout."""
     before = session.config.stash.get(REPOSITORY_BEFORE, None)
     after = repository_entries() if before is not None else None
     gained = sorted(after - before) if after is not None else []
@@ -142,7 +129,6 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 REPOSITORY_BEFORE = pytest.StashKey[set[str] | None]()
-SHARED_SERVERS = pytest.StashKey[set[int]]()
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,6 @@ import httpx
 from tests.ports import PortTaken, says_port_taken
 
 SERVER_START_S = 180
-# the `workeroutput` key under which an xdist worker reports the shared Prefect server it used
-SHARED_SERVER_PID = "shared_prefect_server_pid"
 
 
 def wait_healthy(url: str, server: subprocess.Popen, log: Path, start_s: float = SERVER_START_S,
@@ -50,28 +48,3 @@ def stop_group(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait(timeout=30)
-
-
-def stop_group_of(pid: int, wait_s: float = 30) -> None:
-    """stop_group for a session leader that is not this process's child (another process started
-    it): SIGTERM its group, SIGKILL what is left once it has gone or after `wait_s`."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and _running(pid):
-        time.sleep(0.1)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie waiting for its parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False

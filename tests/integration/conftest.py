@@ -5,10 +5,7 @@ every `rlpipe run`/`rlpipe resume` subprocess starts its own embedded server (a 
 a SQLite database migrated on first use): 10-30 s per process on 2 busy cores, and the kill/resume
 tests start a dozen processes each. Tests that pass this URL to their subprocesses pay it once;
 the rest (test_compile_run, the `straight` run of test_distributed_run) keep the embedded server
-a user gets by default, so that path stays covered. Under xdist the workers share one server: the
-first worker that asks starts it (tests/built_once.py) and the main process stops it once every
-worker is done (tests/conftest.py); a server costs about 8 CPU seconds to start and 1% of a core
-while it waits.
+a user gets by default, so that path stays covered.
 
 `prefect_in_process`: in-process flows (pipeline_flow(...), rl_flow(...)) run against that same
 server, a module at a time, rather than under a `prefect_test_harness` each, which starts a server
@@ -31,7 +28,7 @@ import pytest
 from tests import warm_cli
 from tests.built_once import build_once
 from tests.ports import start_on_free_port
-from tests.prefect_server import SHARED_SERVER_PID, stop_group, wait_healthy
+from tests.prefect_server import stop_group, wait_healthy
 
 # The server's background services that no test needs: the ones for schedules, late or paused
 # runs, automations, work-pool health and housekeeping, and the one that stores events (a tiny
@@ -41,10 +38,11 @@ IDLE_SERVICES = ("CANCELLATION_CLEANUP", "DB_VACUUM", "EVENT_PERSISTER", "EVENT_
                  "SCHEDULER", "PAUSE_EXPIRATIONS", "REPOSSESSOR", "CLEANUP_RECONCILER", "TRIGGERS")
 
 
-def start_prefect_server(home: Path) -> tuple[str, subprocess.Popen]:
-    """`prefect server start` on a free loopback port (started again on another where its port was
-    taken before it bound), its database and log in `home`, in a session of its own; once healthy,
-    its API URL and process."""
+@pytest.fixture(scope="session")
+def prefect_api_url(tmp_path_factory) -> Iterator[str]:
+    """The API URL of a Prefect server on a free loopback port (started again on another where its
+    port was taken before it bound), its database in a temporary dir; stopped (its whole process group) when the session ends."""
+    home = tmp_path_factory.mktemp("prefect-server")
     log = home / "server.log"
 
     def start(port: int) -> subprocess.Popen:
@@ -64,34 +62,10 @@ def start_prefect_server(home: Path) -> tuple[str, subprocess.Popen]:
         return server
 
     port, server = start_on_free_port(start)
-    return f"http://127.0.0.1:{port}/api", server
-
-
-STARTED_HERE: list[subprocess.Popen] = []  # the shared server, if this worker started it: kept referenced
-
-
-@pytest.fixture(scope="session")
-def prefect_api_url(tmp_path_factory, pytestconfig) -> Iterator[str]:
-    """The API URL of the session's Prefect server (module docstring). In one process the fixture
-    starts and stops it. Under xdist the first worker to ask starts it and every worker that used
-    it reports its pid (`workeroutput`), by which the main process stops it at the session's end."""
-    if not hasattr(pytestconfig, "workerinput"):
-        url, server = start_prefect_server(tmp_path_factory.mktemp("prefect-server"))
-        try:
-            yield url
-        finally:
-            stop_group(server)
-        return
-
-    def build(folder: Path) -> None:
-        url, server = start_prefect_server(folder)
-        STARTED_HERE.append(server)
-        (folder / "pid").write_text(str(server.pid))
-        (folder / "url").write_text(url)
-
-    folder = build_once(tmp_path_factory, "prefect-server", build)
-    pytestconfig.workeroutput[SHARED_SERVER_PID] = int((folder / "pid").read_text())
-    yield (folder / "url").read_text()
+    try:
+        yield f"http://127.0.0.1:{port}/api"
+    finally:
+        stop_group(server)
 
 
 @pytest.fixture(scope="module")
