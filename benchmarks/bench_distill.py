@@ -57,14 +57,18 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict:
     began = time.perf_counter()
     sft = run_supervised(validate_config(configs["sft"]), "sft")
     out["sft_seconds"], out["sft_accuracy"] = time.perf_counter() - began, sft["eval"].get("eval/accuracy")
+    teacher = None
     for name in ("rl", "distill"):
         if name == "distill":
-            configs[name]["rl"]["teacher"] = out["rl_checkpoint"]
+            configs[name]["rl"]["teacher"] = str(teacher)
         config = validate_config(configs[name])
         began = time.perf_counter()
         result = run_rl(config, start_checkpoint=str(sft["checkpoint"]))
+        teacher = Path(result["checkpoint"])
         curve = eval_curve(config.run_dir / "rl")
-        out |= {f"{name}_seconds": time.perf_counter() - began, f"{name}_checkpoint": str(result["checkpoint"]),
+        # recorded under --root: where the runs went is not part of the result
+        out |= {f"{name}_seconds": time.perf_counter() - began,
+                f"{name}_checkpoint": str(teacher.resolve().relative_to(root.resolve())),
                 f"{name}_curve": curve, f"{name}_reached": first_reaching(curve, args.target)}
     return out
 
