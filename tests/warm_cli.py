@@ -146,10 +146,10 @@ def serve(channel: socket.socket) -> None:
             children.add(pid)
             channel.sendall(json.dumps({"started": pid}).encode() + b"\n")
         for pid in list(children):
-            done, status, usage = os.wait4(pid, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 children.discard(pid)
-                ended = {"ended": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime}
+                ended = {"ended": pid, "code": os.waitstatus_to_exitcode(status)}
                 channel.sendall(json.dumps(ended).encode() + b"\n")
 
 
@@ -170,7 +170,6 @@ class Zygote:
         self.started: queue.Queue[int] = queue.Queue()
         self.pids: set[int] = set()  # every child it started
         self.codes: dict[int, int] = {}
-        self.cpu_s: dict[int, float] = {}  # each ended child's CPU seconds
         self.ended = threading.Condition()
         reader = self.channel.makefile("rb")
         if json.loads(reader.readline() or b"{}").get("ready") is not True:
@@ -196,7 +195,6 @@ class Zygote:
             else:
                 with self.ended:
                     self.codes[message["ended"]] = message["code"]
-                    self.cpu_s[message["ended"]] = message["cpu_s"]
                     self.ended.notify_all()
 
     def start(self, args: list[str], env: dict[str, str], path: list[str], cwd: str, fds: list[int],
