@@ -48,10 +48,21 @@ PRELOAD = ("torch", "safetensors.torch", "pyarrow.parquet", "duckdb", "tokenizer
 RUN_MODULES = ("prefect.main", "rlpipe.flows.runner", "rlpipe.flows.pipeline", "rlpipe.flows.rl",
                "rlpipe.flows.supervised", "rlpipe.flows.replay", "rlpipe.flows.rescore", "rlpipe.storage.sqlcli",
                "rlpipe.storage.lineage", "rlpipe.dashboards.report", "rlpipe.engines.serve_cli")
-# read when used, not at import: these may differ between the zygote and a command
+# read when used, not at import: these may differ between the zygote and a command. Of MLflow's
+# own, the store URIs, the async logging buffer (storage/tracking.py sets it in the process that
+# logs) and the artifact progress bar (core/environment.py) are read by the call that uses them.
+# polars, which the zygote imports through MLflow, sets _RJEM_MALLOC_CONF for itself when imported:
+# a test process that imported it since has it, and the child's polars is loaded already.
 LAZY_PREFIXES = ("PREFECT_", "RLPIPE_", "PYTEST_")
-LAZY_NAMES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+LAZY_NAMES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS",
+              "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "_RJEM_MALLOC_CONF")
 CLI_MODULE = "rlpipe.flows.cli"
+
+
+class ColdCommand(UserWarning):
+    """A command the zygote could have run, started cold because its environment differs from the
+    zygote's in a variable read at import: a test that means it to be cold starts it with
+    `subprocess`; one that does not learns here which variable to leave as it is."""
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -239,7 +250,8 @@ def zygote() -> Zygote:
 
 
 def warm_args(args, env) -> list[str] | None:
-    """The CLI arguments of `args` if the zygote can run it with `env`, else None."""
+    """The CLI arguments of `args` if the zygote can run it with `env`, else None (with a
+    ColdCommand warning where only the environment stands in the way)."""
     if os.environ.get("RLPIPE_TEST_COLD_CLI") == "1" or isinstance(args, str | bytes | os.PathLike):
         return None
     if any(isinstance(a, bytes) for a in args):
@@ -251,10 +263,22 @@ def warm_args(args, env) -> list[str] | None:
         args = args[1:]  # -c CODE ARGS...
     else:
         return None
-    env, base = dict(os.environ if env is None else env), zygote().env
-    if path_before(env, base) is None or {**import_time_env(env), "PYTHONPATH": ""} != {**import_time_env(base), "PYTHONPATH": ""}:
+    differing = import_time_differences(dict(os.environ if env is None else env), zygote().env)
+    if differing:
+        import warnings
+
+        warnings.warn(f"`{' '.join(args[:2])[:80]} ...` runs cold: {', '.join(differing)} differ from the warm "
+                      "zygote's environment and may be read at import", ColdCommand, stacklevel=3)
         return None
     return args
+
+
+def import_time_differences(env: dict[str, str], base: dict[str, str]) -> list[str]:
+    """The variables that `env` sets otherwise than `base` and that a library may read at import
+    (PYTHONPATH where it differs in more than folders put before it)."""
+    given, known = {**import_time_env(env), "PYTHONPATH": ""}, {**import_time_env(base), "PYTHONPATH": ""}
+    differing = sorted(k for k in given.keys() | known.keys() if given.get(k) != known.get(k))
+    return differing + (["PYTHONPATH"] if path_before(env, base) is None else [])
 
 
 def _stream(value, target: int) -> tuple[int, object | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +21,6 @@ from rlpipe.training.rl_loss import build_rl_loss
 from test_distributed import _full_state, _steps, _train  # same folder: pytest puts it on sys.path
 from test_resume import env_for
 
-from tests import warm_cli
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,8 +39,9 @@ def test_a_tiny_run_with_compile_finishes_with_loadable_checkpoints(tmp_path):
     # inductor logs where each graph's code went, compiled now or taken from its on-disk cache: proof
     # that it compiled, with inductor. The cache is torch's default, the one the other compile tests
     # use, so the kernels they built are not built again (a fresh one cost 50-80 s of C++ compiles).
-    done = warm_cli.run(command, env=env_for(tmp_path) | {"TORCH_LOGS": "output_code"}, cwd=tmp_path,
-                        capture_output=True, text=True, timeout=900)
+    # torch reads TORCH_LOGS when it is imported, so this command starts cold, not from the zygote.
+    done = subprocess.run(command, env=env_for(tmp_path) | {"TORCH_LOGS": "output_code"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     for phase in ("sft", "rl"):
         run = runs / "tiny" / phase

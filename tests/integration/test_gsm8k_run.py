@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path, prefect_api_url):
+def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path, prefect_api_url, monkeypatch):
     from rlpipe.storage.catalog import connect
     from rlpipe.tasks.config import load_config
 
@@ -30,6 +30,9 @@ def test_gsm8k_config_runs_on_a_hub_model_and_a_hub_dataset(tmp_path, prefect_ap
     assert shipped.model.path == "Qwen/Qwen3-0.6B" and shipped.engine.type == "auto"
     assert shipped.task.options["path"] == "hf:openai/gsm8k:main" and shipped.task.options["reward"] == "math"
 
+    # HF_HOME is read when huggingface_hub is imported: set here too, the run and the replay below
+    # fork from a warm zygote of their own that has it (tests/warm_cli.py), not from cold starts
+    monkeypatch.setenv("HF_HOME", str(hf_home))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",

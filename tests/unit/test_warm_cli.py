@@ -42,8 +42,9 @@ def test_a_warm_child_is_a_process_of_its_own_with_what_it_was_given(tmp_path, m
     base = dict(os.environ)
     env = {**base, "WARM_MARK": str(mark), "RLPIPE_WARM_MARKER": "given",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), base.get("PYTHONPATH")]))}
-    # WARM_MARK is not a variable the zygote may ignore: with it, the command runs cold
-    assert warm_cli.warm_args(cli("--help"), env) is None
+    # WARM_MARK is not a variable the zygote may ignore: with it, the command runs cold, and says why
+    with pytest.warns(warm_cli.ColdCommand, match=r"`--help \.\.\.` runs cold: WARM_MARK differ"):
+        assert warm_cli.warm_args(cli("--help"), env) is None
     env.pop("WARM_MARK")
     env["RLPIPE_WARM_MARK"] = str(mark)  # RLPIPE_* may differ: read when used
     (hooks / "sitecustomize.py").write_text(HOOK.replace('"WARM_MARK"', '"RLPIPE_WARM_MARK"'))
@@ -108,7 +109,10 @@ def test_other_commands_and_a_cold_request_run_as_plain_subprocesses(monkeypatch
     assert warm_cli.warm_args([sys.executable, "-m", "json.tool", "--help"], None) is None
     assert warm_cli.warm_args([sys.executable, "-c"], None) is None  # no code: python's own error
     assert warm_cli.warm_args(cli("run", b"a\xffb"), None) is None  # bytes: only exec passes them as they are
-    assert warm_cli.warm_args(cli("--help"), {**os.environ, "HF_HOME": "/elsewhere"}) is None
+    with pytest.warns(warm_cli.ColdCommand, match="HF_HOME differ"):
+        assert warm_cli.warm_args(cli("--help"), {**os.environ, "HF_HOME": "/elsewhere"}) is None
+    with pytest.raises(warm_cli.ColdCommand, match="HF_HOME"):  # in the suite, such a command fails its test
+        warm_cli.run(cli("--help"), env={**os.environ, "HF_HOME": "/elsewhere"})
     monkeypatch.setenv("RLPIPE_TEST_COLD_CLI", "1")
     assert warm_cli.warm_args(cli("--help"), None) is None
     done = warm_cli.run([sys.executable, "-c", "import sys; sys.exit(3)"])
