@@ -134,6 +134,15 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 REPOSITORY_BEFORE = pytest.StashKey[set[str] | None]()
 
 
+def restored_environment():
+    """os.environ as it was before the yield, once it resumes."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(autouse=True)
 def environment_as_found():
     """Each test leaves os.environ as it found it. Code a test runs in this process may set
@@ -141,11 +150,14 @@ def environment_as_found():
     compiles, the launcher OMP_NUM_THREADS): they would reach every later test of the process and
     every subprocess it starts, and start tests/warm_cli.py's zygote again, which keeps to the
     environment it was started in."""
-    before = dict(os.environ)
-    yield
-    if dict(os.environ) != before:
-        os.environ.clear()
-        os.environ.update(before)
+    yield from restored_environment()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_environment_as_found():
+    """Each test file leaves os.environ as it found it, its module fixtures included: a Dask or
+    Ray cluster started in this process sets OMP_NUM_THREADS, MALLOC_TRIM_THRESHOLD_, RAY_*, ..."""
+    yield from restored_environment()
 
 
 @pytest.fixture(autouse=True)

@@ -54,8 +54,8 @@ def versions(run_dir) -> set[tuple]:
 
 def test_partial_rollouts_span_versions_survive_sigkill_and_replay_exactly(tmp_path, prefect_api_url, capsys):
     runs = tmp_path / "runs"
-    env = env_for(tmp_path, prefect_api_url)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HOOKS), env.get("PYTHONPATH")]))
+    plain = env_for(tmp_path, prefect_api_url)
+    env = {**plain, "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOKS), plain.get("PYTHONPATH")]))}
     args = ["run", str(ROOT / "configs" / "tiny.toml"), "--set", f"runs_root={runs}", "--set", "run_name=partial",
             "--set", "rl.checkpoint_every=1", "--set", f"rl.steps={STEPS}", "--set", "rl.off_policy.max_steps=1",
             "--set", "rl.off_policy.partial_rollouts=true", *ONE_THREAD]
@@ -66,8 +66,7 @@ def test_partial_rollouts_span_versions_survive_sigkill_and_replay_exactly(tmp_p
     assert killed.returncode == -9, killed.stderr[-3000:]
     before = versions(runs / "partial")
     assert any(first < last for _, _, first, last in before)  # some completions span two versions
-    resumed = warm_cli.run(cli("resume", str(runs / "partial")), env={k: v for k, v in env.items()
-                                                                        if k != "PYTHONPATH"},
+    resumed = warm_cli.run(cli("resume", str(runs / "partial")), env=plain,  # without the fault hooks
                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert before <= versions(runs / "partial")  # every sampled rollout kept, with the versions it had
