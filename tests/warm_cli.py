@@ -25,6 +25,12 @@ interpreter would have run it at start-up; the fault hooks patch what rlpipe cal
 module (`os.replace`, `torch.save`, ...), which rlpipe looks up when it calls, never binds at
 import.
 
+A warm launcher (a command with --nproc-per-node) starts its ranks warm too: before it runs, it
+forks a rank zygote of its own, and torch's launcher gets each rank, `python -u -m
+rlpipe.flows.cli ...`, as that zygote's child, in a session of its own with the launcher's
+environment, streams and the rank's variables (`start_ranks_warm`). The rank zygote dies with its
+launcher, and each rank's parent-death signal with it, as a rank of a cold launcher does.
+
 `run` and `Popen` take the arguments of their `subprocess` namesakes that the tests use.
 """
 
@@ -93,6 +99,18 @@ def become(request: dict, fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(3, 256)
+    if request.get("rank"):  # a rank, as torch's launcher starts it: `python -u`
+        import ctypes
+        import io
+
+        sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
+        # /proc/PID/environ shows the environment a process was exec'd with, the zygote's here: the
+        # name says which rank it is (/proc/PID/comm), for a test that looks for one
+        name = f"rlpipe-rank-{request['env'].get('RANK', '')}".encode()[:15]
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name))  # PR_SET_NAME
+    if any(arg.split("=", 1)[0] == LAUNCH_FLAG for arg in request["args"]) and request["args"][0] != "-c":
+        start_ranks_warm()  # before this process takes the command's environment and path
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -177,6 +195,9 @@ class Zygote:
         self.process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
+        self._connect(ours)
+
+    def _connect(self, ours: socket.socket) -> None:
         self.channel, self.lock = ours, threading.Lock()
         self.started: queue.Queue[int] = queue.Queue()
         self.pids: set[int] = set()  # every child it started
@@ -209,8 +230,8 @@ class Zygote:
                     self.ended.notify_all()
 
     def start(self, args: list[str], env: dict[str, str], path: list[str], cwd: str, fds: list[int],
-              new_session: bool) -> int:
-        request = {"args": args, "env": env, "path": path, "cwd": cwd, "new_session": new_session}
+              new_session: bool, rank: bool = False) -> int:
+        request = {"args": args, "env": env, "path": path, "cwd": cwd, "new_session": new_session, "rank": rank}
         with self.lock:
             socket.send_fds(self.channel, [json.dumps(request).encode() + b"\n"], fds)
             pid = self.started.get(timeout=60)
@@ -226,6 +247,62 @@ class Zygote:
         with self.ended:
             self.ended.wait_for(lambda: pid in self.codes, timeout)
             return self.codes.get(pid)
+
+
+class ForkedZygote(Zygote):
+    """A zygote forked from this process as it is now, which must run no thread yet: a warm
+    launcher's, for its ranks. It ends with this process (Linux's parent-death signal), so a
+    rank's own parent-death signal still reaches it when its launcher dies."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.env = dict(os.environ)
+        self.pid = os.fork()
+        if self.pid == 0:
+            ours.close()
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+            serve(theirs)  # a rank it forks leaves from inside, as it exits (atexit handlers and all)
+            os._exit(0)  # its channel closed: the launcher has gone
+        theirs.close()
+        self._connect(ours)
+
+    def close(self) -> None:
+        """End it (it leaves once its channel closes) and reap it."""
+        self.channel.close()
+        deadline = time.monotonic() + 10
+        while os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(self.pid, 9)
+                os.waitpid(self.pid, 0)
+                return
+            time.sleep(0.01)
+
+
+LAUNCH_FLAG = "--nproc-per-node"
+
+
+def start_ranks_warm() -> None:
+    """In a warm launcher (a command with --nproc-per-node), before it runs: torch's launcher
+    starts each rank, `python -u -m rlpipe.flows.cli ...`, as a child of a zygote forked from
+    this process now, not as a fresh interpreter (5 to 7 CPU seconds of imports a rank). The rank
+    is a process of its own in a session of its own, with the launcher's environment, streams and
+    the rank's variables, as torch starts it; any other command torch is given runs as it would."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    ranks = ForkedZygote()
+    cold = subprocess_handler.SubprocessHandler._popen
+    rank_command = [sys.executable, "-u", "-m", CLI_MODULE]
+
+    def popen(handler, args, env):
+        args = [str(a) for a in args]
+        if args[:4] != rank_command:
+            return cold(handler, args, env)
+        return WarmProcess(args, env, os.getcwd(), None, handler._stdout, handler._stderr, False, True,
+                           via=ranks, cli_args=args[4:])
+
+    subprocess_handler.SubprocessHandler._popen = popen
 
 
 ZYGOTES_KEPT = 2
@@ -298,7 +375,8 @@ def _stream(value, target: int) -> tuple[int, object | None]:
 class WarmProcess:
     """The subset of subprocess.Popen the tests use, for a child of the zygote."""
 
-    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session) -> None:
+    def __init__(self, args, env, cwd, stdin, stdout, stderr, text, start_new_session,
+                 via: Zygote | None = None, cli_args: list[str] | None = None) -> None:
         self.args, self.returncode, self._text = args, None, text
         merged = stderr == subprocess.STDOUT  # the child's stderr goes where its stdout goes
         fds, ends = zip(*(_stream(stdin, 0), _stream(stdout, 1), _stream(None if merged else stderr, 2)), strict=True)
@@ -306,10 +384,11 @@ class WarmProcess:
             os.close(fds[2])
             fds = (fds[0], fds[1], fds[1])
         env = dict(os.environ if env is None else env)
-        self._zygote = zygote()  # the one that reports this child's end, whatever the environment is later
+        self._zygote = via or zygote()  # the one that reports this child's end, whatever the environment is later
         try:
-            self.pid = self._zygote.start(warm_args(args, env), env, path_before(env, self._zygote.env),
-                                          str(cwd or os.getcwd()), list(fds), start_new_session)
+            self.pid = self._zygote.start(cli_args or warm_args(args, env), env, path_before(env, self._zygote.env) or [],
+                                          str(cwd or os.getcwd()), list(fds), start_new_session,
+                                          rank=cli_args is not None)
         finally:
             for fd in set(fds):
                 os.close(fd)

@@ -102,18 +102,21 @@ def test_a_two_rank_step_replays_in_one_process_within_the_tolerance(straight, t
 
 
 def rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of `rank`, a child process of the launcher (its environment says RANK=rank)."""
+    """The pid of `rank`, a process the launcher started: its child whose environment says
+    RANK=rank, or where the launcher is warm, its rank zygote's child named rlpipe-rank-RANK
+    (tests/warm_cli.py)."""
+    parents, marked = {}, set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if (f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0")
+                    or (entry / "comm").read_text().strip() == f"rlpipe-rank-{rank}"):
+                marked.add(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue
-        if parent == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
+    return next((pid for pid in sorted(marked) if launcher in (parents[pid], parents.get(parents[pid]))), None)
 
 
 def test_a_killed_rank_fails_the_run_naming_it_and_resume_loses_nothing(straight, tmp_path, prefect_api_url):

@@ -24,12 +24,14 @@ from test_distributed_run import OVERRIDES, ROOT, TABLES, TIMEOUT_S, rank_pid
 from test_faults import alive
 from test_resume import env_for, rows
 
+from tests import warm_cli
+
 pytestmark = pytest.mark.slow
 FAILS_WITHIN_S = 120  # train.peer_timeout_s (30 s) at most, then the run's stop on a CPU other work shares
 
 
 def node(args: list[str], rank: int, port: int, env: dict, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlpipe.flows.cli", *args, "--nproc-per-node", "1", "--nnodes", "2",
+    return warm_cli.Popen([sys.executable, "-m", "rlpipe.flows.cli", *args, "--nproc-per-node", "1", "--nnodes", "2",
                              "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"],
                             env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
