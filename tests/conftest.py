@@ -37,6 +37,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 quiet_defaults()
 os.environ.setdefault("RLPIPE_PROGRESS", "0")
 torch.set_num_threads(1)
+# and one OpenMP thread in every process the tests start (the zygote, CLI runs, servers, ranks):
+# three workers share 2 cores, and a second thread of each only waits or spins. The whole suite
+# used 1,366 busy CPU seconds with it and 1,431 without, in 12:07 against 12:37.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # hypothesis keeps its example database and caches in ./.hypothesis by default: the checkout
 # stays as it was
 set_hypothesis_home_dir(tempfile.mkdtemp(prefix="rlpipe-hypothesis-"))
