@@ -45,6 +45,7 @@ HEAVIEST_FIRST = (
     "tests/integration/test_losses_learn.py",
     "tests/integration/test_async_rl.py",
     "tests/unit/test_tracking.py",
+    "tests/unit/test_warm_cli.py",
     "tests/unit/test_compaction.py",
     "tests/integration/test_distributed.py",
     "tests/integration/test_serve_abuse_http.py",

@@ -5,6 +5,7 @@ ranks, then on one process with its scoring on a local Dask cluster of 2 worker 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,8 +19,9 @@ from test_readme_commands import shell  # same folder: pytest puts it on sys.pat
 from tests.cluster_commands import COMMANDS, RUN, cluster_commands
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
-pytest.importorskip("prefect_dask")
+# found, not imported: importing Dask here would cost every worker that collects this file a second
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("prefect_dask") is None,
+                                                   reason="prefect-dask is not installed (the cluster extra)")]
 
 
 def test_cluster_page_commands_run_as_printed(tmp_path, prefect_api_url):

@@ -103,6 +103,26 @@ def test_a_changed_import_time_variable_gets_a_zygote_of_its_own_and_the_first_i
         other = warm_cli.zygote()
         assert other is not first and other.env["HF_HOME"] == "/elsewhere"
     assert warm_cli.zygote() is first and first.process.poll() is None
+    # closed, a zygote leaves on its own at once (exit 0), not killed when its wait runs out
+    other.close()
+    assert other.process.returncode == 0
+
+
+FORKED_ZYGOTE = """from tests import warm_cli
+ranks = warm_cli.ForkedZygote()
+ranks.close()
+print(ranks.returncode)
+"""
+
+
+def test_a_rank_zygote_leaves_on_its_own_when_its_launcher_hangs_up(monkeypatch):
+    """A warm launcher closes its rank zygote as it exits: the zygote must see its channel close
+    and leave (exit 0), not be killed after the launcher waited for it."""
+    monkeypatch.delenv("RLPIPE_TEST_COLD_CLI", raising=False)
+    command = [sys.executable, "-c", FORKED_ZYGOTE]
+    assert warm_cli.warm_args(command, None) is not None  # forked from the zygote: no thread runs yet
+    done = warm_cli.run(command, cwd=Path(warm_cli.__file__).parents[1], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]
 
 
 def test_other_commands_and_a_cold_request_run_as_plain_subprocesses(monkeypatch):
