@@ -1,11 +1,16 @@
-"""A server process for tests (Prefect, vLLM): wait until it answers, stop its whole process group."""
+"""A server process for tests (Prefect, vLLM): wait until it answers, stop its whole process group;
+one server shared by the session's workers (`shared_by_workers`)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -48,3 +53,57 @@ def stop_group(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def shared_by_workers(folder: Path, start: Callable[[], tuple[str, subprocess.Popen]]) -> Iterator[str]:
+    """The URL of one server for all of the test session's workers that use it: the first to ask
+    starts it (`start()` returns its URL and process) and each one using it is listed in `folder`;
+    the last to leave stops its process group, and a worker that asks later starts it again. A
+    worker that died without leaving is not counted (its pid is gone). All of it under one lock."""
+    folder.mkdir(exist_ok=True)
+    users, state = folder / "users", folder / "server.json"
+    users.mkdir(exist_ok=True)
+    me = users / str(os.getpid())
+    with _locked(folder):
+        known = json.loads(state.read_text()) if state.exists() else None
+        if known is None or not _running(known["pid"]):
+            url, server = start()
+            known = {"url": url, "pid": server.pid}
+            state.write_text(json.dumps(known))
+        me.touch()
+    try:
+        yield known["url"]
+    finally:
+        with _locked(folder):
+            me.unlink(missing_ok=True)
+            if not any(_running(int(user.name)) for user in users.iterdir()):
+                _stop_group_of(known["pid"])
+                state.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, ended but not yet reaped by its parent, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def _stop_group_of(pid: int) -> None:
+    """stop_group for a server another process may have started: SIGTERM its process group, SIGKILL
+    what is left after 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGKILL)

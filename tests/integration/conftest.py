@@ -1,9 +1,9 @@
 """Fixtures shared by the integration tests.
 
-`prefect_api_url`: one `prefect server start` for the whole test session. Without PREFECT_API_URL
-every `rlpipe run`/`rlpipe resume` subprocess starts its own embedded server (a uvicorn child and
-a SQLite database migrated on first use): 10-30 s per process on 2 busy cores, and the kill/resume
-tests start a dozen processes each. Tests that pass this URL to their subprocesses pay it once;
+`prefect_api_url`: one `prefect server start` for the whole test session, shared by its workers.
+Without PREFECT_API_URL every `rlpipe run`/`rlpipe resume` subprocess starts its own embedded
+server (a uvicorn child and a SQLite database migrated on first use): 10-30 s per process on 2
+busy cores, and the kill/resume tests start a dozen processes each. Tests that pass this URL to their subprocesses pay it once;
 the rest (test_compile_run, the `straight` run of test_distributed_run) keep the embedded server
 a user gets by default, so that path stays covered.
 
@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from tests import warm_cli
-from tests.built_once import build_once
+from tests.built_once import build_once, session_folder
 from tests.ports import start_on_free_port
-from tests.prefect_server import stop_group, wait_healthy
+from tests.prefect_server import shared_by_workers, stop_group, wait_healthy
 
 # The server's background services that no test needs: the ones for schedules, late or paused
 # runs, automations, work-pool health and housekeeping, and the one that stores events (a tiny
@@ -40,19 +40,21 @@ IDLE_SERVICES = ("CANCELLATION_CLEANUP", "DB_VACUUM", "EVENT_PERSISTER", "EVENT_
 
 @pytest.fixture(scope="session")
 def prefect_api_url(tmp_path_factory) -> Iterator[str]:
-    """The API URL of a Prefect server on a free loopback port (started again on another where its
-    port was taken before it bound), its database in a temporary dir; stopped (its whole process group) when the session ends."""
-    home = tmp_path_factory.mktemp("prefect-server")
+    """The API URL of the session's Prefect server, one for all of its workers (each of its own
+    cost some 10 CPU seconds to start and 1 a minute to keep), on a free loopback port (started
+    again on another where its port was taken before it bound), its database in the session's
+    temporary folder; stopped (its whole process group) when the last worker using it is done."""
+    home = session_folder(tmp_path_factory) / "prefect-server"
     log = home / "server.log"
 
-    def start(port: int) -> subprocess.Popen:
+    def start_on(port: int) -> subprocess.Popen:
         url = f"http://127.0.0.1:{port}/api"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         env.update(PREFECT_HOME=str(home), PREFECT_API_URL=url, PREFECT_UI_ENABLED="false",
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", PREFECT_LOGGING_LEVEL="WARNING")
         env.update({f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in IDLE_SERVICES})
         server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(port)], env=env, stdout=log.open("w"),
+                                   "--port", str(port)], env=env, stdout=log.open("a"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_healthy(url, server, log)
@@ -61,11 +63,12 @@ def prefect_api_url(tmp_path_factory) -> Iterator[str]:
             raise
         return server
 
-    port, server = start_on_free_port(start)
-    try:
-        yield f"http://127.0.0.1:{port}/api"
-    finally:
-        stop_group(server)
+    def start() -> tuple[str, subprocess.Popen]:
+        port, server = start_on_free_port(start_on)
+        return f"http://127.0.0.1:{port}/api", server
+
+    with shared_by_workers(home, start) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
