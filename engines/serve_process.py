@@ -17,24 +17,27 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180.0
 
 
-def start_serve(checkpoint: str | os.PathLike, *args: str, threads: int = 1,
-                token: str | None = None) -> subprocess.Popen:
+def start_serve(checkpoint: str | os.PathLike, *args: str, threads: int = 1, token: str | None = None,
+                popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> subprocess.Popen:
     """`rlpipe serve MODEL --host 127.0.0.1 --port 0 --threads N ARGS...`, stdout piped.
 
     token: the API token the server requires (RLPIPE_API_TOKEN); None: none, even when this
     process has RLPIPE_API_TOKEN set.
+    popen: what starts the process, with subprocess.Popen's arguments (the tests fork theirs from
+    an interpreter that has imported the CLI's modules already).
     """
     env = {k: v for k, v in os.environ.items() if k != "RLPIPE_API_TOKEN"}
     env.update(OMP_NUM_THREADS=str(max(threads, 1)), TOKENIZERS_PARALLELISM="false")
     if token is not None:
         env["RLPIPE_API_TOKEN"] = token
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-m", "rlpipe.flows.cli", "serve", str(checkpoint), "--host", "127.0.0.1",
          "--port", "0", "--threads", str(threads), *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -312,7 +312,8 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
     new = save_checkpoint(tmp_path, 1, build_model("tiny-dense", vocab_size=len(tok), seed=1), tok)
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok"))
+        procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok",
+                                 popen=warm_cli.Popen))
         url = serve_url(procs[0])
         engine = HttpEngine(url, HttpOptions(timeout_s=10, retries=1, api_token="tok", backoff_s=0.1))
         os.kill(procs[0].pid, signal.SIGSTOP)  # frozen: the sync is accepted by the kernel, never answered
@@ -330,7 +331,8 @@ def test_a_served_engine_killed_mid_sync(tmp_path):
         with pytest.raises(SyncError, match=url.replace(".", r"\.")):
             raise_failed(result)
 
-        procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok"))
+        procs.append(start_serve(old, "--allow-root", str(tmp_path / "checkpoints"), token="tok",
+                                 popen=warm_cli.Popen))
         engine = HttpEngine(serve_url(procs[1]), HttpOptions(timeout_s=30, retries=1, api_token="tok"))
         assert [r["ok"] for r in sync_engines([engine], str(new), 1, run_id="r", step=1)] == [True]
         assert engine.health()["policy_version"] == 1

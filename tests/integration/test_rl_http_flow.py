@@ -19,6 +19,8 @@ from rlpipe.storage.writer import read_table
 from rlpipe.tasks.config import validate_config
 from rlpipe.training.checkpoint_io import save_checkpoint
 
+from tests import warm_cli
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +60,8 @@ def test_rl_flow_syncs_two_servers_and_stops_cleanly_when_one_dies(prefect_api, 
     start = save_checkpoint(tmp_path / "init", 0, build_model("tiny-dense", vocab_size=len(tok), seed=0), tok)
     procs: list[subprocess.Popen] = []
     try:
-        procs = [start_serve(start, "--allow-root", str(tmp_path), token=TOKEN) for _ in range(2)]
+        procs = [start_serve(start, "--allow-root", str(tmp_path), token=TOKEN, popen=warm_cli.Popen)
+                 for _ in range(2)]
         urls = [serve_url(p) for p in procs]
         rl_flow(config=http_config(tmp_path, start, urls, steps=2))
 

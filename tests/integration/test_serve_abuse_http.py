@@ -50,7 +50,7 @@ def wait_ready(url: str, limit_s: float = 60.0) -> None:
 
 
 def test_half_sent_requests_are_cut_off(checkpoint):
-    proc = start_serve(checkpoint, "--header-timeout-s", "1", "--body-timeout-s", "1")
+    proc = start_serve(checkpoint, "--header-timeout-s", "1", "--body-timeout-s", "1", popen=warm_cli.Popen)
     try:
         url = serve_url(proc)
         wait_ready(url)

@@ -19,6 +19,8 @@ from rlpipe.envs.multiturn import run_episodes
 from rlpipe.tasks.setup import stop_token_ids
 from rlpipe.training.checkpoint_io import load_checkpoint
 
+from tests import warm_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -77,7 +79,8 @@ def test_the_trained_calculator_agent_is_served_with_its_tool(tmp_path, monkeypa
     episodes = run_episodes(TorchEngine(loaded.model.eval()), loaded.tokenizer, env, examples,
                             SamplingParams(max_new_tokens=16, greedy=True,
                                                            stop_token_ids=stop_token_ids(loaded.tokenizer)), max_turns=3, max_tokens=256)
-    proc = start_serve(checkpoint, "--served-model-name", "calc-agent", "--tool-call-parser", "calculator")
+    proc = start_serve(checkpoint, "--served-model-name", "calc-agent", "--tool-call-parser", "calculator",
+                       popen=warm_cli.Popen)
     try:
         api = openai.OpenAI(base_url=serve_url(proc) + "/v1", api_key="none", max_retries=5)
         served = [chat_episode(api, example.prompt) for example in examples]

@@ -22,6 +22,8 @@ from rlpipe.training.batch import Sequence, pack_one
 from rlpipe.training.checkpoint_io import save_checkpoint
 from rlpipe.training.logprobs import token_logprobs
 
+from tests import warm_cli
+
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 120.0
 
@@ -43,7 +45,7 @@ def test_two_servers_generate_sync_and_fail_loudly(tmp_path):
     engines: list[HttpEngine] = []
     try:
         for _ in range(2):
-            procs.append(start_serve(first, "--allow-root", str(allow), token="tok"))
+            procs.append(start_serve(first, "--allow-root", str(allow), token="tok", popen=warm_cli.Popen))
         urls = []
         for proc in procs:  # the ready line comes once the port accepts: a connection at once succeeds
             urls.append(serve_url(proc, START_TIMEOUT_S))
