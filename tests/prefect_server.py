@@ -77,9 +77,9 @@ def shared_by_workers(folder: Path, start: Callable[[], tuple[str, subprocess.Po
     finally:
         with _locked(folder):
             me.unlink(missing_ok=True)
-            if not any(_running(int(user.name)) for user in users.iterdir()):
-                _stop_group_of(known["pid"])
-                state.unlink(missing_ok=True)
+            if state.exists() and not any(_running(int(user.name)) for user in users.iterdir()):
+                _stop_group_of(json.loads(state.read_text())["pid"])  # the one running now
+                state.unlink()
 
 
 @contextlib.contextmanager

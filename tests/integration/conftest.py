@@ -3,9 +3,10 @@
 `prefect_api_url`: one `prefect server start` for the whole test session, shared by its workers.
 Without PREFECT_API_URL every `rlpipe run`/`rlpipe resume` subprocess starts its own embedded
 server (a uvicorn child and a SQLite database migrated on first use): 10-30 s per process on 2
-busy cores, and the kill/resume tests start a dozen processes each. Tests that pass this URL to their subprocesses pay it once;
-the rest (test_compile_run, the `straight` run of test_distributed_run) keep the embedded server
-a user gets by default, so that path stays covered.
+busy cores, and the kill/resume tests start a dozen processes each. Tests that pass this URL to
+their subprocesses pay it once; the rest (test_compile_run, the `straight` run of
+test_distributed_run, the Ctrl-C test of test_faults) keep the embedded server a user gets by
+default, so that path stays covered.
 
 `prefect_in_process`: in-process flows (pipeline_flow(...), rl_flow(...)) run against that same
 server, a module at a time, rather than under a `prefect_test_harness` each, which starts a server

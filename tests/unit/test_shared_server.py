@@ -1,10 +1,12 @@
 """tests/prefect_server.py `shared_by_workers`: the session's workers share one server. The first
 to ask starts it, the others get its URL, it runs until the last of them leaves (however they
-take turns), and whoever asks after that starts it again."""
+take turns), and whoever asks after that, or after it died, starts it again."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,3 +93,19 @@ def test_one_server_runs_until_the_last_worker_leaves_and_starts_again_after(tmp
     finally:
         leave(third, tmp_path / "hold-3")
     assert not answers(again)
+
+
+def test_a_server_that_died_is_started_again_and_the_last_to_leave_stops_that_one(tmp_path):
+    folder = tmp_path / "shared"
+    first, url = worker(folder, tmp_path / "hold-1")
+    dead = json.loads((folder / "server.json").read_text())["pid"]
+    os.killpg(dead, signal.SIGKILL)  # the server dies while a worker still uses it
+    deadline = time.monotonic() + 30
+    while answers(url) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second, again = worker(folder, tmp_path / "hold-2")  # the next to ask starts another
+    assert answers(again) and json.loads((folder / "server.json").read_text())["pid"] != dead
+    leave(second, tmp_path / "hold-2")
+    assert answers(again)  # the first worker still uses it
+    leave(first, tmp_path / "hold-1")  # the last to leave stops the one running now, not the dead one
+    assert not answers(again) and not (folder / "server.json").exists()
