@@ -155,16 +155,19 @@ def test_pipeline_on_a_vllm_server_trains_on_policy(tmp_path, prefect_api_url, s
         assert done.returncode == 0, done.stderr[-4000:]
         return tmp_path / "runs" / name
 
-    # the module's server holds `start` again (an earlier test may have loaded other weights)
-    HttpEngine(f"vllm+{url}", HttpOptions(timeout_s=120)).sync(str(start), 0)
-    # first (the server holds `start`): async RL, the server reloaded while a producer
-    # samples ahead; each sync waits for the round in flight (before, 3,816 of 7,104
-    # completions recorded version 0 but came from version 1's weights)
-    ahead = run("vllm-async", "--set", "flow=rl", "--set", "rl.off_policy.max_steps=1",
-                "--set", "rl.checkpoint_every=1", "--set", "rl.buffer.partial_batches=true")
     run("vllm", *SHORT_SFT)
+    # then async RL from that run's SFT result (which answers some prompts, so its batches fill in
+    # a round or two; from `start`'s random weights they took eight rounds, 10,688 completions in 3
+    # steps): the server reloaded while a producer samples ahead; each sync waits for the round in
+    # flight (before, 3,816 of 7,104 completions recorded version 0 but came from version 1's
+    # weights). A run with flow=rl starts on what the server holds: the SFT result, loaded here
+    sft_result = sorted((tmp_path / "runs" / "vllm" / "sft" / "checkpoints").glob("step_*"))[-1]
+    HttpEngine(f"vllm+{url}", HttpOptions(timeout_s=120)).sync(str(sft_result), 0)
+    ahead = run("vllm-async", "--set", "flow=rl", "--set", f"model.path={sft_result}",
+                "--set", "rl.off_policy.max_steps=1", "--set", "rl.checkpoint_every=1",
+                "--set", "rl.buffer.partial_batches=true")
     assert all(r["ok"] for r in read_table(ahead, "syncs").to_pylist())
-    assert_sampled_by_recorded_versions(ahead, start, max_lag=2)
+    assert_sampled_by_recorded_versions(ahead, sft_result, max_lag=2)
     run_dir = tmp_path / "runs" / "vllm" / "rl"
     syncs = read_table(run_dir, "syncs").to_pylist()
     assert [(r["step"], r["ok"]) for r in syncs] == [(0, True), (1, True), (2, True), (3, True)]
