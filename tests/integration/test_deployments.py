@@ -1,12 +1,14 @@
-"""prefect.yaml against a real Prefect server: `prefect server start` on a free loopback port, a
-process work pool, `prefect deploy --all`, a worker, and the `tiny` pipeline deployment run to
-Completed; then run again (a folder of its own, the first untouched), resumed with new overrides
-(refused) and as it was (already finished, untouched); then the flow runs' names, the phases'
-subflows with their task runs, the run's tables and its MLflow registry entries are checked.
+"""prefect.yaml against a real Prefect server: the session's `prefect server start` (on a free
+loopback port, tests/integration/conftest.py), a process work pool, `prefect deploy --all`, a
+worker, and the `tiny` pipeline deployment run to Completed; then run again (a folder of its own,
+the first untouched), resumed with new overrides (refused) and as it was (already finished,
+untouched); then the flow runs' names, the phases' subflows with their task runs, the run's tables
+and its MLflow registry entries are checked. No other test deploys to that server, and the flow
+runs and task runs read back are this test's own, found by their run folder's name.
 
-Every process started here is in its own session and is stopped in a finally (SIGTERM, then
-SIGKILL after a bounded wait); every wait is bounded; only 127.0.0.1 is used. The server's
-database and the run directory live under pytest's tmp_path (runs_root is overridden).
+The worker is in its own session and is stopped in a finally (SIGTERM, then SIGKILL after a
+bounded wait); every wait is bounded; only 127.0.0.1 is used. The run directory lives under
+pytest's tmp_path (runs_root is overridden).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import start_on_free_port
-from tests.prefect_server import stop_group, wait_healthy
+from tests.prefect_server import stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -30,13 +31,11 @@ RUN_TIMEOUT_S = 900
 SFT_STEPS = 4
 
 
-def prefect_env(tmp_path: Path, port: int) -> dict[str, str]:
+def prefect_env(tmp_path: Path, api_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env.update(
         PREFECT_HOME=str(tmp_path / "prefect"),
-        PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-        PREFECT_SERVER_API_HOST="127.0.0.1",
-        PREFECT_SERVER_API_PORT=str(port),
+        PREFECT_API_URL=api_url,
         PREFECT_UI_ENABLED="false",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
@@ -68,14 +67,22 @@ def run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProce
     return done
 
 
+# the flow runs named after the run folder sys.argv[1] (the run and its phases' subflows), their
+# task runs (page by page: the server answers at most a page a call), and every deployment
 FLOW_RUNS = """
-import asyncio, json
+import asyncio, json, sys
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
 
-async def main():
+async def main(name):
     async with get_client() as client:
-        flows = await client.read_flow_runs()
-        tasks = await client.read_task_runs()
+        names = FlowRunFilterName(any_=[name, f"{name}/sft", f"{name}/rl"])
+        flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=names))
+        ours = FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in flows]))
+        tasks, page = [], None
+        while page is None or len(page) == 100:
+            page = await client.read_task_runs(flow_run_filter=ours, limit=100, offset=len(tasks))
+            tasks += page
         flow_names = {f.id: f.name for f in await client.read_flows()}
         deployments = await client.read_deployments()
     print(json.dumps({"flows": [{"id": str(r.id), "name": r.name, "state": r.state_name,
@@ -84,7 +91,7 @@ async def main():
                       "checkpoint_tasks": [str(t.flow_run_id) for t in tasks if t.task_key.startswith("checkpoint")],
                       "deployments": sorted(f"{flow_names[d.flow_id]}/{d.name}" for d in deployments)}))
 
-asyncio.run(main())
+asyncio.run(main(sys.argv[1]))
 """
 
 
@@ -102,19 +109,8 @@ def digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
-def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
-    def start_server(port: int) -> subprocess.Popen:
-        server = start(prefect("server", "start", "--host", "127.0.0.1", "--port", str(port)),
-                       prefect_env(tmp_path, port), tmp_path / "server.log")
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}/api", server, tmp_path / "server.log")
-        except BaseException:
-            stop_group(server)
-            raise
-        return server
-
-    port, server = start_on_free_port(start_server)
-    env = prefect_env(tmp_path, port)
+def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path, prefect_api_url):
+    env = prefect_env(tmp_path, prefect_api_url)
     runs = tmp_path / "runs"
     worker = None
     try:
@@ -148,11 +144,10 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
         same = deployment_run({"overrides": target, "resume": True}, env)
         assert same.returncode == 0 and "Completed" in same.stdout, same.stdout[-3000:]
         assert digest(run_dir) == first
-        listed = json.loads(run([sys.executable, "-c", FLOW_RUNS], env, 120).stdout)
+        listed = json.loads(run([sys.executable, "-c", FLOW_RUNS, run_dir.name], env, 120).stdout)
     finally:
         if worker is not None:
             stop_group(worker)
-        stop_group(server)
 
     # prefect.yaml's deployments, each of its flow, as the server holds them
     assert listed["deployments"] == ["pipeline/pipeline", "pipeline/tiny", "pretrain/pretrain", "rl/rl", "sft/sft"]
@@ -184,4 +179,4 @@ def test_tiny_pipeline_deployment_completes_on_a_real_server(tmp_path):
     assert {v.tags.get("step") for v in versions if v.tags.get("run_dir") == str((run_dir / "rl").resolve())} == {"2", "4"}
     assert len({v.tags.get("run_dir") for v in client.search_model_versions("name='tiny-sft'")}) == 2
     # nothing of ours is left running
-    assert server.poll() is not None and (worker is None or worker.poll() is not None)
+    assert worker.poll() is not None
