@@ -41,17 +41,9 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, start_s: float =
 
 
 def stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM the process group (started with start_new_session), SIGKILL what is left after 30 s."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left
-    except ProcessLookupError:
-        pass
+    """SIGTERM the process group (started with start_new_session), SIGKILL what is left after 30 s;
+    then reap the process."""
+    stop_group_of(process.pid)
     process.wait(timeout=30)
 
 
@@ -78,7 +70,7 @@ def shared_by_workers(folder: Path, start: Callable[[], tuple[str, subprocess.Po
         with _locked(folder):
             me.unlink(missing_ok=True)
             if state.exists() and not any(_running(int(user.name)) for user in users.iterdir()):
-                _stop_group_of(json.loads(state.read_text())["pid"])  # the one running now
+                stop_group_of(json.loads(state.read_text())["pid"])  # the one running now
                 state.unlink()
 
 
@@ -98,9 +90,9 @@ def _running(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] != "Z"
 
 
-def _stop_group_of(pid: int) -> None:
-    """stop_group for a server another process may have started: SIGTERM its process group, SIGKILL
-    what is left after 30 s."""
+def stop_group_of(pid: int) -> None:
+    """Stop the process group `pid` leads (it may be another process's child): SIGTERM, then SIGKILL
+    what is left once the leader ends or 30 s pass."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
