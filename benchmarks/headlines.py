@@ -367,7 +367,7 @@ def headline_cluster_scoring(results: dict, ceiling: dict) -> tuple[str, list[st
             f"against {settings['tests_per_completion']:.1f} hidden tests on average), batches of "
             f"{settings['batch_size']}, median of {settings['repeats']} round(s) after a warm-up round. The per-batch "
             "overhead is one batch of one arithmetic rollout (a reward that costs nothing) end to end: submit, a "
-            "Prefect task run on the worker, the result back. Worker processes share this machine's "
+            "Prefect task run on the worker, the result back. Worker processes share the benchmark machine's "
             f"{results['machine']['cpus']} cores with the flow's process"
             + (f" and other work (load average {load[0]:.1f} at the end)" if load else "")
             + ", so more workers than cores cannot add throughput here: the table measures the cluster path's cost, "

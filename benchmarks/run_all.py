@@ -117,7 +117,7 @@ def flatten(data, prefix: str = "") -> list[tuple[str, object]]:
 ON_A_GPU = [
     '## On a CUDA machine',
     '',
-    'The GPU figures (an H100: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in [BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py`; `make bench` on a machine without CUDA leaves them as they are. To measure them, from the repository root of a checkout on a machine with one NVIDIA GPU:',
+    'The GPU figures (one NVIDIA GPU, which its tables name: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in [BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py`; `make bench` on a machine without CUDA leaves them as they are. To measure them, from the repository root of a checkout on a machine with one NVIDIA GPU:',
     '',
     '    python -m pip install --no-deps --no-build-isolation -e .      # beside torch, transformers, vLLM, TRL',
     '    python -m benchmarks.bench_gpu --quick                            # every GPU figure in one table, ~6 min',
@@ -143,7 +143,7 @@ def render(report: dict) -> str:
              f"torch threads by default. Load average before / after: {fmt_load(report.get('loadavg_start'))} / "
              f"{fmt_load(report.get('loadavg_end'))} (the last `run_all`). The benchmarks took "
              f"{sum(e.get('seconds', 0) for e in report['benchmarks'].values()) / 60:.1f} min in all.", "",
-             "GPU figures (an H100: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in "
+             "GPU figures (one NVIDIA GPU, which its tables name: train step MFU, engine, rlpipe vs TRL, `configs/gpu.toml`) are in "
              "[BENCHMARKS_GPU.md](BENCHMARKS_GPU.md), written by `benchmarks/bench_gpu.py` where a GPU is present "
              "(how to run it: [On a CUDA machine](#on-a-cuda-machine), below the summary).", "",
              "Timings come from a CPU that other processes shared (the load averages above), so read "
